@@ -1,0 +1,69 @@
+"""meshtrain: Flax NNX training on `jax.sharding` meshes, where the XLA compiler distributes.
+
+The public API, in the order a script uses it::
+
+    import meshtrain as mt
+    mt.simulate_devices(8)                         # laptops / notebooks only
+    mesh = mt.make_mesh("data=2,fsdp=2,tensor=2")
+    rules = mt.rules_for("hsdp+tp", mesh)
+    data = mt.make_dataset(mt.DataConfig())        # byte-level stdlib corpus
+    trainer = mt.Trainer(mt.GPTConfig(), data, mesh=mesh, rules=rules)
+    history = trainer.fit()
+"""
+
+from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_dataset
+from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
+from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, build_model, sample
+from meshtrain.sharding import (
+    LOGICAL_AXES,
+    STRATEGIES,
+    Rules,
+    constrain,
+    create_sharded_model,
+    rules_for,
+    shard_batch,
+)
+from meshtrain.train import (
+    OptimConfig,
+    TrainState,
+    init_train_state,
+    jit_train_step,
+    make_optimizer,
+    train_step,
+)
+from meshtrain.train.trainer import TrainConfig, Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AXES",
+    "GPT",
+    "LOGICAL_AXES",
+    "STRATEGIES",
+    "DataConfig",
+    "Dataset",
+    "GPTConfig",
+    "MLPClassifier",
+    "MLPConfig",
+    "MeshConfig",
+    "OptimConfig",
+    "Rules",
+    "TrainConfig",
+    "TrainState",
+    "Trainer",
+    "build_model",
+    "constrain",
+    "create_sharded_model",
+    "describe",
+    "init_train_state",
+    "jit_train_step",
+    "make_arrays_dataset",
+    "make_dataset",
+    "make_mesh",
+    "make_optimizer",
+    "rules_for",
+    "sample",
+    "shard_batch",
+    "simulate_devices",
+    "train_step",
+]

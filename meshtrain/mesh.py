@@ -1,0 +1,191 @@
+"""Device meshes: `MeshConfig` names the axis sizes, `make_mesh` builds the `jax.sharding.Mesh`.
+
+Axes run from the slowest link (across hosts) to the fastest:
+
+    pipe   pipeline stages
+    data   data parallel; parameters replicated (or sharded, under fsdp/zero1 strategies)
+    fsdp   data parallel whose parameters are sharded (ZeRO-3)
+    expert mixture-of-experts parallel
+    seq    sequence / context parallel
+    tensor Megatron tensor parallel
+
+Every mesh built here carries all six axes; unused ones have size 1. Keeping them makes
+one rules table valid on every mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Sizes of the six mesh axes. One axis may be -1: it takes whatever devices are left.
+
+    Args:
+        pipe: pipeline stages.
+        data: data-parallel replicas.
+        fsdp: data-parallel shards of the parameters.
+        expert: expert-parallel groups.
+        seq: sequence-parallel shards.
+        tensor: tensor-parallel shards.
+    """
+
+    pipe: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    seq: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in AXES:
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+                raise ValueError(
+                    f"mesh {name}={size!r}: an axis size must be a positive integer, "
+                    f"or -1 to fill the remaining devices"
+                )
+        fills = [name for name in AXES if getattr(self, name) == -1]
+        if len(fills) > 1:
+            raise ValueError(
+                f"mesh {', '.join(f'{n}=-1' for n in fills)}: only one axis may be -1 (fill); "
+                "give the others explicit sizes"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> MeshConfig:
+        """Parses ``"data=4,tensor=2"``; axes not named get size 1.
+
+        A string with no ``-1`` and a product short of the devices is an error later, in
+        `sizes`, never silently padded.
+        """
+        sizes: dict[str, int] = {}
+        text = text.strip()
+        if text in ("", "auto"):
+            return cls()
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep:
+                raise ValueError(f"mesh {part!r}: expected axis=size, e.g. 'data=4,tensor=2'")
+            if key not in AXES:
+                raise ValueError(
+                    f"mesh: unknown mesh axis {key!r}; mesh axes are {', '.join(AXES)}"
+                )
+            try:
+                sizes[key] = int(value)
+            except ValueError:
+                raise ValueError(f"mesh {key}={value!r}: size must be an integer") from None
+        fields = {name: sizes.get(name, 1) for name in AXES}
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        named = [f"{n}={getattr(self, n)}" for n in AXES if getattr(self, n) != 1]
+        return ",".join(named) or "data=1"
+
+    def sizes(self, n_devices: int) -> dict[str, int]:
+        """Resolves -1 and checks that the axes multiply to `n_devices`."""
+        fixed = {n: getattr(self, n) for n in AXES}
+        known = math.prod(v for v in fixed.values() if v != -1)
+        fill = [n for n, v in fixed.items() if v == -1]
+        if fill:
+            if n_devices % known:
+                raise ValueError(
+                    f"mesh {self}: the fixed axes multiply to {known}, which does not divide "
+                    f"{n_devices} devices, so {fill[0]}=-1 cannot fill the rest"
+                )
+            fixed[fill[0]] = n_devices // known
+        elif known != n_devices:
+            product = " × ".join(f"{n}={v}" for n, v in fixed.items() if v != 1) or "1"
+            raise ValueError(
+                f"mesh {product} = {known} ≠ {n_devices} devices; "
+                f"make the sizes multiply to {n_devices}, or set one axis to -1 to fill"
+            )
+        return fixed
+
+
+def make_mesh(config: MeshConfig | str | None = None, devices=None) -> Mesh:
+    """Builds a mesh with all six axes, every one `AxisType.Auto`.
+
+    Args:
+        config: a `MeshConfig`, a string such as ``"data=4,tensor=2"``, or None (all data).
+        devices: devices to use; defaults to `jax.devices()`.
+
+    Returns:
+        A `jax.sharding.Mesh` with axes `AXES`.
+    """
+    if config is None:
+        config = MeshConfig()
+    elif isinstance(config, str):
+        config = MeshConfig.parse(config)
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = config.sizes(len(devices))
+    shape = tuple(sizes[n] for n in AXES)
+    axis_types = (AxisType.Auto,) * len(AXES)
+    if len(devices) == jax.device_count():
+        return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=devices)
+    import numpy as np
+
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=axis_types)
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """Axis sizes of `mesh` as a dict."""
+    return dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+
+
+def describe(mesh: Mesh) -> str:
+    """One line such as ``data=2 × fsdp=2 × tensor=2 (8 cpu devices)``."""
+    sizes = mesh_sizes(mesh)
+    used = " × ".join(f"{n}={s}" for n, s in sizes.items() if s > 1) or "1 device"
+    platform = mesh.devices.flat[0].platform
+    return f"{used} ({mesh.devices.size} {platform} devices)"
+
+
+def _backends_initialised() -> bool:
+    """True once jax has created its backends (after which device counts are fixed)."""
+    if "jax" not in sys.modules:
+        return False
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except (ImportError, AttributeError):  # pragma: no cover - private API moved
+        return True
+
+
+def simulate_devices(n: int) -> None:
+    """Makes the CPU platform expose `n` devices, for laptops and notebooks.
+
+    Call it before any jax computation. If jax already started with `n` or more devices it
+    does nothing; with fewer, it raises, because the count can no longer change.
+
+    Args:
+        n: the number of CPU devices to simulate.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"simulate_devices(n={n!r}): n must be a positive integer")
+    if _backends_initialised():
+        have = jax.device_count()
+        if have >= n:
+            return
+        raise ValueError(
+            f"simulate_devices({n}): jax has already started with {have} device(s) and the "
+            "count cannot change in this process; call simulate_devices first thing (in a "
+            "notebook: restart the kernel and run it in the first cell), or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python"
+        )
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={n}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    jax.config.update("jax_num_cpu_devices", n)

@@ -1,0 +1,324 @@
+"""A decoder-only transformer: GPT-2 style or Llama style from one config.
+
+    gpt2   learned positions, LayerNorm, GELU MLP, biases
+    llama  rotary positions (RoPE), RMSNorm, SwiGLU MLP, no biases
+
+Both take multi-head or grouped-query attention (``n_kv_heads``). The blocks are created
+stacked (one leading ``layers`` dimension) and run with `nnx.scan`, so the compiled program
+holds one block whatever the depth. Parameters and activations carry logical names only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from meshtrain.models import layers
+from meshtrain.models.remat import ATTN_OUT, POLICIES, check_policy
+from meshtrain.sharding import constrain
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape and flavour of the decoder.
+
+    Args:
+        style: ``"gpt2"`` or ``"llama"`` (see the module docstring).
+        vocab_size: output classes (256 for byte-level text).
+        max_seq_len: longest sequence; sizes the learned position table.
+        d_model: model width.
+        n_layers: transformer blocks.
+        n_heads: query heads.
+        n_kv_heads: key/value heads; 0 means ``n_heads`` (MHA). Must divide ``n_heads``.
+        d_ff: MLP hidden width; 0 means 4·d_model (gpt2) or ⌈8/3·d_model⌉₆₄ (llama).
+        rope_theta: RoPE base (llama).
+        norm_eps: epsilon of the norms.
+        tie_embeddings: reuse the token embedding as the output head.
+        remat: rematerialisation policy: none, full, save-dots, save-attention-out.
+        dtype: compute dtype, ``float32`` or ``bfloat16``. Parameters stay float32.
+    """
+
+    style: str = "llama"
+    vocab_size: int = 256
+    max_seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0
+    d_ff: int = 0
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: str = "none"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.style not in ("gpt2", "llama"):
+            raise ValueError(f"gpt style={self.style!r}: choose 'gpt2' or 'llama'")
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"gpt {name}={value!r}: must be a positive integer")
+        for name in ("n_kv_heads", "d_ff"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"gpt {name}={getattr(self, name)}: must be ≥ 0 (0 = default)")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"gpt d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "pick d_model as a multiple of n_heads"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"gpt n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                "each key/value head must serve a whole group of query heads"
+            )
+        if self.style == "llama" and self.head_dim % 2:
+            raise ValueError(f"gpt head width {self.head_dim} must be even for RoPE")
+        check_policy(self.remat)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads after defaults."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        """MLP hidden width after defaults."""
+        if self.d_ff:
+            return self.d_ff
+        if self.style == "gpt2":
+            return 4 * self.d_model
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def compute_dtype(self):
+        """The jnp dtype matmuls run in."""
+        return DTYPES[self.dtype]
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (all but embeddings and norms)."""
+        D, H, G, K, F = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.ff_dim
+        attn = D * H * K + 2 * D * G * K + H * K * D
+        mlp = (3 if self.style == "llama" else 2) * D * F
+        return self.n_layers * (attn + mlp) + D * self.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward).
+
+        ``6·N`` for the N matmul parameters (2 forward, 4 backward) plus ``12·L·H·K·T`` for the
+        attention scores and weighted sum at sequence length T. Masked (causal) positions are
+        counted too, as in the PaLM paper's MFU definition.
+        """
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * self.matmul_params() + attention
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with a Megatron-splittable (heads) layout."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        D, H, G, K = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        bias = cfg.style == "gpt2"
+        dense = functools.partial(
+            nnx.LinearGeneral, use_bias=bias, dtype=cfg.compute_dtype, rngs=rngs
+        )
+        self.q = dense(
+            D,
+            (H, K),
+            kernel_init=layers.init(("embed", "heads", "kv")),
+            bias_init=layers.const_init(nnx.initializers.zeros, ("heads", "kv")),
+        )
+        kv_bias = layers.const_init(nnx.initializers.zeros, ("kv_heads", "kv"))
+        self.k = dense(
+            D, (G, K), kernel_init=layers.init(("embed", "kv_heads", "kv")), bias_init=kv_bias
+        )
+        self.v = dense(
+            D, (G, K), kernel_init=layers.init(("embed", "kv_heads", "kv")), bias_init=kv_bias
+        )
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.o = dense(
+            (H, K),
+            D,
+            axis=(-2, -1),
+            kernel_init=layers.init(("heads", "kv", "embed"), out_std),
+            bias_init=layers.const_init(nnx.initializers.zeros, ("embed",)),
+        )
+        self.rope = cfg.style == "llama"
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        q_BTHK = constrain(self.q(x_BTD), ("batch", "seq", "heads", "kv"))
+        k_BTGK = constrain(self.k(x_BTD), ("batch", "seq", "kv_heads", "kv"))
+        v_BTGK = constrain(self.v(x_BTD), ("batch", "seq", "kv_heads", "kv"))
+        if self.rope:
+            cos, sin = layers.rope_tables(x_BTD.shape[1], q_BTHK.shape[-1], self.rope_theta)
+            q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
+            k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
+        o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK)
+        o_BTHK = checkpoint_name(o_BTHK, ATTN_OUT)
+        o_BTHK = constrain(o_BTHK, ("batch", "seq", "heads", "kv"))
+        return self.o(o_BTHK)
+
+
+class MLP(nnx.Module):
+    """GELU (gpt2) or SwiGLU (llama) feed-forward block."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.ff_dim
+        bias = cfg.style == "gpt2"
+        dense = functools.partial(nnx.Linear, use_bias=bias, dtype=cfg.compute_dtype, rngs=rngs)
+        up = layers.init(("embed", "mlp"))
+        up_bias = layers.const_init(nnx.initializers.zeros, ("mlp",))
+        self.swiglu = cfg.style == "llama"
+        self.gate = dense(D, F, kernel_init=up, bias_init=up_bias) if self.swiglu else None
+        self.up = dense(D, F, kernel_init=up, bias_init=up_bias)
+        self.down = dense(
+            F,
+            D,
+            kernel_init=layers.init(("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layers)),
+            bias_init=layers.const_init(nnx.initializers.zeros, ("embed",)),
+        )
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        if self.swiglu:
+            h_BTF = jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD)
+        else:
+            h_BTF = jax.nn.gelu(self.up(x_BTD))
+        h_BTF = constrain(h_BTF, ("batch", "seq", "mlp"))
+        return self.down(h_BTF)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        norm = "layernorm" if cfg.style == "gpt2" else "rmsnorm"
+        make_norm = functools.partial(
+            layers.make_norm,
+            norm,
+            cfg.d_model,
+            eps=cfg.norm_eps,
+            dtype=cfg.compute_dtype,
+            param_dtype=jnp.float32,
+            rngs=rngs,
+        )
+        self.norm1 = make_norm()
+        self.attn = Attention(cfg, rngs=rngs)
+        self.norm2 = make_norm()
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.norm1(x_BTD))
+        x_BTD = x_BTD + self.mlp(self.norm2(x_BTD))
+        return constrain(x_BTD, ("batch", "seq", "embed"))
+
+
+class GPT(nnx.Module):
+    """Token ids [B, T] → next-token logits [B, T, vocab] (float32)."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D = cfg.d_model
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            D,
+            dtype=cfg.compute_dtype,
+            embedding_init=layers.init(("vocab", "embed")),
+            rngs=rngs,
+        )
+        if cfg.style == "gpt2":
+            pos_init = layers.init(("pos", "embed"), 0.01)
+            self.pos = nnx.Param(pos_init(rngs.params(), (cfg.max_seq_len, D), jnp.float32))
+        else:
+            self.pos = None
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        norm = "layernorm" if cfg.style == "gpt2" else "rmsnorm"
+        self.norm = layers.make_norm(
+            norm, D, eps=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=jnp.float32, rngs=rngs
+        )
+        if cfg.tie_embeddings:
+            self.head = None
+        else:
+            self.head = nnx.Linear(
+                D,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=cfg.compute_dtype,
+                kernel_init=layers.init(("embed", "vocab")),
+                rngs=rngs,
+            )
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        T = tokens_BT.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        x_BTD = self.embed(tokens_BT)
+        if self.pos is not None:
+            x_BTD = x_BTD + self.pos[:T].astype(x_BTD.dtype)
+        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
+        x_BTD = self._run_blocks(x_BTD)
+        x_BTD = self.norm(x_BTD)
+        if self.head is None:
+            logits_BTV = self.embed.attend(x_BTD)
+        else:
+            logits_BTV = self.head(x_BTD)
+        return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+    def _run_blocks(self, x_BTD: jax.Array) -> jax.Array:
+        """Scans the stacked blocks over the ``layers`` dimension, with the remat policy."""
+        policy = POLICIES[self.cfg.remat]
+
+        def body(block: Block, x_BTD: jax.Array) -> jax.Array:
+            return block(x_BTD)
+
+        if self.cfg.remat != "none":
+            body = nnx.remat(body, policy=policy, prevent_cse=False)
+        scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        return scan(self.blocks, x_BTD)
+
+
+def sample(
+    model: GPT, prompt: jax.Array, n_new: int, *, key: jax.Array, temperature: float = 0.8
+) -> jax.Array:
+    """Samples `n_new` tokens after `prompt` ([T0] int32); returns the [T0 + n_new] tokens.
+
+    Runs the full forward over a fixed window of ``max_seq_len`` each step (no KV cache): the
+    window is right-padded, and causality makes the padding invisible to earlier positions.
+    """
+    window = model.cfg.max_seq_len
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_token(state, buf_T, pos, key):
+        logits_TV = nnx.merge(graphdef, state)(buf_T[None])[0]
+        logits_V = jax.lax.dynamic_index_in_dim(logits_TV, pos, keepdims=False)
+        return jax.random.categorical(key, logits_V / max(temperature, 1e-6))
+
+    tokens = [int(t) for t in jnp.asarray(prompt)]
+    for i in range(n_new):
+        context = tokens[-window:]
+        buf = jnp.zeros((window,), jnp.int32).at[: len(context)].set(jnp.asarray(context))
+        tok = next_token(state, buf, len(context) - 1, jax.random.fold_in(key, i))
+        tokens.append(int(tok))
+    return jnp.asarray(tokens, jnp.int32)

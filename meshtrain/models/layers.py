@@ -1,0 +1,75 @@
+"""Building blocks shared by the models: annotated initialisers, norms, RoPE, attention math.
+
+Shape suffixes: B batch, T query positions, S key positions, D model width, H query heads,
+G key/value heads, R = H // G query heads per group, K head width, F feed-forward width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def init(names: tuple[str | None, ...], std: float = 0.02):
+    """A normal(std) initialiser whose variable carries logical axis `names`."""
+    return nnx.with_partitioning(nnx.initializers.normal(std), names, eager_sharding=False)
+
+
+def const_init(fn, names: tuple[str | None, ...]):
+    """Wraps a constant initialiser (zeros / ones) with logical axis `names`."""
+    return nnx.with_partitioning(fn, names, eager_sharding=False)
+
+
+def make_norm(kind: str, width: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+    """LayerNorm (with bias) or RMSNorm over the last dimension, scale named ``embed``."""
+    scale = const_init(nnx.initializers.ones, ("embed",))
+    if kind == "layernorm":
+        return nnx.LayerNorm(
+            width,
+            epsilon=eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            scale_init=scale,
+            bias_init=const_init(nnx.initializers.zeros, ("embed",)),
+            rngs=rngs,
+        )
+    return nnx.RMSNorm(
+        width, epsilon=eps, dtype=dtype, param_dtype=param_dtype, scale_init=scale, rngs=rngs
+    )
+
+
+def rope_tables(n_pos: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the rotary angles, each [n_pos, head_dim // 2] in float32."""
+    inv_freq_k = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angle_TK = jnp.arange(n_pos, dtype=jnp.float32)[:, None] * inv_freq_k[None, :]
+    return jnp.cos(angle_TK), jnp.sin(angle_TK)
+
+
+def apply_rope(x_BTHK: jax.Array, cos_TK: jax.Array, sin_TK: jax.Array) -> jax.Array:
+    """Rotates pairs (first half, second half) of each head by the position's angle."""
+    x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos_TK[None, :, None, :], sin_TK[None, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHK.dtype)
+
+
+def causal_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> jax.Array:
+    """Causal softmax attention with grouped key/value heads; softmax in float32.
+
+    Returns:
+        [B, T, H, K] in the dtype of `v_BSGK`.
+    """
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+    s_BGRTS = jnp.einsum(
+        "btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32
+    ) / math.sqrt(K)
+    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]
+    s_BGRTS = jnp.where(causal_TS, s_BGRTS, jnp.finfo(jnp.float32).min)
+    p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(v_BSGK.dtype)
+    o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS, v_BSGK)
+    return o_BTGRK.reshape(B, T, H, K)

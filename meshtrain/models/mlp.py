@@ -1,0 +1,86 @@
+"""The surveys' proof-of-concept network: an MLP classifier with logical axis names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshtrain.models import layers
+from meshtrain.models.gpt import DTYPES
+from meshtrain.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLPConfig:
+    """Shape of the classifier.
+
+    Args:
+        num_features: input features per example.
+        num_classes: output classes.
+        d_model: width of the residual stream.
+        d_hidden: hidden width of each residual MLP block.
+        n_layers: residual MLP blocks.
+        dtype: compute dtype, ``float32`` or ``bfloat16``. Parameters stay float32.
+    """
+
+    num_features: int = 64
+    num_classes: int = 10
+    d_model: int = 128
+    d_hidden: int = 256
+    n_layers: int = 2
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("num_features", "num_classes", "d_model", "d_hidden", "n_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"mlp {name}={value!r}: must be a positive integer")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"mlp dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per example."""
+        D, F = self.d_model, self.d_hidden
+        return self.num_features * D + self.n_layers * 2 * D * F + D * self.num_classes
+
+    def flops_per_token(self, seq_len: int = 1) -> float:
+        """Training FLOPs per example: 6·N (2 forward, 4 backward) for N matmul parameters."""
+        return 6 * self.matmul_params()
+
+
+class MLPClassifier(nnx.Module):
+    """Features [B, F] → class logits [B, C] (float32), through residual GELU blocks."""
+
+    def __init__(self, cfg: MLPConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = DTYPES[cfg.dtype]
+        zeros = nnx.initializers.zeros
+
+        def dense(n_in, n_out, names, std=0.02):
+            return nnx.Linear(
+                n_in,
+                n_out,
+                dtype=dtype,
+                rngs=rngs,
+                kernel_init=layers.init(names, std),
+                bias_init=layers.const_init(zeros, names[1:]),
+            )
+
+        self.inp = dense(cfg.num_features, cfg.d_model, ("features", "embed"), 0.1)
+        self.ups = nnx.List(
+            [dense(cfg.d_model, cfg.d_hidden, ("embed", "mlp")) for _ in range(cfg.n_layers)]
+        )
+        self.downs = nnx.List(
+            [dense(cfg.d_hidden, cfg.d_model, ("mlp", "embed")) for _ in range(cfg.n_layers)]
+        )
+        self.out = dense(cfg.d_model, cfg.num_classes, ("embed", "vocab"))
+
+    def __call__(self, x_BF: jax.Array) -> jax.Array:
+        x_BD = constrain(self.inp(x_BF), ("batch", "embed"))
+        for up, down in zip(self.ups, self.downs, strict=True):
+            h_BH = constrain(jax.nn.gelu(up(x_BD)), ("batch", "mlp"))
+            x_BD = constrain(x_BD + down(h_BH), ("batch", "embed"))
+        return constrain(self.out(x_BD).astype(jnp.float32), ("batch", "vocab"))

@@ -1,0 +1,223 @@
+"""The pure train step ``(state, batch) -> (state, metrics)`` and its sharded, jitted form.
+
+A `TrainState` is a plain pytree: the step count, the model's parameters as a nested dict
+(float32 master weights), the optax state, and any other model variables. The NNX graph is
+kept aside (`nnx.GraphDef`) and merged back inside the step, so the state can go straight to
+`jax.jit` shardings, optax and orbax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.sharding import (
+    Rules,
+    activation_rules,
+    batch_spec,
+    constrain,
+    create_sharded_model,
+    named,
+    state_specs,
+)
+
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes."""
+
+    step: jax.Array  # int32 []
+    params: dict  # nnx.Param variables, nested dict of float32 arrays
+    opt_state: Any  # optax state
+    rest: dict  # other model variables (usually empty)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy; logits [..., C] float, targets [...] int."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return losses.mean()
+
+
+def init_train_state(
+    ctor: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, rules: Rules
+) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """Creates the model and optimizer state directly sharded on `mesh`.
+
+    Args:
+        ctor: zero-argument model constructor.
+        tx: the optax transformation.
+        mesh: the device mesh.
+        rules: logical-axis rules; ``rules.optimizer_table`` lays out the optimizer state.
+
+    Returns:
+        ``(graphdef, state, shardings)``, where `shardings` is a `TrainState` of `NamedSharding`s.
+    """
+    model = create_sharded_model(ctor, mesh, rules)
+    graphdef, param_vars, rest_vars = nnx.split(model, nnx.Param, ...)
+    param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
+    rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
+    opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
+    params, rest = param_vars.to_pure_dict(), rest_vars.to_pure_dict()
+
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_specs = optax.tree_map_params(
+        tx,
+        lambda _, spec: spec,
+        abstract_opt,
+        opt_param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    opt_sh = named(opt_specs, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    replicated = NamedSharding(mesh, P())
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rest=rest_sh)
+    return graphdef, TrainState(step, params, opt_state, rest), shardings
+
+
+def _split_microbatches(batch: Mapping[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """[B, ...] → [k, B/k, ...]; microbatch i takes rows i, i+k, ... so every device keeps
+    its share of each microbatch (no resharding)."""
+    out = {}
+    for key, x in batch.items():
+        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+        out[key] = constrain(x, (None, "batch", *([None] * (x.ndim - 2))))
+    return out
+
+
+def train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    state: TrainState,
+    batch: Mapping[str, jax.Array],
+    *,
+    accum_steps: int = 1,
+    loss_fn: LossFn = cross_entropy,
+    schedule: optax.Schedule | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step; a pure function of its inputs.
+
+    With ``accum_steps = k`` the batch is cut into k microbatches whose gradients are averaged
+    (in float32) before the single update: the same update as the whole batch at once.
+
+    Returns:
+        The new state and metrics: ``loss``, ``grad_norm`` and (with `schedule`) ``lr``.
+    """
+
+    def loss_of(params, rest, mb):
+        model = nnx.merge(graphdef, params, rest)
+        loss = loss_fn(model(mb["inputs"]), mb["targets"])
+        return loss, nnx.state(model, nnx.Not(nnx.Param)).to_pure_dict()
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    if accum_steps == 1:
+        (loss, rest), grads = grad_fn(state.params, state.rest, batch)
+    else:
+
+        def accumulate(carry, mb):
+            loss_sum, grad_sum, rest = carry
+            (loss, rest), grads = grad_fn(state.params, rest, mb)
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+            return (loss_sum + loss, grad_sum, rest), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        carry = (jnp.zeros((), jnp.float32), zeros, state.rest)
+        microbatches = _split_microbatches(batch, accum_steps)
+        (loss, grads, rest), _ = jax.lax.scan(accumulate, carry, microbatches)
+        loss = loss / accum_steps
+        grads = jax.tree.map(lambda g, p: (g / accum_steps).astype(p.dtype), grads, state.params)
+
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    if schedule is not None:
+        metrics["lr"] = schedule(state.step)
+    return TrainState(state.step + 1, params, opt_state, rest), metrics
+
+
+def eval_loss(
+    graphdef: nnx.GraphDef,
+    state: TrainState,
+    batch: Mapping[str, jax.Array],
+    loss_fn: LossFn = cross_entropy,
+) -> jax.Array:
+    """Mean loss of the model in `state` on `batch` (no update)."""
+    model = nnx.merge(graphdef, state.params, state.rest)
+    return loss_fn(model(batch["inputs"]), batch["targets"])
+
+
+def batch_shardings(batch_shapes: Mapping[str, Any], mesh: Mesh, rules: Rules) -> dict:
+    """`NamedSharding` per batch entry (dimension 0 split over the batch axes)."""
+    return {
+        key: NamedSharding(mesh, batch_spec(len(x.shape), rules, mesh, shape=tuple(x.shape)))
+        for key, x in batch_shapes.items()
+    }
+
+
+def jit_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    rules: Rules,
+    state_shardings: TrainState,
+    batch_sharding: Mapping[str, NamedSharding],
+    *,
+    accum_steps: int = 1,
+    loss_fn: LossFn = cross_entropy,
+    schedule: optax.Schedule | None = None,
+):
+    """`train_step` jitted with explicit in/out shardings; the input state is donated.
+
+    Returns:
+        ``step(state, batch) -> (state, metrics)``; metrics are replicated scalars.
+    """
+
+    def step(state, batch):
+        with activation_rules(mesh, rules):
+            return train_step(
+                graphdef,
+                tx,
+                state,
+                batch,
+                accum_steps=accum_steps,
+                loss_fn=loss_fn,
+                schedule=schedule,
+            )
+
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, dict(batch_sharding)),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+
+
+def jit_eval_step(
+    graphdef: nnx.GraphDef,
+    mesh: Mesh,
+    rules: Rules,
+    state_shardings: TrainState,
+    batch_sharding: Mapping[str, NamedSharding],
+    loss_fn: LossFn = cross_entropy,
+):
+    """`eval_loss` jitted with the same layout as the train step."""
+
+    def step(state, batch):
+        with activation_rules(mesh, rules):
+            return eval_loss(graphdef, state, batch, loss_fn)
+
+    return jax.jit(
+        step,
+        in_shardings=(state_shardings, dict(batch_sharding)),
+        out_shardings=NamedSharding(mesh, P()),
+    )

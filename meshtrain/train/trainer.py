@@ -1,0 +1,266 @@
+"""The `Trainer` loop: sharded state, the jitted step, evaluation, metrics one step late."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshtrain import metrics as mx
+from meshtrain.data import Dataset
+from meshtrain.mesh import BATCH_AXES, mesh_sizes
+from meshtrain.models import GPT, GPTConfig, MLPConfig, build_model, sample
+from meshtrain.sharding import Rules, shard_batch
+from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
+from meshtrain.train.step import (
+    batch_shardings,
+    init_train_state,
+    jit_eval_step,
+    jit_train_step,
+)
+
+ModelSpec = GPTConfig | MLPConfig | Callable[[], nnx.Module]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training loop.
+
+    Args:
+        steps: optimizer steps to run.
+        accum_steps: microbatches per step (gradient accumulation).
+        eval_every: evaluate every this many steps (0: only at the end).
+        eval_batches: held-out batches per evaluation.
+        log_every: write metrics every this many steps.
+        seed: seed of the parameter initialisers.
+        run_dir: where metrics.jsonl (and checkpoints) go; empty: write no files.
+        tensorboard: also write TensorBoard event files to run_dir.
+        progress: show a progress bar.
+    """
+
+    steps: int = 300
+    accum_steps: int = 1
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    seed: int = 0
+    run_dir: str = "runs/default"
+    tensorboard: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps={self.steps!r}: the step count must be ≥ 1 (e.g. --steps 300)")
+        for name in ("accum_steps", "eval_batches", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be ≥ 1")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every={self.eval_every}: must be ≥ 0 (0 = only at the end)")
+
+
+def batch_shapes(data: Dataset) -> dict[str, jax.ShapeDtypeStruct]:
+    """Global shapes of one batch of `data`."""
+    B = data.batch_size
+    if data.kind == "lm":
+        tokens = jax.ShapeDtypeStruct((B, data.seq_len), jnp.int32)
+        return {"inputs": tokens, "targets": tokens}
+    return {
+        "inputs": jax.ShapeDtypeStruct((B, data.num_features), jnp.float32),
+        "targets": jax.ShapeDtypeStruct((B,), jnp.int32),
+    }
+
+
+class Trainer:
+    """Trains a model on a mesh: `fit` runs the loop, `evaluate` the held-out loss.
+
+    Args:
+        model: a `GPTConfig`/`MLPConfig`, or a zero-argument constructor of any NNX model whose
+            ``__call__(inputs)`` returns logits and whose parameters carry logical names.
+        data: a `meshtrain.data.Dataset`.
+        mesh: the device mesh.
+        rules: logical-axis rules, e.g. ``rules_for("fsdp", mesh)``.
+        optim: optimizer settings.
+        config: loop settings.
+        flops_per_token: training FLOPs per token (or per example); taken from the model config
+            when it has ``flops_per_token``; None leaves TFLOP/s and MFU out.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        data: Dataset,
+        *,
+        mesh: Mesh,
+        rules: Rules,
+        optim: OptimConfig | None = None,
+        config: TrainConfig | None = None,
+        flops_per_token: float | None = None,
+    ):
+        self.config = config or TrainConfig()
+        self.optim = optim or OptimConfig()
+        self.data, self.mesh, self.rules = data, mesh, rules
+        self.model_config = model if isinstance(model, GPTConfig | MLPConfig) else None
+        self._check(data, mesh)
+        seed = self.config.seed
+        ctor = (lambda: build_model(model, seed=seed)) if self.model_config else model
+        if flops_per_token is None and self.model_config is not None:
+            flops_per_token = self.model_config.flops_per_token(data.seq_len or 1)
+        self.flops_per_token = flops_per_token
+
+        total = self.config.steps
+        self.tx = make_optimizer(self.optim, total)
+        self.schedule = make_schedule(self.optim, total)
+        self.graphdef, self.state, self.shardings = init_train_state(ctor, self.tx, mesh, rules)
+        self._iter = data.train_iter()
+        self._batch_sharding = batch_shardings(batch_shapes(data), mesh, rules)
+        self._step = jit_train_step(
+            self.graphdef,
+            self.tx,
+            mesh,
+            rules,
+            self.shardings,
+            self._batch_sharding,
+            accum_steps=self.config.accum_steps,
+            schedule=self.schedule,
+        )
+        self._eval = jit_eval_step(self.graphdef, mesh, rules, self.shardings, self._batch_sharding)
+        self._eval_data = None
+        self.history: list[dict] = []
+
+    def _check(self, data: Dataset, mesh: Mesh) -> None:
+        """Validates the combination of model, data, mesh and loop before anything compiles."""
+        sizes = mesh_sizes(mesh)
+        for axis in ("pipe", "expert", "seq"):
+            if sizes[axis] > 1:
+                raise ValueError(
+                    f"mesh {axis}={sizes[axis]}: the Trainer does not run {axis} parallelism yet; "
+                    f"set {axis}=1"
+                )
+        ways = int(np.prod([sizes[a] for a in BATCH_AXES]))
+        k = self.config.accum_steps
+        if data.batch_size % (ways * k):
+            raise ValueError(
+                f"batch_size={data.batch_size} does not divide into accum_steps={k} microbatches "
+                f"across data × fsdp = {ways} devices; use a multiple of {ways * k}"
+            )
+        cfg = self.model_config
+        if isinstance(cfg, GPTConfig):
+            if data.kind != "lm":
+                raise ValueError(
+                    f"model gpt needs token data, but the data source is {data.kind!r}"
+                )
+            if data.seq_len > cfg.max_seq_len:
+                raise ValueError(
+                    f"data seq_len={data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
+                )
+            if data.vocab_size > cfg.vocab_size:
+                raise ValueError(
+                    f"data vocab_size={data.vocab_size} exceeds gpt vocab_size={cfg.vocab_size}"
+                )
+        if isinstance(cfg, MLPConfig):
+            if data.kind != "classify":
+                raise ValueError(f"model mlp needs classification data, got {data.kind!r}")
+            if data.num_features != cfg.num_features or data.vocab_size > cfg.num_classes:
+                raise ValueError(
+                    f"mlp num_features={cfg.num_features}, num_classes={cfg.num_classes} do not "
+                    f"fit the data ({data.num_features} features, {data.vocab_size} classes)"
+                )
+
+    @property
+    def model(self) -> nnx.Module:
+        """The model with the current parameters (shares the state's arrays)."""
+        return nnx.merge(self.graphdef, self.state.params, self.state.rest)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens (LM) or examples (classifier) consumed by one optimizer step."""
+        return self.data.batch_size * (self.data.seq_len or 1)
+
+    def evaluate(self) -> float:
+        """Mean loss over the held-out batches."""
+        if self._eval_data is None:
+            batches = self.data.eval_batches(self.config.eval_batches)
+            self._eval_data = [shard_batch(b, self.mesh, self.rules) for b in batches]
+        losses = [self._eval(self.state, b) for b in self._eval_data]
+        return float(np.mean(jax.device_get(losses)))
+
+    def fit(self) -> list[dict]:
+        """Runs the remaining steps; returns the logged metrics, one dict per logged step.
+
+        Metrics of step i are read after step i+1 is dispatched, so the host never waits for
+        the device except to stay one step behind.
+        """
+        cfg = self.config
+        main = jax.process_index() == 0
+        run_dir = Path(cfg.run_dir) if cfg.run_dir and main else None
+        peak = mx.peak_flops_per_device(self.mesh.devices.flat[0], self._compute_dtype())
+        start = int(jax.device_get(self.state.step))
+        pending = None
+        last_ready = None
+        with (
+            mx.MetricsWriter(run_dir, tensorboard=cfg.tensorboard) as writer,
+            mx.Progress(cfg.steps, enabled=cfg.progress and main) as bar,
+        ):
+            for step in range(start, cfg.steps):
+                batch = shard_batch(next(self._iter), self.mesh, self.rules)
+                self.state, metrics = self._step(self.state, batch)
+                if pending is not None:
+                    last_ready = self._record(*pending, last_ready, peak, writer, bar)
+                pending = (step + 1, metrics)
+            if pending is not None:
+                self._record(*pending, last_ready, peak, writer, bar, force=True)
+        return self.history
+
+    def _compute_dtype(self):
+        """The matmul dtype, for the peak-FLOPs lookup."""
+        return getattr(self.model_config, "dtype", "float32")
+
+    def _record(self, step, metrics, last_ready, peak, writer, bar, force=False):
+        """Reads step `step`'s metrics (blocking on it), times it, logs and evaluates."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        cfg = self.config
+        if last_ready is not None:
+            rate = mx.step_rate(
+                step_time=now - last_ready,
+                tokens_per_step=self.tokens_per_step,
+                flops_per_step=(self.flops_per_token or 0.0) * self.tokens_per_step,
+                n_devices=self.mesh.devices.size,
+                peak_flops=peak,
+            )
+            values.update(step_time=rate.step_time, tokens_per_s=rate.tokens_per_s)
+            if self.flops_per_token:
+                values.update(tflops_per_device=rate.tflops_per_device, mfu=rate.mfu)
+        eval_now = step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
+        if eval_now and self.data.num_val:
+            values["eval_loss"] = self.evaluate()
+            writer.write(step, {"loss": values["eval_loss"]}, prefix="eval")
+        if force or eval_now or step % cfg.log_every == 0 or step == 1:
+            entry = {"step": step, **values}
+            self.history.append(entry)
+            writer.write(step, values)
+        bar.update(step, values)
+        return now
+
+    def generate(
+        self, prompt: str, n_new: int = 200, *, temperature: float = 0.8, seed: int = 0
+    ) -> str:
+        """Continues `prompt` with `n_new` sampled tokens (GPT on byte-level data only)."""
+        model = self.model
+        if not isinstance(model, GPT):
+            raise ValueError("generate() needs a GPT model")
+        tokens = sample(
+            model,
+            jnp.asarray(self.data.encode(prompt)),
+            n_new,
+            key=jax.random.key(seed),
+            temperature=temperature,
+        )
+        return self.data.decode(np.asarray(tokens))

@@ -1,0 +1,26 @@
+"""Test setup: force 8 simulated CPU devices before jax initialises."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `gpu`-marked tests when no GPU is present."""
+    if any(d.platform == "gpu" for d in jax.devices()):
+        return
+    skip = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+    assert jax.device_count() == 8, f"tests need 8 simulated devices, got {jax.device_count()}"

@@ -2,12 +2,13 @@
 
 meshtrain train                                   # the embedded default job
 meshtrain train --mesh data=4,tensor=2 --strategy fsdp --steps 300
-meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --dtype bfloat16
+meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --gpt.dtype bfloat16
 meshtrain train --help
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -34,9 +35,8 @@ class TrainJob:
         mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
         strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
             tensor > 1).
-        devices: CPU devices to simulate (ignored on GPU; 0 = use what jax sees).
+        devices: CPU devices to simulate; 0 uses the real devices jax sees (e.g. GPUs).
         model: gpt or mlp.
-        dtype: compute dtype, float32 or bfloat16 (parameters and optimizer state stay float32).
         prompt: start of the sample printed at the end (gpt only).
         sample_tokens: tokens to sample at the end (0 = none).
         save: save a checkpoint in run_dir at the end.
@@ -46,7 +46,6 @@ class TrainJob:
     strategy: str = "hsdp+tp"
     devices: int = 8
     model: str = "gpt"
-    dtype: str = "float32"
     prompt: str = "def "
     sample_tokens: int = 160
     save: bool = True
@@ -58,16 +57,17 @@ class TrainJob:
 
     def __post_init__(self):
         if self.model not in MODEL_NAMES:
-            raise ValueError(f"model={self.model!r}: unknown model; choose from {MODEL_NAMES}")
+            raise ValueError(
+                f"model={self.model!r}: unknown model; choose from {', '.join(MODEL_NAMES)}"
+            )
         if self.devices < 0 or self.sample_tokens < 0:
             raise ValueError(
                 f"devices={self.devices}, sample_tokens={self.sample_tokens}: must be ≥ 0"
             )
 
     def model_config(self) -> GPTConfig | MLPConfig:
-        """The chosen model's config, with the job's compute dtype."""
-        base = self.gpt if self.model == "gpt" else self.mlp
-        return dataclasses.replace(base, dtype=self.dtype)
+        """The chosen model's config."""
+        return self.gpt if self.model == "gpt" else self.mlp
 
 
 def run_train(job: TrainJob) -> dict:
@@ -85,7 +85,7 @@ def run_train(job: TrainJob) -> dict:
     from meshtrain.sharding import rules_for
     from meshtrain.train.trainer import Trainer
 
-    if job.devices and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+    if job.devices:
         simulate_devices(job.devices)
     model_cfg = job.model_config()
     mesh = make_mesh(job.mesh)
@@ -100,7 +100,10 @@ def run_train(job: TrainJob) -> dict:
         for k, v in dataclasses.asdict(model_cfg).items()
         if k in ("style", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_hidden")
     )
-    say(f"model {job.model} ({shape}) · {n_params / 1e6:.2f}M parameters · {job.dtype} compute")
+    say(
+        f"model {job.model} ({shape}) · {n_params / 1e6:.2f}M parameters · "
+        f"{model_cfg.dtype} compute"
+    )
     say(
         f"data {job.data.source} · {data.num_train} training examples · global batch "
         f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "")
@@ -127,20 +130,50 @@ def run_train(job: TrainJob) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``meshtrain`` command."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        job = tyro.extras.subcommand_cli_from_dict(
+def _raise_config_error(event) -> None:
+    """tyro parse-error hook: re-raises a config's own ValueError (from ``__post_init__``), so
+    `main` prints it as one line rather than tyro's box, which names tyro's inner wrappers.
+    Errors tied to one flag (``--steps abc``) keep tyro's box, which shows that flag's help."""
+    from tyro import _errors
+
+    failure = getattr(_errors, "InstantiationFailure", ())
+    if isinstance(event, failure) and getattr(event, "argument", None) is None:
+        raise ValueError(event.message)
+
+
+def parse(argv: list[str]) -> TrainJob:
+    """Parses command-line arguments (without the program name) into a job; runs nothing.
+
+    Raises:
+        ValueError: a config rejected its value (e.g. ``--steps 0``).
+        SystemExit: ``--help`` (code 0), or flags tyro itself rejects (code 2).
+    """
+    try:  # tyro's hook API is private and experimental: without it, tyro's own box shows
+        from tyro._errors import on_parse_error
+    except ImportError:
+        hook = contextlib.nullcontext()
+    else:
+        hook = on_parse_error(_raise_config_error)
+    with hook:
+        return tyro.extras.subcommand_cli_from_dict(
             {"train": TrainJob},
             args=argv,
             prog="meshtrain",
             description="meshtrain: sharded training where the XLA compiler does the distributing.",
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``meshtrain`` command."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        job = parse(argv)
         if isinstance(job, TrainJob):
             run_train(job)
     except ValueError as e:
-        print(f"meshtrain: error: {e}", file=sys.stderr)
+        if os.environ.get("MESHTRAIN_DEBUG"):
+            raise
+        print(f"meshtrain: error: {e} (MESHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("meshtrain: interrupted", file=sys.stderr)

@@ -165,10 +165,11 @@ def _backends_initialised() -> bool:
 
 
 def simulate_devices(n: int) -> None:
-    """Makes the CPU platform expose `n` devices, for laptops and notebooks.
+    """Makes jax use `n` simulated CPU devices, for laptops and notebooks.
 
-    Call it before any jax computation. If jax already started with `n` or more devices it
-    does nothing; with fewer, it raises, because the count can no longer change.
+    Call it before any jax computation. It selects the CPU platform, even where a GPU is
+    present. If jax already started with `n` or more devices it does nothing; with fewer, it
+    raises, because the count can no longer change.
 
     Args:
         n: the number of CPU devices to simulate.
@@ -189,3 +190,4 @@ def simulate_devices(n: int) -> None:
     flags.append(f"--xla_force_host_platform_device_count={n}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
     jax.config.update("jax_num_cpu_devices", n)
+    jax.config.update("jax_platforms", "cpu")  # simulated devices are CPU ones, even beside a GPU

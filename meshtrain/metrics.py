@@ -379,7 +379,9 @@ class Progress:
     def _print_pending(self, now: float) -> None:
         """Prints the latest plain line, if not yet printed."""
         if self._pending:
-            self.console.print(self._pending.rstrip(), markup=False, highlight=False)
+            self.console.print(
+                self._pending.rstrip(), markup=False, highlight=False, soft_wrap=True
+            )
             self._pending, self._last_print = "", now
 
     def log(self, message: str) -> None:

@@ -266,7 +266,7 @@ def create_sharded_model(ctor: Callable[[], nnx.Module], mesh: Mesh, rules: Rule
 
     def init():
         with nnx.use_eager_sharding(False):
-            return nnx.state(ctor()).to_pure_dict()
+            return nnx.to_pure_dict(nnx.state(ctor()))
 
     pure = jax.jit(init, out_shardings=shardings)()
     nnx.replace_by_pure_dict(abstract_state, pure)

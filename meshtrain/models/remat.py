@@ -18,5 +18,7 @@ POLICIES = {
 def check_policy(name: str) -> str:
     """Returns `name` if it is a known policy, else raises a ValueError listing them."""
     if name not in POLICIES:
-        raise ValueError(f"remat={name!r}: unknown remat policy; choose from {', '.join(POLICIES)}")
+        raise ValueError(
+            f"gpt remat={name!r}: unknown remat policy; choose from {', '.join(POLICIES)}"
+        )
     return name

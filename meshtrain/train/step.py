@@ -65,7 +65,7 @@ def init_train_state(
     param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
     rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
     opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
-    params, rest = param_vars.to_pure_dict(), rest_vars.to_pure_dict()
+    params, rest = nnx.to_pure_dict(param_vars), nnx.to_pure_dict(rest_vars)
 
     abstract_opt = jax.eval_shape(tx.init, params)
     opt_specs = optax.tree_map_params(
@@ -89,6 +89,11 @@ def _split_microbatches(batch: Mapping[str, jax.Array], k: int) -> dict[str, jax
     its share of each microbatch (no resharding)."""
     out = {}
     for key, x in batch.items():
+        if x.shape[0] % k:
+            raise ValueError(
+                f"batch[{key!r}] has {x.shape[0]} rows, not divisible by accum_steps={k}; "
+                "make the batch size a multiple of accum_steps"
+            )
         x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
         out[key] = constrain(x, (None, "batch", *([None] * (x.ndim - 2))))
     return out
@@ -116,8 +121,10 @@ def train_step(
     def loss_of(params, rest, mb):
         model = nnx.merge(graphdef, params, rest)
         loss = loss_fn(model(mb["inputs"]), mb["targets"])
-        return loss, nnx.state(model, nnx.Not(nnx.Param)).to_pure_dict()
+        return loss, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
+    if not isinstance(accum_steps, int) or accum_steps < 1:
+        raise ValueError(f"accum_steps={accum_steps!r}: must be a positive integer")
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     if accum_steps == 1:
         (loss, rest), grads = grad_fn(state.params, state.rest, batch)
@@ -138,7 +145,7 @@ def train_step(
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     if schedule is not None:
         metrics["lr"] = schedule(state.step)
     return TrainState(state.step + 1, params, opt_state, rest), metrics

@@ -223,7 +223,12 @@ class Trainer:
         return getattr(self.model_config, "dtype", "float32")
 
     def _record(self, step, metrics, last_ready, peak, writer, bar, force=False):
-        """Reads step `step`'s metrics (blocking on it), times it, logs and evaluates."""
+        """Reads step `step`'s metrics (blocking on it), times it, logs and evaluates.
+
+        Returns:
+            The time step `step` was seen done, the start of the next step's timing; None
+            after an evaluation.
+        """
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         cfg = self.config
@@ -247,15 +252,24 @@ class Trainer:
             self.history.append(entry)
             writer.write(step, values)
         bar.update(step, values)
-        return now
+        # The evaluation ran after step+1 was dispatched, so step+1's time would include it:
+        # that step gets no rate.
+        return None if "eval_loss" in values else now
 
     def generate(
         self, prompt: str, n_new: int = 200, *, temperature: float = 0.8, seed: int = 0
     ) -> str:
-        """Continues `prompt` with `n_new` sampled tokens (GPT on byte-level data only)."""
+        """Continues `prompt` with `n_new` sampled tokens (GPT on byte-level data only).
+
+        Sampling one sequence is latency-bound, so a model under 256 MiB is first copied to
+        one device; larger ones sample in place, sharded.
+        """
         model = self.model
         if not isinstance(model, GPT):
             raise ValueError("generate() needs a GPT model")
+        graphdef, state = nnx.split(model)
+        if sum(x.nbytes for x in jax.tree.leaves(state)) < 256 * 2**20:
+            model = nnx.merge(graphdef, jax.device_put(state, self.mesh.devices.flat[0]))
         tokens = sample(
             model,
             jnp.asarray(self.data.encode(prompt)),

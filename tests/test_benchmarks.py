@@ -1,0 +1,84 @@
+"""Smoke test of benchmarks/overhead.py: `--quick` runs and prints one well-formed JSON line."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "overhead.py"
+
+STEP_KEYS = ("meshtrain_step_ms", "baseline_step_ms", "baseline_constrained_step_ms")
+COMPILE_KEYS = ("compile_s_depth4", "compile_s_depth32")
+OTHER_KEYS = (
+    "platform",
+    "device_kind",
+    "jax_version",
+    "mesh",
+    "strategy",
+    "model",
+    "rounds",
+    "baseline",
+    "note",
+    "overhead_ratio",
+    "median_round_ratio",
+    "overhead_ratio_vs_constrained",
+    "compile_ratio_32_over_4",
+)
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+def test_overhead_quick_prints_one_json_line():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stdout, got {len(lines)}: {proc.stdout!r}"
+    out = json.loads(lines[0])
+
+    for key in (*STEP_KEYS, *COMPILE_KEYS, *OTHER_KEYS):
+        assert key in out, f"missing {key!r}"
+    for key in (*STEP_KEYS, *COMPILE_KEYS):
+        assert _positive_finite(out[key]), f"{key} = {out[key]!r}"
+    for key in ("overhead_ratio", "median_round_ratio", "compile_ratio_32_over_4"):
+        assert _positive_finite(out[key]), f"{key} = {out[key]!r}"
+
+    # Ratios are the quotients of the reported figures (which are rounded to 4 decimals).
+    def quotient(a, b):
+        return out[a] / out[b]
+
+    assert out["overhead_ratio"] == pytest.approx(
+        quotient("meshtrain_step_ms", "baseline_step_ms"), abs=1e-4
+    )
+    assert out["overhead_ratio_vs_constrained"] == pytest.approx(
+        quotient("meshtrain_step_ms", "baseline_constrained_step_ms"), abs=1e-4
+    )
+    assert out["compile_ratio_32_over_4"] == pytest.approx(
+        quotient("compile_s_depth32", "compile_s_depth4"), abs=1e-4
+    )
+
+    assert out["platform"] == "cpu"
+    assert out["n_devices"] == 8
+    assert out["rounds"] >= 1
+    assert out["model"]["n_layers"] >= 1
+    assert out["same_state_layout"] is True
+    # All contenders start from the same parameters and batch, so the first loss agrees.
+    losses = list(out["first_loss"].values())
+    assert all(loss == pytest.approx(losses[0], rel=1e-5) for loss in losses)

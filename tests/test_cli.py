@@ -1,0 +1,223 @@
+"""Tests for the ``meshtrain`` command: help, flag parsing, clean errors, an end-to-end run."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import tyro
+
+from meshtrain import checkpoint, cli
+from meshtrain.cli import TrainJob
+from meshtrain.metrics import read_jsonl
+
+
+def _help(capsys, argv):
+    """Runs `main(argv)` for a --help; returns its stdout."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def _flags() -> dict[str, tuple[str | None, str]]:
+    """Every config field's flag → (TrainJob field of its section or None, field name)."""
+    hints = typing.get_type_hints(TrainJob, include_extras=True)
+    flags = {}
+    for f in dataclasses.fields(TrainJob):
+        hint = hints[f.name]
+        annotated = typing.get_origin(hint) is typing.Annotated
+        cls = typing.get_args(hint)[0] if annotated else hint
+        if not dataclasses.is_dataclass(cls):
+            flags["--" + f.name.replace("_", "-")] = (None, f.name)
+            continue
+        omit = annotated and tyro.conf.OmitArgPrefixes in hint.__metadata__
+        prefix = "--" if omit else f"--{f.name}."
+        for g in dataclasses.fields(cls):
+            flags[prefix + g.name.replace("_", "-")] = (f.name, g.name)
+    return flags
+
+
+def test_help_reads_well(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    top = _help(capsys, ["--help"])
+    assert "usage: meshtrain" in top and "train" in top
+    assert "Traceback" not in top
+    text = _help(capsys, ["train", "--help"])
+    assert "usage: meshtrain train" in text
+    for flag in ("--mesh", "--strategy", "--steps", "--lr", "--gpt.d-model", "--data.source"):
+        assert flag in text, flag
+    # Every field of every config has a flag, and the help is taken from the docstrings.
+    missing = [flag for flag in _flags() if flag not in text]
+    assert not missing, f"flags missing from the help: {missing}"
+    assert "optimizer steps to run" in text and "peak learning rate" in text
+    assert "(default: 200)" in text  # TrainJob's own default for the step count
+
+
+# A non-default, valid value for every config field: flag → (command-line words, expected).
+OVERRIDES = {
+    "--mesh": (["data=4,tensor=2"], "data=4,tensor=2"),
+    "--strategy": (["fsdp"], "fsdp"),
+    "--devices": (["4"], 4),
+    "--model": (["mlp"], "mlp"),
+    "--prompt": (["class "], "class "),
+    "--sample-tokens": (["3"], 3),
+    "--save": ([], False),  # given as --no-save
+    "--steps": (["300"], 300),
+    "--accum-steps": (["2"], 2),
+    "--eval-every": (["5"], 5),
+    "--eval-batches": (["2"], 2),
+    "--log-every": (["3"], 3),
+    "--seed": (["7"], 7),
+    "--run-dir": (["/tmp/elsewhere"], "/tmp/elsewhere"),
+    "--tensorboard": ([], True),
+    "--progress": ([], False),  # given as --no-progress
+    "--optimizer": (["lamb"], "lamb"),
+    "--lr": (["1e-3"], 1e-3),
+    "--warmup-steps": (["5"], 5),
+    "--min-lr-ratio": (["0.5"], 0.5),
+    "--weight-decay": (["0.01"], 0.01),
+    "--b1": (["0.8"], 0.8),
+    "--b2": (["0.9"], 0.9),
+    "--eps": (["1e-6"], 1e-6),
+    "--momentum": (["0.8"], 0.8),
+    "--clip-norm": (["2.0"], 2.0),
+    "--data.source": (["text"], "text"),
+    "--data.path": (["/tmp/corpus.txt"], "/tmp/corpus.txt"),
+    "--data.seq-len": (["64"], 64),
+    "--data.batch-size": (["8"], 8),
+    "--data.seed": (["3"], 3),
+    "--data.val-fraction": (["0.1"], 0.1),
+    "--data.max-bytes": (["1000"], 1000),
+    "--gpt.style": (["gpt2"], "gpt2"),
+    "--gpt.vocab-size": (["300"], 300),
+    "--gpt.max-seq-len": (["64"], 64),
+    "--gpt.d-model": (["48"], 48),
+    "--gpt.n-layers": (["6"], 6),
+    "--gpt.n-heads": (["6"], 6),
+    "--gpt.n-kv-heads": (["3"], 3),
+    "--gpt.d-ff": (["96"], 96),
+    "--gpt.rope-theta": (["500.0"], 500.0),
+    "--gpt.norm-eps": (["1e-6"], 1e-6),
+    "--gpt.tie-embeddings": ([], True),
+    "--gpt.remat": (["full"], "full"),
+    "--gpt.dtype": (["bfloat16"], "bfloat16"),
+    "--mlp.num-features": (["8"], 8),
+    "--mlp.num-classes": (["3"], 3),
+    "--mlp.d-model": (["16"], 16),
+    "--mlp.d-hidden": (["32"], 32),
+    "--mlp.n-layers": (["3"], 3),
+    "--mlp.dtype": (["bfloat16"], "bfloat16"),
+}
+
+
+def _get(job, section, name):
+    """A field of `job` (section None) or of one of its config sections."""
+    return getattr(job if section is None else getattr(job, section), name)
+
+
+def _negated(flag):
+    """tyro's off switch of a boolean flag: --save → --no-save, --gpt.x → --gpt.no-x."""
+    head, dot, name = flag[2:].rpartition(".")
+    return f"--{head}{dot}no-{name}"
+
+
+def test_parse_documented_example():
+    argv = "train --mesh data=4,tensor=2 --strategy fsdp --steps 300 --lr 1e-3"
+    job = cli.parse(argv.split() + ["--gpt.n-layers", "6", "--data.source", "synthetic"])
+    assert isinstance(job, TrainJob)
+    assert job.mesh == "data=4,tensor=2" and job.strategy == "fsdp"
+    assert job.train.steps == 300 and job.optim.lr == 1e-3
+    assert job.gpt.n_layers == 6 and job.data.source == "synthetic"
+    # Everything else keeps its default.
+    default = cli.parse(["train"])
+    assert job.gpt == dataclasses.replace(default.gpt, n_layers=6)
+    assert job.train == dataclasses.replace(default.train, steps=300)
+    assert job.optim == dataclasses.replace(default.optim, lr=1e-3)
+    assert job.data == dataclasses.replace(default.data, source="synthetic")
+    assert job.mlp == default.mlp and job.model == default.model == "gpt"
+    assert default.train.steps == 200 and default.gpt.n_kv_heads == 2
+
+
+def test_every_config_field_can_be_overridden():
+    flags = _flags()
+    untested = sorted(set(flags) - set(OVERRIDES))
+    assert not untested, f"new config fields: add a value for {untested} to OVERRIDES"
+    default = cli.parse(["train"])
+    argv = ["train"]
+    for flag, (words, want) in OVERRIDES.items():
+        section, name = flags[flag]
+        assert _get(default, section, name) != want, f"{flag}: pick a non-default value"
+        if words:
+            argv += [flag, *words]
+        else:  # a boolean: --x or --no-x
+            argv.append(flag if want else _negated(flag))
+    job = cli.parse(argv)
+    for flag, (_, want) in OVERRIDES.items():
+        section, name = flags[flag]
+        assert _get(job, section, name) == want, flag
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "steps=0"),
+        (["--lr", "-1"], "lr=-1"),
+        (["--strategy", "fsdp2"], "fsdp2"),
+        (["--mesh", "data=3,tensor=2"], "≠ 8 devices"),
+        (["--gpt.remat", "bogus"], "bogus"),
+        (["--model", "resnet"], "resnet"),
+    ],
+)
+def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):
+    try:
+        code = cli.main(["train", *argv, "--run-dir", str(tmp_path / "run"), "--no-progress"])
+    except SystemExit as e:  # pragma: no cover - the failure shown below
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("meshtrain: error: ") and message in lines[0], err
+    assert "Traceback" not in err + out
+    assert "tyro" not in err  # no internal names leak
+    assert not (tmp_path / "run").exists()  # rejected before anything ran
+
+
+@pytest.mark.slow
+def test_console_script_end_to_end(tmp_path):
+    script = Path(sys.executable).parent / "meshtrain"
+    assert script.exists(), script
+    run_dir = tmp_path / "run"
+    argv = [
+        str(script),
+        "train",
+        "--steps", "12",
+        "--gpt.d-model", "32",
+        "--gpt.n-layers", "2",
+        "--data.seq-len", "32",
+        "--data.batch-size", "16",
+        "--run-dir", str(run_dir),
+        "--sample-tokens", "16",
+        "--eval-every", "0",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420, check=False
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr}"
+    assert "data=2 × fsdp=2 × tensor=2 (8 cpu devices)" in out, out
+    assert "loss" in out and "final loss" in out, out
+    assert "checkpoint saved" in out, out
+    assert "sample:\ndef " in out, out
+    ckpt = run_dir / "checkpoint-12"
+    assert (ckpt / "meta.json").is_file() and (ckpt / "state").is_dir()
+    meta = checkpoint.read_meta(ckpt)
+    assert meta["job"]["train"]["steps"] == 12 and meta["job"]["gpt"]["d_model"] == 32
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "train"]
+    assert steps and steps == sorted(steps) and steps[-1] == 12

@@ -1,0 +1,102 @@
+"""Runs every notebook in notebooks/ top to bottom in a fresh kernel, as a user would.
+
+Each notebook executes in its own ipykernel process started from this interpreter, with
+``XLA_FLAGS`` removed from its environment (conftest.py sets a device count for the test process;
+a user's fresh kernel has none, so the notebook's own ``mt.simulate_devices`` must do the work).
+Any cell error fails the test.
+"""
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+# Prepended to the in-memory copy of each notebook (never saved): reports what the kernel runs on.
+PROBE = (
+    "import os as _os, sys as _sys\n"
+    "print('PROBE', repr(_sys.executable), repr(_os.environ.get('XLA_FLAGS')), sep='\\t')"
+)
+FINAL_LOSSES = re.compile(r"^final losses: (.+)$", re.MULTILINE)
+# Same seed and data under dp / fsdp / tp: only float reduction order differs (≈1e-7 here).
+LOSS_TOLERANCE = 1e-3
+
+
+def _text(cell) -> str:
+    """A code cell's printed and displayed text, concatenated."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif "data" in out:
+            parts.append(out.data.get("text/plain", ""))
+    return "".join(parts)
+
+
+def _execute(path: Path):
+    """Executes `path` in a fresh python3 kernel without XLA_FLAGS; returns the notebook."""
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(PROBE))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(ROOT)}},
+    )
+    client.execute(env=env)
+    return nb
+
+
+def _check_quickstart(nb) -> None:
+    """The three strategies trained, learned something, and agree."""
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    match = FINAL_LOSSES.search(text)
+    assert match, "the quickstart must print a line 'final losses: dp=..., fsdp=..., tp=...'"
+    losses = {k.strip(): float(v) for k, v in (p.split("=") for p in match.group(1).split(","))}
+    assert set(losses) == {"dp", "fsdp", "tp"}, losses
+    spread = max(losses.values()) - min(losses.values())
+    assert spread < LOSS_TOLERANCE, f"strategies disagree by {spread:.2e}: {losses}"
+    # A byte-level model starts at ln(256) ≈ 5.55 nats; 30 steps must get well below it.
+    assert all(loss < 4.5 for loss in losses.values()), losses
+    assert any(
+        "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
+    ), "the loss-curve plot produced no image"
+
+
+CHECKS = {"01_quickstart.ipynb": _check_quickstart}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_saved_without_outputs(path):
+    """Notebooks are committed clean: the tests (and readers) run them."""
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"cell {i} has saved outputs; clear them"
+            assert cell.execution_count is None, f"cell {i} has an execution count; clear it"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_executes(path):
+    nb = _execute(path)
+    probe = _text(nb.cells[0]).strip().split("\t")
+    assert probe[0] == "PROBE", probe
+    assert probe[1] == repr(sys.executable), f"kernel ran {probe[1]}, not {sys.executable!r}"
+    assert probe[2] == "None", f"kernel inherited XLA_FLAGS={probe[2]}"
+    check = CHECKS.get(path.name)
+    if check is not None:
+        check(nb)
+
+
+def test_quickstart_is_collected():
+    assert "01_quickstart.ipynb" in {p.name for p in NOTEBOOKS}

@@ -193,12 +193,20 @@ class MetricsWriter:
     Args:
         run_dir: the run directory (created if missing); None makes a writer that does nothing.
         tensorboard: also write TensorBoard scalars (needs tensorboardX).
+        append: keep the lines already in metrics.jsonl (a resumed run); False starts the
+            file afresh (a new run).
 
     Raises:
         ImportError: tensorboard=True and tensorboardX is not installed.
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None, *, tensorboard: bool = False):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike | None,
+        *,
+        tensorboard: bool = False,
+        append: bool = True,
+    ):
         self.path = None if run_dir is None else os.path.join(os.fspath(run_dir), "metrics.jsonl")
         self._file, self._tb = None, None
         if run_dir is None:
@@ -212,7 +220,7 @@ class MetricsWriter:
                     "MetricsWriter(tensorboard=True) needs tensorboardX: pip install tensorboardX"
                 ) from e
             self._tb = SummaryWriter(logdir=os.fspath(run_dir))
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def write(self, step: int, metrics: dict[str, Any], *, prefix: str = "train") -> None:
         """Appends `{"step": step, "split": prefix, **metrics}` as one line and flushes it.

@@ -252,6 +252,9 @@ def test_writer_appends_and_flushes_each_line(tmp_path):
     with M.MetricsWriter(tmp_path) as w2:  # a resumed run appends
         w2.write(2, {"loss": 0.5})
     assert [r["step"] for r in M.read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    with M.MetricsWriter(tmp_path, append=False) as w3:  # a new run starts the file afresh
+        w3.write(7, {"loss": 0.25})
+    assert [r["step"] for r in M.read_jsonl(tmp_path / "metrics.jsonl")] == [7]
 
 
 def test_writer_rejects_bad_metrics(tmp_path):

@@ -60,6 +60,8 @@ def _losses(history):
 
 def test_fit_hybrid_mesh_logs_metrics_and_learns(tmp_path):
     steps = 24
+    # A stale file from an earlier run: a new run (from step 0) starts it afresh.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 999, "split": "train", "loss": 9.0}\n')
     trainer = _trainer(run_dir=tmp_path, steps=steps)
     history = trainer.fit()
 

@@ -205,7 +205,7 @@ class Trainer:
         pending = None
         last_ready = None
         with (
-            mx.MetricsWriter(run_dir, tensorboard=cfg.tensorboard) as writer,
+            mx.MetricsWriter(run_dir, tensorboard=cfg.tensorboard, append=start > 0) as writer,
             mx.Progress(cfg.steps, enabled=cfg.progress and main) as bar,
         ):
             for step in range(start, cfg.steps):

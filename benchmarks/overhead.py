@@ -25,7 +25,7 @@ It also times ``step.lower(state, batch).compile()`` of the meshtrain step at de
 
 Prints exactly one JSON line on stdout; progress and XLA's warnings go to stderr.
 
-    python benchmarks/overhead.py             # defaults: 4.5 min on a busy 2-core CPU
+    python benchmarks/overhead.py             # defaults: about 75 s on a 2-core CPU
     python benchmarks/overhead.py --quick     # tiny sizes, few rounds (the smoke test)
 
 On simulated CPU devices absolute times mean little; only the ratios taken in one run do.

@@ -1,33 +1,14 @@
 """Tests for meshtrain.mesh: MeshConfig sizes and parsing, make_mesh, simulate_devices."""
 
-import contextlib
 import os
 
 import jax
 import numpy as np
 import pytest
+from _helpers import count_compiles
 from jax.sharding import AxisType
 
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, mesh_sizes, simulate_devices
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA backend compiles inside the block; yields a list whose length is the count."""
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE:
-            seen.append(kwargs)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
 
 # --- MeshConfig ---------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ logical names come from a hand-written table of the models, and each preset's ma
 its definition (the `meshtrain.sharding` module docstring), so a change in either shows up.
 """
 
-import contextlib
 import functools
 import math
 import warnings
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import count_compiles
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -24,8 +24,6 @@ from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
 from meshtrain.train import OptimConfig, init_train_state, jit_train_step, make_optimizer
 from meshtrain.train.step import batch_shardings
-
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 GPT = {
     "gpt2": GPTConfig(style="gpt2", n_layers=2, d_model=64, n_heads=4, max_seq_len=16),
@@ -99,22 +97,6 @@ def flat(tree) -> dict[str, jax.Array]:
         "/".join(str(getattr(k, "key", k)) for k in path): leaf
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
     }
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA backend compiles inside the block; yields a list whose length is the count."""
-    seen = []
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE:
-            seen.append(kwargs)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @functools.cache

@@ -273,10 +273,10 @@ class GPT(nnx.Module):
         T = tokens_BT.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
-        # Gathered over the FSDP axes before the lookup, as FSDP gathers any weight at use: a
-        # lookup into an embed-sharded table would leave rows split where the batch is.
-        table_VD = constrain(self.embed.embedding[...], ("vocab", "embed"))
-        x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(self.cfg.compute_dtype)
+        # Cast, then gathered over the FSDP axes before the lookup, as FSDP gathers any weight
+        # at use: a lookup into an embed-sharded table would leave rows split where the batch is.
+        table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
+        x_BTD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BT, axis=0)
         if self.pos is not None:
             x_BTD = x_BTD + self.pos[:T].astype(x_BTD.dtype)
         x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))

@@ -16,6 +16,11 @@ Presets (combine one data strategy with ``tp`` using ``+``, e.g. ``"fsdp+tp"``):
     zero1  parameters replicated; only optimizer state sharded over data × fsdp
     tp     Megatron: attention heads, MLP hidden and vocab split over tensor
 
+The stacked ``layers`` dimension is always split over ``pipe``, so on a mesh with ``pipe > 1``
+each pipeline stage holds its own contiguous slice of the blocks; with ``pipe = 1`` the rule
+does nothing. A pipelined state is therefore the same pytree as an unpipelined one, laid out
+differently, and moves between the two like any other reshard.
+
 The tensor-parallel rules apply whenever the mesh has ``tensor > 1``, so ``--strategy fsdp``
 on a mesh ``data=4,tensor=2`` means FSDP over data and Megatron over tensor.
 """
@@ -142,6 +147,8 @@ def rules_for(strategy: str, mesh: Mesh | None = None) -> Rules:
     for name in _TP_NAMES:  # Megatron rules; a no-op while tensor == 1
         params[name] = "tensor"
         activations[name] = "tensor"
+    # Pipeline stages own contiguous slices of the stacked layers; a no-op while pipe == 1.
+    params["layers"] = "pipe"
     optimizer = None
     if data_strategy == "fsdp":
         params["embed"] = BATCH_AXES

@@ -3,6 +3,7 @@
 meshtrain train                                   # the embedded default job
 meshtrain train --mesh data=4,tensor=2 --strategy fsdp --steps 300
 meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --gpt.dtype bfloat16
+meshtrain train --mesh pipe=2,data=2,tensor=2 --schedule 1f1b --microbatches 8
 meshtrain train --help
 """
 
@@ -20,6 +21,7 @@ import tyro
 
 from meshtrain.data import DataConfig
 from meshtrain.models import GPTConfig, MLPConfig
+from meshtrain.pipeline import PipelineConfig
 from meshtrain.train.optim import OptimConfig
 from meshtrain.train.trainer import TrainConfig
 
@@ -50,6 +52,7 @@ class TrainJob:
     sample_tokens: int = 160
     save: bool = True
     train: Annotated[TrainConfig, tyro.conf.OmitArgPrefixes] = TrainConfig(steps=200)
+    pipeline: Annotated[PipelineConfig, tyro.conf.OmitArgPrefixes] = PipelineConfig()
     optim: Annotated[OptimConfig, tyro.conf.OmitArgPrefixes] = OptimConfig()
     data: DataConfig = DataConfig()
     gpt: GPTConfig = GPTConfig(n_kv_heads=2)
@@ -93,7 +96,22 @@ def run_train(job: TrainJob) -> dict:
     data = make_dataset(job.data)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     say(f"meshtrain · mesh {describe(mesh)} · strategy {job.strategy}")
-    trainer = Trainer(model_cfg, data, mesh=mesh, rules=rules, optim=job.optim, config=job.train)
+    if mesh.shape["pipe"] > 1:
+        pc = job.pipeline
+        say(
+            f"pipeline {pc.schedule} · {mesh.shape['pipe']} stages · "
+            f"{pc.num_microbatches(mesh.shape['pipe'])} microbatches"
+            + (f" · {pc.repeats} chunks per stage" if pc.schedule == "circular" else "")
+        )
+    trainer = Trainer(
+        model_cfg,
+        data,
+        mesh=mesh,
+        rules=rules,
+        optim=job.optim,
+        config=job.train,
+        pipeline=job.pipeline,
+    )
     n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
     shape = ", ".join(
         f"{k}={v}"

@@ -331,6 +331,20 @@ def activation_rules(mesh: Mesh, rules: Rules):
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def override_activations(**names: MeshAxes):
+    """Inside an `activation_rules` block, lays the given logical names out differently, e.g.
+    ``override_activations(vocab=None)`` keeps logits whole over the tensor axis."""
+    active = _ACTIVE.get()
+    if active is None:
+        yield
+        return
+    mesh, rules = active
+    changed = dataclasses.replace(rules, activations={**rules.activations, **names})
+    with activation_rules(mesh, changed):
+        yield
+
+
 def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """Constrains activation `x` to the layout its logical `names` map to; a no-op outside
     `activation_rules` (so models run unchanged on one device)."""
@@ -339,4 +353,8 @@ def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
         return x
     mesh, rules = active
     spec = spec_for(names, rules.activations, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    # Inside a partial-manual shard_map (a pipeline stage) the constraint must name the mesh
+    # as the shard_map sees it, with its manual axes; the rules never name those.
+    context = jax.sharding.get_abstract_mesh()
+    target = context if context.manual_axes else mesh
+    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))

@@ -270,6 +270,13 @@ class GPT(nnx.Module):
             )
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        return self.head_logits(self.run_blocks(self.embed_tokens(tokens_BT)))
+
+    # The forward in three pieces, so a pipeline can run the blocks stage by stage and the
+    # embedding and head around them.
+
+    def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+        """Token ids [B, T] → input activations [B, T, D] in the compute dtype."""
         T = tokens_BT.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -279,8 +286,14 @@ class GPT(nnx.Module):
         x_BTD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BT, axis=0)
         if self.pos is not None:
             x_BTD = x_BTD + self.pos[:T].astype(x_BTD.dtype)
-        x_BTD = constrain(x_BTD, ("batch", "seq", "embed"))
-        x_BTD = self._run_blocks(x_BTD)
+        return constrain(x_BTD, ("batch", "seq", "embed"))
+
+    def run_blocks(self, x_BTD: jax.Array) -> jax.Array:
+        """Runs the stacked blocks over [B, T, D] activations."""
+        return scan_blocks(self.blocks, x_BTD, self.cfg.remat)
+
+    def head_logits(self, x_BTD: jax.Array) -> jax.Array:
+        """Final norm and output head: [B, T, D] → float32 logits [B, T, vocab]."""
         x_BTD = self.norm(x_BTD)
         if self.head is None:
             logits_BTV = self.embed.attend(x_BTD)
@@ -288,17 +301,18 @@ class GPT(nnx.Module):
             logits_BTV = self.head(x_BTD)
         return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"))
 
-    def _run_blocks(self, x_BTD: jax.Array) -> jax.Array:
-        """Scans the stacked blocks over the ``layers`` dimension, with the remat policy."""
-        policy = POLICIES[self.cfg.remat]
 
-        def body(block: Block, x_BTD: jax.Array) -> jax.Array:
-            return block(x_BTD)
+def scan_blocks(blocks: Block, x_BTD: jax.Array, remat: str = "none") -> jax.Array:
+    """Scans stacked `blocks` (a leading dimension of any length) over `x_BTD`, rematerialising
+    each block's backward by the named `remat` policy."""
 
-        if self.cfg.remat != "none":
-            body = nnx.remat(body, policy=policy, prevent_cse=False)
-        scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        return scan(self.blocks, x_BTD)
+    def body(block: Block, x_BTD: jax.Array) -> jax.Array:
+        return block(x_BTD)
+
+    if remat != "none":
+        body = nnx.remat(body, policy=POLICIES[remat], prevent_cse=False)
+    scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    return scan(blocks, x_BTD)
 
 
 def sample(

@@ -18,6 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.mesh import mesh_sizes
+from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.sharding import (
     Rules,
     activation_rules,
@@ -108,11 +110,14 @@ def train_step(
     accum_steps: int = 1,
     loss_fn: LossFn = cross_entropy,
     schedule: optax.Schedule | None = None,
+    pipeline: tuple[PipelineConfig, Mesh] | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; a pure function of its inputs.
 
     With ``accum_steps = k`` the batch is cut into k microbatches whose gradients are averaged
     (in float32) before the single update: the same update as the whole batch at once.
+    With `pipeline` = ``(config, mesh)`` the loss and gradients come from the pipelined GPT
+    (`meshtrain.pipeline`) instead of a plain `jax.value_and_grad`.
 
     Returns:
         The new state and metrics: ``loss``, ``grad_norm`` and (with `schedule`) ``lr``.
@@ -125,7 +130,17 @@ def train_step(
 
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r}: must be a positive integer")
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    if pipeline is None:
+        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    else:
+        config, mesh = pipeline
+
+        def grad_fn(params, rest, mb):
+            loss, grads = pipeline_loss_and_grads(
+                graphdef, params, rest, mb, config=config, mesh=mesh, loss_fn=loss_fn
+            )
+            return (loss, rest), grads
+
     if accum_steps == 1:
         (loss, rest), grads = grad_fn(state.params, state.rest, batch)
     else:
@@ -156,10 +171,23 @@ def eval_loss(
     state: TrainState,
     batch: Mapping[str, jax.Array],
     loss_fn: LossFn = cross_entropy,
+    pipeline: tuple[PipelineConfig, Mesh] | None = None,
 ) -> jax.Array:
     """Mean loss of the model in `state` on `batch` (no update)."""
+    if pipeline is not None:
+        config, mesh = pipeline
+        return pipeline_loss(
+            graphdef, state.params, state.rest, batch, config=config, mesh=mesh, loss_fn=loss_fn
+        )
     model = nnx.merge(graphdef, state.params, state.rest)
     return loss_fn(model(batch["inputs"]), batch["targets"])
+
+
+def _pipelined(config: PipelineConfig | None, mesh: Mesh):
+    """``(config, mesh)`` when the mesh has pipeline stages to run, else None."""
+    if mesh_sizes(mesh)["pipe"] == 1:
+        return None
+    return (config or PipelineConfig(), mesh)
 
 
 def batch_shardings(batch_shapes: Mapping[str, Any], mesh: Mesh, rules: Rules) -> dict:
@@ -181,8 +209,11 @@ def jit_train_step(
     accum_steps: int = 1,
     loss_fn: LossFn = cross_entropy,
     schedule: optax.Schedule | None = None,
+    pipeline: PipelineConfig | None = None,
 ):
     """`train_step` jitted with explicit in/out shardings; the input state is donated.
+
+    `pipeline` takes effect on meshes with ``pipe > 1``.
 
     Returns:
         ``step(state, batch) -> (state, metrics)``; metrics are replicated scalars.
@@ -198,6 +229,7 @@ def jit_train_step(
                 accum_steps=accum_steps,
                 loss_fn=loss_fn,
                 schedule=schedule,
+                pipeline=_pipelined(pipeline, mesh),
             )
 
     replicated = NamedSharding(mesh, P())
@@ -216,12 +248,13 @@ def jit_eval_step(
     state_shardings: TrainState,
     batch_sharding: Mapping[str, NamedSharding],
     loss_fn: LossFn = cross_entropy,
+    pipeline: PipelineConfig | None = None,
 ):
     """`eval_loss` jitted with the same layout as the train step."""
 
     def step(state, batch):
         with activation_rules(mesh, rules):
-            return eval_loss(graphdef, state, batch, loss_fn)
+            return eval_loss(graphdef, state, batch, loss_fn, _pipelined(pipeline, mesh))
 
     return jax.jit(
         step,

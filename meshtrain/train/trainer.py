@@ -17,6 +17,7 @@ from meshtrain import metrics as mx
 from meshtrain.data import Dataset
 from meshtrain.mesh import BATCH_AXES, mesh_sizes
 from meshtrain.models import GPT, GPTConfig, MLPConfig, build_model, sample
+from meshtrain.pipeline import PipelineConfig, check_pipeline
 from meshtrain.sharding import Rules, shard_batch
 from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
 from meshtrain.train.step import (
@@ -88,6 +89,8 @@ class Trainer:
         rules: logical-axis rules, e.g. ``rules_for("fsdp", mesh)``.
         optim: optimizer settings.
         config: loop settings.
+        pipeline: schedule and microbatches for a mesh with ``pipe > 1`` (GPT only); None
+            means the defaults of `PipelineConfig` (gpipe, 2 × pipe microbatches).
         flops_per_token: training FLOPs per token (or per example); taken from the model config
             when it has ``flops_per_token``; None leaves TFLOP/s and MFU out.
     """
@@ -101,9 +104,11 @@ class Trainer:
         rules: Rules,
         optim: OptimConfig | None = None,
         config: TrainConfig | None = None,
+        pipeline: PipelineConfig | None = None,
         flops_per_token: float | None = None,
     ):
         self.config = config or TrainConfig()
+        self.pipeline = pipeline or PipelineConfig()
         self.optim = optim or OptimConfig()
         self.data, self.mesh, self.rules = data, mesh, rules
         self.model_config = model if isinstance(model, GPTConfig | MLPConfig) else None
@@ -129,15 +134,23 @@ class Trainer:
             self._batch_sharding,
             accum_steps=self.config.accum_steps,
             schedule=self.schedule,
+            pipeline=self.pipeline,
         )
-        self._eval = jit_eval_step(self.graphdef, mesh, rules, self.shardings, self._batch_sharding)
+        self._eval = jit_eval_step(
+            self.graphdef,
+            mesh,
+            rules,
+            self.shardings,
+            self._batch_sharding,
+            pipeline=self.pipeline,
+        )
         self._eval_data = None
         self.history: list[dict] = []
 
     def _check(self, data: Dataset, mesh: Mesh) -> None:
         """Validates the combination of model, data, mesh and loop before anything compiles."""
         sizes = mesh_sizes(mesh)
-        for axis in ("pipe", "expert", "seq"):
+        for axis in ("expert", "seq"):
             if sizes[axis] > 1:
                 raise ValueError(
                     f"mesh {axis}={sizes[axis]}: the Trainer does not run {axis} parallelism yet; "
@@ -151,6 +164,19 @@ class Trainer:
                 f"across data × fsdp = {ways} devices; use a multiple of {ways * k}"
             )
         cfg = self.model_config
+        if sizes["pipe"] > 1:
+            if not isinstance(cfg, GPTConfig):
+                raise ValueError(
+                    f"mesh pipe={sizes['pipe']}: pipelining runs the GPT's stacked blocks; "
+                    "use model gpt, or set pipe=1"
+                )
+            check_pipeline(
+                self.pipeline,
+                n_layers=cfg.n_layers,
+                pipe=sizes["pipe"],
+                batch_size=data.batch_size // k,
+                batch_ways=ways,
+            )
         if isinstance(cfg, GPTConfig):
             if data.kind != "lm":
                 raise ValueError(

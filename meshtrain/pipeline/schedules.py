@@ -1,0 +1,264 @@
+"""Pipeline schedules as tables: for every time slot and stage, which microbatch runs, in which
+direction, through which chunk of layers.
+
+A *slot* is the time one stage takes to run one microbatch through one chunk, forward or
+backward; counting slots (forward and backward alike) gives the bubble fractions the papers
+quote:
+
+    gpipe      all forwards, then all backwards          (p−1)/(m+p−1)
+    circular   gpipe with v chunks per stage, round robin (p−1)/(v·m+p−1)
+    1f1b       after a warm-up, one forward, one backward (p−1)/(m+p−1), at most p in flight
+
+For gpipe and circular the table is what `jax.grad` of the forward loop executes: the forward
+ticks, then the same ticks in reverse as backwards. For 1f1b it is the schedule the hand-written
+executor runs, slot by slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "circular", "1f1b")
+IDLE, FWD, BWD = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScheduleTable:
+    """Who does what, slot by slot.
+
+    Attributes:
+        schedule, stages, microbatches, repeats: what the table was built for (p, m, v).
+        phase: [slots, p] int, `IDLE`, `FWD` or `BWD`.
+        micro: [slots, p] int, the microbatch (−1 when idle).
+        chunk: [slots, p] int, the stage's local chunk r (global chunk r·p + stage); −1 idle.
+    """
+
+    schedule: str
+    stages: int
+    microbatches: int
+    repeats: int
+    phase: np.ndarray
+    micro: np.ndarray
+    chunk: np.ndarray
+
+    @property
+    def slots(self) -> int:
+        """Length of the schedule in slots."""
+        return self.phase.shape[0]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle slots over all slots, counted from the table."""
+        return float(np.mean(self.phase == IDLE))
+
+    @property
+    def closed_form_bubble(self) -> float:
+        """The bubble fraction the literature gives for this schedule."""
+        p, m, v = self.stages, self.microbatches, self.repeats
+        return (p - 1) / (v * m + p - 1)
+
+    def in_flight(self) -> int:
+        """Most microbatches any stage has run forward but not yet backward."""
+        most = 0
+        for s in range(self.stages):
+            live = np.cumsum(self.phase[:, s] == FWD) - np.cumsum(self.phase[:, s] == BWD)
+            most = max(most, int(live.max()))
+        return most
+
+    def plot(self, ax=None, *, title: str | None = None):
+        """Draws the table as a Gantt chart (stages down, slots across) with matplotlib.
+
+        Returns:
+            The matplotlib axes.
+        """
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        if ax is None:
+            _, ax = plt.subplots(figsize=(max(6, self.slots * 0.22), 0.45 * self.stages + 1))
+        p, v = self.stages, self.repeats
+        fwd_colors = plt.cm.Blues(np.linspace(0.45, 0.85, v))
+        bwd_colors = plt.cm.Oranges(np.linspace(0.45, 0.85, v))
+        for t in range(self.slots):
+            for s in range(p):
+                ph = self.phase[t, s]
+                if ph == IDLE:
+                    continue
+                r = self.chunk[t, s]
+                color = (fwd_colors if ph == FWD else bwd_colors)[r]
+                ax.add_patch(
+                    plt.Rectangle((t, s), 1, 0.9, facecolor=color, edgecolor="white", lw=0.5)
+                )
+                if self.slots <= 80:
+                    ax.text(
+                        t + 0.5,
+                        s + 0.45,
+                        str(self.micro[t, s]),
+                        ha="center",
+                        va="center",
+                        fontsize=6,
+                    )
+        ax.set_xlim(0, self.slots)
+        ax.set_ylim(p, 0)
+        ax.set_yticks(np.arange(p) + 0.45, [f"stage {s}" for s in range(p)])
+        ax.set_xlabel("slot")
+        ax.set_title(
+            title
+            or f"{self.schedule}: p={p}, m={self.microbatches}"
+            + (f", v={v}" if self.schedule == "circular" else "")
+            + f" · bubble {self.bubble_fraction:.1%}"
+        )
+        ax.legend(
+            handles=[
+                Patch(color=fwd_colors[-1], label="forward"),
+                Patch(color=bwd_colors[-1], label="backward"),
+            ],
+            loc="upper right",
+            fontsize=7,
+        )
+        return ax
+
+
+def check_schedule(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> None:
+    """Raises a ValueError naming the field, value and fix when the combination can't run."""
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"pipeline schedule={schedule!r}: unknown schedule; choose from {', '.join(SCHEDULES)}"
+        )
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("repeats", repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"pipeline {name}={value!r}: must be a positive integer")
+    if repeats > 1 and schedule != "circular":
+        raise ValueError(
+            f"pipeline repeats={repeats} with schedule={schedule!r}: only the circular schedule "
+            "holds several chunks per stage; use --schedule circular or --repeats 1"
+        )
+    if schedule == "1f1b" and microbatches < stages:
+        raise ValueError(
+            f"pipeline microbatches={microbatches} < pipe={stages}: 1f1b needs at least one "
+            f"microbatch per stage to fill the pipeline; use --microbatches {stages} or more"
+        )
+    if schedule == "circular" and repeats > 1 and microbatches < stages:
+        raise ValueError(
+            f"pipeline microbatches={microbatches} < pipe={stages}: the circular schedule sends "
+            f"each microbatch round the stages {repeats} times and needs m ≥ p so a microbatch "
+            f"is back at stage 0 before its next round; use --microbatches {stages} or more"
+        )
+
+
+def forward_ticks(stages: int, microbatches: int, repeats: int = 1):
+    """The forward loop of gpipe / circular: tick t, stage s works on item k = t − s.
+
+    Item k is microbatch k mod m on its round k // m (the stage's local chunk). Returns
+    ``(valid, micro, chunk)``, each [ticks, p] with ticks = v·m + p − 1.
+    """
+    p, m, v = stages, microbatches, repeats
+    t = np.arange(v * m + p - 1)[:, None]
+    k = t - np.arange(p)[None, :]
+    valid = (k >= 0) & (k < v * m)
+    micro = np.where(valid, k % m, -1)
+    chunk = np.where(valid, k // m, -1)
+    return valid, micro, chunk
+
+
+def _one_f_one_b(p: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Simulates PipeDream-flush: each stage warms up with p − s forwards, then alternates one
+    backward and one forward, each as soon as its input has arrived (one slot later)."""
+    fwd_done = np.full((m, p), -1)  # slot at which (microbatch, stage) ran forward
+    bwd_done = np.full((m, p), -1)
+    nf, nb = [0] * p, [0] * p  # forwards / backwards done per stage
+    phase, micro = [], []
+    t = 0
+    while min(nb) < m:
+        row_ph, row_mb = [IDLE] * p, [-1] * p
+        for s in range(p):
+            f, b = nf[s], nb[s]
+            warm = min(p - s, m)
+            can_b = b < f and (
+                (s == p - 1 and fwd_done[b, s] < t) or (s < p - 1 and 0 <= bwd_done[b, s + 1] < t)
+            )
+            can_f = f < m and (s == 0 or 0 <= fwd_done[f, s - 1] < t) and f - b < p - s
+            if can_b and f >= warm:
+                row_ph[s], row_mb[s] = BWD, b
+            elif can_f:
+                row_ph[s], row_mb[s] = FWD, f
+            elif can_b:
+                row_ph[s], row_mb[s] = BWD, b
+        for s in range(p):
+            if row_ph[s] == FWD:
+                fwd_done[nf[s], s] = t
+                nf[s] += 1
+            elif row_ph[s] == BWD:
+                bwd_done[nb[s], s] = t
+                nb[s] += 1
+        phase.append(row_ph)
+        micro.append(row_mb)
+        t += 1
+        if t > 4 * (m + p) + 8:  # the rules above always finish; this guards a future edit
+            raise RuntimeError(f"1f1b schedule for p={p}, m={m} did not finish")
+    return np.array(phase), np.array(micro)
+
+
+def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> ScheduleTable:
+    """The slot-by-slot table of a schedule.
+
+    Args:
+        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
+        p: pipeline stages.
+        m: microbatches per step.
+        v: chunks per stage (circular only; the model's layers are cut into p·v chunks and
+            stage s holds chunks s, s+p, s+2p, ...).
+
+    Returns:
+        A `ScheduleTable`; ``.bubble_fraction`` counts its idle slots, ``.plot()`` draws it.
+    """
+    check_schedule(schedule, p, m, v)
+    if schedule == "1f1b":
+        phase, micro = _one_f_one_b(p, m)
+        chunk = np.where(phase == IDLE, -1, 0)
+    else:
+        valid, micro_f, chunk_f = forward_ticks(p, m, v)
+        phase_f = np.where(valid, FWD, IDLE)
+        # jax.grad runs the forward loop's ticks in reverse, each a backward of the same work.
+        phase = np.concatenate([phase_f, np.where(valid, BWD, IDLE)[::-1]])
+        micro = np.concatenate([micro_f, micro_f[::-1]])
+        chunk = np.concatenate([chunk_f, chunk_f[::-1]])
+    return ScheduleTable(schedule, p, m, v, phase, micro, chunk)
+
+
+def buffer_depth(table: ScheduleTable, kind: str) -> int:
+    """Smallest ring size K so that buffer slot ``microbatch mod K`` is never overwritten before
+    it is read, for the 1f1b executor's buffers.
+
+    ``kind``: ``"fwd"`` (activations received from the previous stage), ``"bwd"`` (cotangents
+    received from the next stage, or made by the loss on the last stage) or ``"res"``
+    (residuals kept from a stage's forward until its backward).
+    """
+    p, m = table.stages, table.microbatches
+    slot = {}
+    for t in range(table.slots):
+        for s in range(p):
+            if table.phase[t, s] != IDLE:
+                slot[(int(table.phase[t, s]), int(table.micro[t, s]), s)] = t
+    for depth in range(1, m + 1):
+        ok = True
+        for s in range(p):
+            for i in range(m - depth):
+                j = i + depth  # the microbatch that reuses i's buffer entry
+                if kind == "fwd":
+                    if s == 0:
+                        continue
+                    written, read = slot[(FWD, j, s - 1)], slot[(FWD, i, s)]
+                elif kind == "bwd":
+                    src = (FWD, j, s) if s == p - 1 else (BWD, j, s + 1)
+                    written, read = slot[src], slot[(BWD, i, s)]
+                else:
+                    written, read = slot[(FWD, j, s)], slot[(BWD, i, s)]
+                # Reads happen before writes within a slot, so the same slot is safe.
+                if written < read:
+                    ok = False
+        if ok:
+            return depth
+    return m

@@ -1,0 +1,277 @@
+"""The pipeline executors: one SPMD program per stage inside a partial-manual `jax.shard_map`.
+
+Only the ``pipe`` axis is manual; ``data``, ``fsdp`` and ``tensor`` stay with the compiler, so
+each stage's blocks are partitioned exactly as they are without a pipeline.
+
+Two executors:
+
+- `forward_loop` (gpipe, circular): a `lax.scan` over ticks; at each tick every stage runs
+  its chunk on one microbatch and `ppermute` passes the result one stage on (round the ring
+  for circular). `jax.grad` through it gives the backward.
+- `one_f_one_b`: the forward *and* backward scheduled by hand. At each slot every stage runs a
+  forward (`jax.vjp` of its chunk, keeping the residuals in a ring of p entries), a backward
+  (the stored vjp applied to the cotangent from the next stage) or nothing, chosen by
+  `lax.switch` on the schedule table. Weight gradients accumulate across microbatches.
+
+Slots where a stage has nothing to do still run in lockstep. Their values are never allowed
+to reach a result: every write is a `jnp.where` on the schedule, and stage inputs are zeroed
+outside their valid ticks. ``poison=True`` fills those slots and all unused buffer entries with
+NaN to prove it.
+
+Shapes: M microbatches, b rows per microbatch, T positions, D width, L stacked layers, Lc
+layers per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshtrain.pipeline.schedules import BWD, FWD, ScheduleTable, buffer_depth, forward_ticks
+
+AXIS = "pipe"
+
+StageFn = Callable[[dict, jax.Array], jax.Array]  # (chunk params [Lc, ...], x [b,T,D]) -> y
+
+
+def _fill(x: jax.Array, poison: bool) -> jax.Array:
+    """Zeros (or NaN, when poisoning) shaped like `x`."""
+    return (
+        jnp.full_like(x, jnp.nan)
+        if poison and jnp.issubdtype(x.dtype, jnp.floating)
+        else (jnp.zeros_like(x))
+    )
+
+
+def _is_varying(x: jax.Array) -> bool:
+    """Whether `x` already differs between pipeline stages (jax 0.12 and 0.11 spellings)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return AXIS in (manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _varying(tree):
+    """Marks stage-local buffers as varying over the pipe axis (scan carries must start so)."""
+    return jax.tree.map(lambda x: x if _is_varying(x) else lax.pcast(x, AXIS, to="varying"), tree)
+
+
+def _put(buf: jax.Array, value: jax.Array, index, when) -> jax.Array:
+    """``buf[index] = value`` where `when`, else unchanged; a masked ring-buffer write."""
+    return lax.dynamic_update_index_in_dim(buf, jnp.where(when, value, buf[index]), index, 0)
+
+
+def _ring(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
+    """ppermute pairs sending stage s to s + step (mod p when `wrap`)."""
+    pairs = [(s, s + step) for s in range(p) if 0 <= s + step < p]
+    if wrap:
+        pairs = [(s, (s + step) % p) for s in range(p)]
+    return pairs
+
+
+def forward_loop(
+    stage_fn: StageFn,
+    chunks: dict,
+    x_MbTD: jax.Array,
+    *,
+    stages: int,
+    repeats: int,
+    poison: bool = False,
+) -> jax.Array:
+    """The gpipe / circular forward, run inside the shard_map over ``pipe``.
+
+    Args:
+        stage_fn: runs one chunk of layers.
+        chunks: this stage's parameters, leading dims [v, Lc, ...] (local chunk r is global
+            chunk r·p + stage).
+        x_MbTD: the embedded microbatches (the same on every stage).
+        stages, repeats: p and v.
+        poison: start every buffer as NaN (testing).
+
+    Returns:
+        [M, b, T, D] outputs of the last chunk, the same on every stage.
+    """
+    p, v, m = stages, repeats, x_MbTD.shape[0]
+    valid, micro, chunk = forward_ticks(p, m, v)
+    s = lax.axis_index(AXIS)
+    x0 = x_MbTD[0]
+    outputs = _varying(_fill(x_MbTD, poison))
+    recv = _varying(_fill(x0, poison))
+    # Outputs of the last stage waiting at stage 0 for their next round (circular only).
+    pending = _varying(_fill(x_MbTD, poison)) if v > 1 else None
+
+    def tick(carry, row):
+        recv, pending, outputs = carry
+        t, ok_row, mb_row, r_row = row
+        ok, i, r = ok_row[s], jnp.maximum(mb_row[s], 0), jnp.maximum(r_row[s], 0)
+        if v > 1:
+            # What arrived at stage 0 was the last stage's item k' = t − p; keep it if it has
+            # rounds left.
+            k_prev = t - p
+            back = (s == 0) & (k_prev >= 0) & (k_prev < (v - 1) * m)
+            pending = _put(pending, recv, jnp.maximum(k_prev, 0) % m, back)
+            first = jnp.where(r == 0, x_MbTD[i], pending[i])
+        else:
+            first = x_MbTD[i]
+        x_in = jnp.where(s == 0, first, recv)
+        x_in = jnp.where(ok, x_in, jnp.zeros_like(x_in))  # bubbles compute on zeros, never NaN
+        params = jax.tree.map(lambda c: c[r], chunks)
+        y = stage_fn(params, x_in)
+        outputs = _put(outputs, y, i, ok & (s == p - 1) & (r == v - 1))
+        recv = lax.ppermute(y, AXIS, _ring(p, 1, wrap=v > 1))
+        return (recv, pending, outputs), None
+
+    rows = (jnp.arange(len(valid)), jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(chunk))
+    (_, _, outputs), _ = lax.scan(tick, (recv, pending, outputs), rows)
+    # Only the last stage holds the outputs; the others contribute zeros.
+    outputs = jnp.where(s == p - 1, outputs, jnp.zeros_like(outputs))
+    return lax.psum(outputs, AXIS)
+
+
+def one_f_one_b(
+    stage_fn: StageFn,
+    head_fn: Callable[[dict, jax.Array, jax.Array], jax.Array],
+    chunk: dict,
+    head: dict,
+    x_MbTD: jax.Array,
+    targets_MbT: jax.Array,
+    table: ScheduleTable,
+    *,
+    poison: bool = False,
+):
+    """The 1F1B forward and backward, run inside the shard_map over ``pipe``.
+
+    Args:
+        stage_fn: runs this stage's chunk of layers.
+        head_fn: ``(head, y_bTD, targets_bT) -> loss`` of one microbatch, already divided by M;
+            runs on the last stage, right after its forward.
+        chunk: this stage's parameters, leading dim [Lc, ...].
+        head: the parameters `head_fn` differentiates (the same on every stage).
+        x_MbTD: embedded microbatches (the same on every stage).
+        targets_MbT: their targets.
+        table: a 1f1b `ScheduleTable`.
+        poison: start buffers and idle outputs as NaN (testing).
+
+    Returns:
+        ``(loss, chunk_grads, head_grads, x_grads)``: the summed loss and head gradients (the
+        same on every stage), this stage's chunk gradients, and d loss / d x_MbTD.
+    """
+    p = table.stages
+    s = lax.axis_index(AXIS)
+    depth_f, depth_b, depth_r = (buffer_depth(table, k) for k in ("fwd", "bwd", "res"))
+    x0 = _varying(x_MbTD[0])
+    # Differentiating an input that is the same on every stage would sum its gradient over
+    # the stages inside the branch, a collective only the last stage reaches; keep it local.
+    head = _varying(head)
+
+    def forward(c, x):
+        """Runs the chunk, returning its output, the residuals to keep, and how to rebuild the
+        vjp from them.
+
+        Residuals that are the chunk's own parameters are not kept (they don't change between
+        forward and backward); the backward puts them back.
+        """
+        y, vjp = jax.vjp(stage_fn, c, x)
+        leaves, treedef = jax.tree.flatten(vjp)
+        params = jax.tree.leaves(c)
+        where = [next((j for j, w in enumerate(params) if leaf is w), None) for leaf in leaves]
+        kept = [leaf for leaf, j in zip(leaves, where, strict=True) if j is None]
+        return y, kept, (treedef, where)
+
+    # Trace once to learn the residuals' shapes (this compiles to nothing).
+    res_shapes = jax.eval_shape(lambda c, x: forward(c, x)[1], chunk, x0)
+    residuals = [_fill(jnp.zeros((depth_r, *r.shape), r.dtype), poison) for r in res_shapes]
+    head_zero = jax.tree.map(jnp.zeros_like, head)
+    chunk_zero = jax.tree.map(jnp.zeros_like, chunk)
+
+    # The three things a stage can do in a slot; `lax.switch` picks one per stage.
+
+    def idle(chunk, x_in, cot, stored):
+        nan_like = lambda a: _fill(a, poison)  # noqa: E731
+        return (
+            nan_like(x0),
+            nan_like(x0),
+            [nan_like(r[0]) for r in residuals],
+            jax.tree.map(nan_like, chunk_zero),
+        )
+
+    def fwd(chunk, x_in, cot, stored):
+        y, kept, _ = forward(chunk, x_in)
+        return (y, jnp.zeros_like(x0), kept, chunk_zero)
+
+    def bwd(chunk, x_in, cot, stored):
+        _, _, (treedef, where) = forward(chunk, x0)  # the structure only; its math is unused
+        it, params = iter(stored), jax.tree.leaves(chunk)
+        leaves = [params[j] if j is not None else next(it) for j in where]
+        g_chunk, g_x = jax.tree.unflatten(treedef, leaves)(cot)
+        return (jnp.zeros_like(x0), g_x, [jnp.zeros_like(r[0]) for r in residuals], g_chunk)
+
+    # The loss head runs after the last stage's forward, under a `lax.cond` whose predicate
+    # comes from the table's slot row and so is the same on every stage. Inside a branch only
+    # some stages take, the compiler's collectives for the head's vocab-wide layout wait for
+    # stages that never arrive; a branch all stages take is safe. The other stages' results
+    # are discarded.
+
+    def head_step(head, y, tgt):
+        loss, head_vjp = jax.vjp(lambda h, y: head_fn(h, y, tgt), head, y)
+        g_head, dy = head_vjp(jnp.ones_like(loss))
+        return _varying((loss.astype(jnp.float32), g_head, dy.astype(y.dtype)))
+
+    def no_head(head, y, tgt):
+        return _varying((jnp.zeros((), jnp.float32), head_zero, jnp.zeros_like(y)))
+
+    # Every branch's outputs differ between stages, so mark them so: the types must agree.
+    branches = [lambda *a, f=f: _varying(f(*a)) for f in (idle, fwd, bwd)]
+    fin = _fill(jnp.zeros((depth_f, *x0.shape), x0.dtype), poison)
+    bin_ = _fill(jnp.zeros((depth_b, *x0.shape), x0.dtype), poison)
+    carry = _varying(
+        (
+            fin,
+            bin_,
+            residuals,
+            jnp.zeros((), jnp.float32),
+            chunk_zero,
+            head_zero,
+            _fill(x_MbTD, poison),
+        )
+    )
+
+    def slot(carry, row):
+        fin, bin_, res, loss, g_chunk, g_head, g_x = carry
+        ph_row, mb_row = row
+        ph, i = ph_row[s], jnp.maximum(mb_row[s], 0)
+        last = s == p - 1
+        x_in = jnp.where(s == 0, x_MbTD[i], fin[i % depth_f])
+        cot = bin_[i % depth_b]
+        stored = [r[i % depth_r] for r in res]
+        y, dx, kept, g_chunk_i = lax.switch(ph, branches, chunk, x_in, cot, stored)
+        last_fwd, last_mb = ph_row[p - 1] == FWD, jnp.maximum(mb_row[p - 1], 0)
+        loss_i, g_head_i, dy = lax.cond(last_fwd, head_step, no_head, head, y, targets_MbT[last_mb])
+        is_f, is_b = ph == FWD, ph == BWD
+        res = [_put(r, k, i % depth_r, is_f) for r, k in zip(res, kept, strict=True)]
+        loss = jnp.where(is_f & last, loss + loss_i, loss)
+        g_chunk = jax.tree.map(lambda a, g: jnp.where(is_b, a + g, a), g_chunk, g_chunk_i)
+        g_head = jax.tree.map(lambda a, g: jnp.where(is_f & last, a + g, a), g_head, g_head_i)
+        g_x = _put(g_x, dx, i, is_b & (s == 0))
+        bin_ = _put(bin_, dy, i % depth_b, is_f & last)
+        # Pass activations on and cotangents back; the table says what each neighbour sent.
+        y_recv = lax.ppermute(y, AXIS, _ring(p, 1, wrap=False))
+        dx_recv = lax.ppermute(dx, AXIS, _ring(p, -1, wrap=False))
+        prev, nxt = jnp.maximum(s - 1, 0), jnp.minimum(s + 1, p - 1)
+        fin = _put(
+            fin, y_recv, jnp.maximum(mb_row[prev], 0) % depth_f, (s > 0) & (ph_row[prev] == FWD)
+        )
+        bin_ = _put(
+            bin_, dx_recv, jnp.maximum(mb_row[nxt], 0) % depth_b, (s < p - 1) & (ph_row[nxt] == BWD)
+        )
+        return (fin, bin_, res, loss, g_chunk, g_head, g_x), None
+
+    rows = (jnp.asarray(table.phase), jnp.asarray(table.micro))
+    carry, _ = lax.scan(slot, carry, rows)
+    _, _, _, loss, g_chunk, g_head, g_x = carry
+    loss = lax.psum(jnp.where(s == p - 1, loss, 0.0), AXIS)
+    g_head = jax.tree.map(lambda g: lax.psum(jnp.where(s == p - 1, g, 0), AXIS), g_head)
+    g_x = lax.psum(jnp.where(s == 0, g_x, jnp.zeros_like(g_x)), AXIS)
+    return loss, g_chunk, g_head, g_x

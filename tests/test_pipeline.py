@@ -1,0 +1,323 @@
+"""Tests for meshtrain.pipeline: schedule tables, equivalence of every schedule with the
+unpipelined GPT (loss and every gradient), NaN-filled bubbles, and errors before compiling.
+
+fp32 tolerance: the pipelined and plain programs sum the same microbatch terms in a different
+order, so gradients agree to a few ulps of their largest entry; we allow 2e-5 of it (measured
+≤ 1e-6), and 1e-5 relative on the loss.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from meshtrain.data import make_arrays_dataset
+from meshtrain.mesh import make_mesh
+from meshtrain.models import GPTConfig, build_model
+from meshtrain.pipeline import (
+    BWD,
+    FWD,
+    IDLE,
+    PipelineConfig,
+    check_pipeline,
+    pipeline_loss_and_grads,
+    schedule_table,
+)
+from meshtrain.pipeline.schedules import buffer_depth
+from meshtrain.sharding import activation_rules, rules_for
+from meshtrain.train.step import cross_entropy, init_train_state
+from meshtrain.train.trainer import TrainConfig, Trainer
+
+GRAD_RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+LOSS_RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+CFG = GPTConfig(d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, max_seq_len=8, vocab_size=64)
+B, T = 32, 8
+
+
+# --- schedule tables (no compiling) --------------------------------------------------------
+
+CASES = [(s, p, m, 1) for s in ("gpipe", "1f1b") for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+CASES += [("circular", p, m, v) for p in (2, 4) for m in (p, 2 * p, 4 * p) for v in (1, 2)]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_counted_bubble_equals_closed_form(schedule, p, m, v):
+    table = schedule_table(schedule, p, m, v)
+    assert table.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert table.bubble_fraction == pytest.approx(table.closed_form_bubble, abs=1e-12)
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_table_runs_every_microbatch_once_each_way_in_dependency_order(schedule, p, m, v):
+    table = schedule_table(schedule, p, m, v)
+    when = {}
+    for t, s in itertools.product(range(table.slots), range(p)):
+        ph = table.phase[t, s]
+        if ph != IDLE:
+            key = (int(ph), int(table.micro[t, s]), int(table.chunk[t, s]), s)
+            assert key not in when, f"{key} scheduled twice"
+            when[key] = t
+    assert len(when) == 2 * m * v * p
+    for i, r, s in itertools.product(range(m), range(v), range(p)):
+        # The global chunk order is (r, s) → r·p + s; each chunk's input is the previous one's
+        # output, and a backward follows the next chunk's backward and its own forward.
+        prev = (r, s - 1) if s > 0 else (r - 1, p - 1)
+        nxt = (r, s + 1) if s < p - 1 else (r + 1, 0)
+        if prev[0] >= 0:
+            assert when[(FWD, i, *prev)] < when[(FWD, i, r, s)]
+        if nxt[0] < v:
+            assert when[(BWD, i, *nxt)] < when[(BWD, i, r, s)]
+        assert when[(FWD, i, r, s)] < when[(BWD, i, r, s)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 8), (4, 4), (4, 16)])
+def test_1f1b_keeps_at_most_p_microbatches_in_flight_where_gpipe_keeps_m(p, m):
+    one = schedule_table("1f1b", p, m)
+    assert one.in_flight() == p
+    assert buffer_depth(one, "res") == p
+    assert schedule_table("gpipe", p, m).in_flight() == m
+
+
+def test_gantt_chart_draws_every_busy_slot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    table = schedule_table("circular", 2, 4, 2)
+    ax = table.plot()
+    assert len(ax.patches) == int(np.sum(table.phase != IDLE))
+    assert "bubble" in ax.get_title()
+
+
+# --- equivalence with the unpipelined GPT --------------------------------------------------
+
+
+def _setup(mesh_spec, devices, cfg=CFG, strategy="fsdp"):
+    """A sharded state, a fresh random batch and the plain reference loss and gradients."""
+    mesh = make_mesh(mesh_spec, devices=jax.devices()[:devices])
+    rules = rules_for(strategy, mesh)
+    graphdef, state, _ = init_train_state(
+        lambda: build_model(cfg, seed=0), optax.sgd(0.1), mesh, rules
+    )
+    rng = np.random.default_rng(abs(hash(mesh_spec)) % 2**32)
+    batch = {
+        k: jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+        for k in ("inputs", "targets")
+    }
+
+    def reference(params):
+        return cross_entropy(
+            nnx.merge(graphdef, params, state.rest)(batch["inputs"]), batch["targets"]
+        )
+
+    ref = jax.jit(jax.value_and_grad(reference))(state.params)
+    return dict(mesh=mesh, rules=rules, graphdef=graphdef, state=state, batch=batch, ref=ref)
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    """Built lazily and shared: pipe alone, pipe × data, and pipe × data × tensor."""
+    cache = {}
+
+    def get(spec, devices=8):
+        if spec not in cache:
+            cache[spec] = _setup(spec, devices)
+        return cache[spec]
+
+    return get
+
+
+def _pipelined(env, config, poison=False):
+    """Loss and gradients of the pipelined GPT on `env`."""
+    mesh, rules = env["mesh"], env["rules"]
+
+    @jax.jit
+    def run(params, batch):
+        with activation_rules(mesh, rules):
+            return pipeline_loss_and_grads(
+                env["graphdef"],
+                params,
+                env["state"].rest,
+                batch,
+                config=config,
+                mesh=mesh,
+                loss_fn=cross_entropy,
+                poison=poison,
+            )
+
+    return run(env["state"].params, env["batch"])
+
+
+def _assert_matches(env, got, dtype=jnp.float32):
+    ref_loss, ref_grads = env["ref"]
+    loss, grads = got
+    assert np.isfinite(float(loss))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL[dtype])
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    flat_got = jax.tree.leaves(grads)
+    assert len(flat_ref) == len(flat_got)
+    for (path, r), g in zip(flat_ref, flat_got, strict=True):
+        r, g = np.asarray(r, np.float32), np.asarray(g, np.float32)
+        assert r.shape == g.shape, path
+        assert np.all(np.isfinite(g)), f"non-finite gradient at {jax.tree_util.keystr(path)}"
+        scale = max(np.abs(r).max(), 1e-6)
+        err = np.abs(r - g).max() / scale
+        assert err <= GRAD_RTOL[dtype], f"{jax.tree_util.keystr(path)}: rel err {err:.2e}"
+
+
+MATRIX = [("gpipe", p, m, 1) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+MATRIX += [("1f1b", p, m, 1) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+MATRIX += [("circular", p, m, 2) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+MATRIX += [("gpipe", 2, 1, 1), ("circular", 2, 2, 1)]  # fewer microbatches than stages; v=1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,p,m,v", MATRIX)
+def test_pipe_x_data_matches_unpipelined(layouts, schedule, p, m, v):
+    env = layouts(f"pipe={p},data={8 // p}")
+    _assert_matches(
+        env, _pipelined(env, PipelineConfig(schedule=schedule, microbatches=m, repeats=v))
+    )
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+def test_pipe_alone_matches_unpipelined(layouts, schedule, v):
+    env = layouts("pipe=2", devices=2)
+    _assert_matches(
+        env, _pipelined(env, PipelineConfig(schedule=schedule, microbatches=4, repeats=v))
+    )
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+def test_nan_filled_bubbles_never_reach_the_result(layouts, schedule, v):
+    """Idle slots and unused buffer entries hold NaN; on pipe × data × tensor the loss and all
+    gradients stay finite and equal to the unpipelined ones."""
+    env = layouts("pipe=2,data=2,tensor=2")
+    config = PipelineConfig(schedule=schedule, microbatches=4, repeats=v)
+    _assert_matches(env, _pipelined(env, config, poison=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+def test_pipe_x_data_x_tensor_matches_unpipelined(layouts, schedule, v):
+    env = layouts("pipe=2,data=2,tensor=2")
+    _assert_matches(
+        env, _pipelined(env, PipelineConfig(schedule=schedule, microbatches=8, repeats=v))
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat,dtype", [("full", "float32"), ("save-dots", "bfloat16")])
+def test_1f1b_with_remat_and_mixed_precision(remat, dtype):
+    cfg = GPTConfig(
+        d_model=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=8,
+        vocab_size=64,
+        remat=remat,
+        dtype=dtype,
+    )
+    env = _setup("pipe=2,data=2,fsdp=2", 8, cfg=cfg)
+    got = _pipelined(env, PipelineConfig(schedule="1f1b", microbatches=4))
+    _assert_matches(env, got, jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+
+
+# --- the trainer ---------------------------------------------------------------------------
+
+
+def _lm_arrays(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CFG.vocab_size, (n, T + 1))
+    return make_arrays_dataset(
+        tokens[:, :-1], tokens[:, 1:], batch_size=B, seed=seed, vocab_size=CFG.vocab_size
+    )
+
+
+def _fit(mesh_spec, pipeline=None, steps=3):
+    mesh = make_mesh(mesh_spec)
+    trainer = Trainer(
+        CFG,
+        _lm_arrays(),
+        mesh=mesh,
+        rules=rules_for("fsdp", mesh),
+        pipeline=pipeline,
+        config=TrainConfig(steps=steps, eval_every=0, log_every=1, run_dir="", progress=False),
+    )
+    return [e["loss"] for e in trainer.fit()], trainer
+
+
+@pytest.mark.slow
+def test_trainer_losses_match_unpipelined_step_for_step():
+    plain, _ = _fit("data=4,fsdp=2")
+    for schedule, v in (("1f1b", 1), ("circular", 2)):
+        piped, trainer = _fit(
+            "pipe=2,data=2,fsdp=2", PipelineConfig(schedule=schedule, microbatches=4, repeats=v)
+        )
+        np.testing.assert_allclose(piped, plain, rtol=2e-5)
+        layer_spec = trainer.shardings.params["blocks"]["mlp"]["up"]["kernel"].spec
+        assert layer_spec[0] == "pipe"  # each stage holds only its own layers
+
+
+# --- errors before compiling ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config,kw,match",
+    [
+        (PipelineConfig(), dict(n_layers=6, pipe=4), r"n_layers=6 .* pipe × repeats = 4"),
+        (
+            PipelineConfig(schedule="circular", repeats=2),
+            dict(n_layers=4, pipe=4),
+            r"pipe × repeats = 4 × 2 = 8",
+        ),
+        (
+            PipelineConfig(schedule="1f1b", microbatches=2),
+            dict(pipe=4),
+            r"microbatches=2 < pipe=4.*--microbatches 4",
+        ),
+        (PipelineConfig(microbatches=3), dict(batch_size=32), r"batch_size=32 .*microbatches=3"),
+        (
+            PipelineConfig(microbatches=8),
+            dict(batch_size=32, batch_ways=8),
+            r"4 rows per microbatch, not divisible by data × fsdp = 8",
+        ),
+        (PipelineConfig(schedule="gpipe", repeats=2), dict(), r"repeats=2 .*only the circular"),
+        (
+            PipelineConfig(schedule="circular", repeats=2, microbatches=1),
+            dict(),
+            r"microbatches=1 < pipe=2",
+        ),
+    ],
+)
+def test_bad_pipelines_are_rejected_with_the_fix(config, kw, match):
+    args = dict(n_layers=8, pipe=2, batch_size=32, batch_ways=1) | kw
+    with pytest.raises(ValueError, match=match):
+        check_pipeline(config, **args)
+
+
+def test_unknown_schedule_names_the_choices():
+    with pytest.raises(ValueError, match=r"schedule='zb'.*gpipe, circular, 1f1b"):
+        PipelineConfig(schedule="zb")
+    with pytest.raises(ValueError, match="microbatches=-1"):
+        PipelineConfig(microbatches=-1)
+
+
+def test_trainer_rejects_a_bad_pipeline_before_compiling():
+    from _helpers import count_compiles
+
+    mesh = make_mesh("pipe=4,data=2")
+    with count_compiles() as compiles, pytest.raises(ValueError, match="n_layers=8 .* = 12"):
+        Trainer(
+            CFG,
+            _lm_arrays(),
+            mesh=mesh,
+            rules=rules_for("fsdp", mesh),
+            pipeline=PipelineConfig(schedule="circular", repeats=3, microbatches=4),
+            config=TrainConfig(steps=1, run_dir="", progress=False),
+        )
+    assert compiles == []

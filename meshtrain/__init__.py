@@ -14,6 +14,7 @@ The public API, in the order a script uses it::
 from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_dataset
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
 from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, build_model, sample
+from meshtrain.pipeline import PipelineConfig, schedule_table
 from meshtrain.sharding import (
     LOGICAL_AXES,
     STRATEGIES,
@@ -47,6 +48,7 @@ __all__ = [
     "MLPConfig",
     "MeshConfig",
     "OptimConfig",
+    "PipelineConfig",
     "Rules",
     "TrainConfig",
     "TrainState",
@@ -63,6 +65,7 @@ __all__ = [
     "make_optimizer",
     "rules_for",
     "sample",
+    "schedule_table",
     "shard_batch",
     "simulate_devices",
     "train_step",

@@ -82,3 +82,34 @@ def test_overhead_quick_prints_one_json_line():
     # All contenders start from the same parameters and batch, so the first loss agrees.
     losses = list(out["first_loss"].values())
     assert all(loss == pytest.approx(losses[0], rel=1e-5) for loss in losses)
+
+
+@pytest.mark.slow
+def test_pipeline_memory_quick_counts_permutes_and_memory():
+    """`--quick` prints one JSON line whose permute counts match the analytic ones and whose
+    1F1B temporary memory is below gpipe's."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline_memory.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout
+    out = json.loads(lines[0])
+    for schedule in ("gpipe", "1f1b", "circular"):
+        fig = out[schedule]
+        assert _positive_finite(fig["temp_bytes"])
+        expected = fig["collective_permutes_expected"]
+        assert expected <= fig["collective_permutes_per_step"] <= expected + 1, fig
+        assert fig["permute_bytes_per_device"] >= fig["permute_bytes_expected"], fig
+    assert (
+        out["1f1b"]["collective_permutes_per_step"] == out["1f1b"]["collective_permutes_expected"]
+    )
+    assert out["1f1b"]["temp_bytes"] < out["gpipe"]["temp_bytes"]

@@ -70,7 +70,24 @@ def _check_quickstart(nb) -> None:
     ), "the loss-curve plot produced no image"
 
 
-CHECKS = {"01_quickstart.ipynb": _check_quickstart}
+def _check_pipelines(nb) -> None:
+    """The 1F1B run matched the unpipelined one, and the charts were drawn."""
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    match = FINAL_LOSSES.search(text)
+    assert match, "the pipelines notebook must print 'final losses: 1f1b=..., unpipelined=...'"
+    losses = {k.strip(): float(v) for k, v in (p.split("=") for p in match.group(1).split(","))}
+    assert set(losses) == {"1f1b", "unpipelined"}, losses
+    assert abs(losses["1f1b"] - losses["unpipelined"]) < 1e-4, losses
+    assert losses["1f1b"] < 4.5, losses
+    ratio = re.search(r"1f1b / gpipe = ([\d.]+)", text)
+    assert ratio and float(ratio.group(1)) < 1.0, "1F1B must need less memory than gpipe"
+    images = sum(
+        "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
+    )
+    assert images >= 3, f"expected the Gantt, bubble and loss plots, got {images} images"
+
+
+CHECKS = {"01_quickstart.ipynb": _check_quickstart, "02_pipelines.ipynb": _check_pipelines}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

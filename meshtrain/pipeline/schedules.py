@@ -115,7 +115,8 @@ class ScheduleTable:
                 Patch(color=fwd_colors[-1], label="forward"),
                 Patch(color=bwd_colors[-1], label="backward"),
             ],
-            loc="upper right",
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
             fontsize=7,
         )
         return ax

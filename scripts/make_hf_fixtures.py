@@ -21,10 +21,11 @@ For each of two tiny random models (fixed seeds) it writes
   untied head, weights stored as bfloat16.
 
 Parameters are rounded to the storage dtype first and the logits computed from the rounded
-weights in float32 (buffers such as RoPE's ``inv_freq`` stay float32: casting the whole model
-to bfloat16 and back would round them too and shift the reference logits by ~5e-3), so a float32 implementation can match them to float32 rounding. The initialiser
-scale is raised above transformers' default 0.02 so that attention is far from uniform and a
-wrong mapping of any weight moves the logits well past the test tolerance.
+weights in float32, so a float32 implementation can match them to float32 rounding. Buffers
+such as RoPE's ``inv_freq`` stay float32: casting the whole model to bfloat16 and back would
+round them too and shift the reference logits by ~5e-3. The initialiser scale is raised above
+transformers' default 0.02 so that attention is far from uniform and a wrong mapping of any
+weight moves the logits well past the test tolerance.
 
 ``--verify DIR`` instead loads a directory exported by ``meshtrain.hf.save_pretrained`` with
 transformers and compares its logits with ``DIR/meshtrain_logits.npz`` (``tokens``, ``logits``)
@@ -123,7 +124,8 @@ def _verify(path: Path) -> None:
         logits = model(torch.from_numpy(ref["tokens"]).long()).logits.numpy()
     err = float(np.abs(logits - ref["logits"]).max())
     rel = err / float(np.abs(ref["logits"]).max())
-    print(f"{path}: {type(model).__name__}, max |transformers - meshtrain| = {err:.2e} ({rel:.1e} of max |logit|)")
+    name = type(model).__name__
+    print(f"{path}: {name}, max |transformers - meshtrain| = {err:.2e} ({rel:.1e} of max |logit|)")
     if rel > 1e-5:
         sys.exit(f"{path}: logits differ by {err:.2e}, {rel:.1e} of the largest logit")
 

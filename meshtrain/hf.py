@@ -23,6 +23,7 @@ permutation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
@@ -405,24 +406,22 @@ def _read_tensors(path: Path, cfg: GPTConfig) -> dict[str, np.ndarray]:
             "the weights and config.json must come from the same model"
         )
     out = {}
-    handles: dict[Path, object] = {}
-    try:
-        for name, shape in want.items():
+    with contextlib.ExitStack() as stack:
+        opened = {f: stack.enter_context(safe_open(f, framework="np")) for f in set(files.values())}
+        for name, shape in want.items():  # every shape first, so a bad file fails fast
             key = names[name]
-            if files[key] not in handles:
-                handles[files[key]] = safe_open(files[key], framework="np").__enter__()
-            x = handles[files[key]].get_tensor(key)
-            if tuple(x.shape) != shape:
+            got = tuple(opened[files[key]].get_slice(key).get_shape())
+            if got != shape:
                 raise ValueError(
-                    f"{path}: tensor {key!r} has shape {tuple(x.shape)}, but config.json implies "
+                    f"{path}: tensor {key!r} has shape {got}, but config.json implies "
                     f"{shape}; the weights and config.json must come from the same model"
                 )
+        for name in want:
+            key = names[name]
+            x = opened[files[key]].get_tensor(key)
             if not np.issubdtype(x.dtype, np.floating) and x.dtype != jnp.bfloat16:
                 raise ValueError(f"{path}: tensor {key!r} has dtype {x.dtype}; expected floats")
             out[name] = np.asarray(x, dtype=np.float32)
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
     return out
 
 

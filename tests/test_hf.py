@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -143,7 +144,7 @@ def test_load_onto_mesh_fsdp_tp(style):
         jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(want), strict=True
     ):
         assert x.sharding.is_equivalent_to(s, x.ndim), jax.tree_util.keystr(path)
-    assert params["embed"]["embedding"].sharding.spec == jax.P("tensor", ("data", "fsdp"))
+    assert params["embed"]["embedding"].sharding.spec == P("tensor", ("data", "fsdp"))
     assert len(params["blocks"]["attn"]["q"]["kernel"].addressable_shards[0].data.flatten()) == (
         params["blocks"]["attn"]["q"]["kernel"].size // 8
     )
@@ -225,6 +226,34 @@ def test_export_of_sharded_params(tmp_path):
     )
     assert sorted(got) == sorted(want)
     assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+
+
+def test_older_and_sharded_file_layouts_load_the_same(loaded, tmp_path):
+    """Unprefixed keys with saved buffers (the hub's original gpt2 files) and a sharded index."""
+    old = _copy(tmp_path, "gpt2")
+
+    def legacy(t):
+        for key in list(t):
+            t[key.removeprefix("transformer.")] = t.pop(key)
+        t["h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
+        t["h.0.attn.masked_bias"] = np.array(-1e4, np.float32)
+
+    _edit_tensors(old, legacy)
+    _, params = hf.load_pretrained(old)
+    jax.tree.map(np.testing.assert_array_equal, params, loaded["gpt2"][1])
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(FIXTURES / "llama", sharded)
+    tensors = _read(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    weight_map = {}
+    for i, part in enumerate((sorted(tensors)[:9], sorted(tensors)[9:])):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, sharded / name)
+        weight_map |= dict.fromkeys(part, name)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _, params = hf.load_pretrained(sharded)
+    jax.tree.map(np.testing.assert_array_equal, params, loaded["llama"][1])
 
 
 def test_config_override_keeps_training_fields_and_checks_the_rest():

@@ -1,0 +1,158 @@
+"""Makes the Hugging Face interchange fixtures in tests/fixtures/hf/ with the reference code.
+
+Run once, by hand, never by the test suite: it needs torch and transformers, which meshtrain does
+not. Python 3.11, in a venv of its own (the CPU torch wheel lies on this machine's disk; install
+torch==2.13.0 first and exactly, so pip does not pull a CUDA build)::
+
+    python3.11 -m venv /tmp/hfvenv
+    /tmp/hfvenv/bin/pip install torch==2.13.0
+    /tmp/hfvenv/bin/pip install transformers safetensors numpy
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py
+
+The fixtures were made with torch 2.13.0+cpu, transformers 5.23.0, safetensors 0.8.0 and numpy
+2.4.6; `versions.json` beside them records what ran.
+
+For each of two tiny random models (fixed seeds) it writes
+``tests/fixtures/hf/<name>/{config.json, model.safetensors}`` via ``save_pretrained`` and
+``tests/fixtures/hf/<name>_logits.npz`` (``tokens`` [2, T] int32, ``logits`` [2, T, V] float32):
+
+- ``gpt2``: ``GPT2LMHeadModel``, tied head, weights stored as float16;
+- ``llama``: ``LlamaForCausalLM`` with grouped-query attention (4 query / 2 key-value heads),
+  untied head, weights stored as bfloat16.
+
+Parameters are rounded to the storage dtype first and the logits computed from the rounded
+weights in float32, so a float32 implementation can match them to float32 rounding. Buffers
+such as RoPE's ``inv_freq`` stay float32: casting the whole model to bfloat16 and back would
+round them too and shift the reference logits by ~5e-3. The initialiser scale is raised above
+transformers' default 0.02 so that attention is far from uniform and a wrong mapping of any
+weight moves the logits well past the test tolerance.
+
+``--verify DIR`` instead loads a directory exported by ``meshtrain.hf.save_pretrained`` with
+transformers and compares its logits with ``DIR/meshtrain_logits.npz`` (``tokens``, ``logits``)
+written by meshtrain: the check that exported files load in the reference implementation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import torch
+import transformers
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
+BATCH, SEQ = 2, 24
+
+
+def _gpt2() -> transformers.PreTrainedModel:
+    """Tiny GPT-2: vocab 256, width 64, 2 layers, 4 heads (head width 16), MLP 128."""
+    cfg = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=32,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_inner=128,
+        layer_norm_epsilon=1e-5,
+        initializer_range=0.1,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama() -> transformers.PreTrainedModel:
+    """Tiny Llama with GQA: vocab 256, width 64, 2 layers, 4 query and 2 key/value heads."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _randomise_norms(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Norm scales and biases start at 1 and 0; perturb them so their mapping is tested too."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and ("ln" in name or "norm" in name):
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+def _make(name: str, build, dtype: torch.dtype, seed: int) -> None:
+    """Builds, rounds to `dtype`, saves, and records float32 logits on fixed tokens."""
+    torch.manual_seed(seed)
+    model = build().eval()
+    _randomise_norms(model, torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad():  # round the parameters only: buffers (RoPE's inv_freq) stay float32
+        for p in model.parameters():
+            p.copy_(p.to(dtype).to(torch.float32))
+    tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, (BATCH, SEQ))
+    tokens = tokens.astype(np.int32)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens).long()).logits.numpy().astype(np.float32)
+    model.to(dtype).save_pretrained(OUT / name, safe_serialization=True)  # exact: pre-rounded
+    np.savez(OUT / f"{name}_logits.npz", tokens=tokens, logits=logits)
+    print(f"{name}: {OUT / name}, logits {logits.shape}, |logits| max {np.abs(logits).max():.3f}")
+
+
+def _verify(path: Path) -> None:
+    """Loads a meshtrain export with transformers and compares logits with meshtrain's."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    model = model.to(torch.float32).eval()
+    ref = np.load(path / "meshtrain_logits.npz")
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ref["tokens"]).long()).logits.numpy()
+    err = float(np.abs(logits - ref["logits"]).max())
+    rel = err / float(np.abs(ref["logits"]).max())
+    name = type(model).__name__
+    print(f"{path}: {name}, max |transformers - meshtrain| = {err:.2e} ({rel:.1e} of max |logit|)")
+    if rel > 1e-5:
+        sys.exit(f"{path}: logits differ by {err:.2e}, {rel:.1e} of the largest logit")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verify", type=Path, nargs="*", help="check meshtrain exports instead")
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float32)
+    if args.verify:
+        for path in args.verify:
+            _verify(path)
+        return
+    OUT.mkdir(parents=True, exist_ok=True)
+    _make("gpt2", _gpt2, torch.float16, seed=1234)
+    _make("llama", _llama, torch.bfloat16, seed=5678)
+    versions = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+        "attn_implementation": "eager",
+    }
+    (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+    print(json.dumps(versions))
+
+
+if __name__ == "__main__":
+    main()

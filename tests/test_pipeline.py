@@ -3,9 +3,11 @@ unpipelined GPT (loss and every gradient), NaN-filled bubbles, and errors before
 
 fp32 tolerance: the pipelined and plain programs sum the same microbatch terms in a different
 order, so gradients agree to a few ulps of their largest entry; we allow 2e-5 of it (measured
-≤ 1e-6), and 1e-5 relative on the loss.
+≤ 1e-6), and 1e-5 relative on the loss. bf16 compute is judged against the float32 truth
+instead (see `_assert_as_accurate`).
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -32,8 +34,7 @@ from meshtrain.sharding import activation_rules, rules_for
 from meshtrain.train.step import cross_entropy, init_train_state
 from meshtrain.train.trainer import TrainConfig, Trainer
 
-GRAD_RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
-LOSS_RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32
 CFG = GPTConfig(d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, max_seq_len=8, vocab_size=64)
 B, T = 32, 8
 
@@ -114,7 +115,11 @@ def _setup(mesh_spec, devices, cfg=CFG, strategy="fsdp"):
         )
 
     ref = jax.jit(jax.value_and_grad(reference))(state.params)
-    return dict(mesh=mesh, rules=rules, graphdef=graphdef, state=state, batch=batch, ref=ref)
+    env = dict(mesh=mesh, rules=rules, graphdef=graphdef, state=state, batch=batch, ref=ref)
+    if cfg.dtype != "float32":  # the same parameters computed in float32: the ground truth
+        exact = dataclasses.replace(cfg, dtype="float32")
+        env["exact"] = _setup(mesh_spec, devices, exact, strategy)["ref"]
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +157,12 @@ def _pipelined(env, config, poison=False):
 
 
 def _assert_matches(env, got, dtype=jnp.float32):
+    if dtype != jnp.float32:
+        return _assert_as_accurate(env, got)
     ref_loss, ref_grads = env["ref"]
     loss, grads = got
     assert np.isfinite(float(loss))
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL[dtype])
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=LOSS_RTOL)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     flat_got = jax.tree.leaves(grads)
     assert len(flat_ref) == len(flat_got)
@@ -163,9 +170,34 @@ def _assert_matches(env, got, dtype=jnp.float32):
         r, g = np.asarray(r, np.float32), np.asarray(g, np.float32)
         assert r.shape == g.shape, path
         assert np.all(np.isfinite(g)), f"non-finite gradient at {jax.tree_util.keystr(path)}"
-        scale = max(np.abs(r).max(), 1e-6)
-        err = np.abs(r - g).max() / scale
-        assert err <= GRAD_RTOL[dtype], f"{jax.tree_util.keystr(path)}: rel err {err:.2e}"
+        err = np.abs(r - g).max() / max(np.abs(r).max(), 1e-6)
+        assert err <= GRAD_RTOL, f"{jax.tree_util.keystr(path)}: rel err {err:.2e}"
+
+
+def _assert_as_accurate(env, got):
+    """bf16: per-microbatch matmuls round differently from whole-batch ones, so instead of
+    matching the unpipelined bf16 run we require the pipelined gradients to be as close to the
+    float32 truth as it is (relative Frobenius error at most 1.5× its own, plus 2e-3)."""
+    exact_loss, exact = env["exact"]
+    plain_loss, plain = env["ref"]
+    loss, grads = got
+    assert (
+        abs(float(loss) - float(exact_loss))
+        <= 1.5 * abs(float(plain_loss) - float(exact_loss)) + 1e-2
+    )
+    for (path, e), p, g in zip(
+        jax.tree_util.tree_leaves_with_path(exact),
+        jax.tree.leaves(plain),
+        jax.tree.leaves(grads),
+        strict=True,
+    ):
+        e, p, g = (np.asarray(a, np.float32) for a in (e, p, g))
+        assert np.all(np.isfinite(g)), jax.tree_util.keystr(path)
+        norm = max(np.linalg.norm(e), 1e-6)
+        ours, theirs = np.linalg.norm(g - e) / norm, np.linalg.norm(p - e) / norm
+        assert ours <= 1.5 * theirs + 2e-3, (
+            f"{jax.tree_util.keystr(path)}: {ours:.2e} vs {theirs:.2e}"
+        )
 
 
 MATRIX = [("gpipe", p, m, 1) for p in (2, 4) for m in (p, 2 * p, 4 * p)]
@@ -210,8 +242,15 @@ def test_pipe_x_data_x_tensor_matches_unpipelined(layouts, schedule, v):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat,dtype", [("full", "float32"), ("save-dots", "bfloat16")])
-def test_1f1b_with_remat_and_mixed_precision(remat, dtype):
+@pytest.mark.parametrize(
+    "schedule,remat,dtype",
+    [
+        ("1f1b", "full", "float32"),
+        ("1f1b", "save-dots", "bfloat16"),
+        ("gpipe", "save-attention-out", "bfloat16"),
+    ],
+)
+def test_remat_and_mixed_precision(schedule, remat, dtype):
     cfg = GPTConfig(
         d_model=32,
         n_layers=4,
@@ -223,7 +262,7 @@ def test_1f1b_with_remat_and_mixed_precision(remat, dtype):
         dtype=dtype,
     )
     env = _setup("pipe=2,data=2,fsdp=2", 8, cfg=cfg)
-    got = _pipelined(env, PipelineConfig(schedule="1f1b", microbatches=4))
+    got = _pipelined(env, PipelineConfig(schedule=schedule, microbatches=4))
     _assert_matches(env, got, jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
 
 

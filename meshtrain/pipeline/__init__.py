@@ -204,12 +204,18 @@ def pipeline_loss(
         order = _circular_order(parts.n_layers, p, v)
         blocks = jax.tree.map(lambda w: jnp.take(w, order, axis=0), blocks)
 
+    dtype = x_MbTD.dtype
+
     def body(blocks, x_MbTD):
         chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), blocks)
+        # Cast after marking it per-stage, so its gradient's sum over stages is in float32.
+        x_MbTD = spmd.varying(x_MbTD).astype(dtype)
         return spmd.forward_loop(parts.stage, chunks, x_MbTD, stages=p, repeats=v, poison=poison)
 
+    # The embedded batch crosses into the loop in float32: its gradient is summed over the
+    # stages on the way out, and XLA's CPU backend aborts on a bfloat16 all-reduce there.
     run = _shard_map(body, mesh, (P(spmd.AXIS), P()), P())
-    y_BTD = merge_microbatches(run(blocks, x_MbTD))
+    y_BTD = merge_microbatches(run(blocks, x_MbTD.astype(jnp.float32)))
     y_BTD = constrain(y_BTD, ("batch", "seq", "embed"))
     return loss_fn(model.head_logits(y_BTD), batch["targets"])
 

@@ -46,21 +46,31 @@ def _fill(x: jax.Array, poison: bool) -> jax.Array:
     )
 
 
-def _is_varying(x: jax.Array) -> bool:
+def _isvarying(x: jax.Array) -> bool:
     """Whether `x` already differs between pipeline stages (jax 0.12 and 0.11 spellings)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     return AXIS in (manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
-def _varying(tree):
+def varying(tree):
     """Marks stage-local buffers as varying over the pipe axis (scan carries must start so)."""
-    return jax.tree.map(lambda x: x if _is_varying(x) else lax.pcast(x, AXIS, to="varying"), tree)
+    return jax.tree.map(lambda x: x if _isvarying(x) else lax.pcast(x, AXIS, to="varying"), tree)
 
 
 def _put(buf: jax.Array, value: jax.Array, index, when) -> jax.Array:
     """``buf[index] = value`` where `when`, else unchanged; a masked ring-buffer write."""
     return lax.dynamic_update_index_in_dim(buf, jnp.where(when, value, buf[index]), index, 0)
+
+
+def _from_stage(x: jax.Array, stage: int) -> jax.Array:
+    """Stage `stage`'s value of `x` on every stage: a psum with the others contributing zeros.
+
+    The sum runs in float32: XLA's CPU backend aborts on a bfloat16 all-reduce here
+    ("Invalid binary instruction opcode copy", jax 0.12).
+    """
+    mine = jnp.where(lax.axis_index(AXIS) == stage, x, jnp.zeros_like(x))
+    return lax.psum(mine.astype(jnp.float32), AXIS).astype(x.dtype)
 
 
 def _ring(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
@@ -97,10 +107,10 @@ def forward_loop(
     valid, micro, chunk = forward_ticks(p, m, v)
     s = lax.axis_index(AXIS)
     x0 = x_MbTD[0]
-    outputs = _varying(_fill(x_MbTD, poison))
-    recv = _varying(_fill(x0, poison))
+    outputs = varying(_fill(x_MbTD, poison))
+    recv = varying(_fill(x0, poison))
     # Outputs of the last stage waiting at stage 0 for their next round (circular only).
-    pending = _varying(_fill(x_MbTD, poison)) if v > 1 else None
+    pending = varying(_fill(x_MbTD, poison)) if v > 1 else None
 
     def tick(carry, row):
         recv, pending, outputs = carry
@@ -126,8 +136,7 @@ def forward_loop(
     rows = (jnp.arange(len(valid)), jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(chunk))
     (_, _, outputs), _ = lax.scan(tick, (recv, pending, outputs), rows)
     # Only the last stage holds the outputs; the others contribute zeros.
-    outputs = jnp.where(s == p - 1, outputs, jnp.zeros_like(outputs))
-    return lax.psum(outputs, AXIS)
+    return _from_stage(outputs, p - 1)
 
 
 def one_f_one_b(
@@ -161,10 +170,10 @@ def one_f_one_b(
     p = table.stages
     s = lax.axis_index(AXIS)
     depth_f, depth_b, depth_r = (buffer_depth(table, k) for k in ("fwd", "bwd", "res"))
-    x0 = _varying(x_MbTD[0])
+    x0 = varying(x_MbTD[0])
     # Differentiating an input that is the same on every stage would sum its gradient over
     # the stages inside the branch, a collective only the last stage reaches; keep it local.
-    head = _varying(head)
+    head = varying(head)
 
     def forward(c, x):
         """Runs the chunk, returning its output, the residuals to keep, and how to rebuild the
@@ -217,16 +226,16 @@ def one_f_one_b(
     def head_step(head, y, tgt):
         loss, head_vjp = jax.vjp(lambda h, y: head_fn(h, y, tgt), head, y)
         g_head, dy = head_vjp(jnp.ones_like(loss))
-        return _varying((loss.astype(jnp.float32), g_head, dy.astype(y.dtype)))
+        return varying((loss.astype(jnp.float32), g_head, dy.astype(y.dtype)))
 
     def no_head(head, y, tgt):
-        return _varying((jnp.zeros((), jnp.float32), head_zero, jnp.zeros_like(y)))
+        return varying((jnp.zeros((), jnp.float32), head_zero, jnp.zeros_like(y)))
 
     # Every branch's outputs differ between stages, so mark them so: the types must agree.
-    branches = [lambda *a, f=f: _varying(f(*a)) for f in (idle, fwd, bwd)]
+    branches = [lambda *a, f=f: varying(f(*a)) for f in (idle, fwd, bwd)]
     fin = _fill(jnp.zeros((depth_f, *x0.shape), x0.dtype), poison)
     bin_ = _fill(jnp.zeros((depth_b, *x0.shape), x0.dtype), poison)
-    carry = _varying(
+    carry = varying(
         (
             fin,
             bin_,
@@ -273,5 +282,5 @@ def one_f_one_b(
     _, _, _, loss, g_chunk, g_head, g_x = carry
     loss = lax.psum(jnp.where(s == p - 1, loss, 0.0), AXIS)
     g_head = jax.tree.map(lambda g: lax.psum(jnp.where(s == p - 1, g, 0), AXIS), g_head)
-    g_x = lax.psum(jnp.where(s == 0, g_x, jnp.zeros_like(g_x)), AXIS)
+    g_x = _from_stage(g_x, 0)
     return loss, g_chunk, g_head, g_x

@@ -1,1 +1,19 @@
-"""Pallas GPU kernels and their jnp references (filled in by the kernels issue)."""
+"""Pallas GPU kernels with pure-jnp references and an ``impl=`` switch.
+
+Every public kernel takes ``impl="pallas" | "xla" | "auto"`` (attention also ``"cudnn"``):
+``"xla"`` is the jnp reference in `meshtrain.kernels.reference`, ``"pallas"`` the kernel
+(interpreted when no GPU is present), ``"auto"`` Pallas on a GPU and the reference elsewhere.
+See kernels/README.md for each kernel's algorithm, backend and limits.
+"""
+
+from meshtrain.kernels import reference
+from meshtrain.kernels._common import ATTENTION_IMPLS, IMPLS, poison_outputs
+from meshtrain.kernels.attention import flash_attention
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "IMPLS",
+    "flash_attention",
+    "poison_outputs",
+    "reference",
+]

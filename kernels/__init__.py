@@ -9,11 +9,14 @@ See kernels/README.md for each kernel's algorithm, backend and limits.
 from meshtrain.kernels import reference
 from meshtrain.kernels._common import ATTENTION_IMPLS, IMPLS, poison_outputs
 from meshtrain.kernels.attention import flash_attention
+from meshtrain.kernels.cross_entropy import cross_entropy, cross_entropy_loss
 from meshtrain.kernels.norms import layer_norm, rms_norm
 
 __all__ = [
     "ATTENTION_IMPLS",
     "IMPLS",
+    "cross_entropy",
+    "cross_entropy_loss",
     "flash_attention",
     "layer_norm",
     "poison_outputs",

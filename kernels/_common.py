@@ -90,7 +90,7 @@ def _axes_for(name: str | None, size: int, mesh, rules, used: set[str]) -> tuple
     return tuple(axes)
 
 
-def sharded(fn, args, names, out_names):
+def sharded(fn, args, names, out_names, *, with_axes=False):
     """Runs ``fn(*args)`` per shard under `jax.shard_map` when a mesh is active.
 
     Args:
@@ -106,7 +106,7 @@ def sharded(fn, args, names, out_names):
     """
     active = _active()
     if active is None:
-        return fn(*args)
+        return fn(*args, axes={}) if with_axes else fn(*args)
     mesh, rules = active
     # Resolve each logical name once, from the first argument that carries it, so all
     # arguments sharing a name are split the same way.
@@ -134,11 +134,13 @@ def sharded(fn, args, names, out_names):
     single = out_names and not isinstance(out_names[0], tuple)
     out_specs = spec(out_names) if single else tuple(spec(n) for n in out_names)
     in_specs = tuple(spec(n) for n in names)
+    if with_axes:
+        fn = functools.partial(fn, axes={k: v for k, v in resolved.items() if v})
     if all(s == P(*([None] * len(s))) for s in in_specs):
         return fn(*args)
-    return jax.shard_map(
-        functools.partial(fn), mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        *args
+    )
 
 
 _POISON: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_poison", default=False)

@@ -11,14 +11,17 @@ from meshtrain.kernels._common import ATTENTION_IMPLS, IMPLS, poison_outputs
 from meshtrain.kernels.attention import flash_attention
 from meshtrain.kernels.cross_entropy import cross_entropy, cross_entropy_loss
 from meshtrain.kernels.norms import layer_norm, rms_norm
+from meshtrain.kernels.select import check_impls, model_attention_impl
 
 __all__ = [
     "ATTENTION_IMPLS",
     "IMPLS",
+    "check_impls",
     "cross_entropy",
     "cross_entropy_loss",
     "flash_attention",
     "layer_norm",
+    "model_attention_impl",
     "poison_outputs",
     "reference",
     "rms_norm",

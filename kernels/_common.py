@@ -102,7 +102,8 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
     Returns:
         ``fn(*args)``; under `meshtrain.sharding.activation_rules` each device runs `fn` on its
         own block (batch over data × fsdp, heads over tensor), with no gathering. A dimension
-        whose size the mesh axes do not divide is left whole (replicated).
+        whose size the mesh axes do not divide is left whole (replicated). With `with_axes`,
+        `fn` also gets ``axes=`` (logical name → the mesh axes it is split over).
     """
     active = _active()
     if active is None:

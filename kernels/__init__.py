@@ -10,6 +10,7 @@ from meshtrain.kernels import reference
 from meshtrain.kernels._common import ATTENTION_IMPLS, IMPLS, poison_outputs
 from meshtrain.kernels.attention import flash_attention
 from meshtrain.kernels.cross_entropy import cross_entropy, cross_entropy_loss
+from meshtrain.kernels.matmul import matmul
 from meshtrain.kernels.norms import layer_norm, rms_norm
 from meshtrain.kernels.select import check_impls, model_attention_impl
 
@@ -21,6 +22,7 @@ __all__ = [
     "cross_entropy_loss",
     "flash_attention",
     "layer_norm",
+    "matmul",
     "model_attention_impl",
     "poison_outputs",
     "reference",

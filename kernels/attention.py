@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
 from meshtrain.kernels import _common, reference
 
 HEAD_DIMS = (64, 128)

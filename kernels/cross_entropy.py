@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
 from meshtrain.kernels import _common, reference
 
 DTYPES = (jnp.float32, jnp.bfloat16)

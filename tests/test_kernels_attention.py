@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _kernel_helpers import TOL, assert_close, fresh_key
+
 from meshtrain.kernels import _common, flash_attention, reference
 from meshtrain.kernels.attention import flash_attention_lse
-
 from meshtrain.models import layers
 
 BLOCK = 16  # small blocks so short test sequences still span several tiles

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 from _kernel_helpers import TOL, assert_close, fresh_key
-from meshtrain.kernels import cross_entropy, poison_outputs, reference
 
+from meshtrain.kernels import cross_entropy, poison_outputs, reference
 from meshtrain.mesh import make_mesh
 from meshtrain.sharding import activation_rules, constrain, rules_for
 

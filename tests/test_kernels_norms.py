@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from _kernel_helpers import TOL, assert_close, fresh_key
 from flax import nnx
-from meshtrain.kernels import layer_norm, poison_outputs, reference, rms_norm
 
+from meshtrain.kernels import layer_norm, poison_outputs, reference, rms_norm
 from meshtrain.mesh import make_mesh
 from meshtrain.sharding import activation_rules, rules_for
 

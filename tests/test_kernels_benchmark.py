@@ -46,10 +46,13 @@ def test_cpu_run_says_unmeasured_and_checks_correctness(tmp_path):
 
 @pytest.mark.slow
 def test_selftest_builds_the_table():
-    out = _run("--selftest")
+    """The timing path on tiny shapes; attention (the most involved table) and one row-wise
+    kernel keep it cheap."""
+    out = _run("--selftest", "--only", "attention,rms_norm")
     assert out["gpu_figures"] == "unmeasured" and "not performance figures" in out["note"]
     rows = out["rows"]
-    for kernel in KERNELS:
+    assert {r["kernel"] for r in rows} == {"attention", "rms_norm"}
+    for kernel in ("attention", "rms_norm"):
         for pass_ in ("fwd", "fwd+bwd"):
             mine = [
                 r for r in rows if (r["kernel"], r["pass"], r["impl"]) == (kernel, pass_, "pallas")

@@ -98,24 +98,25 @@ def test_cli_exposes_the_kernel_flags(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_trainer_trains_with_kernels_selected():
-    """Three Trainer steps with every kernel on Pallas follow the jnp run's losses."""
+    """The Trainer runs the GPT with every kernel on Pallas (the loss through loss_impl) on a
+    2×2×2 mesh; its loss starts near ln(256) and falls."""
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     rules = rules_for("fsdp+tp", mesh)
     data = make_dataset(DataConfig(source="synthetic", seq_len=32, batch_size=8))
-    gpt = GPTConfig(style="llama", **dict(BASE, n_layers=1))
-    histories = {}
-    for name, cfg in {"xla": gpt, "pallas": dataclasses.replace(gpt, **PALLAS)}.items():
-        trainer = Trainer(
-            cfg,
-            data,
-            mesh=mesh,
-            rules=rules,
-            config=TrainConfig(steps=3, log_every=1, eval_every=0, run_dir="", progress=False),
-        )
-        histories[name] = [m["loss"] for m in trainer.fit()]
-    assert len(histories["pallas"]) == 3 and np.all(np.isfinite(histories["pallas"]))
-    np.testing.assert_allclose(histories["pallas"], histories["xla"], rtol=1e-4)
-    assert histories["pallas"][-1] < histories["pallas"][0]
+    cfg = GPTConfig(style="llama", **dict(BASE, n_layers=1), **PALLAS)
+    trainer = Trainer(
+        cfg,
+        data,
+        mesh=mesh,
+        rules=rules,
+        config=TrainConfig(steps=3, log_every=1, eval_every=0, run_dir="", progress=False),
+    )
+    logits, targets = jnp.zeros((2, 4, 256)), jnp.zeros((2, 4), jnp.int32)
+    assert "cross_entropy_fwd" in str(jax.make_jaxpr(trainer._loss_fn())(logits, targets))
+    losses = [m["loss"] for m in trainer.fit()]
+    assert len(losses) == 3 and np.all(np.isfinite(losses)), losses
+    assert abs(losses[0] - np.log(256)) < 0.3, losses
+    assert losses[-1] < losses[0], losses
 
 
 def test_auto_on_cpu_uses_the_jnp_paths():

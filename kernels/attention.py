@@ -259,39 +259,43 @@ def _bwd_calls(q, k, v, do, lse, delta, *, causal, bq, bk, seq_q, seq_k, interpr
 # --- custom_vjp -------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, causal, bq, bk, interpret):
-    return _flash_fwd(q, k, v, causal, bq, bk, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _flash(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret):
+    """Attention on block-padded q, k, v whose real lengths are seq_q and seq_k."""
+    return _flash_fwd(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret)[0]
 
 
-def _flash_fwd(q, k, v, causal, bq, bk, interpret):
-    T, S = q.shape[1], k.shape[1]
-    qp, kp, vp = _pad_inputs(q, k, v, bq, bk)
+def _flash_fwd(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret):
     o, lse = _fwd_call(
-        qp, kp, vp, causal=causal, bq=bq, bk=bk, seq_q=T, seq_k=S, interpret=interpret
+        qp, kp, vp, causal=causal, bq=bq, bk=bk, seq_q=seq_q, seq_k=seq_k, interpret=interpret
     )
-    return o[:, :T], (qp, kp, vp, o, lse, T, S)
+    return o, (qp, kp, vp, o, lse)
 
 
-def _flash_bwd(causal, bq, bk, interpret, res, do):
-    qp, kp, vp, o, lse, T, S = res
-    dop = _common.pad_to(do, 1, qp.shape[1])
-    delta = jnp.einsum("bthk,bthk->bht", o.astype(_F32), dop.astype(_F32))
-    dq, dk, dv = _bwd_calls(
+def _flash_bwd(causal, bq, bk, seq_q, seq_k, interpret, res, do):
+    qp, kp, vp, o, lse = res
+    delta = jnp.einsum("bthk,bthk->bht", o.astype(_F32), do.astype(_F32))
+    return _bwd_calls(
         qp,
         kp,
         vp,
-        dop,
+        do,
         lse,
         delta,
         causal=causal,
         bq=bq,
         bk=bk,
-        seq_q=T,
-        seq_k=S,
+        seq_q=seq_q,
+        seq_k=seq_k,
         interpret=interpret,
     )
-    return dq[:, :T], dk[:, :S], dv[:, :S]
+
+
+def _attend(q, k, v, causal, bq, bk, interpret):
+    """Pads to whole blocks, runs the kernels, drops the padding (whose rows get no gradient)."""
+    T, S = q.shape[1], k.shape[1]
+    qp, kp, vp = _pad_inputs(q, k, v, bq, bk)
+    return _flash(qp, kp, vp, causal, bq, bk, T, S, interpret)[:, :T]
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -406,7 +410,7 @@ def flash_attention(
         interpret = _common.interpret_mode()
 
         def fn(q, k, v):
-            return _flash(q, k, v, causal, bq, bk, interpret)
+            return _attend(q, k, v, causal, bq, bk, interpret)
 
     # Query and key/value heads share one name so that both split (or neither) and each
     # shard keeps whole groups.

@@ -199,3 +199,10 @@ def pallas_call(kernel, *, out_shape, in_specs, out_specs, **kwargs):
         return outs[0] if single else outs
 
     return run
+
+
+def row_names(ndim: int) -> tuple[str | None, ...]:
+    """Logical names of the leading (row) dimensions of an activation: ``batch``, then ``seq``
+    for a [batch, seq, ...] array; rows are independent, so both may be split."""
+    names: list[str | None] = ["batch", "seq"][: min(ndim, 2)]
+    return tuple(names + [None] * (ndim - len(names)))

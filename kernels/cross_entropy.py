@@ -178,19 +178,20 @@ def cross_entropy(
     if block_vocab is not None and (block_vocab < 16 or block_vocab & (block_vocab - 1)):
         raise ValueError(f"cross_entropy: block_vocab={block_vocab} must be a power of two ≥ 16")
     interpret = _common.interpret_mode()
-    lead, V = targets.shape, logits.shape[-1]
 
-    def per_shard(x_NV, t_N, *, axes):
-        return _ce(x_NV, t_N, axes.get("vocab", ()), block_rows, block_vocab, interpret)
+    def per_shard(x, t, *, axes):
+        x_NV, t_N = x.reshape(-1, x.shape[-1]), t.reshape(-1)
+        losses = _ce(x_NV, t_N, axes.get("vocab", ()), block_rows, block_vocab, interpret)
+        return losses.reshape(t.shape)
 
-    losses = _common.sharded(
+    rows = _common.row_names(targets.ndim)
+    return _common.sharded(
         per_shard,
-        (logits.reshape(-1, V), targets.reshape(-1).astype(jnp.int32)),
-        (("batch", "vocab"), ("batch",)),
-        ("batch",),
+        (logits, targets.astype(jnp.int32)),
+        ((*rows, "vocab"), rows),
+        rows,
         with_axes=True,
     )
-    return losses.reshape(lead)
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array, *, impl: str = "auto") -> jax.Array:

@@ -132,7 +132,7 @@ def matmul(
 
     Returns:
         [..., N] in the dtype of `x` (accumulated in float32). Under `activation_rules` the
-        rows run split over the batch axes; `w` and `bias` are used whole.
+        rows run split over the batch (and seq) axes; `w` and `bias` are used whole.
     """
     impl = _common.resolve_impl(impl, kernel="matmul")
     if activation not in ACTIVATIONS:
@@ -150,13 +150,12 @@ def matmul(
     blocks = (block_m, block_n, block_k)
     _blocks(1, 1, 1, *blocks)  # check explicit sizes before tracing
     interpret = _common.interpret_mode()
-    lead = x.shape[:-1]
-    x_MK = x.reshape(-1, x.shape[-1])
-    operands = (x_MK, w) if bias is None else (x_MK, w, bias)
-    names = [("batch", None), (None, None)] + ([(None,)] if bias is not None else [])
+    operands = (x, w) if bias is None else (x, w, bias)
+    x_names = (*_common.row_names(x.ndim - 1), None)
+    names = [x_names, (None, None)] + ([(None,)] if bias is not None else [])
 
     def per_shard(x, w, b=None):
-        return _mm(x, w, b, activation, blocks, interpret)
+        y = _mm(x.reshape(-1, x.shape[-1]), w, b, activation, blocks, interpret)
+        return y.reshape(*x.shape[:-1], w.shape[1])
 
-    y = _common.sharded(per_shard, operands, names, ("batch", None))
-    return y.reshape(*lead, w.shape[1])
+    return _common.sharded(per_shard, operands, names, x_names)

@@ -196,16 +196,14 @@ def _validate(kernel, x, params, impl):
 
 
 def _run(fn, x, params):
-    """Flattens x to rows, runs `fn` per batch shard, restores the shape."""
-    lead = x.shape[:-1]
-    x_ND = x.reshape(-1, x.shape[-1])
+    """Runs `fn` per shard (rows split over batch and seq) on x flattened to [rows, D]."""
 
-    def per_shard(x_ND, *params):
-        return fn(x_ND, *params)
+    def per_shard(x, *params):
+        return fn(x.reshape(-1, x.shape[-1]), *params).reshape(x.shape)
 
-    names = [("batch", None)] + [(None,)] * len(params)
-    y = _common.sharded(per_shard, (x_ND, *params), names, ("batch", None))
-    return y.reshape(*lead, x.shape[-1])
+    x_names = (*_common.row_names(x.ndim - 1), None)
+    names = [x_names] + [(None,)] * len(params)
+    return _common.sharded(per_shard, (x, *params), names, x_names)
 
 
 def rms_norm(

@@ -15,10 +15,12 @@ BLOCK = 16  # small blocks so short test sequences still span several tiles
 
 # (batch, T, heads, kv_heads, head_dim): T is never a multiple of the block; kv groups 1, 2, 8.
 CASES = [
-    pytest.param(1, 40, 1, 1, 64, id="single-head-T40"),
-    pytest.param(2, 33, 4, 2, 64, id="gqa2-T33"),
-    pytest.param(1, 24, 8, 1, 128, id="gqa8-K128-T24"),
-    pytest.param(1, 19, 2, 2, 64, id="mha-T19"),
+    pytest.param(1, 40, 1, 1, 64, True, id="single-head-T40-causal"),
+    pytest.param(1, 40, 1, 1, 64, False, id="single-head-T40-full"),
+    pytest.param(2, 33, 4, 2, 64, True, id="gqa2-T33-causal"),
+    pytest.param(1, 24, 8, 1, 128, True, id="gqa8-K128-T24-causal"),
+    pytest.param(1, 24, 8, 1, 128, False, id="gqa8-K128-T24-full"),
+    pytest.param(1, 19, 2, 2, 64, False, id="mha-T19-full"),
 ]
 
 
@@ -41,8 +43,7 @@ def _grads(fn, q, k, v, do):
     return out, jax.grad(loss, (0, 1, 2))(q, k, v)
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("B,T,H,G,K", CASES)
+@pytest.mark.parametrize("B,T,H,G,K,causal", CASES)
 def test_matches_reference_fp32(B, T, H, G, K, causal):
     key, seed = fresh_key()
     q, k, v, do = _inputs(key, B, T, H, G, K, jnp.float32)

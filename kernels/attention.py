@@ -54,7 +54,9 @@ def _kv_blocks(i, block_q, block_k, n_kv, causal):
     """Key blocks query block `i` must visit (causal: only those at or left of the diagonal)."""
     if not causal:
         return n_kv
-    return jnp.minimum(n_kv, _common.cdiv((i + 1) * block_q, block_k))
+    # lax.div truncates, which is floor division for these non-negative operands, and lowers
+    # to one instruction (jnp's // adds sign fix-ups).
+    return jnp.minimum(n_kv, lax.div((i + 1) * block_q + block_k - 1, block_k))
 
 
 # --- forward ----------------------------------------------------------------------------
@@ -187,7 +189,7 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     cols = j * bk + lax.iota(jnp.int32, bk)
     n_q = q_ref.shape[0] // bq
-    first = (j * bk) // bq if causal else 0  # earlier query blocks see none of these keys
+    first = lax.div(j * bk, bq) if causal else 0  # earlier query blocks see none of these keys
 
     def body(i, carry):
         dk, dv = carry

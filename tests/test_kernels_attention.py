@@ -218,3 +218,18 @@ def test_compiled_on_gpu_matches_cudnn_and_reference(K):
         assert_close(g, r, 3e-2, f"d{name}", seed)
     cudnn = flash_attention(q, k, v, impl="cudnn")
     assert_close(cudnn, ref, 2e-2, "cudnn output", seed)
+
+
+def test_memory_is_linear_in_sequence():
+    """No array in the forward+backward program has T × S elements (the reference has)."""
+    B, T, H, K = 1, 512, 1, 64
+    q = jnp.zeros((B, T, H, K), jnp.float32)
+
+    def biggest(fn):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(fn(q, q, q))))(q)
+        return max(
+            v.aval.size for eqn in jaxpr.eqns for v in eqn.outvars if hasattr(v.aval, "size")
+        )
+
+    assert biggest(lambda q, k, v: flash_attention(q, k, v, impl="pallas")) < T * T // 4
+    assert biggest(reference.attention) >= T * T  # the check can fail

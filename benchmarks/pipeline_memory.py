@@ -110,6 +110,7 @@ def compile_pipelined(cfg: GPTConfig, mesh_spec: str, pc: PipelineConfig | None,
     def run(params, data):
         with activation_rules(mesh, rules):
             if pc is None:
+
                 def loss(p):
                     model = nnx.merge(graphdef, p, state.rest)
                     return cross_entropy(model(data["inputs"]), data["targets"])

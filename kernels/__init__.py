@@ -1,1 +1,30 @@
-"""Pallas GPU kernels and their jnp references (filled in by the kernels issue)."""
+"""Pallas GPU kernels with pure-jnp references and an ``impl=`` switch.
+
+Every public kernel takes ``impl="pallas" | "xla" | "auto"`` (attention also ``"cudnn"``):
+``"xla"`` is the jnp reference in `meshtrain.kernels.reference`, ``"pallas"`` the kernel
+(interpreted when no GPU is present), ``"auto"`` Pallas on a GPU and the reference elsewhere.
+See kernels/README.md for each kernel's algorithm, backend and limits.
+"""
+
+from meshtrain.kernels import reference
+from meshtrain.kernels._common import ATTENTION_IMPLS, IMPLS, poison_outputs
+from meshtrain.kernels.attention import flash_attention
+from meshtrain.kernels.cross_entropy import cross_entropy, cross_entropy_loss
+from meshtrain.kernels.matmul import matmul
+from meshtrain.kernels.norms import layer_norm, rms_norm
+from meshtrain.kernels.select import check_impls, model_attention_impl
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "IMPLS",
+    "check_impls",
+    "cross_entropy",
+    "cross_entropy_loss",
+    "flash_attention",
+    "layer_norm",
+    "matmul",
+    "model_attention_impl",
+    "poison_outputs",
+    "reference",
+    "rms_norm",
+]

@@ -1,6 +1,6 @@
 """Draws the three pipeline schedules' Gantt charts into docs/pipeline_schedules.png.
 
-    .venv/bin/python scripts/plot_schedules.py [--p 4] [--m 8] [--out docs/pipeline_schedules.png]
+.venv/bin/python scripts/plot_schedules.py [--p 4] [--m 8] [--out docs/pipeline_schedules.png]
 """
 
 import argparse

@@ -70,6 +70,21 @@ def _check_quickstart(nb) -> None:
     ), "the loss-curve plot produced no image"
 
 
+MAX_ERROR = re.compile(r"^max relative error: (\S+)$", re.MULTILINE)
+
+
+def _check_kernels(nb) -> None:
+    """Every kernel matched its reference; the roofline drew; GPU timings shown or unmeasured."""
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    match = MAX_ERROR.search(text)
+    assert match, "the kernels notebook must print 'max relative error: ...'"
+    assert float(match.group(1)) < 1e-4, match.group(0)
+    assert "GPU timings unmeasured" in text or "vs cuDNN" in text
+    assert any(
+        "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
+    ), "the roofline plot produced no image"
+
+
 def _check_pipelines(nb) -> None:
     """The 1F1B run matched the unpipelined one, and the charts were drawn."""
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
@@ -87,7 +102,11 @@ def _check_pipelines(nb) -> None:
     assert images >= 3, f"expected the Gantt, bubble and loss plots, got {images} images"
 
 
-CHECKS = {"01_quickstart.ipynb": _check_quickstart, "02_pipelines.ipynb": _check_pipelines}
+CHECKS = {
+    "01_quickstart.ipynb": _check_quickstart,
+    "02_pipelines.ipynb": _check_pipelines,
+    "03_kernels.ipynb": _check_kernels,
+}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -117,3 +136,7 @@ def test_notebook_executes(path):
 
 def test_quickstart_is_collected():
     assert "01_quickstart.ipynb" in {p.name for p in NOTEBOOKS}
+
+
+def test_kernels_notebook_is_collected():
+    assert "03_kernels.ipynb" in {p.name for p in NOTEBOOKS}

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from meshtrain import kernels
 from meshtrain.models import layers
 from meshtrain.models.remat import ATTN_OUT, POLICIES, check_policy
 from meshtrain.sharding import constrain
@@ -44,6 +45,10 @@ class GPTConfig:
         tie_embeddings: reuse the token embedding as the output head.
         remat: rematerialisation policy: none, full, save-dots, save-attention-out.
         dtype: compute dtype, ``float32`` or ``bfloat16``. Parameters stay float32.
+        attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (Pallas on
+            a GPU when head width is 64 or 128, else xla). See kernels/README.md.
+        norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto.
+        loss_impl: cross-entropy kernel used by the Trainer: xla (optax), pallas or auto.
     """
 
     style: str = "llama"
@@ -59,6 +64,9 @@ class GPTConfig:
     tie_embeddings: bool = False
     remat: str = "none"
     dtype: str = "float32"
+    attention_impl: str = "xla"
+    norm_impl: str = "xla"
+    loss_impl: str = "xla"
 
     def __post_init__(self):
         if self.style not in ("gpt2", "llama"):
@@ -85,6 +93,7 @@ class GPTConfig:
         check_policy(self.remat)
         if self.dtype not in DTYPES:
             raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
+        kernels.check_impls(self.attention_impl, self.norm_impl, self.loss_impl, self.head_dim)
 
     @property
     def kv_heads(self) -> int:
@@ -160,6 +169,7 @@ class Attention(nnx.Module):
         )
         self.rope = cfg.style == "llama"
         self.rope_theta = cfg.rope_theta
+        self.impl = kernels.model_attention_impl(cfg.attention_impl, K)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         q_BTHK = constrain(self.q(x_BTD), ("batch", "seq", "heads", "kv"))
@@ -169,7 +179,10 @@ class Attention(nnx.Module):
             cos, sin = layers.rope_tables(x_BTD.shape[1], q_BTHK.shape[-1], self.rope_theta)
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
-        o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK)
+        if self.impl == "xla":
+            o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK)
+        else:
+            o_BTHK = kernels.flash_attention(q_BTHK, k_BTGK, v_BTGK, impl=self.impl)
         o_BTHK = checkpoint_name(o_BTHK, ATTN_OUT)
         o_BTHK = constrain(o_BTHK, ("batch", "seq", "heads", "kv"))
         return self.o(o_BTHK)
@@ -221,10 +234,11 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.norm2 = make_norm()
         self.mlp = MLP(cfg, rngs=rngs)
+        self.norm_impl = cfg.norm_impl
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x_BTD = x_BTD + self.attn(self.norm1(x_BTD))
-        x_BTD = x_BTD + self.mlp(self.norm2(x_BTD))
+        x_BTD = x_BTD + self.attn(layers.apply_norm(self.norm1, x_BTD, self.norm_impl))
+        x_BTD = x_BTD + self.mlp(layers.apply_norm(self.norm2, x_BTD, self.norm_impl))
         return constrain(x_BTD, ("batch", "seq", "embed"))
 
 
@@ -294,7 +308,7 @@ class GPT(nnx.Module):
 
     def head_logits(self, x_BTD: jax.Array) -> jax.Array:
         """Final norm and output head: [B, T, D] → float32 logits [B, T, vocab]."""
-        x_BTD = self.norm(x_BTD)
+        x_BTD = layers.apply_norm(self.norm, x_BTD, self.cfg.norm_impl)
         if self.head is None:
             logits_BTV = self.embed.attend(x_BTD)
         else:

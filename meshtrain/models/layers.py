@@ -41,6 +41,18 @@ def make_norm(kind: str, width: int, *, eps: float, dtype, param_dtype, rngs: nn
     )
 
 
+def apply_norm(norm: nnx.Module, x: jax.Array, impl: str = "xla") -> jax.Array:
+    """Runs a `make_norm` module: itself for ``impl="xla"``, else the fused kernel on its
+    parameters (so the parameter tree is the same whichever kernel runs)."""
+    if impl == "xla":
+        return norm(x)
+    from meshtrain import kernels
+
+    if isinstance(norm, nnx.LayerNorm):
+        return kernels.layer_norm(x, norm.scale[...], norm.bias[...], eps=norm.epsilon, impl=impl)
+    return kernels.rms_norm(x, norm.scale[...], eps=norm.epsilon, impl=impl)
+
+
 def rope_tables(n_pos: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos and sin of the rotary angles, each [n_pos, head_dim // 2] in float32."""
     inv_freq_k = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)

@@ -42,8 +42,15 @@ class TrainState(NamedTuple):
     rest: dict  # other model variables (usually empty)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy; logits [..., C] float, targets [...] int."""
+def cross_entropy(logits: jax.Array, targets: jax.Array, *, impl: str = "xla") -> jax.Array:
+    """Mean softmax cross-entropy; logits [..., C] float, targets [...] int.
+
+    ``impl`` other than ``"xla"`` runs `meshtrain.kernels.cross_entropy` (pallas / auto).
+    """
+    if impl != "xla":
+        from meshtrain import kernels
+
+        return kernels.cross_entropy_loss(logits, targets, impl=impl)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
     return losses.mean()
 

@@ -22,6 +22,7 @@ from meshtrain.sharding import Rules, shard_batch
 from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
 from meshtrain.train.step import (
     batch_shardings,
+    cross_entropy,
     init_train_state,
     jit_eval_step,
     jit_train_step,
@@ -133,6 +134,7 @@ class Trainer:
             self.shardings,
             self._batch_sharding,
             accum_steps=self.config.accum_steps,
+            loss_fn=self._loss_fn(),
             schedule=self.schedule,
             pipeline=self.pipeline,
         )
@@ -142,10 +144,16 @@ class Trainer:
             rules,
             self.shardings,
             self._batch_sharding,
+            self._loss_fn(),
             pipeline=self.pipeline,
         )
         self._eval_data = None
         self.history: list[dict] = []
+
+    def _loss_fn(self):
+        """Cross-entropy with the GPT config's ``loss_impl`` kernel (optax otherwise)."""
+        impl = getattr(self.model_config, "loss_impl", "xla")
+        return lambda logits, targets: cross_entropy(logits, targets, impl=impl)
 
     def _check(self, data: Dataset, mesh: Mesh) -> None:
         """Validates the combination of model, data, mesh and loop before anything compiles."""

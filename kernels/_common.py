@@ -1,0 +1,208 @@
+"""Shared plumbing: the ``impl=`` switch, backend detection, padding and the shard_map wrapper."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+IMPLS = ("pallas", "xla", "auto")
+ATTENTION_IMPLS = ("pallas", "xla", "cudnn", "auto")
+
+
+def on_gpu() -> bool:
+    """True when the default backend is a GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def resolve_impl(impl: str, *, kernel: str, allowed: tuple[str, ...] = IMPLS) -> str:
+    """Checks `impl` and resolves ``"auto"``: Pallas on a GPU, the jnp reference elsewhere."""
+    if impl not in allowed:
+        raise ValueError(f"{kernel}: impl={impl!r} is not one of {', '.join(allowed)}")
+    if impl == "auto":
+        return "pallas" if on_gpu() else "xla"
+    if impl == "cudnn" and not on_gpu():
+        raise ValueError(
+            f"{kernel}: impl='cudnn' needs a CUDA GPU, but the backend is "
+            f"{jax.default_backend()!r}; use impl='pallas' (interpreted on CPU), 'xla' or 'auto'"
+        )
+    return impl
+
+
+def interpret_mode() -> bool:
+    """Pallas kernels are interpreted (run as ordinary JAX ops) off the GPU."""
+    return not on_gpu()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ≥ n (Triton block shapes must be powers of two)."""
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def pad_to(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """Zero-pads dimension `axis` of `x` up to `size`."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def triton_params(num_warps: int, num_stages: int):
+    """Compiler parameters for the Triton lowering (ignored by the interpreter)."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _active():
+    """The (mesh, rules) the model is being traced under, or None."""
+    from meshtrain.sharding import _ACTIVE
+
+    return _ACTIVE.get()
+
+
+def _axes_for(name: str | None, size: int, mesh, rules, used: set[str]) -> tuple[str, ...]:
+    """Mesh axes the logical `name` maps to that are > 1, unused and divide `size` together."""
+    if name is None:
+        return ()
+    from meshtrain.sharding import _as_tuple
+
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    axes = []
+    ways = 1
+    for a in _as_tuple(rules.activations.get(name)):
+        if sizes.get(a, 1) > 1 and a not in used and size % (ways * sizes[a]) == 0:
+            axes.append(a)
+            ways *= sizes[a]
+    used.update(axes)
+    return tuple(axes)
+
+
+def sharded(fn, args, names, out_names, *, with_axes=False):
+    """Runs ``fn(*args)`` per shard under `jax.shard_map` when a mesh is active.
+
+    Args:
+        fn: the kernel call; must act independently on every split dimension.
+        args: the array arguments.
+        names: one tuple of logical names per argument (None: never split).
+        out_names: one tuple of logical names per output (a single tuple: one output).
+
+    Returns:
+        ``fn(*args)``; under `meshtrain.sharding.activation_rules` each device runs `fn` on its
+        own block (batch over data × fsdp, heads over tensor), with no gathering. A dimension
+        whose size the mesh axes do not divide is left whole (replicated). With `with_axes`,
+        `fn` also gets ``axes=`` (logical name → the mesh axes it is split over).
+    """
+    active = _active()
+    if active is None:
+        return fn(*args, axes={}) if with_axes else fn(*args)
+    mesh, rules = active
+    # Resolve each logical name once, from the first argument that carries it, so all
+    # arguments sharing a name are split the same way.
+    resolved: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    for arg, arg_names in zip(args, names, strict=True):
+        for dim, name in enumerate(arg_names):
+            if name is not None and name not in resolved:
+                resolved[name] = _axes_for(name, arg.shape[dim], mesh, rules, used)
+    # A name must divide every argument that carries it.
+    for arg, arg_names in zip(args, names, strict=True):
+        for dim, name in enumerate(arg_names):
+            if name is not None and resolved[name]:
+                ways = math.prod(mesh.shape[a] for a in resolved[name])
+                if arg.shape[dim] % ways:
+                    resolved[name] = ()
+
+    def spec(arg_names):
+        parts = []
+        for name in arg_names:
+            axes = resolved.get(name, ()) if name is not None else ()
+            parts.append(axes[0] if len(axes) == 1 else (axes or None))
+        return P(*parts)
+
+    single = out_names and not isinstance(out_names[0], tuple)
+    out_specs = spec(out_names) if single else tuple(spec(n) for n in out_names)
+    in_specs = tuple(spec(n) for n in names)
+    if with_axes:
+        fn = functools.partial(fn, axes={k: v for k, v in resolved.items() if v})
+    if all(s == P(*([None] * len(s))) for s in in_specs):
+        return fn(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        *args
+    )
+
+
+_POISON: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_poison", default=False)
+
+
+@contextlib.contextmanager
+def poison_outputs():
+    """While tracing inside this block, every kernel's output buffers start out NaN-filled
+    (the minimum value for integers), so an element the kernel never writes stays visible."""
+    token = _POISON.set(True)
+    try:
+        yield
+    finally:
+        _POISON.reset(token)
+
+
+def _poison_value(dtype):
+    """NaN for floats, the smallest value for integers."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.nan
+    return jnp.iinfo(dtype).min
+
+
+def pallas_call(kernel, *, out_shape, in_specs, out_specs, **kwargs):
+    """`pl.pallas_call` that, under `poison_outputs`, aliases each output onto a poisoned input.
+
+    Takes and returns what `pl.pallas_call` does (``out_shape`` / ``out_specs`` as lists).
+    """
+    from jax.experimental import pallas as pl
+
+    if not _POISON.get():
+        return pl.pallas_call(
+            kernel, out_shape=out_shape, in_specs=in_specs, out_specs=out_specs, **kwargs
+        )
+    single = not isinstance(out_shape, list | tuple)
+    shapes = [out_shape] if single else list(out_shape)
+    specs = [out_specs] if single else list(out_specs)
+    n_in = len(in_specs)
+
+    def wrapped(*refs):
+        kernel(*refs[:n_in], *refs[n_in + len(shapes) :])
+
+    call = pl.pallas_call(
+        wrapped,
+        out_shape=shapes,
+        in_specs=[*in_specs, *specs],
+        out_specs=specs,
+        input_output_aliases={n_in + i: i for i in range(len(shapes))},
+        **kwargs,
+    )
+
+    def run(*args):
+        poison = [jnp.full(s.shape, _poison_value(s.dtype), s.dtype) for s in shapes]
+        outs = call(*args, *poison)
+        return outs[0] if single else outs
+
+    return run
+
+
+def row_names(ndim: int) -> tuple[str | None, ...]:
+    """Logical names of the leading (row) dimensions of an activation: ``batch``, then ``seq``
+    for a [batch, seq, ...] array; rows are independent, so both may be split."""
+    names: list[str | None] = ["batch", "seq"][: min(ndim, 2)]
+    return tuple(names + [None] * (ndim - len(names)))

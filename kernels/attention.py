@@ -1,0 +1,420 @@
+"""Flash attention: an online-softmax forward that saves logsumexp, and a two-kernel backward.
+
+Layout is the model's own, ``[batch, seq, heads, head_dim]``: each grid cell reads a
+``[block, head_dim]`` window, so nothing is transposed on the way in or out. Grouped-query
+attention needs no copies either: the key/value index map sends query head h to key/value
+head ``h // R``. Sequences are zero-padded up to the block and the padding is masked, so any
+length works. Memory is O(sequence): the forward keeps a ``[block_q, head_dim]`` accumulator
+and writes the output and a ``[B, H, T]`` logsumexp; the backward recomputes the probabilities
+block by block from that logsumexp.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from meshtrain.kernels import _common, reference
+
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.float32, jnp.bfloat16)
+_NEG = -1e30  # masked score; finite so that max() of a fully masked row stays finite
+_F32 = jnp.float32
+
+
+def _dot_nt(a, b):
+    """``a @ b.T`` in float32 (contracting the last dimension of both)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot_tn(a, b):
+    """``a.T @ b`` in float32 (contracting the first dimension of both)."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot(a, b):
+    """``a @ b`` in float32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _mask(rows, cols, seq_q, seq_k, causal):
+    """Valid (query, key) pairs of a tile: inside both sequences and, if causal, col ≤ row."""
+    ok = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+    if causal:
+        ok = ok & (rows[:, None] >= cols[None, :])
+    return ok
+
+
+def _kv_blocks(i, block_q, block_k, n_kv, causal):
+    """Key blocks query block `i` must visit (causal: only those at or left of the diagonal)."""
+    if not causal:
+        return n_kv
+    # lax.div truncates, which is floor division for these non-negative operands, and lowers
+    # to one instruction (jnp's // adds sign fix-ups).
+    return jnp.minimum(n_kv, lax.div((i + 1) * block_q + block_k - 1, block_k))
+
+
+# --- forward ----------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, seq_q, seq_k):
+    i = pl.program_id(2)
+    q = q_ref[...]
+    rows = i * bq + lax.iota(jnp.int32, bq)
+    n_kv = k_ref.shape[0] // bk
+
+    def body(j, carry):
+        acc, m, denom = carry
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        ok = _mask(rows, j * bk + lax.iota(jnp.int32, bk), seq_q, seq_k, causal)
+        s = jnp.where(ok, _dot_nt(q, k) * scale, _NEG)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        denom = denom * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_new, denom
+
+    head_dim = q_ref.shape[-1]
+    init = (
+        jnp.zeros((bq, head_dim), _F32),
+        jnp.full((bq,), _NEG, _F32),
+        jnp.zeros((bq,), _F32),
+    )
+    acc, m, denom = lax.fori_loop(0, _kv_blocks(i, bq, bk, n_kv, causal), body, init)
+    denom = jnp.where(denom == 0.0, 1.0, denom)  # rows with no visible key (padding only)
+    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(denom)
+
+
+def _specs(B, H, G, Tp, Sp, K, bq, bk):
+    """BlockSpecs shared by the kernels: query tiles, whole key/value rows of one head, etc."""
+    R = H // G
+    return dict(
+        q_tile=pl.BlockSpec((None, bq, None, K), lambda b, h, i: (b, i, h, 0)),
+        q_all=pl.BlockSpec((None, Tp, None, K), lambda b, h, j: (b, 0, h, 0)),
+        kv_all=pl.BlockSpec((None, Sp, None, K), lambda b, h, i: (b, 0, h // R, 0)),
+        kv_tile=pl.BlockSpec((None, bk, None, K), lambda b, h, j: (b, j, h // R, 0)),
+        kvh_tile=pl.BlockSpec((None, bk, None, K), lambda b, h, j: (b, j, h, 0)),
+        row_tile=pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+        row_all=pl.BlockSpec((None, None, Tp), lambda b, h, j: (b, h, 0)),
+    )
+
+
+def _pad_inputs(q, k, v, bq, bk):
+    """Pads the query and key sequences up to whole blocks."""
+    Tp = _common.cdiv(q.shape[1], bq) * bq
+    Sp = _common.cdiv(k.shape[1], bk) * bk
+    return _common.pad_to(q, 1, Tp), _common.pad_to(k, 1, Sp), _common.pad_to(v, 1, Sp)
+
+
+def _fwd_call(q, k, v, *, causal, bq, bk, seq_q, seq_k, interpret):
+    """Runs the forward kernel on padded q, k, v."""
+    B, Tp, H, K = q.shape
+    Sp, G = k.shape[1], k.shape[2]
+    sp = _specs(B, H, G, Tp, Sp, K, bq, bk)
+    kernel = functools.partial(
+        _fwd_kernel,
+        scale=1.0 / math.sqrt(K),
+        causal=causal,
+        bq=bq,
+        bk=bk,
+        seq_q=seq_q,
+        seq_k=seq_k,
+    )
+    return _common.pallas_call(
+        kernel,
+        grid=(B, H, Tp // bq),
+        in_specs=[sp["q_tile"], sp["kv_all"], sp["kv_all"]],
+        out_specs=[sp["q_tile"], sp["row_tile"]],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype),
+            jax.ShapeDtypeStruct((B, H, Tp), _F32),
+        ],
+        compiler_params=_common.triton_params(4 if K <= 64 else 8, 2),
+        interpret=interpret,
+        name="flash_attention_fwd",
+    )(q, k, v)
+
+
+# --- backward ---------------------------------------------------------------------------
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk, seq_q, seq_k
+):
+    i = pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    rows = i * bq + lax.iota(jnp.int32, bq)
+    n_kv = k_ref.shape[0] // bk
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        ok = _mask(rows, j * bk + lax.iota(jnp.int32, bk), seq_q, seq_k, causal)
+        p = jnp.where(ok, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
+        ds = p * (_dot_nt(do, v) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = jnp.zeros(q.shape, _F32)
+    dq = lax.fori_loop(0, _kv_blocks(i, bq, bk, n_kv, causal), body, dq)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    scale,
+    causal,
+    bq,
+    bk,
+    seq_q,
+    seq_k,
+):
+    j = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    cols = j * bk + lax.iota(jnp.int32, bk)
+    n_q = q_ref.shape[0] // bq
+    first = lax.div(j * bk, bq) if causal else 0  # earlier query blocks see none of these keys
+
+    def body(i, carry):
+        dk, dv = carry
+        q = q_ref[pl.ds(i * bq, bq), :]
+        do = do_ref[pl.ds(i * bq, bq), :]
+        lse = lse_ref[pl.ds(i * bq, bq)]
+        delta = delta_ref[pl.ds(i * bq, bq)]
+        ok = _mask(i * bq + lax.iota(jnp.int32, bq), cols, seq_q, seq_k, causal)
+        p = jnp.where(ok, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
+        dv = dv + _dot_tn(p.astype(do.dtype), do)
+        ds = p * (_dot_nt(do, v) - delta[:, None])
+        dk = dk + _dot_tn(ds.astype(q.dtype), q)
+        return dk, dv
+
+    zeros = jnp.zeros(k.shape, _F32)
+    dk, dv = lax.fori_loop(first, n_q, body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _bwd_calls(q, k, v, do, lse, delta, *, causal, bq, bk, seq_q, seq_k, interpret):
+    """Runs the dq kernel and the dk/dv kernel on padded arrays; dk, dv per query head."""
+    B, Tp, H, K = q.shape
+    Sp, G = k.shape[1], k.shape[2]
+    sp = _specs(B, H, G, Tp, Sp, K, bq, bk)
+    static = dict(scale=1.0 / math.sqrt(K), causal=causal, bq=bq, bk=bk, seq_q=seq_q, seq_k=seq_k)
+    params = _common.triton_params(4 if K <= 64 else 8, 2)
+    dq = _common.pallas_call(
+        functools.partial(_dq_kernel, **static),
+        grid=(B, H, Tp // bq),
+        in_specs=[
+            sp["q_tile"],
+            sp["kv_all"],
+            sp["kv_all"],
+            sp["q_tile"],
+            sp["row_tile"],
+            sp["row_tile"],
+        ],
+        out_specs=sp["q_tile"],
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="flash_attention_dq",
+    )(q, k, v, do, lse, delta)
+    # dk and dv come out per query head in float32 and are summed over each group outside.
+    dkh, dvh = _common.pallas_call(
+        functools.partial(_dkv_kernel, **static),
+        grid=(B, H, Sp // bk),
+        in_specs=[
+            sp["q_all"],
+            sp["kv_tile"],
+            sp["kv_tile"],
+            sp["q_all"],
+            sp["row_all"],
+            sp["row_all"],
+        ],
+        out_specs=[sp["kvh_tile"], sp["kvh_tile"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Sp, H, K), _F32)] * 2,
+        compiler_params=params,
+        interpret=interpret,
+        name="flash_attention_dkv",
+    )(q, k, v, do, lse, delta)
+    R = H // G
+    dk = dkh.reshape(B, Sp, G, R, K).sum(axis=3).astype(k.dtype)
+    dv = dvh.reshape(B, Sp, G, R, K).sum(axis=3).astype(v.dtype)
+    return dq, dk, dv
+
+
+# --- custom_vjp -------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _flash(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret):
+    """Attention on block-padded q, k, v whose real lengths are seq_q and seq_k."""
+    return _flash_fwd(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret)[0]
+
+
+def _flash_fwd(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret):
+    o, lse = _fwd_call(
+        qp, kp, vp, causal=causal, bq=bq, bk=bk, seq_q=seq_q, seq_k=seq_k, interpret=interpret
+    )
+    return o, (qp, kp, vp, o, lse)
+
+
+def _flash_bwd(causal, bq, bk, seq_q, seq_k, interpret, res, do):
+    qp, kp, vp, o, lse = res
+    delta = jnp.einsum("bthk,bthk->bht", o.astype(_F32), do.astype(_F32))
+    return _bwd_calls(
+        qp,
+        kp,
+        vp,
+        do,
+        lse,
+        delta,
+        causal=causal,
+        bq=bq,
+        bk=bk,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        interpret=interpret,
+    )
+
+
+def _attend(q, k, v, causal, bq, bk, interpret):
+    """Pads to whole blocks, runs the kernels, drops the padding (whose rows get no gradient)."""
+    T, S = q.shape[1], k.shape[1]
+    qp, kp, vp = _pad_inputs(q, k, v, bq, bk)
+    return _flash(qp, kp, vp, causal, bq, bk, T, S, interpret)[:, :T]
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_lse(q_BTHK, k_BSGK, v_BSGK, *, causal=True, block_q=None, block_k=None):
+    """Forward only, unsharded: ``(out [B, T, H, K], logsumexp [B, H, T])``; for tests."""
+    _validate(q_BTHK, k_BSGK, v_BSGK, "pallas")
+    bq, bk = _blocks(q_BTHK.shape[1], k_BSGK.shape[1], block_q, block_k)
+    T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+    qp, kp, vp = _pad_inputs(q_BTHK, k_BSGK, v_BSGK, bq, bk)
+    o, lse = _fwd_call(
+        qp,
+        kp,
+        vp,
+        causal=causal,
+        bq=bq,
+        bk=bk,
+        seq_q=T,
+        seq_k=S,
+        interpret=_common.interpret_mode(),
+    )
+    return o[:, :T], lse[:, :, :T]
+
+
+# --- public -----------------------------------------------------------------------------
+
+
+def _validate(q, k, v, impl):
+    """Clear errors for shapes, head widths and dtypes the kernels do not take."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"flash_attention: q, k, v must be [batch, seq, heads, head_dim]; got ranks "
+            f"{q.ndim}, {k.ndim}, {v.ndim}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"flash_attention: k {k.shape} and v {v.shape} must have one shape")
+    B, T, H, K = q.shape
+    if k.shape[0] != B or k.shape[3] != K:
+        raise ValueError(
+            f"flash_attention: q {q.shape} and k {k.shape} disagree on batch or head_dim"
+        )
+    if H % k.shape[2]:
+        raise ValueError(
+            f"flash_attention: {k.shape[2]} key/value heads do not divide {H} query heads"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"flash_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
+            "cast them to one dtype"
+        )
+    if impl in ("pallas", "cudnn"):
+        if K not in HEAD_DIMS:
+            raise ValueError(
+                f"flash_attention impl={impl!r}: head_dim={K} is not supported; supported head "
+                f"dims are {', '.join(map(str, HEAD_DIMS))} (use impl='xla' for others)"
+            )
+        if q.dtype not in DTYPES:
+            raise ValueError(
+                f"flash_attention impl={impl!r}: dtype {q.dtype} is not supported; supported "
+                "dtypes are float32, bfloat16"
+            )
+
+
+def _blocks(T, S, block_q, block_k):
+    """Block sizes: 64 by default, shrunk (to a power of two ≥ 16) for short sequences."""
+    bq = block_q or min(64, max(16, _common.next_pow2(T)))
+    bk = block_k or min(64, max(16, _common.next_pow2(S)))
+    for name, b in (("block_q", bq), ("block_k", bk)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"flash_attention: {name}={b} must be a power of two ≥ 16")
+    return bq, bk
+
+
+def flash_attention(
+    q_BTHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    *,
+    causal: bool = True,
+    impl: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+    """Softmax attention ``softmax(q kᵀ / √K) v`` with grouped key/value heads.
+
+    Args:
+        q_BTHK: queries [batch, T, heads, head_dim].
+        k_BSGK: keys [batch, S, kv_heads, head_dim]; kv_heads divides heads.
+        v_BSGK: values, the shape of the keys.
+        causal: query i sees keys 0..i (top-left aligned, as `layers.causal_attention`).
+        impl: ``"pallas"`` (interpreted off the GPU), ``"xla"`` (the jnp reference),
+            ``"cudnn"`` (`jax.nn.dot_product_attention`, GPU only) or ``"auto"``.
+        block_q: query rows per tile (power of two ≥ 16; default 64, less for short sequences).
+        block_k: key rows per inner step (same rule).
+
+    Returns:
+        [batch, T, heads, head_dim] in the input dtype. Under `activation_rules` the Pallas and
+        cuDNN paths run per shard (batch over data × fsdp, heads over tensor).
+    """
+    impl = _common.resolve_impl(impl, kernel="flash_attention", allowed=_common.ATTENTION_IMPLS)
+    _validate(q_BTHK, k_BSGK, v_BSGK, impl)
+    if impl == "xla":
+        return reference.attention(q_BTHK, k_BSGK, v_BSGK, causal=causal)
+    if impl == "cudnn":
+
+        def fn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+    else:
+        bq, bk = _blocks(q_BTHK.shape[1], k_BSGK.shape[1], block_q, block_k)
+        interpret = _common.interpret_mode()
+
+        def fn(q, k, v):
+            return _attend(q, k, v, causal, bq, bk, interpret)
+
+    # Query and key/value heads share one name so that both split (or neither) and each
+    # shard keeps whole groups.
+    names = ("batch", None, "heads", None)
+    return _common.sharded(fn, (q_BTHK, k_BSGK, v_BSGK), (names, names, names), names)

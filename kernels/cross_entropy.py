@@ -1,0 +1,199 @@
+"""Fused softmax cross-entropy over a large vocabulary, chunked so no fp32 copy is made.
+
+Forward: each grid cell takes ``block_rows`` rows and walks the vocabulary in
+``block_vocab`` chunks with an online logsumexp, picking the target's logit on the way; it
+writes two floats per row. Backward: a 2-D grid over (row block, vocabulary chunk) writes
+``(softmax − onehot) · g`` straight into a gradient of the logits' own dtype, recomputing the
+softmax from the saved logsumexp: no [tokens × vocab] float32 array is ever formed.
+
+Vocabulary-parallel: when the logits arrive split over the vocabulary (tensor parallelism),
+each shard reduces its own slice and the per-row partial logsumexps and picked logits are
+combined with one ``pmax`` and two ``psum`` of [tokens] floats; the logits are never gathered.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from meshtrain.kernels import _common, reference
+
+DTYPES = (jnp.float32, jnp.bfloat16)
+_NEG = -1e30
+_F32 = jnp.float32
+
+
+def _fwd_kernel(x_ref, t_ref, lse_ref, picked_ref, *, bv, vocab):
+    br = x_ref.shape[0]
+    t = t_ref[...]
+
+    def body(c, carry):
+        m, s, picked = carry
+        cols = c * bv + lax.iota(jnp.int32, bv)
+        x = x_ref[:, pl.ds(c * bv, bv)].astype(_F32)
+        x = jnp.where(cols[None, :] < vocab, x, _NEG)
+        m_new = jnp.maximum(m, x.max(axis=1))
+        s = s * jnp.exp(m - m_new) + jnp.exp(x - m_new[:, None]).sum(axis=1)
+        picked = picked + jnp.where(cols[None, :] == t[:, None], x, 0.0).sum(axis=1)
+        return m_new, s, picked
+
+    init = (jnp.full((br,), _NEG, _F32), jnp.zeros((br,), _F32), jnp.zeros((br,), _F32))
+    m, s, picked = lax.fori_loop(0, x_ref.shape[1] // bv, body, init)
+    lse_ref[...] = m + jnp.log(s)
+    picked_ref[...] = picked
+
+
+def _bwd_kernel(x_ref, t_ref, lse_ref, g_ref, dx_ref, *, bv):
+    c = pl.program_id(1)
+    cols = c * bv + lax.iota(jnp.int32, bv)
+    x = x_ref[...].astype(_F32)
+    p = jnp.exp(x - lse_ref[...][:, None])
+    onehot = (cols[None, :] == t_ref[...][:, None]).astype(_F32)
+    dx_ref[...] = ((p - onehot) * g_ref[...][:, None]).astype(dx_ref.dtype)
+
+
+def _layout(N, V, block_rows, block_vocab):
+    """Block sizes and padded sizes (rows and vocabulary padded to whole blocks)."""
+    br = block_rows or min(32, max(8, _common.next_pow2(N)))
+    bv = block_vocab or min(1024, max(16, _common.next_pow2(V)))
+    return br, bv, _common.cdiv(N, br) * br, _common.cdiv(V, bv) * bv
+
+
+def _local_stats(x, t, *, br, bv, interpret):
+    """Runs the forward kernel: per-row (logsumexp, picked logit) over this shard's vocabulary."""
+    N, V = x.shape
+    br, bv, Np, Vp = _layout(N, V, br, bv)
+    xp = _common.pad_to(_common.pad_to(x, 0, Np), 1, Vp)
+    tp = _common.pad_to(t, 0, Np)
+    row = pl.BlockSpec((br,), lambda i: (i,))
+    lse, picked = _common.pallas_call(
+        functools.partial(_fwd_kernel, bv=bv, vocab=V),
+        grid=(Np // br,),
+        in_specs=[pl.BlockSpec((br, Vp), lambda i: (i, 0)), row],
+        out_specs=[row, row],
+        out_shape=[jax.ShapeDtypeStruct((Np,), _F32)] * 2,
+        compiler_params=_common.triton_params(4, 2),
+        interpret=interpret,
+        name="cross_entropy_fwd",
+    )(xp, tp)
+    return lse[:N], picked[:N]
+
+
+def _grad(x, t, lse, g, *, br, bv, interpret):
+    """Runs the backward kernel: d logits = (softmax − onehot) · g, in the logits dtype."""
+    N, V = x.shape
+    br, bv, Np, Vp = _layout(N, V, br, bv)
+    xp = _common.pad_to(_common.pad_to(x, 0, Np), 1, Vp)
+    row = pl.BlockSpec((br,), lambda i, c: (i,))
+    tile = pl.BlockSpec((br, bv), lambda i, c: (i, c))
+    dx = _common.pallas_call(
+        functools.partial(_bwd_kernel, bv=bv),
+        grid=(Np // br, Vp // bv),
+        in_specs=[tile, row, row, row],
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct((Np, Vp), x.dtype),
+        compiler_params=_common.triton_params(4, 1),
+        interpret=interpret,
+        name="cross_entropy_bwd",
+    )(xp, _common.pad_to(t, 0, Np), _common.pad_to(lse, 0, Np), _common.pad_to(g, 0, Np))
+    return dx[:N, :V]
+
+
+def _global_stats(x, t, vocab_axes, br, bv, interpret):
+    """Per-row logsumexp and picked logit over the whole (possibly split) vocabulary."""
+    if vocab_axes:
+        t = t - lax.axis_index(vocab_axes) * x.shape[1]  # this shard's columns start there
+    lse, picked = _local_stats(x, t, br=br, bv=bv, interpret=interpret)
+    if vocab_axes:
+        m = lax.pmax(lse, vocab_axes)
+        lse = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
+        picked = lax.psum(picked, vocab_axes)
+    return lse, picked, t
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _ce(x, t, vocab_axes, br, bv, interpret):
+    lse, picked, _ = _global_stats(x, t, vocab_axes, br, bv, interpret)
+    return lse - picked
+
+
+def _ce_fwd(x, t, vocab_axes, br, bv, interpret):
+    lse, picked, t_local = _global_stats(x, t, vocab_axes, br, bv, interpret)
+    return lse - picked, (x, t_local, lse)
+
+
+def _ce_bwd(vocab_axes, br, bv, interpret, res, g):
+    x, t_local, lse = res
+    if vocab_axes:
+        # shard_map (check_vma=False) hands each vocabulary shard an equal part of the
+        # replicated loss's cotangent; the forward's psum transposes to their sum.
+        g = lax.psum(g, vocab_axes)
+    dx = _grad(x, t_local, lse, g.astype(_F32), br=br, bv=bv, interpret=interpret)
+    return dx, None
+
+
+_ce.defvjp(_ce_fwd, _ce_bwd)
+
+
+def cross_entropy(
+    logits: jax.Array,
+    targets: jax.Array,
+    *,
+    impl: str = "auto",
+    block_rows: int | None = None,
+    block_vocab: int | None = None,
+) -> jax.Array:
+    """Per-token softmax cross-entropy ``logsumexp(logits) − logits[target]``.
+
+    Args:
+        logits: [..., V], float32 or bfloat16 (the gradient comes back in this dtype).
+        targets: [...] integer class ids in ``[0, V)`` (an id outside picks nothing).
+        impl: ``"pallas"``, ``"xla"`` (the jnp reference) or ``"auto"``.
+        block_rows: rows per grid cell (default up to 32).
+        block_vocab: vocabulary chunk (power of two; default up to 1024).
+
+    Returns:
+        [...] float32 losses. Under `activation_rules` the rows run split over the batch axes
+        and, when the logits are split over ``vocab``, each shard reduces its own slice.
+    """
+    impl = _common.resolve_impl(impl, kernel="cross_entropy")
+    if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"cross_entropy: targets {targets.shape} must be logits {logits.shape} without the "
+            "last (vocabulary) dimension"
+        )
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"cross_entropy: targets must be integers, got {targets.dtype}")
+    if impl == "xla":
+        return reference.cross_entropy(logits, targets)
+    if logits.dtype not in DTYPES:
+        raise ValueError(
+            f"cross_entropy impl='pallas': dtype {logits.dtype} is not supported; supported "
+            "dtypes are float32, bfloat16"
+        )
+    if block_vocab is not None and (block_vocab < 16 or block_vocab & (block_vocab - 1)):
+        raise ValueError(f"cross_entropy: block_vocab={block_vocab} must be a power of two ≥ 16")
+    interpret = _common.interpret_mode()
+
+    def per_shard(x, t, *, axes):
+        x_NV, t_N = x.reshape(-1, x.shape[-1]), t.reshape(-1)
+        losses = _ce(x_NV, t_N, axes.get("vocab", ()), block_rows, block_vocab, interpret)
+        return losses.reshape(t.shape)
+
+    rows = _common.row_names(targets.ndim)
+    return _common.sharded(
+        per_shard,
+        (logits, targets.astype(jnp.int32)),
+        ((*rows, "vocab"), rows),
+        rows,
+        with_axes=True,
+    )
+
+
+def cross_entropy_loss(logits: jax.Array, targets: jax.Array, *, impl: str = "auto") -> jax.Array:
+    """Mean of `cross_entropy` over all tokens: a drop-in training loss."""
+    return cross_entropy(logits, targets, impl=impl).mean()

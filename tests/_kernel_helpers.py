@@ -1,0 +1,35 @@
+"""Shared helpers for the kernel tests: fresh random inputs and a relative-error check."""
+
+from __future__ import annotations
+
+import secrets
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# ‖out − ref‖ / ‖ref‖ bounds per dtype (forward, gradients). The reference runs in float32 on
+# the same (possibly bf16-rounded) inputs, so bf16 errors come from the kernel's bf16 operands.
+TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (2e-2, 3e-2)}
+
+
+def fresh_key() -> tuple[jax.Array, int]:
+    """A new random key each run, with its seed (printed on failure to reproduce it)."""
+    seed = secrets.randbits(31)
+    return jax.random.key(seed), seed
+
+
+def rel_err(out, ref) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere gives inf."""
+    a = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    b = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_close(out, ref, tol, what, seed):
+    """Fails with the error, the bound and the seed."""
+    assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} (seed {seed})"

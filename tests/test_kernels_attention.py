@@ -1,0 +1,235 @@
+"""Flash attention (Pallas, interpreted on CPU) against the jnp reference: values, logsumexp,
+gradients, odd shapes, GQA, the causal mask, poisoned outputs and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _kernel_helpers import TOL, assert_close, fresh_key
+
+from meshtrain.kernels import _common, flash_attention, reference
+from meshtrain.kernels.attention import flash_attention_lse
+from meshtrain.models import layers
+
+BLOCK = 16  # small blocks so short test sequences still span several tiles
+
+# (batch, T, heads, kv_heads, head_dim): T is never a multiple of the block; kv groups 1, 2, 8.
+CASES = [
+    pytest.param(1, 40, 1, 1, 64, True, id="single-head-T40-causal"),
+    pytest.param(1, 40, 1, 1, 64, False, id="single-head-T40-full"),
+    pytest.param(2, 33, 4, 2, 64, True, id="gqa2-T33-causal"),
+    pytest.param(1, 24, 8, 1, 128, True, id="gqa8-K128-T24-causal"),
+    pytest.param(1, 24, 8, 1, 128, False, id="gqa8-K128-T24-full"),
+    pytest.param(1, 19, 2, 2, 64, False, id="mha-T19-full"),
+]
+
+
+def _inputs(key, B, T, H, G, K, dtype):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, T, H, K), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, T, G, K), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, T, G, K), jnp.float32).astype(dtype)
+    do = jax.random.normal(kd, (B, T, H, K), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+def _grads(fn, q, k, v, do):
+    """Value and (dq, dk, dv) of ``sum(fn(q, k, v) · do)`` in float32."""
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    out = fn(q, k, v)
+    return out, jax.grad(loss, (0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("B,T,H,G,K,causal", CASES)
+def test_matches_reference_fp32(B, T, H, G, K, causal):
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, B, T, H, G, K, jnp.float32)
+    fwd_tol, grad_tol = TOL[jnp.float32]
+
+    def pallas(q, k, v):
+        return flash_attention(q, k, v, causal=causal, impl="pallas", block_q=BLOCK, block_k=BLOCK)
+
+    out, grads = _grads(pallas, q, k, v, do)
+    ref, ref_grads = _grads(
+        lambda q, k, v: reference.attention(q, k, v, causal=causal), q, k, v, do
+    )
+    assert_close(out, ref, fwd_tol, "output", seed)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, grad_tol, f"d{name}", seed)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_matches_reference_bf16(causal):
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, 2, 37, 4, 2, 64, jnp.bfloat16)
+    fwd_tol, grad_tol = TOL[jnp.bfloat16]
+
+    def pallas(q, k, v):
+        return flash_attention(q, k, v, causal=causal, impl="pallas", block_q=BLOCK, block_k=32)
+
+    def ref32(q, k, v):  # the reference in float32 on the same bf16-rounded inputs
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return reference.attention(*f32, causal=causal)
+
+    out, grads = _grads(pallas, q, k, v, do)
+    ref, ref_grads = _grads(ref32, q, k, v, do)
+    assert out.dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
+    assert_close(out, ref, fwd_tol, "output", seed)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, grad_tol, f"d{name}", seed)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_saves_logsumexp(causal):
+    key, seed = fresh_key()
+    q, k, v, _ = _inputs(key, 1, 45, 2, 1, 64, jnp.float32)
+    out, lse = flash_attention_lse(q, k, v, causal=causal, block_q=BLOCK, block_k=BLOCK)
+    assert lse.shape == (1, 2, 45) and lse.dtype == jnp.float32
+    assert_close(lse, reference.attention_logsumexp(q, k, causal=causal), 1e-6, "lse", seed)
+    assert_close(out, reference.attention(q, k, v, causal=causal), 2e-5, "output", seed)
+
+
+def test_causal_mask_first_and_last_rows():
+    """Row 0 sees only key 0 (so it returns v[0] exactly); the last row sees every key; no row
+    sees a later key (changing the last key moves only the last row)."""
+    key, seed = fresh_key()
+    B, T, H, G, K = 1, 35, 2, 1, 64
+    q, k, v, _ = _inputs(key, B, T, H, G, K, jnp.float32)
+
+    def run(k, v):
+        return flash_attention(q, k, v, causal=True, impl="pallas", block_q=BLOCK, block_k=BLOCK)
+
+    out = run(k, v)
+    np.testing.assert_allclose(out[:, 0], jnp.broadcast_to(v[:, 0], (B, H, K)), rtol=1e-6)
+    last = reference.attention(q[:, -1:], k, v, causal=False)  # one query over all keys
+    assert_close(out[:, -1:], last, 2e-5, "last row", seed)
+    k2 = k.at[:, -1].add(3.0)
+    v2 = v.at[:, -1].add(3.0)
+    out2 = run(k2, v2)
+    np.testing.assert_array_equal(out2[:, :-1], out[:, :-1])
+    assert float(jnp.max(jnp.abs(out2[:, -1] - out[:, -1]))) > 1e-3
+
+
+def test_xla_impl_is_the_model_attention():
+    key, _ = fresh_key()
+    q, k, v, _ = _inputs(key, 2, 20, 4, 2, 32, jnp.float32)
+    np.testing.assert_array_equal(
+        flash_attention(q, k, v, impl="xla"), layers.causal_attention(q, k, v)
+    )
+
+
+def test_every_output_element_is_written():
+    """With NaN-filled output buffers, the forward and all three gradients come out finite."""
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, 1, 29, 4, 2, 64, jnp.float32)
+
+    def pallas(q, k, v):
+        return flash_attention(q, k, v, causal=True, impl="pallas", block_q=BLOCK, block_k=BLOCK)
+
+    with _common.poison_outputs():
+        out, grads = _grads(pallas, q, k, v, do)
+        _, lse = flash_attention_lse(q, k, v, block_q=BLOCK, block_k=BLOCK)
+    ref, ref_grads = _grads(lambda q, k, v: reference.attention(q, k, v), q, k, v, do)
+    for x in (out, lse, *grads):
+        assert bool(jnp.all(jnp.isfinite(x))), "an output element was never written"
+    assert_close(out, ref, 2e-5, "output", seed)
+    assert_close(grads[0], ref_grads[0], 1e-4, "dq", seed)
+
+
+def test_poisoning_catches_an_unwritten_block():
+    """The poison check can fail: a kernel that skips its last grid cell leaves NaNs."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        @pl.when(pl.program_id(0) < pl.num_programs(0) - 1)
+        def _():
+            o_ref[...] = x_ref[...]
+
+    x = jnp.ones((64,), jnp.float32)
+    spec = pl.BlockSpec((16,), lambda i: (i,))
+    with _common.poison_outputs():
+        call = _common.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            in_specs=[spec],
+            out_specs=spec,
+            grid=(4,),
+            interpret=True,
+        )
+        out = call(x)
+    assert bool(jnp.all(out[:48] == 1.0)) and bool(jnp.all(jnp.isnan(out[48:])))
+
+
+def test_bad_input_errors():
+    q = jnp.zeros((1, 16, 2, 32), jnp.float32)
+    with pytest.raises(ValueError, match=r"head_dim=32 is not supported.*64, 128"):
+        flash_attention(q, q, q, impl="pallas")
+    q64 = jnp.zeros((1, 16, 2, 64), jnp.float16)
+    with pytest.raises(ValueError, match=r"dtype float16 .*float32, bfloat16"):
+        flash_attention(q64, q64, q64, impl="pallas")
+    q = jnp.zeros((1, 16, 3, 64), jnp.float32)
+    kv = jnp.zeros((1, 16, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match="2 key/value heads do not divide 3"):
+        flash_attention(q, kv, kv, impl="pallas")
+    with pytest.raises(ValueError, match=r"impl='fast' is not one of pallas, xla, cudnn, auto"):
+        flash_attention(q, q, q, impl="fast")
+    with pytest.raises(ValueError, match="rank"):
+        flash_attention(q[0], q[0], q[0], impl="pallas")
+    with pytest.raises(ValueError, match="block_q=24 must be a power of two"):
+        flash_attention(q, q, q, impl="pallas", block_q=24)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error")
+def test_cudnn_on_cpu_is_a_clear_error():
+    q = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="impl='cudnn' needs a CUDA GPU"):
+        flash_attention(q, q, q, impl="cudnn")
+
+
+def test_auto_is_the_reference_on_cpu():
+    key, _ = fresh_key()
+    q, k, v, _ = _inputs(key, 1, 20, 2, 1, 64, jnp.float32)
+    if jax.default_backend() != "gpu":
+        np.testing.assert_array_equal(
+            flash_attention(q, k, v, impl="auto"), reference.attention(q, k, v)
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [64, 128])
+def test_compiled_on_gpu_matches_cudnn_and_reference(K):
+    """Compiled (not interpreted) kernels on a GPU, bf16, against the reference and cuDNN."""
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, 2, 1000, 8, 2, K, jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, impl="pallas"))
+    out, grads = _grads(fn, q, k, v, do)
+    ref, ref_grads = _grads(
+        lambda q, k, v: reference.attention(*(x.astype(jnp.float32) for x in (q, k, v))),
+        q,
+        k,
+        v,
+        do,
+    )
+    assert_close(out, ref, 2e-2, "output", seed)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, 3e-2, f"d{name}", seed)
+    cudnn = flash_attention(q, k, v, impl="cudnn")
+    assert_close(cudnn, ref, 2e-2, "cudnn output", seed)
+
+
+def test_memory_is_linear_in_sequence():
+    """No array in the forward+backward program has T × S elements (the reference has)."""
+    B, T, H, K = 1, 512, 1, 64
+    q = jnp.zeros((B, T, H, K), jnp.float32)
+
+    def biggest(fn):
+        jaxpr = jax.make_jaxpr(jax.grad(lambda q: jnp.sum(fn(q, q, q))))(q)
+        return max(
+            v.aval.size for eqn in jaxpr.eqns for v in eqn.outvars if hasattr(v.aval, "size")
+        )
+
+    assert biggest(lambda q, k, v: flash_attention(q, k, v, impl="pallas")) < T * T // 4
+    assert biggest(reference.attention) >= T * T  # the check can fail

@@ -1,0 +1,143 @@
+"""The GPT with Pallas kernels (interpreted) against the GPT with the jnp paths, on a
+2×2×2 data×fsdp×tensor mesh: loss and every gradient; config validation; the CLI flags; a
+short Trainer run."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _kernel_helpers import assert_close, fresh_key
+from flax import nnx
+
+from meshtrain import cli
+from meshtrain.data import DataConfig, make_dataset
+from meshtrain.mesh import make_mesh
+from meshtrain.models import GPTConfig, build_model
+from meshtrain.sharding import activation_rules, rules_for, shard_batch
+from meshtrain.train.step import cross_entropy
+from meshtrain.train.trainer import TrainConfig, Trainer
+
+# Head width 64 (the kernels take 64 and 128); GQA with 2 query heads per key/value head, so
+# query and key/value heads both split over tensor=2. T=40 is not a whole number of blocks.
+BASE = dict(vocab_size=256, max_seq_len=64, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2)
+PALLAS = dict(attention_impl="pallas", norm_impl="pallas", loss_impl="pallas")
+
+
+def _loss_and_grads(cfg, mesh, rules, tokens, targets):
+    """Loss and parameter gradients of `cfg`'s GPT (seed 0) on the mesh, jitted."""
+    model = build_model(cfg, seed=0)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    @jax.jit
+    def run(params, tokens, targets):
+        def loss_of(params):
+            with activation_rules(mesh, rules):
+                logits = nnx.merge(graphdef, params)(tokens)
+                return cross_entropy(logits, targets, impl=cfg.loss_impl)
+
+        return jax.value_and_grad(loss_of)(params)
+
+    return run(params, tokens, targets)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style):
+    key, seed = fresh_key()
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    rules = rules_for("fsdp+tp", mesh)
+    tokens = jax.random.randint(key, (8, 41), 0, 256)
+    batch = shard_batch(
+        {"x": np.asarray(tokens[:, :-1]), "y": np.asarray(tokens[:, 1:])}, mesh, rules
+    )
+    ref_cfg = GPTConfig(style=style, **BASE)
+    loss, grads = _loss_and_grads(
+        dataclasses.replace(ref_cfg, **PALLAS), mesh, rules, batch["x"], batch["y"]
+    )
+    ref_loss, ref_grads = _loss_and_grads(ref_cfg, mesh, rules, batch["x"], batch["y"])
+    assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
+    flat, ref_flat = nnx.to_flat_state(grads), nnx.to_flat_state(ref_grads)
+    assert [p for p, _ in flat] == [p for p, _ in ref_flat]
+    total = np.sqrt(sum(float(jnp.sum(jnp.square(r.get_value()))) for _, r in ref_flat))
+    for (path, g), (_, r) in zip(flat, ref_flat, strict=True):
+        name = "/".join(map(str, path))
+        g, r = g.get_value(), r.get_value()
+        if float(jnp.linalg.norm(r)) < 1e-6 * total:  # zero in exact arithmetic (a key bias)
+            assert float(jnp.linalg.norm(g)) < 1e-5 * total, name
+            continue
+        assert_close(g, r, 1e-4, name, seed)
+
+
+def test_config_validates_impls():
+    with pytest.raises(ValueError, match=r"attention_impl='flash': choose from pallas, xla"):
+        GPTConfig(attention_impl="flash")
+    with pytest.raises(ValueError, match=r"norm_impl='cudnn': choose from pallas, xla, auto"):
+        GPTConfig(norm_impl="cudnn")
+    with pytest.raises(ValueError, match=r"loss_impl='fused'"):
+        GPTConfig(loss_impl="fused")
+    # The default GPT has head width 32: the kernel would not take it.
+    with pytest.raises(ValueError, match=r"head width \(d_model / n_heads\) of 64 or 128, got 32"):
+        GPTConfig(attention_impl="pallas")
+    GPTConfig(attention_impl="auto")  # auto falls back to the jnp path for width 32
+    assert GPTConfig().attention_impl == GPTConfig().norm_impl == GPTConfig().loss_impl == "xla"
+
+
+def test_cli_exposes_the_kernel_flags(capsys, tmp_path):
+    argv = ["train", "--gpt.d-model", "128", "--gpt.n-heads", "2"]
+    job = cli.parse([*argv, *(f"--gpt.{k.replace('_', '-')}={v}" for k, v in PALLAS.items())])
+    assert (job.gpt.attention_impl, job.gpt.norm_impl, job.gpt.loss_impl) == ("pallas",) * 3
+    code = cli.main(
+        ["train", "--gpt.attention-impl", "pallas", "--run-dir", str(tmp_path), "--no-progress"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "attention_impl='pallas'" in err and "got 32" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_trainer_trains_with_kernels_selected():
+    """The Trainer runs the GPT with every kernel on Pallas (the loss through loss_impl) on a
+    2×2×2 mesh; its loss starts near ln(256) and falls."""
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    rules = rules_for("fsdp+tp", mesh)
+    data = make_dataset(DataConfig(source="synthetic", seq_len=32, batch_size=8))
+    cfg = GPTConfig(style="llama", **dict(BASE, n_layers=1), **PALLAS)
+    trainer = Trainer(
+        cfg,
+        data,
+        mesh=mesh,
+        rules=rules,
+        config=TrainConfig(steps=3, log_every=1, eval_every=0, run_dir="", progress=False),
+    )
+    logits, targets = jnp.zeros((2, 4, 256)), jnp.zeros((2, 4), jnp.int32)
+    assert "cross_entropy_fwd" in str(jax.make_jaxpr(trainer._loss_fn())(logits, targets))
+    losses = [m["loss"] for m in trainer.fit()]
+    assert len(losses) == 3 and np.all(np.isfinite(losses)), losses
+    assert abs(losses[0] - np.log(256)) < 0.3, losses
+    assert losses[-1] < losses[0], losses
+
+
+def test_auto_on_cpu_uses_the_jnp_paths():
+    cfg = GPTConfig(attention_impl="auto", norm_impl="auto", loss_impl="auto", **BASE)
+    model = build_model(cfg)
+    if jax.default_backend() != "gpu":
+        assert model.blocks.attn.impl == "xla"
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    ref = build_model(dataclasses.replace(cfg, attention_impl="xla", norm_impl="xla"))
+    np.testing.assert_allclose(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_config_runs_the_kernels():
+    """The Pallas config really calls the kernels; the xla config calls none."""
+
+    def program(cfg):
+        graphdef, state = nnx.split(build_model(cfg))
+        tokens = jnp.zeros((1, 8), jnp.int32)
+        return str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens))
+
+    cfg = GPTConfig(**dict(BASE, n_layers=1))
+    pallas, xla = program(dataclasses.replace(cfg, **PALLAS)), program(cfg)
+    for name in ("flash_attention_fwd", "rms_norm_fwd"):
+        assert name in pallas and name not in xla, name

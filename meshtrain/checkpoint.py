@@ -21,14 +21,20 @@ import dataclasses
 import signal
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import optax
 import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from orbax.checkpoint import checkpoint_managers as policies
 
+from meshtrain.sharding import Rules, abstract_model, named, state_specs
 from meshtrain.train.step import TrainState
 
 ITEMS = ("state", "data", "meta")
@@ -93,6 +99,44 @@ def abstract_target(like: TrainState, shardings: TrainState) -> TrainState:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, shardings
     )
+
+
+def abstract_train_state(
+    ctor: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, rules: Rules
+) -> TrainState:
+    """The state `init_train_state` would build on `mesh`, as sharded shape structs.
+
+    Nothing is allocated or compiled: this is the target for restoring a checkpoint onto a
+    new mesh without first initialising a model there.
+
+    Args:
+        ctor: zero-argument model constructor.
+        tx: the optax transformation.
+        mesh: the target mesh.
+        rules: the target logical-axis rules.
+
+    Returns:
+        A `TrainState` of `jax.ShapeDtypeStruct`s carrying `NamedSharding`s.
+    """
+    graphdef, state = abstract_model(ctor)
+    _, param_vars, rest_vars = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
+    param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
+    rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
+    opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
+    params, rest = nnx.to_pure_dict(param_vars), nnx.to_pure_dict(rest_vars)
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_specs = optax.tree_map_params(
+        tx,
+        lambda _, spec: spec,
+        opt_state,
+        opt_param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    replicated = NamedSharding(mesh, P())
+    shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, rest)
+    shardings = TrainState(replicated, param_sh, named(opt_specs, mesh), rest_sh)
+    return abstract_target(shapes, shardings)
 
 
 def mesh_meta(mesh: jax.sharding.Mesh) -> dict:

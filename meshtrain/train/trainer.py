@@ -246,7 +246,10 @@ class Trainer:
                     self.stop_reason = signals.received
                     break
                 if self.checkpoints and ckpt.due(self.checkpoints.config, step + 1, end):
-                    self.save()
+                    # Skipped (non-finite) steps are not saved, so that the keep policy never
+                    # pushes the last good checkpoint out during a bad streak.
+                    if not (self._bad_streak or int(metrics["skipped"])):
+                        self.save()
             if pending is not None:
                 self._record(*pending, last_ready, peak, writer, bar, force=True)
             if self.checkpoints:

@@ -220,6 +220,11 @@ class CheckpointManager:
             "meta": ocp.JsonCheckpointHandler(),
         }
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        # Orbax removes the leftovers of interrupted saves in the background; finish that now
+        # so the directory is clean once the manager is open (a private hook, hence getattr).
+        finish_cleanup = getattr(self._mgr, "_maybe_await_cleanup_tmp_directory", None)
+        if finish_cleanup is not None and not read_only:
+            finish_cleanup()
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first."""

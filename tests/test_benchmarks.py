@@ -82,3 +82,27 @@ def test_overhead_quick_prints_one_json_line():
     # All contenders start from the same parameters and batch, so the first loss agrees.
     losses = list(out["first_loss"].values())
     assert all(loss == pytest.approx(losses[0], rel=1e-5) for loss in losses)
+
+
+@pytest.mark.slow
+def test_save_overhead_quick_prints_one_json_line():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "save_overhead.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    out = json.loads(lines[0])
+    assert out["platform"] == "cpu" and out["devices"] == 8 and out["saves"] == 8
+    assert _positive_finite(out["step_ms_no_checkpoints"]) and _positive_finite(out["state_mib"])
+    for mode in ("async", "sync"):
+        assert math.isfinite(out[f"{mode}_overhead_ms_per_step"]), out
+    ratio = out["async_overhead_ms_per_step"] / out["sync_overhead_ms_per_step"]
+    assert out["async_over_sync"] == pytest.approx(ratio)

@@ -1,40 +1,18 @@
-"""Checkpoints: asynchronous, atomic orbax saves, and restores onto any mesh, with fallback.
-
-A checkpoint directory holds one sub-directory per saved step (``<dir>/<step>/``), each with
-three items:
-
-- ``state``: the `TrainState` (step, parameters, optimizer state, other model variables);
-- ``data``: the training data iterator's position (JSON);
-- ``meta``: the full run config, the mesh it was written from, the seed (JSON).
-
-Orbax writes each step into a temporary directory and renames it when complete, so a step
-exists only once fully written; leftovers of an interrupted save are removed when a manager
-opens the directory for writing. Restoring reads every array straight into the layout of an
-abstract target (`jax.ShapeDtypeStruct` with the new `NamedSharding`), on any mesh and any
-device count, never through one host's full copy. A step that cannot be read is reported and
-skipped for the previous one; it is never deleted or overwritten (see `set_aside`).
-"""
+"""`CheckpointManager`: asynchronous atomic orbax saves, restores with fallback past bad steps."""
 
 from __future__ import annotations
 
 import dataclasses
-import signal
-import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-import optax
 import orbax.checkpoint as ocp
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 from orbax.checkpoint import checkpoint_managers as policies
 
-from meshtrain.sharding import Rules, abstract_model, named, state_specs
+from meshtrain.checkpoint.targets import layout_mismatch
 from meshtrain.train.step import TrainState
 
 ITEMS = ("state", "data", "meta")
@@ -86,107 +64,10 @@ class Restored(NamedTuple):
     meta: dict  # config, mesh, seed
 
 
-def abstract_target(like: TrainState, shardings: TrainState) -> TrainState:
-    """`like`'s shapes and dtypes with `shardings` attached: the layout a restore produces.
-
-    Args:
-        like: a state, or any pytree of arrays / `ShapeDtypeStruct`s of the same structure.
-        shardings: the target `NamedSharding`s (e.g. from `init_train_state` on the new mesh).
-
-    Returns:
-        A `TrainState` of `jax.ShapeDtypeStruct`s.
-    """
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, shardings
-    )
-
-
-def abstract_train_state(
-    ctor: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, rules: Rules
-) -> TrainState:
-    """The state `init_train_state` would build on `mesh`, as sharded shape structs.
-
-    Nothing is allocated or compiled: this is the target for restoring a checkpoint onto a
-    new mesh without first initialising a model there.
-
-    Args:
-        ctor: zero-argument model constructor.
-        tx: the optax transformation.
-        mesh: the target mesh.
-        rules: the target logical-axis rules.
-
-    Returns:
-        A `TrainState` of `jax.ShapeDtypeStruct`s carrying `NamedSharding`s.
-    """
-    graphdef, state = abstract_model(ctor)
-    _, param_vars, rest_vars = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
-    param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
-    rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
-    opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
-    params, rest = nnx.to_pure_dict(param_vars), nnx.to_pure_dict(rest_vars)
-    opt_state = jax.eval_shape(tx.init, params)
-    opt_specs = optax.tree_map_params(
-        tx,
-        lambda _, spec: spec,
-        opt_state,
-        opt_param_specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    replicated = NamedSharding(mesh, P())
-    shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, rest)
-    shardings = TrainState(replicated, param_sh, named(opt_specs, mesh), rest_sh)
-    return abstract_target(shapes, shardings)
-
-
-def mesh_meta(mesh: jax.sharding.Mesh) -> dict:
-    """The facts about a mesh a checkpoint records: axis sizes, device count, platform."""
-    sizes = dict(zip(mesh.axis_names, (int(n) for n in mesh.devices.shape), strict=True))
-    platform = mesh.devices.flat[0].platform
-    return {"axes": sizes, "devices": int(mesh.devices.size), "platform": platform}
-
-
 def _short(error: BaseException) -> str:
     """An exception as one short line."""
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:240]}{'…' if len(text) > 240 else ''}"
-
-
-def _path(keys) -> str:
-    """A pytree path as ``a/b/0/c``, the same whether a level is a dict, list or NamedTuple."""
-    parts = []
-    for k in keys:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
-def _layout_mismatch(saved: Any, target: TrainState) -> str | None:
-    """Compares the saved tree's paths, shapes and dtypes with the target's; None if they fit."""
-    saved_leaves = {
-        _path(p): (tuple(m.shape), str(m.dtype))
-        for p, m in jax.tree_util.tree_leaves_with_path(saved)
-    }
-    want = {
-        _path(p): (tuple(x.shape), str(x.dtype))
-        for p, x in jax.tree_util.tree_leaves_with_path(target._asdict())
-    }
-    problems = [f"{k} missing from the checkpoint" for k in want if k not in saved_leaves]
-    problems += [f"{k} not in the model" for k in saved_leaves if k not in want]
-    problems += [
-        f"{k} is {saved_leaves[k][1]}{list(saved_leaves[k][0])} in the checkpoint, "
-        f"{want[k][1]}{list(want[k][0])} in the model"
-        for k in want
-        if k in saved_leaves and saved_leaves[k] != want[k]
-    ]
-    if not problems:
-        return None
-    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    return "the model does not match: " + "; ".join(problems[:3]) + more
 
 
 class CheckpointManager:
@@ -331,7 +212,7 @@ class CheckpointManager:
         saved = self._mgr.item_metadata(step)["state"]
         if saved is None:
             raise _Mismatch("the 'state' item is missing")
-        problem = _layout_mismatch(getattr(saved, "tree", saved), target)
+        problem = layout_mismatch(getattr(saved, "tree", saved), target)
         if problem:
             raise _Mismatch(problem)
         args = ocp.args.Composite(
@@ -389,117 +270,3 @@ def restore(directory: str | Path, target: TrainState, step: int | None = None) 
     if restored is None:
         raise ValueError(f"no checkpoint found in {Path(directory).absolute()}")
     return restored
-
-
-def open_for_run(config: CheckpointConfig | None, run_dir: str) -> CheckpointManager | None:
-    """Opens a run's checkpoint directory for writing, before anything compiles.
-
-    Returns:
-        The manager, or None when `config` is None.
-
-    Raises:
-        ValueError: no directory is set, or it already holds checkpoints and the run does not
-            resume (a fresh run never writes over an earlier one).
-    """
-    if config is None:
-        return None
-    directory = config.checkpoint_dir or (str(Path(run_dir) / "checkpoints") if run_dir else "")
-    if not directory:
-        raise ValueError(
-            "checkpoint_dir='' and run_dir='': checkpoints need a directory; set one of them"
-        )
-    mgr = CheckpointManager(directory, config)
-    steps = mgr.steps()
-    if steps and not config.resume:
-        mgr.close()
-        raise ValueError(
-            f"checkpoint directory {mgr.directory} already holds steps {steps}; pass "
-            "--resume (CheckpointConfig(resume=True)) to continue that run, or choose another "
-            "--run-dir / --checkpoint-dir"
-        )
-    return mgr
-
-
-def due(config: CheckpointConfig, step: int, end: int) -> bool:
-    """True when the periodic schedule saves after step `step` (the final step saves anyway)."""
-    return bool(config.save_every) and step % config.save_every == 0 and step < end
-
-
-def run_meta(trainer: Any, extra: Mapping | None = None) -> dict:
-    """The JSON facts a trainer's checkpoint records: configs, mesh, rules, seed."""
-
-    def as_dict(cfg):
-        return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
-
-    model = trainer.model_config
-    return {
-        "config": {
-            "model": {"kind": type(model).__name__, **(as_dict(model) or {})} if model else None,
-            "train": as_dict(trainer.config),
-            "optim": as_dict(trainer.optim),
-            "checkpoint": as_dict(trainer.checkpoints.config) if trainer.checkpoints else None,
-            **dict(extra or {}),
-        },
-        "mesh": mesh_meta(trainer.mesh),
-        "rules": trainer.rules.name,
-        "rng": {"seed": trainer.config.seed},
-    }
-
-
-class NonFiniteError(RuntimeError):
-    """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
-
-    @classmethod
-    def after(
-        cls, streak: int, step: int, last_good: int, checkpoints: CheckpointManager | None
-    ) -> NonFiniteError:
-        """The error for `streak` bad steps ending at `step`; names the last good checkpoint."""
-        where = "no checkpoints are kept"
-        if checkpoints is not None:
-            checkpoints.wait()
-            good = [s for s in checkpoints.steps() if s <= last_good]
-            where = (
-                f"last good checkpoint: {checkpoints.path(good[-1])} (step {good[-1]})"
-                if good
-                else f"no checkpoint at or before step {last_good} in {checkpoints.directory}"
-            )
-        return cls(
-            f"{streak} consecutive steps ({step - streak + 1}–{step}) had a non-finite loss or "
-            f"gradient; their updates were skipped and training stopped after step {step}; "
-            f"{where}"
-        )
-
-
-class StopSignals:
-    """Turns the first SIGTERM/SIGINT into a request to stop after the current step.
-
-    Inside the ``with`` block, the first signal sets `received` (its name); a second one
-    exits the process at once with status 128 + signal number. Outside the main thread
-    (where Python cannot install handlers) it does nothing.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.received: str | None = None
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        """Records the first signal; a second one exits immediately."""
-        if self.received is not None:
-            print(f"meshtrain: second {signal.Signals(signum).name}: exiting now", flush=True)
-            import os
-
-            os._exit(128 + signum)
-        self.received = signal.Signals(signum).name
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()

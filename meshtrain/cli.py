@@ -87,13 +87,18 @@ def build_trainer(job: TrainJob, say=print):
     from meshtrain.sharding import rules_for
     from meshtrain.train.trainer import Trainer
 
+    checkpointing = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
+    if job.checkpoint.resume and not checkpointing:
+        raise ValueError(
+            "resume=True needs checkpoints, but --no-save or an empty --run-dir turns them off; "
+            "drop --no-save or give --run-dir / --checkpoint-dir"
+        )
     if job.devices:
         simulate_devices(job.devices)
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh)
     data = make_dataset(job.data)
     say(f"meshtrain · mesh {describe(mesh)} · strategy {job.strategy}")
-    checkpointing = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
     return Trainer(
         job.model_config(),
         data,

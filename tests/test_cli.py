@@ -179,6 +179,7 @@ def test_every_config_field_can_be_overridden():
         (["--gpt.remat", "bogus"], "bogus"),
         (["--model", "resnet"], "resnet"),
         (["--keep-last", "0"], "keep_last=0"),
+        (["--resume", "--no-save"], "resume=True needs checkpoints"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):

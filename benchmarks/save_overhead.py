@@ -11,7 +11,8 @@ modes, in rotating order:
 
 One untimed round of each mode comes first (orbax's first save sets up its threads).
 
-Each round is timed from its first step to its last step's completion (async saves still in
+At every save point each mode (``none`` too) first waits for the step to finish. Each round is
+timed from its first step to its last step's completion (async saves still in
 flight at that point are waited for separately, outside the timed part, and reported as
 ``async_drain_s``). The overhead per step of a mode is (median round time − median ``none`` round
 time) / steps; ``async_over_sync`` is the ratio of the two overheads. Because that difference
@@ -114,6 +115,10 @@ def main(argv=None) -> dict:
                 start = time.perf_counter()
                 for i in range(args.steps):
                     state, metrics = step(state, batch)
+                    if (i + 1) % args.save_every == 0:
+                        # Every mode waits for the step here, so that the time inside save()
+                        # is the save's own, not the step's.
+                        jax.block_until_ready(state)
                     if mgr is not None and (i + 1) % args.save_every == 0:
                         t = time.perf_counter()
                         mgr.save(int(state.step), state, wait=mode == "sync")

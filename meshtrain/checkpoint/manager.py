@@ -15,7 +15,6 @@ from orbax.checkpoint import checkpoint_managers as policies
 from meshtrain.checkpoint.targets import layout_mismatch
 from meshtrain.train.step import TrainState
 
-ITEMS = ("state", "data", "meta")
 UNREADABLE_SUFFIX = ".unreadable"
 
 

@@ -21,7 +21,11 @@ from meshtrain.train.step import batch_shardings, init_train_state, jit_train_st
 from meshtrain.train.trainer import TrainConfig, Trainer, batch_shapes
 
 # orbax's reader leaves an asyncio callback behind after a failed (corrupt) read; harmless.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    # One worker builds the module-scoped layouts for all of them (under --dist loadgroup).
+    pytest.mark.xdist_group("checkpoint_layouts"),
+]
 
 GPT = GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 TX = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), 10)

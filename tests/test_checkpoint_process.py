@@ -183,7 +183,7 @@ def test_second_signal_exits_at_once(tmp_path):
 
 
 SOAK_TRIALS = 10
-SOAK_MODEL = {"d_model": 256, "d_hidden": 1024}  # about 12 MB a checkpoint: saves take a while
+SOAK_MODEL = {"d_model": 128, "d_hidden": 512}  # about 3 MB a checkpoint
 
 
 def _steps_on_disk(directory):
@@ -214,7 +214,7 @@ def test_crash_soak_sigkill_at_random_moments(tmp_path):
             if mid_save:  # kill the moment a save is being written
                 _wait_for(lambda d=directory: _steps_on_disk(d)[1], 30, "a save in progress")
             else:
-                time.sleep(rng.uniform(0.0, 1.5))
+                time.sleep(rng.uniform(0.0, 1.0))
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
         finally:

@@ -9,8 +9,12 @@ The public API, in the order a script uses it::
     data = mt.make_dataset(mt.DataConfig())        # byte-level stdlib corpus
     trainer = mt.Trainer(mt.GPTConfig(), data, mesh=mesh, rules=rules)
     history = trainer.fit()
+
+Checkpoints: pass ``checkpoint=mt.CheckpointConfig(...)`` to the `Trainer` (see
+`meshtrain.checkpoint`).
 """
 
+from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_dataset
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
 from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, build_model, sample
@@ -38,6 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AXES",
+    "CheckpointConfig",
     "GPT",
     "LOGICAL_AXES",
     "STRATEGIES",

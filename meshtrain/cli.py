@@ -5,6 +5,7 @@ meshtrain train --mesh data=4,tensor=2 --strategy fsdp --steps 300
 meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --gpt.dtype bfloat16
 meshtrain train --mesh pipe=2,data=2,tensor=2 --schedule 1f1b --microbatches 8
 meshtrain train --help
+meshtrain train --run-dir runs/a --save-every 50 --resume   # continue from the newest checkpoint
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import dataclasses
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Annotated
 
 import tyro
 
+from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
 from meshtrain.models import GPTConfig, MLPConfig
 from meshtrain.pipeline import PipelineConfig
@@ -41,7 +42,7 @@ class TrainJob:
         model: gpt or mlp.
         prompt: start of the sample printed at the end (gpt only).
         sample_tokens: tokens to sample at the end (0 = none).
-        save: save a checkpoint in run_dir at the end.
+        save: write checkpoints (to run_dir/checkpoints unless --checkpoint-dir is given).
     """
 
     mesh: str = "data=2,fsdp=2,tensor=2"
@@ -53,6 +54,7 @@ class TrainJob:
     save: bool = True
     train: Annotated[TrainConfig, tyro.conf.OmitArgPrefixes] = TrainConfig(steps=200)
     pipeline: Annotated[PipelineConfig, tyro.conf.OmitArgPrefixes] = PipelineConfig()
+    checkpoint: Annotated[CheckpointConfig, tyro.conf.OmitArgPrefixes] = CheckpointConfig()
     optim: Annotated[OptimConfig, tyro.conf.OmitArgPrefixes] = OptimConfig()
     data: DataConfig = DataConfig()
     gpt: GPTConfig = GPTConfig(n_kv_heads=2)
@@ -73,28 +75,32 @@ class TrainJob:
         return self.gpt if self.model == "gpt" else self.mlp
 
 
-def run_train(job: TrainJob) -> dict:
-    """Runs a `TrainJob`: builds mesh, data and model, trains, saves, samples.
+def build_trainer(job: TrainJob, say=print):
+    """Builds the mesh, data and `Trainer` of a job (resuming if it asks to); trains nothing.
+
+    Args:
+        job: the job.
+        say: where progress lines go.
 
     Returns:
-        A summary: final loss, eval loss, wall time, checkpoint path, sample text.
+        The `Trainer`; with ``job.checkpoint.resume`` its state is the restored one.
     """
-    start = time.perf_counter()
-    import jax
-
-    from meshtrain import checkpoint
     from meshtrain.data import make_dataset
     from meshtrain.mesh import describe, make_mesh, simulate_devices
     from meshtrain.sharding import rules_for
     from meshtrain.train.trainer import Trainer
 
+    checkpointing = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
+    if job.checkpoint.resume and not checkpointing:
+        raise ValueError(
+            "resume=True needs checkpoints, but --no-save or an empty --run-dir turns them off; "
+            "drop --no-save or give --run-dir / --checkpoint-dir"
+        )
     if job.devices:
         simulate_devices(job.devices)
-    model_cfg = job.model_config()
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh)
     data = make_dataset(job.data)
-    say = print if jax.process_index() == 0 else (lambda *a, **k: None)
     say(f"meshtrain · mesh {describe(mesh)} · strategy {job.strategy}")
     if mesh.shape["pipe"] > 1:
         pc = job.pipeline
@@ -103,15 +109,43 @@ def run_train(job: TrainJob) -> dict:
             f"{pc.num_microbatches(mesh.shape['pipe'])} microbatches"
             + (f" · {pc.repeats} chunks per stage" if pc.schedule == "circular" else "")
         )
-    trainer = Trainer(
-        model_cfg,
+    return Trainer(
+        job.model_config(),
         data,
         mesh=mesh,
         rules=rules,
         optim=job.optim,
         config=job.train,
         pipeline=job.pipeline,
+        checkpoint=job.checkpoint if checkpointing else None,
+        run_meta={"job": dataclasses.asdict(job)},
     )
+
+
+def run_train(job: TrainJob) -> dict:
+    """Runs a `TrainJob`: builds mesh, data and model, trains with checkpoints, samples.
+
+    Returns:
+        A summary: final loss, eval loss, wall time, checkpoint path, sample text; with
+        ``stopped`` (the signal's name) when a SIGTERM/SIGINT ended it early.
+    """
+    start = time.perf_counter()
+    import jax
+
+    def say(*parts):
+        if jax.process_index() == 0:
+            print(*parts, flush=True)
+
+    trainer = build_trainer(job, say)
+    data, model_cfg, checkpointing = trainer.data, job.model_config(), trainer.checkpoints
+    first = int(jax.device_get(trainer.state.step))
+    if job.checkpoint.resume and trainer.checkpoints:
+        where = trainer.checkpoints.directory
+        say(
+            f"resumed from {where / str(first)}"
+            if first
+            else f"no checkpoint in {where}: from step 0"
+        )
     n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
     shape = ", ".join(
         f"{k}={v}"
@@ -126,23 +160,33 @@ def run_train(job: TrainJob) -> dict:
         f"data {job.data.source} · {data.num_train} training examples · global batch "
         f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "")
     )
-    history = trainer.fit()
-    summary = {"final_loss": history[-1]["loss"], "eval_loss": history[-1].get("eval_loss")}
-    if job.save and job.train.run_dir:
-        run_dir = Path(job.train.run_dir)
-        ckpt = run_dir / f"checkpoint-{int(jax.device_get(trainer.state.step))}"
-        if ckpt.exists():
-            ckpt = run_dir / f"{ckpt.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        meta = {"job": dataclasses.asdict(job), "mesh": str(job.mesh)}
-        summary["checkpoint"] = str(checkpoint.save(ckpt, trainer.state, meta=meta))
+    try:
+        history = trainer.fit()
+    finally:
+        if trainer.checkpoints:
+            trainer.checkpoints.close()
+    last = history[-1] if history else {}
+    summary = {"final_loss": last.get("loss"), "eval_loss": last.get("eval_loss")}
+    step = int(jax.device_get(trainer.state.step))
+    if trainer.checkpoints:
+        summary["checkpoint"] = str(trainer.checkpoints.path(step))
+    if trainer.stop_reason:
+        saved = f"checkpoint {summary['checkpoint']}" if checkpointing else "no checkpoint kept"
+        why = trainer.stop_reason
+        say(f"meshtrain: {why}: stopped after step {step}; {saved}; --resume continues")
+        summary["stopped"] = trainer.stop_reason
+        return summary
+    if trainer.checkpoints:
         say(f"checkpoint saved to {summary['checkpoint']}")
     if job.model == "gpt" and job.sample_tokens and data.kind == "lm":
         text = trainer.generate(job.prompt, job.sample_tokens)
         summary["sample"] = text
         say("sample:\n" + text)
     summary["wall_s"] = time.perf_counter() - start
+    loss = summary["final_loss"]
     say(
-        f"done in {summary['wall_s']:.0f} s · final loss {summary['final_loss']:.3f}"
+        f"done in {summary['wall_s']:.0f} s · final loss "
+        + (f"{loss:.3f}" if loss is not None else "n/a (no steps left to run)")
         + (f" · eval loss {summary['eval_loss']:.3f}" if summary["eval_loss"] else "")
     )
     return summary
@@ -193,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"meshtrain: error: {e} (MESHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from meshtrain.checkpoint import NonFiniteError
+
+        if not isinstance(e, NonFiniteError) or os.environ.get("MESHTRAIN_DEBUG"):
+            raise
+        print(f"meshtrain: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("meshtrain: interrupted", file=sys.stderr)
         return 130

@@ -113,3 +113,27 @@ def test_pipeline_memory_quick_counts_permutes_and_memory():
         out["1f1b"]["collective_permutes_per_step"] == out["1f1b"]["collective_permutes_expected"]
     )
     assert out["1f1b"]["temp_bytes"] < out["gpipe"]["temp_bytes"]
+
+
+@pytest.mark.slow
+def test_save_overhead_quick_prints_one_json_line():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "save_overhead.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout
+    out = json.loads(lines[0])
+    assert out["platform"] == "cpu" and out["devices"] == 8 and out["saves"] == 8
+    assert _positive_finite(out["step_ms_no_checkpoints"]) and _positive_finite(out["state_mib"])
+    for mode in ("async", "sync"):
+        assert math.isfinite(out[f"{mode}_overhead_ms_per_step"]), out
+    ratio = out["async_overhead_ms_per_step"] / out["sync_overhead_ms_per_step"]
+    assert out["async_over_sync"] == pytest.approx(ratio)

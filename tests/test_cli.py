@@ -1,6 +1,7 @@
 """Tests for the ``meshtrain`` command: help, flag parsing, clean errors, an end-to-end run."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import tyro
 
-from meshtrain import checkpoint, cli
+from meshtrain import cli
 from meshtrain.cli import TrainJob
 from meshtrain.metrics import read_jsonl
 
@@ -75,6 +76,13 @@ OVERRIDES = {
     "--run-dir": (["/tmp/elsewhere"], "/tmp/elsewhere"),
     "--tensorboard": ([], True),
     "--progress": ([], False),  # given as --no-progress
+    "--max-bad-steps": (["2"], 2),
+    "--checkpoint-dir": (["/tmp/ckpts"], "/tmp/ckpts"),
+    "--save-every": (["25"], 25),
+    "--keep-last": (["5"], 5),
+    "--keep-every": (["1000"], 1000),
+    "--async-save": ([], False),  # given as --no-async-save
+    "--resume": ([], True),
     "--optimizer": (["lamb"], "lamb"),
     "--lr": (["1e-3"], 1e-3),
     "--warmup-steps": (["5"], 5),
@@ -173,6 +181,8 @@ def test_every_config_field_can_be_overridden():
         (["--mesh", "data=3,tensor=2"], "≠ 8 devices"),
         (["--gpt.remat", "bogus"], "bogus"),
         (["--model", "resnet"], "resnet"),
+        (["--keep-last", "0"], "keep_last=0"),
+        (["--resume", "--no-save"], "resume=True needs checkpoints"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):
@@ -218,9 +228,19 @@ def test_console_script_end_to_end(tmp_path):
     assert "loss" in out and "final loss" in out, out
     assert "checkpoint saved" in out, out
     assert "sample:\ndef " in out, out
-    ckpt = run_dir / "checkpoint-12"
-    assert (ckpt / "meta.json").is_file() and (ckpt / "state").is_dir()
-    meta = checkpoint.read_meta(ckpt)
-    assert meta["job"]["train"]["steps"] == 12 and meta["job"]["gpt"]["d_model"] == 32
+    ckpt = run_dir / "checkpoints" / "12"
+    assert f"checkpoint saved to {ckpt}" in out, out
+    assert (ckpt / "state").is_dir() and (ckpt / "data").is_dir()
+    meta = json.loads((ckpt / "meta" / "metadata").read_text())
+    job = meta["config"]["job"]
+    assert job["train"]["steps"] == 12 and job["gpt"]["d_model"] == 32
+    assert meta["mesh"]["axes"] == {
+        "pipe": 1,
+        "data": 2,
+        "fsdp": 2,
+        "expert": 1,
+        "seq": 1,
+        "tensor": 2,
+    }
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "train"]
     assert steps and steps == sorted(steps) and steps[-1] == 12

@@ -102,10 +102,28 @@ def _check_pipelines(nb) -> None:
     assert images >= 3, f"expected the Gantt, bubble and loss plots, got {images} images"
 
 
+def _check_checkpoints(nb) -> None:
+    """Saved on 8 devices, restored exactly onto 4 under FSDP, and the continuations agree."""
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    assert "steps on disk: [10, 20]" in text, text
+    assert "identical values: True" in text, text
+    assert "resumed at step 20 on fsdp=4 (4 cpu devices)" in text, text
+    match = re.search(r"final losses: 8 devices=([\d.]+), 4 devices=([\d.]+)", text)
+    assert match, "the notebook must print 'final losses: 8 devices=..., 4 devices=...'"
+    eight, four = map(float, match.groups())
+    # Same function, another reduction order: float32 rounding only, over 20 steps.
+    assert abs(eight - four) < LOSS_TOLERANCE, (eight, four)
+    assert eight < 4.5, eight  # it learned (ln 256 ≈ 5.55 at the start)
+    assert any(
+        "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
+    ), "the loss-curve plot produced no image"
+
+
 CHECKS = {
     "01_quickstart.ipynb": _check_quickstart,
     "02_pipelines.ipynb": _check_pipelines,
     "03_kernels.ipynb": _check_kernels,
+    "04_checkpoints.ipynb": _check_checkpoints,
 }
 
 
@@ -135,7 +153,7 @@ def test_notebook_executes(path):
 
 
 def test_quickstart_is_collected():
-    assert "01_quickstart.ipynb" in {p.name for p in NOTEBOOKS}
+    assert {"01_quickstart.ipynb", "04_checkpoints.ipynb"} <= {p.name for p in NOTEBOOKS}
 
 
 def test_kernels_notebook_is_collected():

@@ -118,6 +118,7 @@ def train_step(
     loss_fn: LossFn = cross_entropy,
     schedule: optax.Schedule | None = None,
     pipeline: tuple[PipelineConfig, Mesh] | None = None,
+    skip_nonfinite: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; a pure function of its inputs.
 
@@ -126,8 +127,13 @@ def train_step(
     With `pipeline` = ``(config, mesh)`` the loss and gradients come from the pipelined GPT
     (`meshtrain.pipeline`) instead of a plain `jax.value_and_grad`.
 
+    With `skip_nonfinite`, a step whose loss or gradient norm is NaN or infinite leaves the
+    parameters, optimizer state and other variables exactly as they were; only the step count
+    advances (it counts batches consumed, so the data position and schedule stay aligned).
+
     Returns:
-        The new state and metrics: ``loss``, ``grad_norm`` and (with `schedule`) ``lr``.
+        The new state and metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when the update was
+        skipped, else 0) and (with `schedule`) ``lr``.
     """
 
     def loss_of(params, rest, mb):
@@ -167,10 +173,20 @@ def train_step(
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:
+        params, opt_state, rest = _keep_if_not(finite, (params, opt_state, rest), state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
     if schedule is not None:
         metrics["lr"] = schedule(state.step)
     return TrainState(state.step + 1, params, opt_state, rest), metrics
+
+
+def _keep_if_not(ok: jax.Array, new: tuple, state: TrainState) -> tuple:
+    """`new` (params, opt_state, rest) where `ok`, else the old values from `state`."""
+    old = (state.params, state.opt_state, state.rest)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def eval_loss(
@@ -217,6 +233,7 @@ def jit_train_step(
     loss_fn: LossFn = cross_entropy,
     schedule: optax.Schedule | None = None,
     pipeline: PipelineConfig | None = None,
+    skip_nonfinite: bool = True,
 ):
     """`train_step` jitted with explicit in/out shardings; the input state is donated.
 
@@ -237,6 +254,7 @@ def jit_train_step(
                 loss_fn=loss_fn,
                 schedule=schedule,
                 pipeline=_pipelined(pipeline, mesh),
+                skip_nonfinite=skip_nonfinite,
             )
 
     replicated = NamedSharding(mesh, P())

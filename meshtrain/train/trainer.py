@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from meshtrain import checkpoint as ckpt
 from meshtrain import metrics as mx
 from meshtrain.data import Dataset
 from meshtrain.mesh import BATCH_AXES, mesh_sizes
@@ -45,6 +46,8 @@ class TrainConfig:
         run_dir: where metrics.jsonl (and checkpoints) go; empty: write no files.
         tensorboard: also write TensorBoard event files to run_dir.
         progress: show a progress bar.
+        max_bad_steps: stop after this many consecutive steps whose update was skipped for a
+            non-finite loss or gradient.
     """
 
     steps: int = 300
@@ -56,11 +59,12 @@ class TrainConfig:
     run_dir: str = "runs/default"
     tensorboard: bool = False
     progress: bool = True
+    max_bad_steps: int = 5
 
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps={self.steps!r}: the step count must be ≥ 1 (e.g. --steps 300)")
-        for name in ("accum_steps", "eval_batches", "log_every"):
+        for name in ("accum_steps", "eval_batches", "log_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be ≥ 1")
         if self.eval_every < 0:
@@ -94,6 +98,9 @@ class Trainer:
             means the defaults of `PipelineConfig` (gpipe, 2 × pipe microbatches).
         flops_per_token: training FLOPs per token (or per example); taken from the model config
             when it has ``flops_per_token``; None leaves TFLOP/s and MFU out.
+        checkpoint: checkpoint settings; None writes no checkpoints. With ``resume`` the
+            trainer starts from the newest readable checkpoint.
+        run_meta: extra JSON facts stored in every checkpoint (the CLI stores its whole job).
     """
 
     def __init__(
@@ -107,6 +114,8 @@ class Trainer:
         config: TrainConfig | None = None,
         pipeline: PipelineConfig | None = None,
         flops_per_token: float | None = None,
+        checkpoint: ckpt.CheckpointConfig | None = None,
+        run_meta: dict | None = None,
     ):
         self.config = config or TrainConfig()
         self.pipeline = pipeline or PipelineConfig()
@@ -114,6 +123,10 @@ class Trainer:
         self.data, self.mesh, self.rules = data, mesh, rules
         self.model_config = model if isinstance(model, GPTConfig | MLPConfig) else None
         self._check(data, mesh)
+        self.checkpoints = ckpt.open_for_run(checkpoint, self.config.run_dir)
+        self.stop_reason: str | None = None
+        self.skipped_steps = 0
+        self._run_meta = run_meta or {}
         seed = self.config.seed
         ctor = (lambda: build_model(model, seed=seed)) if self.model_config else model
         if flops_per_token is None and self.model_config is not None:
@@ -149,6 +162,8 @@ class Trainer:
         )
         self._eval_data = None
         self.history: list[dict] = []
+        if checkpoint is not None and checkpoint.resume:
+            self.resume()
 
     def _loss_fn(self):
         """Cross-entropy with the GPT config's ``loss_impl`` kernel (optax otherwise)."""
@@ -225,32 +240,97 @@ class Trainer:
         losses = [self._eval(self.state, b) for b in self._eval_data]
         return float(np.mean(jax.device_get(losses)))
 
-    def fit(self) -> list[dict]:
+    def fit(self, until: int | None = None) -> list[dict]:
         """Runs the remaining steps; returns the logged metrics, one dict per logged step.
 
         Metrics of step i are read after step i+1 is dispatched, so the host never waits for
-        the device except to stay one step behind.
+        the device except to stay one step behind. With checkpoints, the state is saved every
+        ``save_every`` steps and at the end. A SIGTERM/SIGINT stops after the current step with
+        a synchronous save (`stop_reason` names the signal); a second one exits at once.
+
+        Args:
+            until: stop after this step (default: ``config.steps``).
+
+        Raises:
+            NonFiniteError: ``max_bad_steps`` consecutive steps had a non-finite loss or
+                gradient; the message names the last good checkpoint.
         """
         cfg = self.config
         main = jax.process_index() == 0
         run_dir = Path(cfg.run_dir) if cfg.run_dir and main else None
         peak = mx.peak_flops_per_device(self.mesh.devices.flat[0], self._compute_dtype())
         start = int(jax.device_get(self.state.step))
+        end = cfg.steps if until is None else min(until, cfg.steps)
         pending = None
         last_ready = None
+        self._bad_streak, self._last_good = 0, start
+        self.stop_reason = None
         with (
             mx.MetricsWriter(run_dir, tensorboard=cfg.tensorboard, append=start > 0) as writer,
             mx.Progress(cfg.steps, enabled=cfg.progress and main) as bar,
+            ckpt.StopSignals() as signals,
         ):
-            for step in range(start, cfg.steps):
+            for step in range(start, end):
                 batch = shard_batch(next(self._iter), self.mesh, self.rules)
                 self.state, metrics = self._step(self.state, batch)
                 if pending is not None:
                     last_ready = self._record(*pending, last_ready, peak, writer, bar)
                 pending = (step + 1, metrics)
+                if signals.received:
+                    self.stop_reason = signals.received
+                    break
+                if self.checkpoints and ckpt.due(self.checkpoints.config, step + 1, end):
+                    # Skipped (non-finite) steps are not saved, so that the keep policy never
+                    # pushes the last good checkpoint out during a bad streak.
+                    if not (self._bad_streak or int(metrics["skipped"])):
+                        self.save()
             if pending is not None:
                 self._record(*pending, last_ready, peak, writer, bar, force=True)
+            if self.checkpoints:
+                self.save(wait=True)
         return self.history
+
+    def save(self, *, wait: bool = False) -> Path | None:
+        """Checkpoints the current state, data position and config (no-op if already saved).
+
+        Returns:
+            The checkpoint's directory, or None without checkpoints.
+        """
+        if self.checkpoints is None:
+            return None
+        step = int(jax.device_get(self.state.step))
+        if step in self.checkpoints.steps():
+            path = self.checkpoints.path(step)
+        else:
+            meta = ckpt.run_meta(self, self._run_meta)
+            path = self.checkpoints.save(
+                step, self.state, data=self._iter.get_state(), meta=meta, wait=wait
+            )
+        if wait:
+            self.checkpoints.wait()
+        return path
+
+    def resume(self) -> int | None:
+        """Restores the newest readable checkpoint onto this trainer's mesh and data position.
+
+        Unreadable newer steps are reported, skipped and set aside (renamed, never deleted).
+
+        Returns:
+            The restored step, or None when there is no checkpoint (the state is unchanged).
+        """
+        if self.checkpoints is None:
+            raise ValueError("resume() needs checkpoints: pass checkpoint=CheckpointConfig(...)")
+        target = ckpt.abstract_target(self.state, self.shardings)
+        restored = self.checkpoints.restore(target)
+        if restored is None:
+            return None
+        newer = [s for s in self.checkpoints.steps() if s > restored.step]
+        if newer:
+            self.checkpoints.set_aside(newer)
+        self.state = restored.state
+        if restored.data:
+            self._iter.set_state(restored.data)
+        return restored.step
 
     def _compute_dtype(self):
         """The matmul dtype, for the peak-FLOPs lookup."""
@@ -266,6 +346,7 @@ class Trainer:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         cfg = self.config
+        self._count_skipped(step, values)
         if last_ready is not None:
             rate = mx.step_rate(
                 step_time=now - last_ready,
@@ -289,6 +370,20 @@ class Trainer:
         # The evaluation ran after step+1 was dispatched, so step+1's time would include it:
         # that step gets no rate.
         return None if "eval_loss" in values else now
+
+    def _count_skipped(self, step: int, values: dict) -> None:
+        """Counts skipped (non-finite) steps; stops after ``max_bad_steps`` in a row."""
+        if values.get("skipped"):
+            self.skipped_steps += 1
+            self._bad_streak += 1
+        else:
+            self._bad_streak, self._last_good = 0, step
+        if self.skipped_steps:
+            values["skipped_steps"] = self.skipped_steps
+        if self._bad_streak >= self.config.max_bad_steps:
+            raise ckpt.NonFiniteError.after(
+                self._bad_streak, step, self._last_good, self.checkpoints
+            )
 
     def generate(
         self, prompt: str, n_new: int = 200, *, temperature: float = 0.8, seed: int = 0

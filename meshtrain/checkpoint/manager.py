@@ -1,0 +1,271 @@
+"""`CheckpointManager`: asynchronous atomic orbax saves, restores with fallback past bad steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from meshtrain.checkpoint.targets import layout_mismatch
+from meshtrain.train.step import TrainState
+
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+class _Mismatch(ValueError):
+    """The saved layout does not fit the target."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint step could not be read and was skipped."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When and where checkpoints are written, and whether a run resumes from one.
+
+    Args:
+        checkpoint_dir: directory of the checkpoints; empty: ``<run_dir>/checkpoints``.
+        save_every: save every this many steps (0: only at the end, and on SIGTERM/SIGINT).
+        keep_last: keep the newest this many checkpoints; older ones are deleted.
+        keep_every: also keep every checkpoint whose step is a multiple of this (0: none).
+        async_save: write in the background while training continues.
+        resume: continue from the newest readable checkpoint in the directory (a fresh start
+            when there is none).
+    """
+
+    checkpoint_dir: str = ""
+    save_every: int = 100
+    keep_last: int = 3
+    keep_every: int = 0
+    async_save: bool = True
+    resume: bool = False
+
+    def __post_init__(self):
+        for name, low in (("save_every", 0), ("keep_last", 1), ("keep_every", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"checkpoint {name}={value!r}: must be an integer ≥ {low}")
+
+
+class Restored(NamedTuple):
+    """What `CheckpointManager.restore` read."""
+
+    step: int
+    state: TrainState
+    data: dict | None  # the data iterator's position
+    meta: dict  # config, mesh, seed
+
+
+def _short(error: BaseException) -> str:
+    """An exception as one short line."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:240]}{'…' if len(text) > 240 else ''}"
+
+
+class CheckpointManager:
+    """Saves and restores train states in one directory (a thin layer over orbax's manager).
+
+    Args:
+        directory: the checkpoint directory (created on the first save).
+        config: save / keep / async settings; ``config.checkpoint_dir`` is ignored here.
+        read_only: open for restoring only: nothing is created, cleaned or deleted.
+    """
+
+    def __init__(
+        self, directory: str | Path, config: CheckpointConfig | None = None, *, read_only=False
+    ):
+        self.config = config or CheckpointConfig()
+        self.directory = Path(directory).absolute()
+        self.read_only = read_only
+        keep = [policies.LatestN(self.config.keep_last)]
+        if self.config.keep_every:
+            keep.append(policies.EveryNSteps(self.config.keep_every))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=None if read_only else policies.AnyPreservationPolicy(keep),
+            enable_async_checkpointing=self.config.async_save,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
+        )
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(),
+            "data": ocp.JsonCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
+        self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        # Orbax removes the leftovers of interrupted saves in the background; finish that now
+        # so the directory is clean once the manager is open (a private hook, hence getattr).
+        finish_cleanup = getattr(self._mgr, "_maybe_await_cleanup_tmp_directory", None)
+        if finish_cleanup is not None and not read_only:
+            finish_cleanup()
+
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first."""
+        return sorted(self._mgr.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> Path:
+        """The directory of step `step`."""
+        return self.directory / str(step)
+
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        data: Mapping | None = None,
+        meta: Mapping | None = None,
+        wait: bool = False,
+    ) -> Path:
+        """Writes `state` (and the data position and metadata) as step `step`.
+
+        With ``async_save`` this returns once the arrays are copied off the devices; the
+        files are written in the background and the step appears when complete.
+
+        Args:
+            step: the step number (the directory name).
+            state: the train state.
+            data: the data iterator position (`BatchIterator.get_state`).
+            meta: JSON-serialisable facts: config, mesh, seed.
+            wait: block until this step is committed to disk.
+
+        Returns:
+            The step's directory (present once committed).
+        """
+        if self.read_only:
+            raise ValueError(f"checkpoint directory {self.directory} was opened read-only")
+        if step in self._mgr.all_steps():
+            raise ValueError(
+                f"checkpoint step {step} already exists in {self.directory}; refusing to "
+                "overwrite it"
+            )
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state._asdict()),
+            data=ocp.args.JsonSave(dict(data or {})),
+            meta=ocp.args.JsonSave({"step": int(step), **(meta or {})}),
+        )
+        self._mgr.save(step, args=args, force=True)
+        if wait:
+            self._mgr.wait_until_finished()
+        return self.path(step)
+
+    def restore(
+        self, target: TrainState, step: int | None = None, *, quiet: bool = False
+    ) -> Restored | None:
+        """Reads a step into the layout of `target`, falling back past unreadable steps.
+
+        Args:
+            target: abstract state (`abstract_target`) carrying the new shardings.
+            step: the step to read; None: the newest readable one, trying older steps when a
+                newer one is truncated, incomplete or does not match the model (each skip
+                is reported with a `CheckpointWarning`; nothing is deleted).
+            quiet: no warnings (the reasons are still in the error when nothing is readable).
+
+        Returns:
+            The `Restored` step, or None when the directory holds no checkpoint.
+
+        Raises:
+            ValueError: `step` (or, with step None, every step) cannot be read; the message
+                gives each reason.
+        """
+        self.wait()
+        steps = self.steps()
+        if step is not None and step not in steps:
+            raise ValueError(
+                f"checkpoint step {step} not found in {self.directory}; it holds {steps or 'none'}"
+            )
+        candidates = [step] if step is not None else steps[::-1]
+        failures = []
+        for s in candidates:
+            try:
+                return self._read(s, target)
+            except Exception as e:  # any read failure: report and try the previous step
+                failures.append((s, e if isinstance(e, _Mismatch) else _short(e)))
+                if step is None and not quiet:
+                    older = [c for c in candidates if c < s]
+                    then = f"falling back to step {older[0]}" if older else "no older step left"
+                    warnings.warn(
+                        f"checkpoint {self.path(s)} cannot be read ({failures[-1][1]}); {then}. "
+                        "Nothing was deleted.",
+                        CheckpointWarning,
+                        stacklevel=2,
+                    )
+        if not candidates:
+            return None
+        reasons = "; ".join(f"step {s}: {why}" for s, why in failures)
+        raise ValueError(f"no readable checkpoint in {self.directory}: {reasons}")
+
+    def _read(self, step: int, target: TrainState) -> Restored:
+        """Checks the saved layout against `target`, then reads step `step` into it."""
+        saved = self._mgr.item_metadata(step)["state"]
+        if saved is None:
+            raise _Mismatch("the 'state' item is missing")
+        problem = layout_mismatch(getattr(saved, "tree", saved), target)
+        if problem:
+            raise _Mismatch(problem)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(target._asdict()),
+            data=ocp.args.JsonRestore(),
+            meta=ocp.args.JsonRestore(),
+        )
+        out = self._mgr.restore(step, args=args)
+        return Restored(step, TrainState(**out["state"]), out["data"] or None, out["meta"])
+
+    def set_aside(self, steps: list[int]) -> list[Path]:
+        """Renames unreadable steps to ``<step>.unreadable`` so that new saves neither
+        overwrite nor garbage-collect them; returns their new paths."""
+        moved = []
+        if jax.process_index() == 0:
+            for s in steps:
+                src = self.path(s)
+                dst = src.with_name(src.name + UNREADABLE_SUFFIX)
+                n = 1
+                while dst.exists():
+                    dst, n = src.with_name(f"{src.name}{UNREADABLE_SUFFIX}-{n}"), n + 1
+                src.rename(dst)
+                moved.append(dst)
+        self._mgr.reload()
+        return moved
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are committed."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's resources."""
+        self._mgr.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def restore(directory: str | Path, target: TrainState, step: int | None = None) -> Restored:
+    """Reads a checkpoint from `directory` onto the layout of `target`, changing nothing there.
+
+    Args:
+        directory: a checkpoint directory written by `CheckpointManager` (or the Trainer).
+        target: abstract state carrying the new shardings (see `abstract_target`).
+        step: the step to read; None: the newest readable one.
+
+    Returns:
+        The `Restored` step.
+    """
+    with CheckpointManager(directory, read_only=True) as mgr:
+        restored = mgr.restore(target, step)
+    if restored is None:
+        raise ValueError(f"no checkpoint found in {Path(directory).absolute()}")
+    return restored

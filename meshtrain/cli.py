@@ -15,6 +15,7 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import tyro
@@ -75,6 +76,26 @@ class TrainJob:
         return self.gpt if self.model == "gpt" else self.mlp
 
 
+def _fresh_default_run_dir(job: TrainJob, say) -> TrainJob:
+    """A fresh run left at the default run_dir moves to the next free ``runs/default-N`` when
+    the default already holds checkpoints, so ``make train`` runs again without touching them.
+    An explicit ``--run-dir`` that holds checkpoints is an error (see `open_for_run`)."""
+    default = TrainConfig.run_dir
+    if (
+        job.checkpoint.resume
+        or job.checkpoint.checkpoint_dir
+        or job.train.run_dir != default
+        or not any((Path(default) / "checkpoints").glob("[0-9]*"))
+    ):
+        return job
+    n = 1
+    while Path(f"{default}-{n}").exists():
+        n += 1
+    run_dir = f"{default}-{n}"
+    say(f"{default} holds an earlier run (--resume continues it); this run writes to {run_dir}")
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, run_dir=run_dir))
+
+
 def build_trainer(job: TrainJob, say=print):
     """Builds the mesh, data and `Trainer` of a job (resuming if it asks to); trains nothing.
 
@@ -96,6 +117,7 @@ def build_trainer(job: TrainJob, say=print):
             "resume=True needs checkpoints, but --no-save or an empty --run-dir turns them off; "
             "drop --no-save or give --run-dir / --checkpoint-dir"
         )
+    job = _fresh_default_run_dir(job, say)
     if job.devices:
         simulate_devices(job.devices)
     mesh = make_mesh(job.mesh)

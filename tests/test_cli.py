@@ -244,3 +244,25 @@ def test_console_script_end_to_end(tmp_path):
     }
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "train"]
     assert steps and steps == sorted(steps) and steps[-1] == 12
+
+
+def test_default_job_moves_to_a_fresh_run_dir_instead_of_touching_an_earlier_run(
+    tmp_path, monkeypatch
+):
+    from meshtrain import cli as cli_mod
+
+    monkeypatch.chdir(tmp_path)
+    said = []
+    job = cli_mod.parse(["train"])
+    assert cli_mod._fresh_default_run_dir(job, said.append) is job  # nothing there yet
+    (tmp_path / "runs/default/checkpoints/200").mkdir(parents=True)
+    (tmp_path / "runs/default-1").mkdir()
+    moved = cli_mod._fresh_default_run_dir(job, said.append)
+    assert moved.train.run_dir == "runs/default-2"
+    assert "runs/default-2" in said[-1]
+    assert sorted(p.name for p in (tmp_path / "runs/default/checkpoints").iterdir()) == ["200"]
+    # Asked to resume, or given a run_dir of its own, the job is left as it is.
+    resume = cli_mod.parse(["train", "--resume"])
+    assert cli_mod._fresh_default_run_dir(resume, said.append) is resume
+    explicit = cli_mod.parse(["train", "--run-dir", "runs/default-1"])
+    assert cli_mod._fresh_default_run_dir(explicit, said.append) is explicit

@@ -183,7 +183,8 @@ def _classify_data():
     [
         ("batch_not_divisible", r"batch_size=6 .*data × fsdp = 4"),
         ("batch_not_divisible_by_accum", r"batch_size=16 .*accum_steps=8"),
-        ("pipe", r"pipe=2: .*set pipe=1"),
+        ("pipe_without_gpt", r"pipe=2: pipelining runs the GPT's stacked blocks"),
+        ("pipe_layers", r"n_layers=2 is not divisible by pipe × repeats = 4"),
         ("expert", r"expert=2: .*set expert=1"),
         ("gpt_on_classify_data", r"gpt needs token data.*'classify'"),
         ("seq_len_too_long", r"seq_len=64 exceeds .*max_seq_len=32"),
@@ -200,9 +201,11 @@ def test_bad_combinations_raise_before_compiling(monkeypatch, case, match):
         kw["data"] = make_dataset(DataConfig(source="synthetic", seq_len=SEQ, batch_size=6))
     elif case == "batch_not_divisible_by_accum":
         kw["accum_steps"] = 8
-    elif case == "pipe":
-        kw["mesh"] = "pipe=2,data=4"
-        kw["strategy"] = "fsdp"
+    elif case == "pipe_without_gpt":
+        kw.update(mesh="pipe=2,data=4", strategy="fsdp", data=_classify_data())
+        kw["model"] = MLPConfig(num_features=8, num_classes=3)
+    elif case == "pipe_layers":
+        kw.update(mesh="pipe=4,data=2", strategy="fsdp")
     elif case == "expert":
         kw["mesh"] = "expert=2,data=4"
         kw["strategy"] = "fsdp"

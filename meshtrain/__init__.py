@@ -11,7 +11,9 @@ The public API, in the order a script uses it::
     history = trainer.fit()
 """
 
+from meshtrain import distributed
 from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_dataset
+from meshtrain.distributed import DistributedConfig
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
 from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, build_model, sample
 from meshtrain.pipeline import PipelineConfig, schedule_table
@@ -43,6 +45,7 @@ __all__ = [
     "STRATEGIES",
     "DataConfig",
     "Dataset",
+    "DistributedConfig",
     "GPTConfig",
     "MLPClassifier",
     "MLPConfig",
@@ -57,6 +60,7 @@ __all__ = [
     "constrain",
     "create_sharded_model",
     "describe",
+    "distributed",
     "init_train_state",
     "jit_train_step",
     "make_arrays_dataset",

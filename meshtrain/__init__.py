@@ -23,6 +23,7 @@ from meshtrain.sharding import (
     Rules,
     constrain,
     create_sharded_model,
+    process_rows,
     rules_for,
     shard_batch,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "make_dataset",
     "make_mesh",
     "make_optimizer",
+    "process_rows",
     "rules_for",
     "sample",
     "schedule_table",

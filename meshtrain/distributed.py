@@ -38,8 +38,9 @@ ENV_VARS = {
     "shutdown_timeout_s": "MESHTRAIN_SHUTDOWN_TIMEOUT",
 }
 MODES = ("auto", "on", "off")
-# Cluster environments in which "auto" turns multi-process on when they report > 1 task.
-_TASK_COUNT_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+# Task counts of a launched step (srun, mpirun): "auto" joins a job when one is > 1. (Not
+# SLURM_NTASKS: an sbatch script itself runs once, in a single process.)
+_TASK_COUNT_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
 
 
 class DistributedError(RuntimeError):
@@ -52,7 +53,7 @@ class DistributedConfig:
 
     Args:
         mode: "auto" joins a job when the environment describes one (``MESHTRAIN_*``,
-            ``JAX_COORDINATOR_ADDRESS``, or SLURM / Open MPI with more than one task);
+            ``JAX_COORDINATOR_ADDRESS``, or an ``srun`` / ``mpirun`` step of several tasks);
             "on" always calls `jax.distributed.initialize` (JAX auto-detects the cluster);
             "off" runs as a single process.
         coordinator: "host:port" of process 0's coordinator; "" = environment / auto-detect.
@@ -150,8 +151,7 @@ def _split_address(address: str, what: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(
-            f"{what}={address!r}: expected host:port with a port in 1..65535, "
-            "e.g. 10.0.0.1:12345"
+            f"{what}={address!r}: expected host:port with a port in 1..65535, e.g. 10.0.0.1:12345"
         )
     return host.strip("[]"), int(port)
 
@@ -271,6 +271,10 @@ def initialize(config: DistributedConfig | None = None, *, verbose: bool = True)
                 shutdown_timeout_seconds=cfg.shutdown_timeout_s,
             )
         )
+        if cfg.coordinator and cfg.num_processes and cfg.process_id >= 0:
+            # All given: no cluster detection, which would also narrow each process to one
+            # GPU (from SLURM_LOCALID and the like); each process keeps all its devices.
+            kwargs.update(_supported_kwargs({"cluster_detection_method": "deactivate"}))
         if verbose and cfg.num_processes:
             print(
                 f"meshtrain: process {cfg.process_id} of {cfg.num_processes} joining "

@@ -136,7 +136,7 @@ def _pump(rank: int, stream, lock: threading.Lock) -> None:
 
 
 def _describe(code: int) -> str:
-    """"exit code 3" or "killed by SIGKILL"."""
+    """Describes an exit status: "exit code 3" or "killed by SIGKILL"."""
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"

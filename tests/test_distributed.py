@@ -341,7 +341,9 @@ def test_distributed_config_reads_environment_and_validates(monkeypatch):
                 "OMPI_COMM_WORLD_SIZE"):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     assert not DistributedConfig().wanted()
-    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # an sbatch script: still one process
+    assert not DistributedConfig().wanted()
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")  # srun with 4 tasks
     assert DistributedConfig().wanted() and not DistributedConfig(mode="off").wanted()
     monkeypatch.setenv("MESHTRAIN_NUM_PROCESSES", "4")
     monkeypatch.setenv("MESHTRAIN_HEARTBEAT_TIMEOUT", "7")

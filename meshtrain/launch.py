@@ -94,6 +94,8 @@ def plan(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
                     f"launch --devices-per-proc {k} and train --devices {given} disagree; "
                     "give one of them"
                 )
+            if not given.isdigit():
+                raise ValueError(f"train --devices {given!r}: must be a whole number")
             k = int(given)
         if k is None:
             k = max(1, DEFAULT_DEVICES // opts.nproc)

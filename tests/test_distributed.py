@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshtrain.data import DataConfig, make_dataset
 from meshtrain.distributed import DistributedConfig
 from meshtrain.launch import plan
-from meshtrain.mesh import host_layout
+from meshtrain.mesh import host_layout, make_mesh
+from meshtrain.sharding import process_rows, rules_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "_dist_driver.py"
@@ -311,6 +313,24 @@ def test_launcher_plan_defaults_and_errors():
         plan(["--nproc", "0", "--", "train"])
     with pytest.raises(ValueError, match="no command"):
         plan(["--nproc", "2"])
+    with pytest.raises(ValueError, match="train --devices 'x': must be a whole number"):
+        plan(["--nproc", "2", "--", "train", "--devices", "x"])
+
+
+def test_process_rows_and_explicit_rows():
+    """One process holds every row; a dataset reads exactly the rows it is given."""
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    rules = rules_for("hsdp+tp", mesh)
+    assert process_rows(mesh, rules, 8) == (0, 8)
+    with pytest.raises(ValueError, match="batch_size=6 does not split over the 4"):
+        process_rows(mesh, rules, 6)
+    data = make_dataset(DataConfig(source="synthetic", seq_len=8, batch_size=8, seed=5))
+    whole = next(data.train_iter())["inputs"]
+    np.testing.assert_array_equal(next(data.train_iter((2, 6)))["inputs"], whole[2:6])
+    np.testing.assert_array_equal(data.eval_batches(1, (4, 8))[0]["inputs"],
+                                  data.eval_batches(1)[0]["inputs"][4:8])  # fmt: skip
+    with pytest.raises(ValueError, match=r"data rows=\(6, 2\): expected 0 ≤ lo < hi ≤ batch"):
+        data.train_iter((6, 2))
 
 
 @pytest.mark.parametrize(

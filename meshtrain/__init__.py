@@ -14,8 +14,10 @@ Checkpoints: pass ``checkpoint=mt.CheckpointConfig(...)`` to the `Trainer` (see
 `meshtrain.checkpoint`).
 """
 
+from meshtrain import distributed
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_dataset
+from meshtrain.distributed import DistributedConfig
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
 from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, build_model, sample
 from meshtrain.pipeline import PipelineConfig, schedule_table
@@ -25,6 +27,7 @@ from meshtrain.sharding import (
     Rules,
     constrain,
     create_sharded_model,
+    process_rows,
     rules_for,
     shard_batch,
 )
@@ -48,6 +51,7 @@ __all__ = [
     "STRATEGIES",
     "DataConfig",
     "Dataset",
+    "DistributedConfig",
     "GPTConfig",
     "MLPClassifier",
     "MLPConfig",
@@ -62,12 +66,14 @@ __all__ = [
     "constrain",
     "create_sharded_model",
     "describe",
+    "distributed",
     "init_train_state",
     "jit_train_step",
     "make_arrays_dataset",
     "make_dataset",
     "make_mesh",
     "make_optimizer",
+    "process_rows",
     "rules_for",
     "sample",
     "schedule_table",

@@ -6,6 +6,7 @@ meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --gpt.dtype bfloat16
 meshtrain train --mesh pipe=2,data=2,tensor=2 --schedule 1f1b --microbatches 8
 meshtrain train --help
 meshtrain train --run-dir runs/a --save-every 50 --resume   # continue from the newest checkpoint
+meshtrain launch --nproc 2 --devices-per-proc 4 -- train   # 2 local processes, 4 devices each
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tyro
 
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig
+from meshtrain.distributed import DistributedConfig, DistributedError
 from meshtrain.models import GPTConfig, MLPConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.train.optim import OptimConfig
@@ -39,7 +41,7 @@ class TrainJob:
         mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
         strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
             tensor > 1).
-        devices: CPU devices to simulate; 0 uses the real devices jax sees (e.g. GPUs).
+        devices: CPU devices to simulate (per process); 0 uses the real devices (e.g. GPUs).
         model: gpt or mlp.
         prompt: start of the sample printed at the end (gpt only).
         sample_tokens: tokens to sample at the end (0 = none).
@@ -60,6 +62,7 @@ class TrainJob:
     data: DataConfig = DataConfig()
     gpt: GPTConfig = GPTConfig(n_kv_heads=2)
     mlp: MLPConfig = MLPConfig()
+    dist: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         if self.model not in MODEL_NAMES:
@@ -120,6 +123,10 @@ def build_trainer(job: TrainJob, say=print):
     job = _fresh_default_run_dir(job, say)
     if job.devices:
         simulate_devices(job.devices)
+    if job.dist.wanted():  # under meshtrain launch, srun, mpirun or a JobSet
+        from meshtrain import distributed
+
+        distributed.initialize(job.dist)
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh)
     data = make_dataset(job.data)
@@ -243,18 +250,23 @@ def parse(argv: list[str]) -> TrainJob:
             {"train": TrainJob},
             args=argv,
             prog="meshtrain",
-            description="meshtrain: sharded training where the XLA compiler does the distributing.",
+            description="meshtrain: sharded training where the XLA compiler does the distributing. "
+            "Multi-process: meshtrain launch --nproc N [--devices-per-proc K] -- train ...",
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshtrain`` command."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:
+        from meshtrain.launch import run
+
+        return run(argv[1:])
     try:
         job = parse(argv)
         if isinstance(job, TrainJob):
             run_train(job)
-    except ValueError as e:
+    except (ValueError, DistributedError) as e:
         if os.environ.get("MESHTRAIN_DEBUG"):
             raise
         print(f"meshtrain: error: {e} (MESHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)

@@ -200,16 +200,31 @@ class Dataset:
             )
         return index * self.batch_size // count, (index + 1) * self.batch_size // count
 
-    def train_iter(self) -> BatchIterator:
+    def _rows(self, rows: tuple[int, int] | None) -> tuple[int, int]:
+        """`rows` checked against the batch size, or the even split over processes."""
+        if rows is None:
+            return self._bounds()
+        lo, hi = rows
+        if not (_is_int(lo) and _is_int(hi) and 0 <= lo < hi <= self.batch_size):
+            raise ValueError(
+                f"data rows={rows!r}: expected 0 ≤ lo < hi ≤ batch_size={self.batch_size}"
+            )
+        return lo, hi
+
+    def train_iter(self, rows: tuple[int, int] | None = None) -> BatchIterator:
         """Starts an infinite, deterministic stream of training batches.
 
         Each epoch is a fresh grain shuffle of all examples (from `seed` and the epoch
         number); batches run on across epoch boundaries.
 
+        Args:
+            rows: the rows ``[lo, hi)`` of each global batch to read (see
+                `meshtrain.sharding.process_rows`); None splits evenly over processes.
+
         Returns:
             a `BatchIterator` of process-local batches.
         """
-        lo, hi = self._bounds()
+        lo, hi = self._rows(rows)
         take = self._train.take
         ds = grain.MapDataset.range(self._train.count).shuffle(seed=self.seed).repeat()
         ds = ds.batch(self.batch_size, drop_remainder=True).map(lambda i: take(i[lo:hi]))
@@ -217,13 +232,16 @@ class Dataset:
         fp = {"seed": self.seed, "batch_size": self.batch_size, "num_train": self.num_train}
         return BatchIterator(iter(ds.to_iter_dataset(options)), fp)
 
-    def eval_batches(self, n: int) -> list[dict[str, np.ndarray]]:
+    def eval_batches(
+        self, n: int, rows: tuple[int, int] | None = None
+    ) -> list[dict[str, np.ndarray]]:
         """Returns `n` fixed held-out batches (process-local rows), the same on every call.
 
         Held-out examples go in order, wrapping around if there are fewer than n*batch_size.
 
         Args:
             n: number of batches.
+            rows: the rows ``[lo, hi)`` of each batch to read; None splits evenly over processes.
 
         Returns:
             `n` batch dicts shaped like training batches.
@@ -232,7 +250,7 @@ class Dataset:
             raise ValueError(f"eval_batches n={n!r}: must be a positive integer")
         if self._val.count == 0:
             raise ValueError("data: no held-out examples (val_fraction=0); set val_fraction > 0")
-        lo, hi = self._bounds()
+        lo, hi = self._rows(rows)
         idx = np.arange(n * self.batch_size).reshape(n, self.batch_size) % self._val.count
         return [self._val.take(row[lo:hi]) for row in idx]
 

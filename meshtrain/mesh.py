@@ -21,10 +21,13 @@ import os
 import sys
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+# In a multi-process job these axes run across hosts (slow links); the others stay within one.
+HOST_AXES: tuple[str, ...] = ("pipe", "data")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,11 +135,84 @@ def make_mesh(config: MeshConfig | str | None = None, devices=None) -> Mesh:
     sizes = config.sizes(len(devices))
     shape = tuple(sizes[n] for n in AXES)
     axis_types = (AxisType.Auto,) * len(AXES)
+    if len({d.process_index for d in devices}) > 1:
+        return Mesh(hybrid_device_array(devices, sizes), AXES, axis_types=axis_types)
     if len(devices) == jax.device_count():
         return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=devices)
-    import numpy as np
-
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=axis_types)
+
+
+def host_layout(
+    sizes: dict[str, int], num_processes: int, local_devices: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Splits mesh axis sizes into the part across processes and the part within one.
+
+    The outer axes (`HOST_AXES`: pipe, then data) take the processes; every other axis lives
+    inside a process. ``across[a] * within[a] == sizes[a]`` for every axis.
+
+    Args:
+        sizes: resolved axis sizes (see `MeshConfig.sizes`).
+        num_processes: processes (hosts) in the job.
+        local_devices: devices per process.
+
+    Returns:
+        ``(across, within)``: axis sizes over processes, and over one process's devices.
+    """
+    desc = " × ".join(f"{n}={v}" for n, v in sizes.items() if v != 1) or "1 device"
+    where = f"{num_processes} processes × {local_devices} devices"
+    if math.prod(sizes.values()) != num_processes * local_devices:
+        raise ValueError(f"mesh {desc} has {math.prod(sizes.values())} devices, not {where}")
+    across = dict.fromkeys(AXES, 1)
+    across["pipe"] = math.gcd(sizes["pipe"], num_processes)
+    across["data"] = num_processes // across["pipe"]
+    if sizes["data"] % across["data"]:
+        outer = sizes["pipe"] * sizes["data"]
+        inner = local_devices * num_processes // outer
+        raise ValueError(
+            f"mesh {desc} cannot be laid out on {where}: the axes across processes are pipe "
+            f"and data (pipe × data = {outer}), and they must split evenly over the "
+            f"{num_processes} processes, while fsdp, expert, seq and tensor (here {inner}) stay "
+            f"within one process's {local_devices} devices; e.g. make pipe × data a multiple of "
+            f"{num_processes} (data={num_processes}) and the inner axes multiply to "
+            f"{local_devices} or fewer"
+        )
+    within = {a: sizes[a] // across[a] for a in AXES}
+    return across, within
+
+
+def hybrid_device_array(devices, sizes: dict[str, int]) -> np.ndarray:
+    """Devices arranged for a multi-process mesh: outer axes over processes, inner within.
+
+    Processes are ordered by `process_index` and each process's devices by id. The result
+    plays the role of `jax.experimental.mesh_utils.create_hybrid_device_mesh` with one
+    granule per process, on any platform.
+
+    Args:
+        devices: every device of the job.
+        sizes: resolved axis sizes, in `AXES` order.
+
+    Returns:
+        An object array of devices shaped like the mesh.
+    """
+    by_process: dict[int, list] = {}
+    for d in devices:
+        by_process.setdefault(d.process_index, []).append(d)
+    counts = {p: len(ds) for p, ds in sorted(by_process.items())}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"mesh: processes have different device counts ({counts}); a mesh across "
+            "processes needs the same number of devices on each"
+        )
+    n_proc, n_local = len(counts), next(iter(counts.values()))
+    across, within = host_layout(sizes, n_proc, n_local)
+    grid = np.empty((n_proc, n_local), dtype=object)
+    for row, p in enumerate(sorted(by_process)):
+        grid[row, :] = sorted(by_process[p], key=lambda d: d.id)
+    k = len(AXES)
+    grid = grid.reshape(tuple(across[a] for a in AXES) + tuple(within[a] for a in AXES))
+    # (across_0..across_5, within_0..within_5) -> (across_0, within_0, across_1, ...)
+    order = [i for pair in zip(range(k), range(k, 2 * k), strict=True) for i in pair]
+    return grid.transpose(order).reshape(tuple(sizes[a] for a in AXES))
 
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:

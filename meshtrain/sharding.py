@@ -286,11 +286,54 @@ def batch_spec(ndim: int, rules: Rules, mesh: Mesh, *, shape=None) -> P:
     return spec_for(names, rules.activations, mesh, shape=shape, where="batch")
 
 
+def _batch_blocks(mesh: Mesh, rules: Rules) -> tuple[int, list[int]]:
+    """(blocks the batch splits into, the sorted blocks this process's devices hold)."""
+    axes = _as_tuple(batch_spec(1, rules, mesh)[0])
+    positions = [mesh.axis_names.index(a) for a in axes]
+    shape = [mesh.devices.shape[i] for i in positions]
+    me = jax.process_index()
+    mine = {
+        int(np.ravel_multi_index(tuple(idx[i] for i in positions), shape)) if axes else 0
+        for idx, d in np.ndenumerate(mesh.devices)
+        if d.process_index == me
+    }
+    return math.prod(shape), sorted(mine)
+
+
+def process_rows(mesh: Mesh, rules: Rules, batch_size: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of a global batch that this process's devices hold.
+
+    With the batch axes (data, fsdp) across processes each process holds its own slice; with
+    ``pipe`` across processes several processes hold the same rows.
+
+    Args:
+        mesh: the device mesh.
+        rules: logical-axis rules (``batch`` decides the layout).
+        batch_size: the global batch size.
+
+    Returns:
+        ``(lo, hi)``: the process-local rows.
+    """
+    n_blocks, mine = _batch_blocks(mesh, rules)
+    if batch_size % n_blocks:
+        raise ValueError(
+            f"batch_size={batch_size} does not split over the {n_blocks} data-parallel devices "
+            f"(data × fsdp); use a multiple of {n_blocks}"
+        )
+    if mine != list(range(mine[0], mine[-1] + 1)):
+        raise ValueError(
+            f"mesh: process {jax.process_index()} holds batch blocks {mine}, not a contiguous "
+            "run; build the mesh with meshtrain.make_mesh so each process gets adjacent rows"
+        )
+    rows = batch_size // n_blocks
+    return mine[0] * rows, (mine[-1] + 1) * rows
+
+
 def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
     """Lays a batch out on the mesh's batch axes.
 
     Args:
-        batch: this process's rows of the global batch, as numpy arrays.
+        batch: this process's rows of the global batch (see `process_rows`), as numpy arrays.
         mesh: the device mesh.
         rules: logical-axis rules; ``batch`` (and ``seq``) decide the layout.
 
@@ -298,12 +341,15 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh, rules: Rules) -> di
         Global `jax.Array`s, split over the batch axes.
     """
     out = {}
-    n_proc = jax.process_count()
+    n_blocks, mine = _batch_blocks(mesh, rules)
     for key, local in batch.items():
         local = np.asarray(local)
-        global_shape = (local.shape[0] * n_proc, *local.shape[1:])
+        # This process holds len(mine) of the n_blocks equal blocks of the global batch.
+        global_shape = (local.shape[0] * n_blocks // len(mine), *local.shape[1:])
         try:
             spec = batch_spec(local.ndim, rules, mesh, shape=global_shape)
+            if local.shape[0] % len(mine):
+                raise ValueError(f"{local.shape[0]} process-local rows")
         except ValueError as e:
             raise ValueError(
                 f"batch[{key!r}] with global shape {global_shape}: {e}; the global batch size "

@@ -121,6 +121,16 @@ OVERRIDES = {
     "--mlp.d-model": (["16"], 16),
     "--mlp.d-hidden": (["32"], 32),
     "--mlp.n-layers": (["3"], 3),
+    "--schedule": (["circular"], "circular"),
+    "--microbatches": (["8"], 8),
+    "--repeats": (["2"], 2),
+    "--dist.mode": (["on"], "on"),
+    "--dist.coordinator": (["10.0.0.1:1234"], "10.0.0.1:1234"),
+    "--dist.num-processes": (["4"], 4),
+    "--dist.process-id": (["2"], 2),
+    "--dist.heartbeat-timeout-s": (["9"], 9),
+    "--dist.init-timeout-s": (["30"], 30),
+    "--dist.shutdown-timeout-s": (["20"], 20),
     "--mlp.dtype": (["bfloat16"], "bfloat16"),
 }
 

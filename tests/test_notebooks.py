@@ -119,11 +119,29 @@ def _check_checkpoints(nb) -> None:
     ), "the loss-curve plot produced no image"
 
 
+def _check_multihost(nb) -> None:
+    """Two launched processes joined one 8-device job and trained like one process."""
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    for rank in (0, 1):
+        assert f"[p{rank}] meshtrain: process {rank} of 2 · 4 local cpu devices · 8 global" in text
+    assert "process 0: reads batch rows [0, 4]" in text, "process 0 must read rows 0-3 only"
+    assert "process 1: reads batch rows [4, 8]" in text, "process 1 must read rows 4-7 only"
+    match = FINAL_LOSSES.search(text)
+    assert match, "the multihost notebook must print 'final losses: 2x4=..., 1x8=...'"
+    losses = {k.strip(): float(v) for k, v in (p.split("=") for p in match.group(1).split(","))}
+    assert set(losses) == {"2x4", "1x8"}, losses
+    assert abs(losses["2x4"] - losses["1x8"]) < 1e-4, losses
+    assert any(
+        "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
+    ), "the mesh / batch figure produced no image"
+
+
 CHECKS = {
     "01_quickstart.ipynb": _check_quickstart,
     "02_pipelines.ipynb": _check_pipelines,
     "03_kernels.ipynb": _check_kernels,
     "04_checkpoints.ipynb": _check_checkpoints,
+    "05_multihost.ipynb": _check_multihost,
 }
 
 

@@ -19,7 +19,7 @@ from meshtrain.data import Dataset
 from meshtrain.mesh import BATCH_AXES, mesh_sizes
 from meshtrain.models import GPT, GPTConfig, MLPConfig, build_model, sample
 from meshtrain.pipeline import PipelineConfig, check_pipeline
-from meshtrain.sharding import Rules, shard_batch
+from meshtrain.sharding import Rules, process_rows, shard_batch
 from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
 from meshtrain.train.step import (
     batch_shardings,
@@ -137,7 +137,8 @@ class Trainer:
         self.tx = make_optimizer(self.optim, total)
         self.schedule = make_schedule(self.optim, total)
         self.graphdef, self.state, self.shardings = init_train_state(ctor, self.tx, mesh, rules)
-        self._iter = data.train_iter()
+        self._rows = process_rows(mesh, rules, data.batch_size)  # this process's batch rows
+        self._iter = data.train_iter(self._rows)
         self._batch_sharding = batch_shardings(batch_shapes(data), mesh, rules)
         self._step = jit_train_step(
             self.graphdef,
@@ -235,7 +236,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the held-out batches."""
         if self._eval_data is None:
-            batches = self.data.eval_batches(self.config.eval_batches)
+            batches = self.data.eval_batches(self.config.eval_batches, self._rows)
             self._eval_data = [shard_batch(b, self.mesh, self.rules) for b in batches]
         losses = [self._eval(self.state, b) for b in self._eval_data]
         return float(np.mean(jax.device_get(losses)))
@@ -397,7 +398,12 @@ class Trainer:
         if not isinstance(model, GPT):
             raise ValueError("generate() needs a GPT model")
         graphdef, state = nnx.split(model)
-        if sum(x.nbytes for x in jax.tree.leaves(state)) < 256 * 2**20:
+        if jax.process_count() > 1:  # every process samples the same text from a full copy
+            from jax.experimental import multihost_utils
+
+            state = multihost_utils.process_allgather(state, tiled=True)
+            model = nnx.merge(graphdef, jax.device_put(state, jax.local_devices()[0]))
+        elif sum(x.nbytes for x in jax.tree.leaves(state)) < 256 * 2**20:
             model = nnx.merge(graphdef, jax.device_put(state, self.mesh.devices.flat[0]))
         tokens = sample(
             model,

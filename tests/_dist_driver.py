@@ -1,0 +1,88 @@
+"""Trains the tiny GPT of the multi-process tests under several layouts; one process's view.
+
+Under ``meshtrain launch`` (or any ``MESHTRAIN_*`` environment) it joins the job first:
+
+    meshtrain launch --nproc 2 --devices-per-proc 4 -- python tests/_dist_driver.py OUT dp fsdp
+
+Every process writes ``OUT/<layout>.p<i>.npz``: the losses, its batch rows, and its shards of
+the first global batch and of the final parameters, which the tests reassemble. Run without
+``meshtrain launch`` it is the single-process reference on the same mesh shape.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import meshtrain as mt
+from meshtrain.sharding import _path_str, shard_batch
+
+# name: (mesh, strategy, pipeline schedule)
+LAYOUTS = {
+    "dp": ("data=8", "dp", None),
+    "fsdp": ("data=2,fsdp=4", "fsdp", None),
+    "tp": ("data=2,tensor=4", "tp", None),
+    "pipe": ("pipe=2,data=2,tensor=2", "dp+tp", "1f1b"),
+}
+STEPS = 3
+GPT = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+DATA = dict(source="synthetic", seq_len=16, batch_size=8, seed=7, val_fraction=0.0)
+
+
+def _shards(prefix: str, tree) -> dict[str, np.ndarray]:
+    """This process's shards of every leaf of `tree` (one copy each), keyed by path@index."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0:
+                where = ",".join(
+                    f"{s.start or 0}:{n if s.stop is None else s.stop}"
+                    for s, n in zip(shard.index, leaf.shape, strict=True)
+                )
+                out[f"{prefix}/{_path_str(path)}@{where}"] = np.asarray(shard.data)
+    return out
+
+
+def run_layout(name: str) -> dict[str, np.ndarray]:
+    """Trains `STEPS` steps under layout `name`; returns losses, rows and this process's shards
+    of the first global batch and of the final parameters."""
+    mesh_text, strategy, schedule = LAYOUTS[name]
+    mesh = mt.make_mesh(mesh_text)
+    rules = mt.rules_for(strategy, mesh)
+    data = mt.make_dataset(mt.DataConfig(**DATA))
+    trainer = mt.Trainer(
+        mt.GPTConfig(**GPT),
+        data,
+        mesh=mesh,
+        rules=rules,
+        optim=mt.OptimConfig(lr=1e-2, warmup_steps=1),
+        config=mt.TrainConfig(steps=STEPS, log_every=1, run_dir="", progress=False, seed=3),
+        pipeline=mt.PipelineConfig(schedule=schedule or "gpipe", microbatches=4),
+    )
+    first = shard_batch(next(data.train_iter(trainer._rows)), mesh, rules)
+    history = trainer.fit()
+    return {
+        "losses": np.array([h["loss"] for h in history]),
+        "rows": np.array(trainer._rows),
+        **_shards("batch", first),
+        **_shards("param", trainer.state.params),
+    }
+
+
+def main(out: str, names: list[str]) -> None:
+    if mt.DistributedConfig().wanted():  # under meshtrain launch; else the reference
+        mt.distributed.initialize()
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    me = jax.process_index()
+    for name in names:
+        result = run_layout(name)
+        np.savez(out_dir / f"{name}.p{me}.npz", **result)
+        print(f"layout {name}: losses {result['losses'].tolist()}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

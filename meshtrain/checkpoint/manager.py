@@ -63,6 +63,14 @@ class Restored(NamedTuple):
     meta: dict  # config, mesh, seed
 
 
+def _barrier(name: str) -> None:
+    """Waits until every process of a multi-process job reaches `name` (no-op in one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def _short(error: BaseException) -> str:
     """An exception as one short line."""
     text = " ".join(str(error).split())
@@ -71,6 +79,10 @@ def _short(error: BaseException) -> str:
 
 class CheckpointManager:
     """Saves and restores train states in one directory (a thin layer over orbax's manager).
+
+    In a multi-process job every process opens the same directory and makes the same calls
+    (save, restore, wait, set_aside, close): each writes its own shards, process 0 alone the
+    JSON items and the step's commit, and a checkpoint restores on any process count.
 
     Args:
         directory: the checkpoint directory (created on the first save).
@@ -224,8 +236,13 @@ class CheckpointManager:
 
     def set_aside(self, steps: list[int]) -> list[Path]:
         """Renames unreadable steps to ``<step>.unreadable`` so that new saves neither
-        overwrite nor garbage-collect them; returns their new paths."""
+        overwrite nor garbage-collect them; returns their new paths.
+
+        In a multi-process job every process calls it: process 0 renames (and alone gets the
+        paths back), and no process reloads the step list before the renames are done.
+        """
         moved = []
+        _barrier("meshtrain: checkpoint set_aside begins")  # every process is done reading
         if jax.process_index() == 0:
             for s in steps:
                 src = self.path(s)
@@ -235,6 +252,7 @@ class CheckpointManager:
                     dst, n = src.with_name(f"{src.name}{UNREADABLE_SUFFIX}-{n}"), n + 1
                 src.rename(dst)
                 moved.append(dst)
+        _barrier("meshtrain: checkpoint set_aside done")  # the renames are visible to all
         self._mgr.reload()
         return moved
 

@@ -144,9 +144,11 @@ def target():
 def test_resume_on_another_process_count_matches_the_straight_run(
     runs, target, name, saved_by, resumed_by
 ):
-    base, _, second, halves, _ = runs
+    base, first, second, halves, _ = runs
     directory = base / name / "checkpoints"
-    log = second["2→1" if name == "2to1" else "1→2"]
+    key = "2→1" if name == "2to1" else "1→2"
+    log = second[key]
+    assert ("[p1] meshtrain: process 1 of 2" in first[key]) == (saved_by == 2), first[key][-3000:]
     prefix = "[p0] " if resumed_by > 1 else ""
     assert f"{prefix}resumed from {directory / str(SPLIT)}\n" in log, log[-3000:]
     assert ("[p1] meshtrain: process 1 of 2" in log) == (resumed_by == 2), log[-3000:]

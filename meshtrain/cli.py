@@ -120,13 +120,13 @@ def build_trainer(job: TrainJob, say=print):
             "resume=True needs checkpoints, but --no-save or an empty --run-dir turns them off; "
             "drop --no-save or give --run-dir / --checkpoint-dir"
         )
-    job = _fresh_default_run_dir(job, say)
     if job.devices:
         simulate_devices(job.devices)
     if job.dist.wanted():  # under meshtrain launch, srun, mpirun or a JobSet
         from meshtrain import distributed
 
         distributed.initialize(job.dist)
+    job = _fresh_default_run_dir(job, say)  # after jax starts: `say` asks for the process index
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh)
     data = make_dataset(job.data)

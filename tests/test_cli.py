@@ -276,3 +276,25 @@ def test_default_job_moves_to_a_fresh_run_dir_instead_of_touching_an_earlier_run
     assert cli_mod._fresh_default_run_dir(resume, said.append) is resume
     explicit = cli_mod.parse(["train", "--run-dir", "runs/default-1"])
     assert cli_mod._fresh_default_run_dir(explicit, said.append) is explicit
+
+
+@pytest.mark.slow
+def test_running_the_default_job_twice_keeps_the_first_run(tmp_path):
+    """The second run, left at the default run_dir, moves to runs/default-1 (in a fresh
+    process, where jax must not start before the devices are simulated)."""
+    script = Path(sys.executable).parent / "meshtrain"
+    argv = [str(script), "train", "--steps", "1", "--gpt.d-model", "32", "--gpt.n-layers", "2",
+            "--data.seq-len", "32", "--data.batch-size", "16", "--sample-tokens", "0",
+            "--eval-every", "0", "--no-progress"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        outs.append(proc.stdout)
+    assert "this run writes to runs/default-1" in outs[1], outs[1]
+    assert sorted(p.name for p in (tmp_path / "runs/default/checkpoints").iterdir()) == ["1"]
+    assert (tmp_path / "runs/default-1/checkpoints/1").is_dir()

@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from meshtrain.sharding import Rules, abstract_model, named, state_specs
-from meshtrain.train.step import TrainState
+from meshtrain.sharding import Rules, abstract_model
+from meshtrain.train.step import TrainState, state_layout
 
 
 def abstract_target(like: TrainState, shardings: TrainState) -> TrainState:
@@ -50,22 +49,8 @@ def abstract_train_state(
     """
     graphdef, state = abstract_model(ctor)
     _, param_vars, rest_vars = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
-    param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
-    rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
-    opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
-    params, rest = nnx.to_pure_dict(param_vars), nnx.to_pure_dict(rest_vars)
-    opt_state = jax.eval_shape(tx.init, params)
-    opt_specs = optax.tree_map_params(
-        tx,
-        lambda _, spec: spec,
-        opt_state,
-        opt_param_specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    replicated = NamedSharding(mesh, P())
+    params, rest, opt_state, shardings = state_layout(param_vars, rest_vars, tx, mesh, rules)
     shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, rest)
-    shardings = TrainState(replicated, param_sh, named(opt_specs, mesh), rest_sh)
     return abstract_target(shapes, shardings)
 
 

@@ -6,11 +6,11 @@ G key/value heads, R = H // G query heads per group, K head width, F feed-forwar
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from meshtrain.kernels import reference
 
 
 def init(names: tuple[str | None, ...], std: float = 0.02):
@@ -71,17 +71,10 @@ def apply_rope(x_BTHK: jax.Array, cos_TK: jax.Array, sin_TK: jax.Array) -> jax.A
 def causal_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> jax.Array:
     """Causal softmax attention with grouped key/value heads; softmax in float32.
 
+    The jnp math lives once, in `meshtrain.kernels.reference.attention`, the reference the
+    Pallas kernel is tested against.
+
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    B, T, H, K = q_BTHK.shape
-    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
-    s_BGRTS = jnp.einsum(
-        "btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32
-    ) / math.sqrt(K)
-    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]
-    s_BGRTS = jnp.where(causal_TS, s_BGRTS, jnp.finfo(jnp.float32).min)
-    p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(v_BSGK.dtype)
-    o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS, v_BSGK)
-    return o_BTGRK.reshape(B, T, H, K)
+    return reference.attention(q_BTHK, k_BSGK, v_BSGK, causal=True)

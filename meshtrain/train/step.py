@@ -55,6 +55,33 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, *, impl: str = "xla") -
     return losses.mean()
 
 
+def state_layout(
+    param_vars: nnx.State, rest_vars: nnx.State, tx, mesh: Mesh, rules: Rules
+) -> tuple[dict, dict, Any, TrainState]:
+    """Where each part of a train state lives on `mesh`.
+
+    Returns:
+        ``(params, rest, abstract_opt_state, shardings)``: the variables as pure dicts, the
+        optimizer state's shapes, and a `TrainState` of `NamedSharding`s.
+    """
+    param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
+    rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
+    opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
+    params, rest = nnx.to_pure_dict(param_vars), nnx.to_pure_dict(rest_vars)
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_specs = optax.tree_map_params(
+        tx,
+        lambda _, spec: spec,
+        abstract_opt,
+        opt_param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    replicated = NamedSharding(mesh, P())
+    shardings = TrainState(replicated, param_sh, named(opt_specs, mesh), rest_sh)
+    return params, rest, abstract_opt, shardings
+
+
 def init_train_state(
     ctor: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, rules: Rules
 ) -> tuple[nnx.GraphDef, TrainState, TrainState]:
@@ -71,25 +98,9 @@ def init_train_state(
     """
     model = create_sharded_model(ctor, mesh, rules)
     graphdef, param_vars, rest_vars = nnx.split(model, nnx.Param, ...)
-    param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
-    rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
-    opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
-    params, rest = nnx.to_pure_dict(param_vars), nnx.to_pure_dict(rest_vars)
-
-    abstract_opt = jax.eval_shape(tx.init, params)
-    opt_specs = optax.tree_map_params(
-        tx,
-        lambda _, spec: spec,
-        abstract_opt,
-        opt_param_specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    opt_sh = named(opt_specs, mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    replicated = NamedSharding(mesh, P())
-    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-    shardings = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rest=rest_sh)
+    params, rest, _, shardings = state_layout(param_vars, rest_vars, tx, mesh, rules)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     return graphdef, TrainState(step, params, opt_state, rest), shardings
 
 

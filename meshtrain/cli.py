@@ -7,6 +7,7 @@ meshtrain train --mesh pipe=2,data=2,tensor=2 --schedule 1f1b --microbatches 8
 meshtrain train --help
 meshtrain train --run-dir runs/a --save-every 50 --resume   # continue from the newest checkpoint
 meshtrain launch --nproc 2 --devices-per-proc 4 -- train   # 2 local processes, 4 devices each
+meshtrain bench --size 125m                                # one JSON line of speed figures
 """
 
 from __future__ import annotations
@@ -262,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         from meshtrain.launch import run
 
         return run(argv[1:])
+    if argv[:1] == ["bench"]:  # its own argparse flags: see meshtrain/bench.py
+        from meshtrain.bench import main as bench_main
+
+        return bench_main(argv[1:])
     try:
         job = parse(argv)
         if isinstance(job, TrainJob):

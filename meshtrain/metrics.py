@@ -73,6 +73,87 @@ def peak_flops_per_device(device: Any = None, dtype: Any = "bfloat16") -> float 
     return PEAK_TFLOPS[family][name] * 1e12
 
 
+# --- Model FLOPs of a decoder-only transformer ---------------------------------------------
+# Written down once, here. Per token and per training step (forward + backward = 3 × forward):
+#
+#   6·N            the N parameters that take part in a matmul (2 FLOPs forward per weight and
+#                  token, 4 backward); embedding lookups, norms and biases are not matmuls.
+#   attention      the scores q·kᵀ and the weighted sum p·v: forward 2·H·K FLOPs each per
+#                  (query, key) pair and layer, so 4·L·H·K per pair, 12·L·H·K with the backward.
+#     "palm"       every pair counted, masked or not: T pairs per query → 12·L·H·K·T per token
+#                  (PaLM, appendix B; `GPTConfig.flops_per_token` and the Trainer's MFU).
+#     "causal"     only the pairs a causal mask keeps, T/2 per query on average → 6·L·H·K·T
+#                  (as MaxText and Megatron-LM now report).
+#
+# Rematerialisation, padding, the optimizer and communication are not model FLOPs.
+FLOP_CONVENTIONS = ("causal", "palm")
+
+
+def attention_flops_per_token(
+    *, n_layers: int, n_heads: int, head_dim: int, seq_len: int, convention: str = "palm"
+) -> float:
+    """Training FLOPs per token of the attention scores and weighted sum (forward + backward).
+
+    Args:
+        n_layers: transformer blocks (L).
+        n_heads: query heads (H); key/value heads do not change this count.
+        head_dim: width of one head (K).
+        seq_len: tokens per sequence (T).
+        convention: "palm" (every query-key pair) or "causal" (only unmasked pairs: half).
+
+    Returns:
+        12·L·H·K·T ("palm") or 6·L·H·K·T ("causal").
+
+    Raises:
+        ValueError: an unknown convention.
+    """
+    if convention not in FLOP_CONVENTIONS:
+        raise ValueError(f"convention={convention!r}: choose from {', '.join(FLOP_CONVENTIONS)}")
+    pairs_per_query = seq_len if convention == "palm" else seq_len / 2
+    return 12.0 * n_layers * n_heads * head_dim * pairs_per_query
+
+
+def transformer_flops_per_token(
+    *,
+    matmul_params: int,
+    n_layers: int,
+    n_heads: int,
+    head_dim: int,
+    seq_len: int,
+    convention: str = "palm",
+) -> float:
+    """Training FLOPs per token (forward + backward) of a decoder-only transformer.
+
+    Args:
+        matmul_params: parameters that take part in a matmul per token (N; for the GPT,
+            `GPTConfig.matmul_params()`: all but embedding lookups, norms and biases).
+        n_layers, n_heads, head_dim, seq_len, convention: see `attention_flops_per_token`.
+
+    Returns:
+        ``6·N + attention_flops_per_token(...)``.
+    """
+    attention = attention_flops_per_token(
+        n_layers=n_layers,
+        n_heads=n_heads,
+        head_dim=head_dim,
+        seq_len=seq_len,
+        convention=convention,
+    )
+    return 6.0 * matmul_params + attention
+
+
+def gpt_flops_per_token(config: Any, seq_len: int, convention: str = "palm") -> float:
+    """`transformer_flops_per_token` of a `GPTConfig` at sequence length `seq_len`."""
+    return transformer_flops_per_token(
+        matmul_params=config.matmul_params(),
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        head_dim=config.head_dim,
+        seq_len=seq_len,
+        convention=convention,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class StepRate:
     """Throughput of an optimizer step (see `step_rate`)."""

@@ -23,4 +23,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
-    assert jax.device_count() == 8, f"tests need 8 simulated devices, got {jax.device_count()}"
+    # CPU devices: on a GPU host (JAX_PLATFORMS=cuda,cpu, as scripts/gpu_check.sh runs the
+    # gpu-marked tests) the default backend is the GPU.
+    n = len(jax.devices("cpu"))
+    assert n == 8, f"tests need 8 simulated CPU devices, got {n}"

@@ -1,0 +1,540 @@
+"""``meshtrain bench``: train a named GPT size on synthetic tokens and print one JSON line.
+
+    meshtrain bench --size tiny                      # CPU smoke (seconds)
+    meshtrain bench --size 125m                      # on a GPU: bf16, cuDNN attention
+    meshtrain bench --size 1.3b --seq-len 2048 --profile runs/trace
+
+What it measures, in this order:
+
+1. the compile time of the train step (``lower`` + ``compile``, no disk cache);
+2. ``--warmup`` untimed steps, then ``--steps`` steps each timed to ``jax.block_until_ready``
+   (median and spread), then the same number back to back with one wait at the end (what a
+   training loop that reads its metrics one step late sees);
+3. peak device memory (``device.memory_stats()``; on CPU, where jax keeps none, the compiled
+   program's own estimate, and the JSON says which);
+4. with ``--profile DIR``, a `jax.profiler` trace of ``--profile-steps`` more steps
+   (TensorBoard/XProf read ``*.xplane.pb``, Perfetto ``perfetto_trace.json.gz``);
+5. the matmul peak of the device: a bf16 8192³ ``jnp.dot``, median of several calls on three
+   rotating random input sets (on CPU shrunk to 512³, and the JSON says so).
+
+FLOPs come from `meshtrain.metrics` (written down once there) in both conventions: ``mfu``, the
+headline, counts only the attention pairs a causal mask keeps (``causal``, as MaxText and
+Megatron report); ``mfu_palm`` counts every pair (PaLM; what the Trainer's progress bar shows).
+Each is given against the datasheet peak (`metrics.PEAK_TFLOPS`; null where none is known, e.g.
+on CPU) and against the matmul peak measured in the same run.
+
+It uses only meshtrain's public API (``import meshtrain as mt``), and parses its own flags
+with argparse (no tyro), so it runs wherever ``import meshtrain`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# GPT-2 / GPT-3-paper sizes (Radford et al. 2019; Brown et al. 2020, table 2.1), in Llama
+# style by default (RoPE, RMSNorm, SwiGLU with d_ff = ⌈8/3·d⌉₆₄). The vocabulary is GPT-2's
+# 50257 padded to 50304, a multiple of 64 (as nanoGPT does). 1.3b takes 16 heads of width 128
+# (Pythia-1.4B's shape) rather than the paper's 24 × 128, which does not multiply to 2048.
+# seq_len and batch are the defaults of each size; --seq-len and --batch change them.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=128, n_layers=2, n_heads=2, vocab_size=256, seq_len=64, batch=8),
+    "125m": dict(d_model=768, n_layers=12, n_heads=12, vocab_size=50304, seq_len=1024, batch=16),
+    "350m": dict(d_model=1024, n_layers=24, n_heads=16, vocab_size=50304, seq_len=2048, batch=8),
+    "1.3b": dict(d_model=2048, n_layers=24, n_heads=16, vocab_size=50304, seq_len=2048, batch=8),
+}
+MATMUL_PEAK_N = {"gpu": 8192, "other": 512}  # the matmul-peak size per platform
+ATTENTION_IMPLS = ("default", "xla", "pallas", "cudnn", "auto")
+KERNEL_IMPLS = ("xla", "pallas", "auto")
+
+
+def log(*parts: Any) -> None:
+    """Progress on stderr; stdout carries only the JSON line."""
+    print("[bench]", *parts, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The bench's flags (see `main`)."""
+    p = argparse.ArgumentParser(
+        prog="meshtrain bench",
+        description="Train a named GPT size on synthetic tokens; print one JSON line of "
+        "step time, tokens/s, TFLOP/s, MFU (both FLOP conventions), memory and compile time.",
+    )
+    p.add_argument("--size", default="tiny", choices=tuple(SIZES), help="model size")
+    p.add_argument("--style", default="llama", choices=("llama", "gpt2"), help="GPT flavour")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the size's)")
+    p.add_argument("--batch", type=int, default=0, help="global batch (0: the size's default)")
+    p.add_argument(
+        "--dtype",
+        default="",
+        choices=("", "bfloat16", "float32"),
+        help="compute dtype (default: bfloat16 on a GPU, float32 elsewhere)",
+    )
+    p.add_argument(
+        "--attention",
+        default="default",
+        choices=ATTENTION_IMPLS,
+        help="attention kernel; default: cudnn on a GPU, xla elsewhere",
+    )
+    p.add_argument("--norm", default="xla", choices=KERNEL_IMPLS, help="norm kernel")
+    p.add_argument("--loss", default="xla", choices=KERNEL_IMPLS, help="cross-entropy kernel")
+    p.add_argument(
+        "--remat", default="none", help="remat policy: none, full, save-dots, save-attention-out"
+    )
+    p.add_argument("--mesh", default="data=-1", help="mesh axis sizes (default: all devices)")
+    p.add_argument("--strategy", default="dp", help="sharding strategy preset")
+    p.add_argument(
+        "--devices", type=int, default=0, help="simulate N CPU devices (0: the real devices)"
+    )
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument(
+        "--matmul-peak-n",
+        type=int,
+        default=-1,
+        help="size n of the n³ bf16 matmul peak (-1: 8192 on a GPU, 512 elsewhere; 0: skip)",
+    )
+    p.add_argument("--matmul-peak-reps", type=int, default=10, help="timed matmul calls")
+    p.add_argument("--profile", default="", help="write a jax.profiler trace to this directory")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps inside the trace")
+    p.add_argument("--seed", type=int, default=0, help="seed of the parameters and tokens")
+    p.add_argument("--out", default="", help="also append the JSON line to this file")
+    args = p.parse_args(argv)
+    for name in ("seq_len", "batch", "warmup", "devices", "matmul_peak_reps", "profile_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
+    if args.steps < 1:
+        p.error(f"--steps must be ≥ 1, got {args.steps}")
+    return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The resolved run shape: model config, tokens per sequence and global batch."""
+
+    config: Any  # mt.GPTConfig
+    seq_len: int
+    batch: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch
+
+    def describe(self) -> dict:
+        c = self.config
+        return {
+            "style": c.style,
+            "d_model": c.d_model,
+            "n_layers": c.n_layers,
+            "n_heads": c.n_heads,
+            "n_kv_heads": c.kv_heads,
+            "head_dim": c.head_dim,
+            "d_ff": c.ff_dim,
+            "vocab_size": c.vocab_size,
+            "seq_len": self.seq_len,
+            "batch": self.batch,
+            "dtype": c.dtype,
+            "remat": c.remat,
+            "attention_impl": c.attention_impl,
+            "norm_impl": c.norm_impl,
+            "tie_embeddings": c.tie_embeddings,
+        }
+
+
+def on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+def resolve_shape(args: argparse.Namespace) -> Shape:
+    """The GPT config of ``--size`` with the flags applied (the one place that builds it)."""
+    import meshtrain as mt
+
+    size = SIZES[args.size]
+    seq_len = args.seq_len or size["seq_len"]
+    attention = args.attention
+    if attention == "default":
+        attention = "cudnn" if on_gpu() else "xla"
+    dtype = args.dtype or ("bfloat16" if on_gpu() else "float32")
+    config = mt.GPTConfig(
+        style=args.style,
+        vocab_size=size["vocab_size"],
+        max_seq_len=seq_len,
+        d_model=size["d_model"],
+        n_layers=size["n_layers"],
+        n_heads=size["n_heads"],
+        remat=args.remat,
+        dtype=dtype,
+        attention_impl=attention,
+        norm_impl=args.norm,
+    )
+    return Shape(config=config, seq_len=seq_len, batch=args.batch or size["batch"])
+
+
+def loss_fn_for(impl: str) -> Callable | None:
+    """The train step's loss: None (meshtrain's default, optax) for "xla", else the kernel."""
+    if impl == "xla":
+        return None
+    from meshtrain import kernels
+
+    return lambda logits, targets: kernels.cross_entropy_loss(logits, targets, impl=impl)
+
+
+def synthetic_tokens(shape: Shape, n_batches: int, seed: int):
+    """`n_batches` distinct host batches {"inputs", "targets"} [B, T] int32 of random tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_batches):
+        tokens = rng.integers(
+            0, shape.config.vocab_size, (shape.batch, shape.seq_len + 1), dtype=np.int32
+        )
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    return out
+
+
+def block(tree: Any) -> Any:
+    """Waits for every array in `tree`."""
+    import jax
+
+    return jax.block_until_ready(tree)
+
+
+def spread(times: Sequence[float]) -> dict:
+    """Median and spread of step times (seconds)."""
+    ordered = sorted(times)
+    n = len(ordered)
+
+    def pct(q: float) -> float:
+        return ordered[min(n - 1, max(0, round(q * (n - 1))))]
+
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "p10": pct(0.1),
+        "p90": pct(0.9),
+        "iqr_over_median": (pct(0.75) - pct(0.25)) / statistics.median(ordered),
+        "n": n,
+    }
+
+
+def time_steps(step: Callable, state: Any, batches: Sequence[Any], warmup: int, steps: int):
+    """Runs `warmup` untimed steps, `steps` steps each waited for, then `steps` back to back.
+
+    `step(state, batch) -> (state, aux)`; the state is donated, so the newest one is threaded.
+
+    Returns:
+        ``(state, synced_times, back_to_back_mean)``, in seconds.
+    """
+    n = len(batches)
+    for i in range(warmup):
+        state, aux = step(state, batches[i % n])
+    block(state)
+    synced = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, aux = step(state, batches[i % n])
+        block((state, aux))
+        synced.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, aux = step(state, batches[i % n])
+    block((state, aux))
+    return state, synced, (time.perf_counter() - t0) / steps
+
+
+def matmul_peak(n: int, reps: int, warmup: int = 3) -> dict:
+    """Median TFLOP/s of a bf16 n×n×n `jnp.dot` (float32 accumulation, bf16 out) over `reps`
+    calls, rotating three random input sets (never zeros, which can run faster)."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(1), 6)
+    sets = [
+        (
+            jax.random.normal(keys[i], (n, n), jnp.bfloat16),
+            jax.random.normal(keys[i + 3], (n, n), jnp.bfloat16),
+        )
+        for i in range(3)
+    ]
+    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
+    for i in range(warmup + 1):
+        block(dot(*sets[i % 3]))
+    times = []
+    for i in range(max(reps, 1)):
+        t0 = time.perf_counter()
+        block(dot(*sets[i % 3]))
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    return {
+        "n": n,
+        "dtype": "bfloat16",
+        "reps": len(times),
+        "seconds": t,
+        "tflops": 2 * n**3 / t / 1e12,
+    }
+
+
+def memory_figures(device: Any, compiled: Any) -> dict:
+    """Peak device memory: the allocator's peak where jax keeps one (GPU), else the compiled
+    step's own estimate (arguments + outputs + temporaries − aliased)."""
+    out: dict[str, Any] = {}
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        ma = None
+    if ma is not None:
+        est = (
+            ma.argument_size_in_bytes
+            + ma.output_size_in_bytes
+            + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes
+        )
+        out["compiled_memory_bytes"] = {
+            "argument": int(ma.argument_size_in_bytes),
+            "output": int(ma.output_size_in_bytes),
+            "temp": int(ma.temp_size_in_bytes),
+            "alias": int(ma.alias_size_in_bytes),
+            "estimate": int(est),
+        }
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "peak_bytes_in_use" in stats:
+        out["peak_memory_bytes"] = int(stats["peak_bytes_in_use"])
+        out["peak_memory_source"] = "device.memory_stats()['peak_bytes_in_use']"
+        if "bytes_limit" in stats:
+            out["memory_limit_bytes"] = int(stats["bytes_limit"])
+    elif "compiled_memory_bytes" in out:
+        out["peak_memory_bytes"] = out["compiled_memory_bytes"]["estimate"]
+        out["peak_memory_source"] = (
+            "compiled.memory_analysis() estimate (this backend keeps no allocator statistics)"
+        )
+    else:
+        out["peak_memory_bytes"] = None
+        out["peak_memory_source"] = "unavailable"
+    return out
+
+
+def throughput(
+    *,
+    step_time: float,
+    shape: Shape,
+    n_devices: int,
+    peak_datasheet: float | None,
+    peak_measured: float | None,
+) -> dict:
+    """tokens/s, model TFLOP/s and MFU in both FLOP conventions against both peaks (FLOP/s)."""
+    from meshtrain import metrics
+
+    out: dict[str, Any] = {"mfu_convention": "causal"}
+    for convention in metrics.FLOP_CONVENTIONS:
+        per_token = metrics.gpt_flops_per_token(shape.config, shape.seq_len, convention)
+        flops = per_token * shape.tokens_per_step
+        suffix = "" if convention == "causal" else "_palm"
+        rate = metrics.step_rate(
+            step_time=step_time,
+            tokens_per_step=shape.tokens_per_step,
+            flops_per_step=flops,
+            n_devices=n_devices,
+            peak_flops=peak_datasheet,
+        )
+        out["tokens_per_s"] = rate.tokens_per_s
+        out[f"flops_per_token{suffix}"] = per_token
+        out[f"flops_per_step{suffix}"] = flops
+        out[f"model_tflops_per_device{suffix}"] = rate.tflops_per_device
+        out[f"mfu{suffix}"] = rate.mfu
+        out[f"mfu{suffix}_vs_measured_peak"] = (
+            rate.tflops_per_device * 1e12 / peak_measured if peak_measured else None
+        )
+    return out
+
+
+def environment() -> dict:
+    """Device, versions and date of this run."""
+    import flax
+    import jax
+    import jaxlib
+    import optax
+
+    device = jax.devices()[0]
+    return {
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "n_devices": jax.device_count(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "flax_version": flax.__version__,
+        "optax_version": optax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def profile(step: Callable, state: Any, batches: Sequence[Any], directory: str, n: int):
+    """Traces `n` steps with `jax.profiler` into `directory`; returns (state, files written)."""
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for i in range(n):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                state, aux = step(state, batches[i % len(batches)])
+                block((state, aux))
+    files = sorted(
+        str(p.relative_to(directory)) for p in pathlib.Path(directory).rglob("*") if p.is_file()
+    )
+    return state, files
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Builds, compiles, times (and optionally traces) the meshtrain train step of `args`.
+
+    Returns:
+        The JSON record (see the module docstring); also ``first_loss``, the loss of the first
+        step on batch 0 from the initial parameters, for same-math checks against baselines.
+    """
+    if args.devices:
+        import meshtrain as mt
+
+        mt.simulate_devices(args.devices)
+    import jax
+
+    import meshtrain as mt
+    from meshtrain import metrics
+
+    jax.config.update("jax_enable_compilation_cache", False)  # a compile time, not a cache hit
+    record: dict[str, Any] = {"benchmark": "meshtrain_bench", "size": args.size}
+    record.update(environment())
+    device = jax.devices()[0]
+    shape = resolve_shape(args)
+    record["model"] = shape.describe()
+    record["loss_impl"] = args.loss
+    log(f"{record['device_kind']} × {record['n_devices']} · jax {record['jax_version']}")
+
+    # 1. build and compile
+    mesh = mt.make_mesh(args.mesh)
+    rules = mt.rules_for(args.strategy, mesh)
+    record["mesh"] = mt.describe(mesh)
+    record["strategy"] = args.strategy
+    n_devices = mesh.devices.size
+    total = args.warmup + 2 * args.steps + args.profile_steps + 1
+    tx = mt.make_optimizer(mt.OptimConfig(warmup_steps=2), total_steps=total)
+    graphdef, state, shardings = mt.init_train_state(
+        lambda: mt.build_model(shape.config, seed=args.seed), tx, mesh, rules
+    )
+    record["params"] = sum(int(x.size) for x in jax.tree.leaves(state.params))
+    batches = [mt.shard_batch(b, mesh, rules) for b in synthetic_tokens(shape, 3, args.seed)]
+    batch_sharding = {k: v.sharding for k, v in batches[0].items()}
+    extra = {} if (loss := loss_fn_for(args.loss)) is None else {"loss_fn": loss}
+    jitted = mt.jit_train_step(graphdef, tx, mesh, rules, shardings, batch_sharding, **extra)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(state, batches[0]).compile()
+    record["compile_s"] = time.perf_counter() - t0
+    log(f"compiled in {record['compile_s']:.1f} s · {record['params'] / 1e6:.1f}M parameters")
+
+    state, metrics0 = compiled(state, batches[0])
+    record["first_loss"] = float(metrics0["loss"])
+
+    # 2. time
+    step = compiled  # (state, batch) -> (state, metrics), the state donated
+    state, synced, back_to_back = time_steps(step, state, batches, args.warmup, args.steps)
+    stats = spread(synced)
+    record["warmup_steps"] = args.warmup
+    record["timed_steps"] = args.steps
+    record["step_time_s"] = stats["median"]
+    record["step_time_spread"] = {k: v for k, v in stats.items() if k != "median"}
+    record["step_time_back_to_back_s"] = back_to_back
+
+    # 3. memory
+    record.update(memory_figures(device, compiled))
+
+    # 4. trace
+    if args.profile:
+        state, files = profile(step, state, batches, args.profile, args.profile_steps)
+        record["profile_dir"] = args.profile
+        record["profile_files"] = files
+    del state, step, compiled, batches
+    gc.collect()
+
+    # 5. matmul peak (after the step, so the step's memory peak is its own)
+    n = args.matmul_peak_n
+    if n < 0:
+        n = MATMUL_PEAK_N["gpu" if on_gpu() else "other"]
+    if n:
+        peak = matmul_peak(n, args.matmul_peak_reps)
+        if not on_gpu() and n < MATMUL_PEAK_N["gpu"]:
+            peak["note"] = (
+                f"shrunk from 8192³ to {n}³ off the GPU ({device.platform}): a smoke of the "
+                "code path, not a device ceiling"
+            )
+        log(f"matmul peak {n}³ bf16: {peak['tflops']:.3g} TFLOP/s")
+    else:
+        peak = {"n": 0, "note": "skipped (--matmul-peak-n 0)", "tflops": None}
+    record["matmul_peak"] = peak
+    peak_datasheet = metrics.peak_flops_per_device(device, shape.config.dtype)
+    record["peak_tflops_datasheet"] = None if peak_datasheet is None else peak_datasheet / 1e12
+    peak_measured = peak["tflops"] * 1e12 if peak.get("tflops") else None
+    record["peak_tflops_measured"] = peak["tflops"]
+
+    record.update(
+        throughput(
+            step_time=stats["median"],
+            shape=shape,
+            n_devices=n_devices,
+            peak_datasheet=peak_datasheet,
+            peak_measured=peak_measured,
+        )
+    )
+    record["tokens_per_step"] = shape.tokens_per_step
+    record["tokens_per_s_per_device"] = record["tokens_per_s"] / n_devices
+    record["note"] = (
+        "GPU figures"
+        if on_gpu()
+        else f"{device.platform} smoke: timings and MFU say nothing about GPU speed "
+        "(no datasheet peak off the GPU; the matmul peak is shrunk)"
+    )
+    record["command"] = "meshtrain bench " + " ".join(getattr(args, "argv", []))
+    return record
+
+
+def emit(record: dict, out: str = "") -> str:
+    """The record as one JSON line on stdout (and appended to `out`); returns the line."""
+    line = json.dumps(record, allow_nan=False, default=float)
+    print(line, flush=True)
+    if out:
+        path = pathlib.Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``meshtrain bench`` (and ``python -m meshtrain.bench``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.argv = argv
+    try:
+        record = run(args)
+    except ValueError as e:
+        print(f"meshtrain bench: error: {e}", file=sys.stderr)
+        return 2
+    emit(record, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,7 @@ PY ?= $(shell command -v python3.12 2>/dev/null || (test -x $(PYENV_PY) && echo 
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test lint venv clean
+.PHONY: train test test-lowest gpu-bundle torch-parity lint venv clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 12), f"meshtrain needs Python >= 3.12, got {sys.version.split()[0]} from $(PY); install 3.12 (pyenv install 3.12) or run make PY=/path/to/python3.12"'
@@ -21,10 +21,34 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m ruff check .
-	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -q $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not kit" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The lowest versions pyproject.toml allows (jax 0.11.2, the GPU image's), in .venv-lowest:
+# the GPU kit's dry run in an image-like venv with the bundle, then a smoke subset.
+test-lowest: $(STAMP) gpu-bundle
+	PY=$(PY) bash scripts/ci_lowest.sh
+
+# .whl/: the wheels a GPU machine needs and its image lacks (carried by the device tool).
+gpu-bundle: $(STAMP)
+	$(VENV)/bin/python scripts/gpu_bundle.py --out .whl
+
+# The PyTorch baseline computes meshtrain's loss and gradient norm on the same weights and
+# batch (CPU, float32). Needs Python 3.11 and the CPU torch 2.13.0 wheel; not part of CI.
+PY311 ?= $(shell command -v python3.11 2>/dev/null || echo python3.11)
+TORCH_VENV := .venv-torch
+$(TORCH_VENV)/.installed:
+	test -x $(TORCH_VENV)/bin/python || $(PY311) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q torch==2.13.0 numpy
+	@touch $@
+
+torch-parity: $(STAMP) $(TORCH_VENV)/.installed
+	for style in llama gpt2; do \
+	  $(VENV)/bin/python benchmarks/torch_parity.py build/torch_parity_$$style.npz --style $$style && \
+	  $(TORCH_VENV)/bin/python benchmarks/baseline_torch.py --parity build/torch_parity_$$style.npz || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check . && $(VENV)/bin/python -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-lowest $(TORCH_VENV) .whl build *.egg-info .pytest_cache

@@ -4,10 +4,11 @@ The GPU image (Python 3.12, jax 0.11.2 with the CUDA plugin, flax, optax, orbax-
 pytest, torch, ...; the names are in scripts/gpu_image_packages.txt) has no package index.
 This downloads, for CPython 3.12 on manylinux x86-64, binary wheels only:
 
-- ``.whl/*.whl``: every runtime dependency of meshtrain that the image lacks (today grain and
-  tyro), at the versions this venv runs, with every dependency of theirs the image lacks too;
-  one version of each. `scripts/gpu_check.sh` installs them all with
-  ``pip install --no-index --no-deps --target``, so the image's jax, jaxlib and numpy stay.
+- ``.whl/*.whl``: every package in meshtrain's dependency tree that the image lacks (today
+  grain and tyro at the versions this venv runs, and what they and the fallbacks below need:
+  array-record, nest-asyncio, ...), resolved once for jax 0.11.2; one version of each.
+  `scripts/gpu_check.sh` installs them all with ``pip install --no-index --no-deps
+  --target``, so the image's jax, jaxlib and numpy stay.
 - ``.whl/build/``: setuptools, so that meshtrain itself builds from the checkout there with
   ``pip install --no-index --find-links .whl/build`` (build isolation, nothing else needed).
 - ``.whl/fallback/``: flax, optax and orbax-checkpoint at the lowest versions pyproject.toml
@@ -110,6 +111,19 @@ def download(specs: list[str], dest: pathlib.Path, *, deps: bool) -> list[pathli
     return sorted(dest.glob("*.whl"))
 
 
+def resolve(specs: list[str]) -> dict[str, str]:
+    """{name: version} of the whole dependency tree of `specs` for the target platform, as pip
+    resolves it (metadata only: `pip install --dry-run --report`, nothing installed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = pathlib.Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed"]
+        cmd += [*PLATFORM_ARGS, "--target", str(pathlib.Path(tmp) / "t"), "--report", str(report)]
+        print("gpu_bundle: resolving", " ".join(specs), flush=True)
+        subprocess.run([*cmd, *specs], check=True)
+        items = json.loads(report.read_text())["install"]
+    return {normalize(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / ".whl"), help="the bundle directory")
@@ -127,10 +141,20 @@ def main(argv=None) -> int:
     low = lower_bounds(project["dependencies"])
     fallback = [f"{n}=={low[n]}" for n in FALLBACK]
 
+    # Resolve as the GPU machine will run it: the image's jax, the lowest flax/optax/orbax (the
+    # fallbacks), and the carried packages at this venv's versions; carry what the image lacks.
+    others = [
+        f"{n}=={md.version(n)}"
+        for n in requirement_names(project["dependencies"])
+        if n not in needed and n not in FALLBACK and n != "jax"
+    ]
+    resolved = resolve([f"jax=={low['jax']}", *fallback, *pins, *others])
     out = pathlib.Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        carried, dropped = select(download(pins, tmp / "main", deps=True), image)
+        lacking = [f"{n}=={v}" for n, v in sorted(resolved.items()) if n not in image]
+        carried, dropped = select(download(lacking, tmp / "main", deps=False), image)
+        dropped = sorted(n for n in resolved if n in image)
         build = download(["setuptools>=69"], tmp / "build", deps=False)
         fall = download(fallback, tmp / "fallback", deps=False)
         check(carried)
@@ -149,7 +173,7 @@ def main(argv=None) -> int:
         "platform": "manylinux x86_64",
         "pins": pins,
         "fallback": fallback,
-        "left_to_the_image": [wheel_name(w)[0] for w in dropped],
+        "left_to_the_image": dropped,
         "total_bytes": total,
         "wheels": [
             {

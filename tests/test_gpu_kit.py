@@ -157,3 +157,13 @@ def test_the_bundle_holds_what_the_image_lacks_and_fits_a_call():
     assert "jax" in manifest["left_to_the_image"]
     assert not any(gpu_bundle.FORBIDDEN.match(n) for n in names)
     assert manifest["total_bytes"] < 48 * 2**20  # the device tool carries 64 MiB a call
+
+
+@pytest.mark.slow
+def test_stages_selects_what_runs(tmp_path):
+    """--stages runs the named stages (and install, env, import) only: a second device call
+    picks up where a spent budget stopped the first."""
+    proc = _run_check(tmp_path, "--dry-run", "--stages", "gpu_tests", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = _status(_records(tmp_path))
+    assert status == {"install": "ok", "env": "ok", "import": "ok", "gpu_tests": "ok"}, status

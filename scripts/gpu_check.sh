@@ -41,7 +41,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS="$2"; shift 2 ;;
     --no-profile) PROFILE=0; shift ;;
     --stages) STAGES=",$2,"; shift 2 ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

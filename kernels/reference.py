@@ -79,7 +79,7 @@ def layer_norm(
     return (y + bias_D.astype(jnp.float32)).astype(x_ND.dtype)
 
 
-def cross_entropy(logits_NV: jax.Array, targets_N: jax.Array) -> jax.Array:
+def token_cross_entropy(logits_NV: jax.Array, targets_N: jax.Array) -> jax.Array:
     """Per-row softmax cross-entropy in float32: ``logsumexp(logits) - logits[target]``, [N]."""
     logits = logits_NV.astype(jnp.float32)
     lse_N = jax.nn.logsumexp(logits, axis=-1)

@@ -37,8 +37,8 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from meshtrain.layout import Rules, named, state_specs
 from meshtrain.models.gpt import GPT, GPTConfig
-from meshtrain.sharding import Rules, named, state_specs
 
 ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",

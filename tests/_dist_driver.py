@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 import meshtrain as mt
-from meshtrain.sharding import _path_str, shard_batch
+from meshtrain._tree import path_str as _path_str
+from meshtrain.layout import shard_batch
 
 # name: (mesh, strategy, pipeline schedule)
 LAYOUTS = {

@@ -13,11 +13,13 @@ import pytest
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointConfig, CheckpointManager, CheckpointWarning
 from meshtrain.data import make_arrays_dataset
+from meshtrain.layout import rules_for, shard_batch
+from meshtrain.lower import batch_shardings, init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
-from meshtrain.sharding import rules_for, shard_batch
+from meshtrain.state import abstract_target, abstract_train_state
+from meshtrain.train.hooks import NonFiniteError
 from meshtrain.train.optim import OptimConfig, make_optimizer
-from meshtrain.train.step import batch_shardings, init_train_state, jit_train_step
 from meshtrain.train.trainer import TrainConfig, Trainer, batch_shapes
 
 # orbax's reader leaves an asyncio callback behind after a failed (corrupt) read; harmless.
@@ -74,7 +76,7 @@ def layouts():
     out = {}
     for i, name in enumerate(LAYOUTS):
         mesh, rules = _mesh(name)
-        target = ckpt.abstract_train_state(lambda: build_model(GPT, seed=0), TX, mesh, rules)
+        target = abstract_train_state(lambda: build_model(GPT, seed=0), TX, mesh, rules)
         shardings = jax.tree.map(lambda x: x.sharding, target)
         out[name] = (mesh, rules, _randomized(target, shardings, seed=i), shardings)
     return out
@@ -108,7 +110,7 @@ def _assert_same(restored, want_host, shardings, what):
 def test_abstract_train_state_matches_init():
     mesh, rules = _mesh("hybrid")
     ctor = lambda: build_model(GPT, seed=0)  # noqa: E731
-    target = ckpt.abstract_train_state(ctor, TX, mesh, rules)
+    target = abstract_train_state(ctor, TX, mesh, rules)
     _, state, shardings = init_train_state(ctor, TX, mesh, rules)
     assert jax.tree.structure(target) == jax.tree.structure(state)
     for t, x, s in zip(*map(jax.tree.leaves, (target, state, shardings)), strict=True):
@@ -137,7 +139,7 @@ def test_round_trip_keep_policy_and_atomic_commit(layouts, tmp_path):
     names = sorted(p.name for p in (tmp_path / "ck").iterdir())
     assert names == ["2", "4", "5"], names  # no temporary directories left behind
     for step in (5, 2):
-        target = ckpt.abstract_target(state, shardings)
+        target = abstract_target(state, shardings)
         restored = ckpt.restore(tmp_path / "ck", target, step=None if step == 5 else step)
         assert restored.step == step
         _assert_same(restored.state, saved[step], shardings, f"step {step}")
@@ -174,7 +176,7 @@ def saved_layouts(layouts, tmp_path_factory):
 def test_restore_onto_another_layout(layouts, saved_layouts, source, target):
     src_mesh, _, src_state, _ = layouts[source]
     mesh, _, like, shardings = layouts[target]
-    restored = ckpt.restore(saved_layouts[source], ckpt.abstract_target(like, shardings))
+    restored = ckpt.restore(saved_layouts[source], abstract_target(like, shardings))
     assert restored.step == 7
     _assert_same(restored.state, jax.device_get(src_state), shardings, f"{source}→{target}")
     # The checkpoint records the mesh it was written from.
@@ -190,7 +192,7 @@ def test_restore_onto_another_layout(layouts, saved_layouts, source, target):
 
 def test_restore_reports_a_model_that_does_not_match(layouts, saved_layouts):
     _, _, like, shardings = layouts["hybrid"]
-    target = ckpt.abstract_target(like, shardings)
+    target = abstract_target(like, shardings)
     kernel = target.params["head"]["kernel"]
     wrong = jax.ShapeDtypeStruct((kernel.shape[0] * 2, kernel.shape[1]), kernel.dtype)
     target.params["head"]["kernel"] = jax.ShapeDtypeStruct(
@@ -242,7 +244,7 @@ def test_corrupt_newest_step_falls_back_and_deletes_nothing(layouts, two_steps, 
     CORRUPTIONS[damage](root / "2")
     before = _snapshot(root)
     with pytest.warns(CheckpointWarning, match=r"2 cannot be read .*falling back to step 1"):
-        restored = ckpt.restore(root, ckpt.abstract_target(like, shardings))
+        restored = ckpt.restore(root, abstract_target(like, shardings))
     assert restored.step == 1 and restored.data == {"grain": {"next_index": 1}}
     _assert_same(restored.state, first, shardings, damage)
     assert _snapshot(root) == before  # a read changes nothing
@@ -268,11 +270,11 @@ def test_nothing_readable_is_one_clear_error(layouts, two_steps, tmp_path):
     for step in ("1", "2"):
         CORRUPTIONS["deleted-array-manifest"](root / step)
     with warnings.catch_warnings(record=True), pytest.raises(ValueError) as err:
-        ckpt.restore(root, ckpt.abstract_target(like, shardings))
+        ckpt.restore(root, abstract_target(like, shardings))
     assert "no readable checkpoint" in str(err.value)
     assert "step 2:" in str(err.value) and "step 1:" in str(err.value)
     with pytest.raises(ValueError, match="no checkpoint found"):
-        ckpt.restore(tmp_path / "empty", ckpt.abstract_target(like, shardings))
+        ckpt.restore(tmp_path / "empty", abstract_target(like, shardings))
 
 
 def test_config_values_are_checked():
@@ -327,7 +329,7 @@ def test_trainer_resume_is_bit_exact_and_refuses_to_overwrite(tmp_path):
     assert [e["step"] for e in head + tail] == [1, 2, 3, 4, 5, 6]
     assert losses == [e["loss"] for e in straight]  # bit-identical
     restored = ckpt.restore(
-        tmp_path / "b" / "checkpoints", ckpt.abstract_target(second.state, second.shardings)
+        tmp_path / "b" / "checkpoints", abstract_target(second.state, second.shardings)
     )
     assert restored.step == 6
     assert restored.meta["config"]["model"]["kind"] == "MLPConfig"
@@ -398,7 +400,7 @@ def test_trainer_counts_skipped_steps_and_stops_after_k_in_a_row(tmp_path):
         max_bad_steps=3,
         checkpoint=CheckpointConfig(save_every=1, resume=True),
     )
-    with pytest.raises(ckpt.NonFiniteError) as err:
+    with pytest.raises(NonFiniteError) as err:
         bad.fit()
     bad.checkpoints.close()
     message = str(err.value)

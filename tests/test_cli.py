@@ -115,7 +115,7 @@ OVERRIDES = {
     "--gpt.dtype": (["bfloat16"], "bfloat16"),
     "--gpt.attention-impl": (["auto"], "auto"),
     "--gpt.norm-impl": (["pallas"], "pallas"),
-    "--gpt.loss-impl": (["pallas"], "pallas"),
+    "--loss-impl": (["pallas"], "pallas"),
     "--mlp.num-features": (["8"], 8),
     "--mlp.num-classes": (["3"], 3),
     "--mlp.d-model": (["16"], 16),
@@ -192,7 +192,7 @@ def test_every_config_field_can_be_overridden():
         (["--gpt.remat", "bogus"], "bogus"),
         (["--model", "resnet"], "resnet"),
         (["--keep-last", "0"], "keep_last=0"),
-        (["--resume", "--no-save"], "resume=True needs checkpoints"),
+        (["--resume", "--no-save"], "resume=True: needs checkpoints"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):

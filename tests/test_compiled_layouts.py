@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent(
     import meshtrain as mt
 
     mt.simulate_devices(8)
-    from meshtrain.train.step import batch_shardings
+    from meshtrain.layout import batch_shardings
 
-    tx = mt.make_optimizer(mt.OptimConfig(), 10)
+    tx = mt.lower.make_optimizer(mt.OptimConfig(), 10)
     tokens = np.random.default_rng(0).integers(0, 256, (16, 33), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     for style, mesh_str, strategy in LAYOUTS:
@@ -39,13 +39,13 @@ SCRIPT = textwrap.dedent(
         cfg = mt.GPTConfig(style=style, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
-        graphdef, state, shardings = mt.init_train_state(
-            lambda: mt.build_model(cfg), tx, mesh, rules
+        graphdef, state, shardings = mt.lower.init_train_state(
+            lambda: mt.lower.build_model(cfg), tx, mesh, rules
         )
-        step = mt.jit_train_step(
+        step = mt.lower.jit_train_step(
             graphdef, tx, mesh, rules, shardings, batch_shardings(batch, mesh, rules)
         )
-        step.lower(state, mt.shard_batch(batch, mesh, rules)).compile()
+        step.lower(state, mt.lower.shard_batch(batch, mesh, rules)).compile()
     print("DONE", file=sys.stderr, flush=True)
     """
 )

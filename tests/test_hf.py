@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from meshtrain import hf
+from meshtrain.layout import activation_rules, named, rules_for, state_specs
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPT, GPTConfig
-from meshtrain.sharding import activation_rules, named, rules_for, state_specs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 STYLES = ("gpt2", "llama")

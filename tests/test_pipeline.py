@@ -18,6 +18,8 @@ import pytest
 from flax import nnx
 
 from meshtrain.data import make_arrays_dataset
+from meshtrain.layout import activation_rules, rules_for
+from meshtrain.lower import cross_entropy, init_train_state
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
 from meshtrain.pipeline import (
@@ -30,8 +32,6 @@ from meshtrain.pipeline import (
     schedule_table,
 )
 from meshtrain.pipeline.schedules import buffer_depth
-from meshtrain.sharding import activation_rules, rules_for
-from meshtrain.train.step import cross_entropy, init_train_state
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32

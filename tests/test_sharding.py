@@ -19,11 +19,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import sharding as S
+from meshtrain import layout as S
+from meshtrain.layout import batch_shardings
+from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
-from meshtrain.train import OptimConfig, init_train_state, jit_train_step, make_optimizer
-from meshtrain.train.step import batch_shardings
+from meshtrain.state import create_sharded_model
+from meshtrain.train import OptimConfig
 
 GPT = {
     "gpt2": GPTConfig(style="gpt2", n_layers=2, d_model=64, n_heads=4, max_seq_len=16),
@@ -199,9 +201,9 @@ def test_fsdp_optimizer_state_matches_params():
 def test_spec_for_drops_size_one_axes_and_reused_axes():
     mesh = make_mesh("data=2,fsdp=4")
     table = {"embed": ("data", "fsdp", "tensor"), "mlp": "fsdp", "vocab": None}
-    assert S.spec_for(("embed", "mlp"), table, mesh) == P(("data", "fsdp"), None)
-    assert S.spec_for(("mlp", "embed"), table, mesh) == P("fsdp", "data")
-    assert S.spec_for(("vocab", None), table, mesh) == P(None, None)
+    assert S.resolve(("embed", "mlp"), table, mesh) == P(("data", "fsdp"), None)
+    assert S.resolve(("mlp", "embed"), table, mesh) == P("fsdp", "data")
+    assert S.resolve(("vocab", None), table, mesh) == P(None, None)
 
 
 # --- batches ------------------------------------------------------------------------------
@@ -271,7 +273,7 @@ def test_unannotated_parameters_are_replicated_with_one_warning():
     rules = S.rules_for("fsdp", mesh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = S.create_sharded_model(TwoParams, mesh, rules)
+        model = create_sharded_model(TwoParams, mesh, rules)
     ours = [w for w in caught if "meshtrain" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in ours]
     message = str(ours[0].message)
@@ -289,7 +291,7 @@ def test_unknown_logical_axis_names_the_parameter_before_compiling():
             ValueError, match=r"parameter 'named_w' \(16, 4\): unknown logical axis 'bogus'"
         ),
     ):
-        S.create_sharded_model(lambda: TwoParams(("bogus", None)), mesh, rules)
+        create_sharded_model(lambda: TwoParams(("bogus", None)), mesh, rules)
     assert compiles == []
 
 

@@ -14,18 +14,13 @@ import optax
 import pytest
 from flax import nnx
 
-from meshtrain import sharding as S
+from meshtrain import layout as S
 from meshtrain.data import DataConfig, make_dataset
+from meshtrain.layout import batch_shardings
+from meshtrain.lower import cross_entropy, init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, MLPConfig, build_model
-from meshtrain.train import (
-    OptimConfig,
-    cross_entropy,
-    init_train_state,
-    jit_train_step,
-    make_optimizer,
-)
-from meshtrain.train.step import batch_shardings
+from meshtrain.train import OptimConfig
 
 B, T, STEPS = 16, 16, 3
 LR = 1e-3

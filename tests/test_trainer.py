@@ -12,9 +12,9 @@ from flax import nnx
 
 from meshtrain import metrics as mx
 from meshtrain.data import DataConfig, make_arrays_dataset, make_dataset
+from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, MLPConfig
-from meshtrain.sharding import rules_for
 from meshtrain.train import trainer as trainer_mod
 from meshtrain.train.optim import OptimConfig
 from meshtrain.train.trainer import TrainConfig, Trainer
@@ -181,13 +181,13 @@ def _classify_data():
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("batch_not_divisible", r"batch_size=6 .*data × fsdp = 4"),
-        ("batch_not_divisible_by_accum", r"batch_size=16 .*accum_steps=8"),
-        ("pipe_without_gpt", r"pipe=2: pipelining runs the GPT's stacked blocks"),
-        ("pipe_layers", r"n_layers=2 is not divisible by pipe × repeats = 4"),
+        ("batch_not_divisible", r"batch_size=6: .*data × fsdp = 4"),
+        ("batch_not_divisible_by_accum", r"batch_size=16: .*accum_steps=8"),
+        ("pipe_without_gpt", r"pipe=2: .*cannot be pipelined.*set pipe=1"),
+        ("pipe_layers", r"layers=2: not divisible by pipe × repeats = 4"),
         ("expert", r"expert=2: .*set expert=1"),
         ("gpt_on_classify_data", r"gpt needs token data.*'classify'"),
-        ("seq_len_too_long", r"seq_len=64 exceeds .*max_seq_len=32"),
+        ("seq_len_too_long", r"seq_len=64: exceeds .*max_seq_len=32"),
     ],
 )
 def test_bad_combinations_raise_before_compiling(monkeypatch, case, match):

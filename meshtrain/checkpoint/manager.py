@@ -12,8 +12,9 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from meshtrain._compat import orbax_finish_tmp_cleanup
 from meshtrain.checkpoint.targets import layout_mismatch
-from meshtrain.train.step import TrainState
+from meshtrain.state import TrainState
 
 UNREADABLE_SUFFIX = ".unreadable"
 
@@ -113,19 +114,13 @@ class CheckpointManager:
         }
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         # Orbax removes the leftovers of interrupted saves in the background; finish that now
-        # so the directory is clean once the manager is open (a private hook, hence getattr).
-        finish_cleanup = getattr(self._mgr, "_maybe_await_cleanup_tmp_directory", None)
-        if finish_cleanup is not None and not read_only:
-            finish_cleanup()
+        # so the directory is clean once the manager is open.
+        if not read_only:
+            orbax_finish_tmp_cleanup(self._mgr)
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first."""
         return sorted(self._mgr.all_steps())
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
 
     def path(self, step: int) -> Path:
         """The directory of step `step`."""
@@ -178,7 +173,7 @@ class CheckpointManager:
         """Reads a step into the layout of `target`, falling back past unreadable steps.
 
         Args:
-            target: abstract state (`abstract_target`) carrying the new shardings.
+            target: abstract state (`meshtrain.state.abstract_target`) carrying the new shardings.
             step: the step to read; None: the newest readable one, trying older steps when a
                 newer one is truncated, incomplete or does not match the model (each skip
                 is reported with a `CheckpointWarning`; nothing is deleted).

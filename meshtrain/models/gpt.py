@@ -20,11 +20,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import kernels
+from meshtrain.layout import constrain
 from meshtrain.models import layers
+from meshtrain.models.base import DTYPES, DataSpec, PipelineParts
 from meshtrain.models.remat import ATTN_OUT, POLICIES, check_policy
-from meshtrain.sharding import constrain
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from meshtrain.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,6 @@ class GPTConfig:
         attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (Pallas on
             a GPU when head width is 64 or 128, else xla). See kernels/README.md.
         norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto.
-        loss_impl: cross-entropy kernel used by the Trainer: xla (optax), pallas or auto.
     """
 
     style: str = "llama"
@@ -66,7 +65,6 @@ class GPTConfig:
     dtype: str = "float32"
     attention_impl: str = "xla"
     norm_impl: str = "xla"
-    loss_impl: str = "xla"
 
     def __post_init__(self):
         if self.style not in ("gpt2", "llama"):
@@ -93,7 +91,7 @@ class GPTConfig:
         check_policy(self.remat)
         if self.dtype not in DTYPES:
             raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
-        kernels.check_impls(self.attention_impl, self.norm_impl, self.loss_impl, self.head_dim)
+        kernels.check_impls(self.attention_impl, self.norm_impl, self.head_dim)
 
     @property
     def kv_heads(self) -> int:
@@ -135,6 +133,58 @@ class GPTConfig:
         """
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * self.matmul_params() + attention
+
+    # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
+
+    def build(self, *, rngs: nnx.Rngs) -> GPT:
+        """The decoder, unsharded."""
+        return GPT(self, rngs=rngs)
+
+    def check(self, data: DataSpec) -> list[Problem]:
+        """Token data whose sequences and vocabulary fit this model."""
+        if data.kind != "lm":
+            return [
+                Problem(
+                    "model",
+                    "gpt",
+                    f"a gpt needs token data ([N, T] token ids), but the data is {data.kind!r}; "
+                    "use --data.source stdlib, synthetic or text, or arrays of token ids",
+                )
+            ]
+        problems = []
+        if data.seq_len > self.max_seq_len:
+            problems.append(
+                Problem(
+                    "data.seq_len",
+                    data.seq_len,
+                    f"exceeds the model's max_seq_len={self.max_seq_len}; lower "
+                    f"--data.seq-len to {self.max_seq_len} or raise --gpt.max-seq-len to "
+                    f"{data.seq_len}",
+                )
+            )
+        if data.vocab_size > self.vocab_size:
+            problems.append(
+                Problem(
+                    "gpt.vocab_size",
+                    self.vocab_size,
+                    f"the data has {data.vocab_size} token ids; raise --gpt.vocab-size to at "
+                    f"least {data.vocab_size}",
+                )
+            )
+        return problems
+
+    def describe(self) -> str:
+        """E.g. ``gpt llama · d_model=128 · 4 layers · 4 heads (2 kv)``."""
+        kv = f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else ""
+        return (
+            f"gpt {self.style} · d_model={self.d_model} · {self.n_layers} layers · "
+            f"{self.n_heads} heads{kv}"
+        )
+
+    @property
+    def pipeline_layers(self) -> int:
+        """Stacked layers a pipeline cuts into stages."""
+        return self.n_layers
 
 
 class Attention(nnx.Module):
@@ -289,6 +339,17 @@ class GPT(nnx.Module):
     # The forward in three pieces, so a pipeline can run the blocks stage by stage and the
     # embedding and head around them.
 
+    def pipeline_parts(self) -> PipelineParts:
+        """The embedding, the stacked blocks and the head, for `meshtrain.pipeline`."""
+        head = ("norm", "head") if self.head is not None else ("norm", "embed")
+        return PipelineParts(
+            blocks="blocks",
+            embed=self.embed_tokens,
+            run_blocks=functools.partial(scan_blocks, remat=self.cfg.remat),
+            head=self.head_logits,
+            head_params=head,
+        )
+
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
         """Token ids [B, T] → input activations [B, T, D] in the compute dtype."""
         T = tokens_BT.shape[1]
@@ -327,29 +388,3 @@ def scan_blocks(blocks: Block, x_BTD: jax.Array, remat: str = "none") -> jax.Arr
         body = nnx.remat(body, policy=POLICIES[remat], prevent_cse=False)
     scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
     return scan(blocks, x_BTD)
-
-
-def sample(
-    model: GPT, prompt: jax.Array, n_new: int, *, key: jax.Array, temperature: float = 0.8
-) -> jax.Array:
-    """Samples `n_new` tokens after `prompt` ([T0] int32); returns the [T0 + n_new] tokens.
-
-    Runs the full forward over a fixed window of ``max_seq_len`` each step (no KV cache): the
-    window is right-padded, and causality makes the padding invisible to earlier positions.
-    """
-    window = model.cfg.max_seq_len
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, buf_T, pos, key):
-        logits_TV = nnx.merge(graphdef, state)(buf_T[None])[0]
-        logits_V = jax.lax.dynamic_index_in_dim(logits_TV, pos, keepdims=False)
-        return jax.random.categorical(key, logits_V / max(temperature, 1e-6))
-
-    tokens = [int(t) for t in jnp.asarray(prompt)]
-    for i in range(n_new):
-        context = tokens[-window:]
-        buf = jnp.zeros((window,), jnp.int32).at[: len(context)].set(jnp.asarray(context))
-        tok = next_token(state, buf, len(context) - 1, jax.random.fold_in(key, i))
-        tokens.append(int(tok))
-    return jnp.asarray(tokens, jnp.int32)

@@ -86,7 +86,8 @@ def check_run(
         problems += model.check(spec)
     problems += _model_layout_problems(abstract, rules, sizes)
     if sizes.get("pipe", 1) > 1:
-        problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, k)
+        axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
+        problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
     problems += directory_problems(run_dir=run_dir, checkpoint=checkpoint)
     return problems
 
@@ -102,7 +103,7 @@ def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
     return [Problem("strategy", rules.name, m) for m in dict.fromkeys(messages)]
 
 
-def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, k) -> list[Problem]:
+def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) -> list[Problem]:
     """What keeps the model from being pipelined over ``pipe`` stages."""
     pipe = sizes["pipe"]
     layers = getattr(model, "pipeline_layers", None)
@@ -130,5 +131,10 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, k) -> list[
             )
         ]
     return pipeline_problems(
-        pipeline, pipe=pipe, batch_size=spec.batch_size // k, batch_ways=ways, layers=layers
+        pipeline,
+        pipe=pipe,
+        batch_size=spec.batch_size // k,
+        batch_ways=ways,
+        batch_axes=axes,
+        layers=layers,
     )

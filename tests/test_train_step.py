@@ -389,3 +389,18 @@ def test_every_optimizer_updates_params(optimizer):
     new = optax.apply_updates(params, updates)
     # descends along the gradient (LARS scales its step by a 1e-3 trust coefficient)
     assert float(new["w"]["kernel"].max()) < 1 - 1e-5
+
+
+def test_a_batch_that_does_not_divide_is_a_clear_error_in_the_lower_api():
+    """Feeding the jitted step a batch of the wrong row count names the rows and the fix
+    (jax alone raises its internal IndivisibleError)."""
+    mesh = make_mesh("data=8")
+    rules = S.rules_for("dp", mesh)
+    graphdef, state, shardings = init_train_state(start_from(MODELS["mlp"]), TX, mesh, rules)
+    (batch,) = batches("mlp", 1)
+    step = jit_train_step(graphdef, TX, mesh, rules, shardings, batch_shardings(batch, mesh, rules))
+    short = {k: v[:12] for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"batch\['inputs'\] has 12 rows, not divisible by the 8"):
+        step(state, short)
+    with pytest.raises(ValueError, match=r"batch has entries \['inputs'\] but the step was built"):
+        step(state, {"inputs": batch["inputs"]})

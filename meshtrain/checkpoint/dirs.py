@@ -119,7 +119,7 @@ def directory_problems(*, run_dir: str, checkpoint: CheckpointConfig | None) -> 
     ]
     problems = [p for p in (_writable(f, d) for f, d in dirs) if p]
     if problems:
-        return problems
+        return problems[:1] if not checkpoint or not checkpoint.checkpoint_dir else problems
     steps = saved_steps(Path(ckpt)) if ckpt else []
     if steps and checkpoint.resume:
         return []  # continuing that run

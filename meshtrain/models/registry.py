@@ -76,7 +76,7 @@ def build_model(config, *, seed: int = 0) -> nnx.Module:
     """
     if not callable(getattr(config, "build", None)):
         raise ValueError(
-            f"model config {type(config).__name__}: not a model config (it has no build method); "
-            f"known families: {', '.join(_FAMILIES)}"
+            f"model config {type(config).__name__}: unknown model; known: "
+            f"{', '.join(_FAMILIES)} (a model config has a build method)"
         )
     return config.build(rngs=nnx.Rngs(params=seed))

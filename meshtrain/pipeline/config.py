@@ -48,6 +48,7 @@ def pipeline_problems(
     pipe: int,
     batch_size: int,
     batch_ways: int,
+    batch_axes: str = "data × fsdp",
     layers: int | None = None,
 ) -> list[Problem]:
     """What keeps a pipeline from running, before anything compiles.
@@ -58,6 +59,7 @@ def pipeline_problems(
         batch_size: rows the pipeline splits into microbatches (the batch of one
             accumulation step).
         batch_ways: devices each microbatch is split over (data × fsdp for the presets).
+        batch_axes: the names of those axes, for messages.
         layers: the model's stacked layers, when known.
 
     Returns:
@@ -92,8 +94,8 @@ def pipeline_problems(
                 "data.batch_size",
                 batch_size,
                 f"/ microbatches={m} = {batch_size // m} rows per microbatch, not divisible by "
-                f"the {batch_ways} data-parallel devices (data × fsdp); use a batch that is a "
-                f"multiple of {m * batch_ways}",
+                f"{batch_axes} = {batch_ways} devices; use a batch that is a multiple of "
+                f"{m * batch_ways}",
             )
         )
     return problems

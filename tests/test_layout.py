@@ -1,8 +1,9 @@
-"""Tests for meshtrain.sharding: preset layouts, batches, custom rules, and validation.
+"""Tests for meshtrain.layout: preset layouts, batches, custom rules, the one divisibility
+policy, regions manual over some axes, and validation.
 
 The intended layouts here are written out independently of the library: each parameter's
 logical names come from a hand-written table of the models, and each preset's mapping from
-its definition (the `meshtrain.sharding` module docstring), so a change in either shows up.
+its definition (the `meshtrain.layout.rules` module docstring), so a change in either shows up.
 """
 
 import functools
@@ -198,7 +199,7 @@ def test_fsdp_optimizer_state_matches_params():
     assert q.addressable_shards[0].data.shape == (2, 64 // 8, 4, 16)
 
 
-def test_spec_for_drops_size_one_axes_and_reused_axes():
+def test_resolve_drops_size_one_axes_and_reused_axes():
     mesh = make_mesh("data=2,fsdp=4")
     table = {"embed": ("data", "fsdp", "tensor"), "mlp": "fsdp", "vocab": None}
     assert S.resolve(("embed", "mlp"), table, mesh) == P(("data", "fsdp"), None)
@@ -415,3 +416,62 @@ def test_activation_constraints_are_a_no_op_outside_rules():
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
     assert math.prod(y.addressable_shards[0].data.shape) == 2
+
+
+# --- one divisibility policy ---------------------------------------------------------------
+
+
+def test_alternatives_fall_back_to_the_first_that_divides():
+    mesh = make_mesh("data=2,tensor=4")
+    table = {"kv_heads": ["tensor", None], "kv": None}
+    assert S.resolve(("kv_heads", "kv"), table, mesh, shape=(8, 16)) == P("tensor", None)
+    assert S.resolve(("kv_heads", "kv"), table, mesh, shape=(2, 16)) == P(None, None)
+    with pytest.raises(ValueError, match=r"\(kv_heads=6\) is not divisible by mesh tensor=4"):
+        S.resolve(("kv_heads", "kv"), {"kv_heads": "tensor", "kv": None}, mesh, shape=(6, 16))
+
+
+def test_alternatives_are_validated_like_any_rule():
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'tensr'"):
+        S.Rules(params={"heads": ["tensr", None]}, activations={})
+
+
+def test_kernels_split_by_the_same_policy_and_refuse_what_it_refuses():
+    """A kernel under the layout splits its rows as `constrain` would, and a batch the batch
+    axes do not divide is the same clear error (it used to run silently replicated)."""
+    from meshtrain import kernels
+
+    mesh = make_mesh("data=4,tensor=2")
+    rules = S.rules_for("dp", mesh)
+    x = jax.random.normal(jax.random.key(0), (6, 8, 16))
+    scale = jnp.ones((16,))
+    with S.activation_rules(mesh, rules), pytest.raises(ValueError) as err:
+        jax.eval_shape(lambda x: kernels.rms_norm(x, scale, impl="pallas"), x)
+    assert "(batch=6) is not divisible by mesh data=4" in str(err.value)
+    x = x[:4]
+    with S.activation_rules(mesh, rules):
+        got = jax.jit(lambda x: kernels.rms_norm(x, scale, impl="pallas"))(x)
+    want = kernels.reference.rms_norm(x.reshape(-1, 16), scale).reshape(x.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_manual_region_nests_inside_another():
+    """A kernel (manual over the batch axes) inside a pipeline-like region manual over
+    ``pipe`` runs on the inner axes only and gives the reference result."""
+    from meshtrain import kernels
+
+    mesh = make_mesh("pipe=2,data=4")
+    rules = S.rules_for("dp", mesh)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 4, 16))  # [pipe, batch, seq, width]
+    scale = jnp.linspace(0.5, 1.5, 16)
+
+    def stage(x):
+        assert S.manual_axes() == {"pipe"}
+        return kernels.rms_norm(x[0], scale, impl="pallas")[None]
+
+    region = S.manual_region(
+        stage, mesh=mesh, axes={"pipe"}, in_specs=P("pipe"), out_specs=P("pipe")
+    )
+    with S.activation_rules(mesh, rules):
+        got = jax.jit(region)(x)
+    want = kernels.reference.rms_norm(x.reshape(-1, 16), scale).reshape(x.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

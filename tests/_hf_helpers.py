@@ -17,8 +17,8 @@ from safetensors.numpy import save_file
 from meshtrain.models import GPT, GPTConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-# float32 logits, |logit| up to ~3.4: measured max error 1.4e-6 (gpt2), 2.3e-6 (llama) and
-# 2.1e-6 (llama3).
+# float32 logits, |logit| up to ~3.4: measured max error 1.4e-6 (gpt2), 2.3e-6 (llama),
+# 2.1e-6 (llama3) and 2.4e-6 (mistral).
 ATOL = 2e-5
 
 _SMALL = dict(vocab_size=128, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
@@ -38,6 +38,7 @@ EXPECTED = {
         rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
         rope_original_max_seq_len=64,
     ),
+    "mistral": GPTConfig(**_SMALL, rope_theta=10_000.0, sliding_window=16),
 }  # fmt: skip
 NAMES = tuple(EXPECTED)
 

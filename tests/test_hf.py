@@ -1,5 +1,5 @@
 """Tests for meshtrain.hf: Hugging Face import and export (GPT-2, Llama, Llama 3.1's RoPE
-scaling) against fixtures made by transformers (scripts/make_hf_fixtures.py;
+scaling, Mistral) against fixtures made by transformers (scripts/make_hf_fixtures.py;
 no torch here). Refusals are in test_hf_errors.py, the adapter registry in
 test_hf_registry.py."""
 
@@ -121,6 +121,9 @@ def _unblended_llama3(inv_freq_k, factor, low, high, original):
         ("llama3", dict(rope_original_max_seq_len=128)),  # max_position_embeddings instead
         ("llama3", dict(rope_factor=4.0)),
         ("llama3", _unblended_llama3),
+        ("mistral", dict(sliding_window=0)),  # window off
+        ("mistral", dict(sliding_window=15)),  # [t - w, t) instead of (t - w, t]
+        ("mistral", dict(sliding_window=17)),
     ],
     ids=lambda c: (
         c
@@ -140,7 +143,7 @@ def test_feature_slips_fail_the_tolerance(loaded, monkeypatch, name, change):
     assert err > 100 * ATOL, f"{change} moved the logits by only {err:.1e}"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral"])
 def test_load_onto_mesh_fsdp_tp(name):
     """Placed on data=2 × fsdp=2 × tensor=2 by fsdp+tp rules: intended shardings, same logits."""
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
@@ -198,6 +201,10 @@ ROUND_TRIP = {
         GPTConfig(d_model=32, n_layers=2, n_heads=2, rope_theta=5e5, **_LLAMA3),
         "LlamaForCausalLM",
     ),
+    "mistral-window": (
+        GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, sliding_window=8),
+        "MistralForCausalLM",
+    ),
 }  # fmt: skip
 
 
@@ -219,6 +226,18 @@ def test_export_then_import_is_identity(tmp_path, name):
     want = {hf.adapter_for(cfg).key(k): v for k, v in hf.hf_shapes(cfg).items()}
     assert {k: v.shape for k, v in tensors.items()} == want
     assert {v.dtype for v in tensors.values()} == {np.dtype(np.float32)}
+
+
+def test_a_plain_llama_config_exports_as_mistral_when_asked(tmp_path):
+    cfg = ROUND_TRIP["llama-mha-untied"][0]
+    params = random_params(cfg, seed=0)
+    hf.save_pretrained(tmp_path / "m", params, cfg, architecture="MistralForCausalLM")
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert written["architectures"] == ["MistralForCausalLM"]
+    assert written["sliding_window"] is None  # full attention, not transformers' default 4096
+    cfg2, params2 = hf.load_pretrained(tmp_path / "m")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, params2))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -320,6 +339,7 @@ def test_config_override_keeps_training_fields_and_checks_the_rest():
     with pytest.raises(ValueError, match=r"config= does not match config.json \(n_layers: 3 vs 2"):
         hf.load_pretrained(FIXTURES / "llama", config=dataclasses.replace(cfg, n_layers=3))
     for name, change, match in [
+        ("mistral", dict(sliding_window=0), r"sliding_window: 0 vs 16"),
         ("llama3", dict(rope_factor=4.0), r"rope_factor: 4.0 vs 8.0"),
     ]:
         with pytest.raises(ValueError, match=match):

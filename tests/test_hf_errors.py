@@ -64,6 +64,8 @@ DROP = object()  # a config_changes value: remove the key
             "partial_rotary_factor=0.5 is not supported: meshtrain rotates the whole head",
         ),
         ("llama3", {"rope_parameters": _rope(rope_type="yarn")}, "RoPE scaling 'yarn'"),
+        ("mistral", {"sliding_window": 0}, "sliding_window=0 is not supported"),
+        ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ],
 )
 def test_bad_config_is_refused_clearly(tmp_path, name, config_changes, match):
@@ -160,6 +162,11 @@ def test_bad_exports_are_refused_clearly(tmp_path):
             GPTConfig(style="gpt2", d_model=32, n_layers=1, n_heads=4, sliding_window=8),
             None,
             r"GPT2LMHeadModel: sliding_window=8: GPT-2 has no sliding-window attention",
+        ),
+        (
+            GPTConfig(d_model=32, n_layers=1, n_heads=4, qkv_bias=True),
+            "MistralForCausalLM",
+            r"MistralForCausalLM: qkv_bias=True: Mistral's projections have no biases",
         ),
         (LLAMA_GQA_TIED, "gpt2", r"GPT2LMHeadModel: holds style='gpt2' models, not 'llama'"),
         (LLAMA_GQA_TIED, "GemmaForCausalLM", r"architecture='GemmaForCausalLM' is not registered"),

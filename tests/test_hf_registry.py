@@ -26,6 +26,7 @@ SMALL = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
         (GPTConfig(style="gpt2", d_model=32, n_heads=4), "GPT2LMHeadModel"),
         (GPTConfig(**SMALL), "LlamaForCausalLM"),
         (GPTConfig(**SMALL, rope_scaling="llama3"), "LlamaForCausalLM"),
+        (GPTConfig(**SMALL, sliding_window=64), "MistralForCausalLM"),
     ],
 )
 def test_a_config_exports_as_the_first_architecture_that_holds_it(cfg, architecture):
@@ -40,8 +41,8 @@ def test_the_earlier_public_names_keep_their_meaning():
         "GPT2LMHeadModel": "gpt2",
         "LlamaForCausalLM": "llama",
     }
-    assert set(hf.ADAPTERS) == {"gpt2", "llama"}
-    assert hf.adapter_for_hf({"model_type": "llama"}).name == "LlamaForCausalLM"
+    assert set(hf.ADAPTERS) == {"gpt2", "llama", "mistral"}
+    assert hf.adapter_for_hf({"model_type": "mistral"}).name == "MistralForCausalLM"
 
 
 @pytest.fixture
@@ -86,6 +87,8 @@ def test_an_architecture_is_one_adapter_and_one_register_line(registry_copy, tmp
     cfg2, params2 = hf.load_pretrained(tmp_path / "t")
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, params2))
+    # Registered after Mistral: a windowed config still exports as Mistral by default.
+    assert hf.adapter_for(cfg).name == "MistralForCausalLM"
 
 
 def test_a_name_is_registered_once(registry_copy):
@@ -110,5 +113,5 @@ def test_generic_code_imports_no_architecture(module):
             imported |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
         elif isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
-    arch = {f"meshtrain.hf.{m}" for m in ("gpt2", "llama")}
+    arch = {f"meshtrain.hf.{m}" for m in ("gpt2", "llama", "mistral")}
     assert not imported & arch, f"{module}.py imports {sorted(imported & arch)}"

@@ -18,7 +18,7 @@ Adding an architecture is one file that builds an `Adapter` (reusing a `Layout` 
 weights are stored like an existing one) and one `register` line below.
 """
 
-from meshtrain.hf import gpt2, llama
+from meshtrain.hf import gpt2, llama, mistral
 from meshtrain.hf.adapter import Adapter, Layout
 from meshtrain.hf.config import config_from_hf, config_to_hf, same_architecture
 from meshtrain.hf.convert import hf_shapes
@@ -35,6 +35,7 @@ from meshtrain.hf.registry import (
 # as the first of these that can hold it.
 register(gpt2.ADAPTER)
 register(llama.ADAPTER)
+register(mistral.ADAPTER)
 
 __all__ = [
     "ADAPTERS",

@@ -1,5 +1,5 @@
 """Tests for meshtrain.hf: Hugging Face import and export (GPT-2, Llama, Llama 3.1's RoPE
-scaling, Mistral) against fixtures made by transformers (scripts/make_hf_fixtures.py;
+scaling, Mistral, Qwen2) against fixtures made by transformers (scripts/make_hf_fixtures.py;
 no torch here). Refusals are in test_hf_errors.py, the adapter registry in
 test_hf_registry.py."""
 
@@ -90,6 +90,17 @@ def _wrong_gqa_groups(p):
     p["blocks"]["attn"]["o"]["kernel"] = _permute(p["blocks"]["attn"]["o"]["kernel"], 1, order)
 
 
+def _qkv_biases_dropped(p):
+    for n in "qkv":
+        p["blocks"]["attn"][n]["bias"] = np.zeros_like(p["blocks"]["attn"][n]["bias"])
+
+
+def _bias_heads_flipped(p):  # q bias reshaped [K, H] instead of [H, K]
+    b = np.asarray(p["blocks"]["attn"]["q"]["bias"])
+    L, H, K = b.shape
+    p["blocks"]["attn"]["q"]["bias"] = b.reshape(L, K, H).swapaxes(1, 2)
+
+
 @pytest.mark.parametrize(
     "name,mistake",
     [
@@ -97,6 +108,8 @@ def _wrong_gqa_groups(p):
         ("gpt2", _conv1d_untransposed),
         ("llama", _interleaved_rope),
         ("llama", _wrong_gqa_groups),
+        ("qwen2", _qkv_biases_dropped),
+        ("qwen2", _bias_heads_flipped),
     ],
 )
 def test_plausible_mapping_mistakes_fail_the_tolerance(loaded, name, mistake):
@@ -143,7 +156,7 @@ def test_feature_slips_fail_the_tolerance(loaded, monkeypatch, name, change):
     assert err > 100 * ATOL, f"{change} moved the logits by only {err:.1e}"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2"])
 def test_load_onto_mesh_fsdp_tp(name):
     """Placed on data=2 × fsdp=2 × tensor=2 by fsdp+tp rules: intended shardings, same logits."""
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
@@ -204,6 +217,15 @@ ROUND_TRIP = {
     "mistral-window": (
         GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, sliding_window=8),
         "MistralForCausalLM",
+    ),
+    "qwen2-bias-tied": (
+        GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, qkv_bias=True,
+                  tie_embeddings=True, rope_theta=1e6),
+        "Qwen2ForCausalLM",
+    ),
+    "qwen2-bias-window-llama3": (
+        GPTConfig(d_model=32, n_layers=1, n_heads=2, qkv_bias=True, sliding_window=5, **_LLAMA3),
+        "Qwen2ForCausalLM",
     ),
 }  # fmt: skip
 
@@ -280,6 +302,16 @@ def test_llama3_scaling_reads_from_rope_scaling_as_llama_3_1_files_write_it(load
     assert hf.load_pretrained(path)[0].rope_original_max_seq_len == 128
 
 
+def test_qwen2_window_on_every_layer_is_read(tmp_path):
+    """use_sliding_window with max_window_layers=0 slides every layer: one window for all."""
+    path = copy(tmp_path, "qwen2")
+    edit_config(path, drop=["layer_types"], use_sliding_window=True, sliding_window=8,
+                max_window_layers=0)  # fmt: skip
+    assert hf.load_pretrained(path)[0].sliding_window == 8
+    edit_config(path, max_window_layers=2)  # no layer reaches it: no window
+    assert hf.load_pretrained(path)[0].sliding_window == 0
+
+
 def test_export_of_sharded_params(tmp_path):
     """Parameters sharded over fsdp+tp export to the same file as unsharded ones."""
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
@@ -340,6 +372,7 @@ def test_config_override_keeps_training_fields_and_checks_the_rest():
         hf.load_pretrained(FIXTURES / "llama", config=dataclasses.replace(cfg, n_layers=3))
     for name, change, match in [
         ("mistral", dict(sliding_window=0), r"sliding_window: 0 vs 16"),
+        ("qwen2", dict(qkv_bias=False), r"qkv_bias: False vs True"),
         ("llama3", dict(rope_factor=4.0), r"rope_factor: 4.0 vs 8.0"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -28,6 +28,7 @@ def _rope(**changes):
     return {k: v for k, v in rope.items() if v is not None}
 
 
+SLIDE = dict(use_sliding_window=True, sliding_window=8)
 DROP = object()  # a config_changes value: remove the key
 
 
@@ -66,6 +67,22 @@ DROP = object()  # a config_changes value: remove the key
         ("llama3", {"rope_parameters": _rope(rope_type="yarn")}, "RoPE scaling 'yarn'"),
         ("mistral", {"sliding_window": 0}, "sliding_window=0 is not supported"),
         ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+        (
+            "qwen2",
+            {**SLIDE, "max_window_layers": 1, "layer_types": DROP},
+            r"max_window_layers=1 is not supported: with use_sliding_window=true it gives 1 of 2 ",
+        ),
+        (
+            "qwen2",
+            {**SLIDE, "layer_types": ["full_attention", "sliding_attention"]},
+            r"layer_types=\['full_attention', 'sliding_attention'\] is not supported: with",
+        ),
+        (
+            "qwen2",
+            {"layer_types": ["sliding_attention"] * 2},
+            "names sliding layers but use_sliding_window is false",
+        ),
+        ("qwen2", {"layer_types": ["chunked_attention"] * 2}, "expected 2 entries of"),
     ],
 )
 def test_bad_config_is_refused_clearly(tmp_path, name, config_changes, match):
@@ -106,6 +123,11 @@ def test_bad_tensors_are_refused_clearly(tmp_path):
     path = copy(tmp_path / "b", "llama")
     edit_tensors(path, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64)}))
     with pytest.raises(ValueError, match=r"unexpected \['layers.0.self_attn.q_proj.bias'\]"):
+        hf.load_pretrained(path)
+
+    path = copy(tmp_path / "q", "qwen2")
+    edit_tensors(path, lambda t: t.pop("model.layers.0.self_attn.v_proj.bias"))
+    with pytest.raises(ValueError, match=r"missing \['layers.0.self_attn.v_proj.bias'\]"):
         hf.load_pretrained(path)
 
     path = copy(tmp_path / "c", "llama")
@@ -167,6 +189,11 @@ def test_bad_exports_are_refused_clearly(tmp_path):
             GPTConfig(d_model=32, n_layers=1, n_heads=4, qkv_bias=True),
             "MistralForCausalLM",
             r"MistralForCausalLM: qkv_bias=True: Mistral's projections have no biases",
+        ),
+        (
+            LLAMA_GQA_TIED,
+            "Qwen2ForCausalLM",
+            r"Qwen2ForCausalLM: qkv_bias=False: Qwen2's q/k/v projections always have biases",
         ),
         (LLAMA_GQA_TIED, "gpt2", r"GPT2LMHeadModel: holds style='gpt2' models, not 'llama'"),
         (LLAMA_GQA_TIED, "GemmaForCausalLM", r"architecture='GemmaForCausalLM' is not registered"),

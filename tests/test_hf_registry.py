@@ -27,6 +27,8 @@ SMALL = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
         (GPTConfig(**SMALL), "LlamaForCausalLM"),
         (GPTConfig(**SMALL, rope_scaling="llama3"), "LlamaForCausalLM"),
         (GPTConfig(**SMALL, sliding_window=64), "MistralForCausalLM"),
+        (GPTConfig(**SMALL, qkv_bias=True), "Qwen2ForCausalLM"),
+        (GPTConfig(**SMALL, qkv_bias=True, sliding_window=64), "Qwen2ForCausalLM"),
     ],
 )
 def test_a_config_exports_as_the_first_architecture_that_holds_it(cfg, architecture):
@@ -41,7 +43,7 @@ def test_the_earlier_public_names_keep_their_meaning():
         "GPT2LMHeadModel": "gpt2",
         "LlamaForCausalLM": "llama",
     }
-    assert set(hf.ADAPTERS) == {"gpt2", "llama", "mistral"}
+    assert set(hf.ADAPTERS) == {"gpt2", "llama", "mistral", "qwen2"}
     assert hf.adapter_for_hf({"model_type": "mistral"}).name == "MistralForCausalLM"
 
 
@@ -113,5 +115,5 @@ def test_generic_code_imports_no_architecture(module):
             imported |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
         elif isinstance(node, ast.Import):
             imported |= {a.name for a in node.names}
-    arch = {f"meshtrain.hf.{m}" for m in ("gpt2", "llama", "mistral")}
+    arch = {f"meshtrain.hf.{m}" for m in ("gpt2", "llama", "mistral", "qwen2")}
     assert not imported & arch, f"{module}.py imports {sorted(imported & arch)}"

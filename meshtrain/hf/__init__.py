@@ -18,7 +18,7 @@ Adding an architecture is one file that builds an `Adapter` (reusing a `Layout` 
 weights are stored like an existing one) and one `register` line below.
 """
 
-from meshtrain.hf import gpt2, llama, mistral
+from meshtrain.hf import gpt2, llama, mistral, qwen2
 from meshtrain.hf.adapter import Adapter, Layout
 from meshtrain.hf.config import config_from_hf, config_to_hf, same_architecture
 from meshtrain.hf.convert import hf_shapes
@@ -36,6 +36,7 @@ from meshtrain.hf.registry import (
 register(gpt2.ADAPTER)
 register(llama.ADAPTER)
 register(mistral.ADAPTER)
+register(qwen2.ADAPTER)
 
 __all__ = [
     "ADAPTERS",

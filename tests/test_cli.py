@@ -116,6 +116,7 @@ OVERRIDES = {
     "--gpt.attention-impl": (["auto"], "auto"),
     "--gpt.norm-impl": (["pallas"], "pallas"),
     "--loss-impl": (["pallas"], "pallas"),
+    "--gpt.sliding-window": (["8"], 8),
     "--mlp.num-features": (["8"], 8),
     "--mlp.num-classes": (["3"], 3),
     "--mlp.d-model": (["16"], 16),
@@ -132,6 +133,15 @@ OVERRIDES = {
     "--dist.init-timeout-s": (["30"], 30),
     "--dist.shutdown-timeout-s": (["20"], 20),
     "--mlp.dtype": (["bfloat16"], "bfloat16"),
+}
+# Fields only style llama takes (OVERRIDES makes the GPT a gpt2): checked in a second job.
+LLAMA_OVERRIDES = {
+    "--gpt.rope-scaling": (["llama3"], "llama3"),
+    "--gpt.rope-factor": (["32"], 32.0),
+    "--gpt.rope-low-freq-factor": (["2"], 2.0),
+    "--gpt.rope-high-freq-factor": (["8"], 8.0),
+    "--gpt.rope-original-max-seq-len": (["4096"], 4096),
+    "--gpt.qkv-bias": ([], True),
 }
 
 
@@ -163,13 +173,14 @@ def test_parse_documented_example():
     assert default.train.steps == 200 and default.gpt.n_kv_heads == 2
 
 
-def test_every_config_field_can_be_overridden():
+@pytest.mark.parametrize("overrides", [OVERRIDES, LLAMA_OVERRIDES], ids=["all", "llama-only"])
+def test_every_config_field_can_be_overridden(overrides):
     flags = _flags()
-    untested = sorted(set(flags) - set(OVERRIDES))
+    untested = sorted(set(flags) - set(OVERRIDES) - set(LLAMA_OVERRIDES))
     assert not untested, f"new config fields: add a value for {untested} to OVERRIDES"
     default = cli.parse(["train"])
     argv = ["train"]
-    for flag, (words, want) in OVERRIDES.items():
+    for flag, (words, want) in overrides.items():
         section, name = flags[flag]
         assert _get(default, section, name) != want, f"{flag}: pick a non-default value"
         if words:
@@ -177,7 +188,7 @@ def test_every_config_field_can_be_overridden():
         else:  # a boolean: --x or --no-x
             argv.append(flag if want else _negated(flag))
     job = cli.parse(argv)
-    for flag, (_, want) in OVERRIDES.items():
+    for flag, (_, want) in overrides.items():
         section, name = flags[flag]
         assert _get(job, section, name) == want, flag
 

@@ -42,9 +42,16 @@ def _loss_and_grads(cfg, mesh, rules, tokens, targets, loss_impl="xla"):
     return run(params, tokens, targets)
 
 
+# Mistral/Qwen2/Llama 3.1 features at once: a window shorter than the sequence (and than two
+# blocks), q/k/v biases, scaled RoPE.
+NEWER = dict(sliding_window=20, qkv_bias=True, rope_scaling="llama3", rope_original_max_seq_len=16)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("style", ["llama", "gpt2"])
-def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style):
+@pytest.mark.parametrize(
+    "style,extra", [("llama", {}), ("gpt2", {}), ("llama", NEWER)], ids=["llama", "gpt2", "newer"]
+)
+def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style, extra):
     key, seed = fresh_key()
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     rules = rules_for("fsdp+tp", mesh)
@@ -52,7 +59,7 @@ def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style):
     batch = shard_batch(
         {"x": np.asarray(tokens[:, :-1]), "y": np.asarray(tokens[:, 1:])}, mesh, rules
     )
-    ref_cfg = GPTConfig(style=style, **BASE)
+    ref_cfg = GPTConfig(style=style, **BASE, **extra)
     loss, grads = _loss_and_grads(
         dataclasses.replace(ref_cfg, **PALLAS), mesh, rules, batch["x"], batch["y"], "pallas"
     )

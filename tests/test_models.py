@@ -289,7 +289,9 @@ def counted_flops_per_token(model, seq_len: int) -> int:
     flops = 6 * matmul
     if "blocks/attn/q/kernel" in params:
         n_layers, _, heads, head_dim = params["blocks/attn/q/kernel"].shape
-        flops += 3 * n_layers * 2 * (2 * seq_len * heads * head_dim)
+        window = model.cfg.sliding_window  # each query is counted against `window` keys
+        keys = min(seq_len, window) if window else seq_len
+        flops += 3 * n_layers * 2 * (2 * keys * heads * head_dim)
     return flops
 
 
@@ -301,8 +303,9 @@ def counted_flops_per_token(model, seq_len: int) -> int:
         gpt_config("llama", 1, d_ff=96, n_layers=3),
         gpt_config("gpt2", tie_embeddings=True, d_model=32, n_heads=2),
         MLPConfig(num_features=16, num_classes=10, d_model=32, d_hidden=48, n_layers=3),
+        gpt_config("llama", 2, sliding_window=24, qkv_bias=True),
     ],
-    ids=["gpt2", "llama-gqa", "llama-mqa-dff", "gpt2-tied", "mlp"],
+    ids=["gpt2", "llama-gqa", "llama-mqa-dff", "gpt2-tied", "mlp", "llama-window-bias"],
 )
 @pytest.mark.parametrize("seq_len", [16, 128])
 def test_flops_per_token_matches_a_count_from_param_shapes(config, seq_len):
@@ -360,3 +363,85 @@ def test_model_code_mentions_no_mesh():
     for path in sources:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not pattern.search(line), f"{path.name}:{n}: {line.strip()}"
+
+
+# --- Llama 3.1 RoPE scaling, q/k/v biases, sliding window -----------------------------------
+
+
+def llama3_direct(freq, factor, low, high, original):
+    """Llama 3.1's rule per frequency, in float64: a wavelength shorter than original / high
+    is kept, one longer than original / low is slowed down `factor` times, and in between the
+    two are mixed by how far original / wavelength lies from low towards high."""
+    out = []
+    for f in freq:
+        wavelength = 2 * math.pi / f
+        if wavelength < original / high:
+            out.append(f)
+        elif wavelength > original / low:
+            out.append(f / factor)
+        else:
+            mix = (original / wavelength - low) / (high - low)
+            out.append((1 - mix) * f / factor + mix * f)
+    return np.array(out)
+
+
+def test_llama3_rope_frequencies_follow_the_rule():
+    theta, K = 5e5, 128  # Llama 3.1 8B
+    freq = theta ** (-np.arange(0, K, 2) / K)
+    wavelength = 2 * math.pi / freq
+    assert (wavelength < 2048).sum() and (wavelength > 8192).sum()  # every band is present
+    assert ((wavelength > 2048) & (wavelength < 8192)).sum() >= 3
+    got = layers.llama3_frequencies(jnp.asarray(freq, jnp.float32), 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(got, llama3_direct(freq, 8.0, 1.0, 4.0, 8192), rtol=2e-6)
+    cos, _ = layers.rope_tables(4, K, theta, llama3=(8.0, 1.0, 4.0, 8192))
+    np.testing.assert_allclose(cos[3], np.cos(3 * llama3_direct(freq, 8.0, 1.0, 4.0, 8192)),
+                               atol=1e-6)  # fmt: skip
+
+
+def test_llama3_defaults_are_the_config_defaults():
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    assert {k: defaults[k] for k in layers.LLAMA3_DEFAULTS} == layers.LLAMA3_DEFAULTS
+
+
+def test_qkv_bias_biases_query_key_value_only():
+    params = params_of(abstract(gpt_config("llama", 2, qkv_bias=True)))
+    biases = {p: a.shape for p, a in params.items() if p.endswith("bias")}
+    assert biases == {
+        "blocks/attn/q/bias": (2, 4, 16),
+        "blocks/attn/k/bias": (2, 2, 16),
+        "blocks/attn/v/bias": (2, 2, 16),
+    }
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_sliding_window_limits_how_far_a_token_reaches(style):
+    """Through 2 layers with window 4 a token reaches 2 · (4 − 1) = 6 positions ahead, and no
+    further; without the window it reaches the end."""
+    config = gpt_config(style, sliding_window=4)
+    x = tokens(seed=2)
+    y = x.copy()
+    y[:, 0] = (x[:, 0] + 1) % V
+    change = np.abs(logits(config, y) - logits(config, x)).max(axis=(0, 2))  # [T]
+    assert change[6] > 1e-4 and change[7:].max() == 0, change
+    full = gpt_config(style)
+    assert np.abs(logits(full, y) - logits(full, x))[:, -1].max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(rope_factor=4.0), r"rope_factor=4.0 has no effect with rope_scaling='none'"),
+        (dict(rope_scaling="yarn"), r"rope_scaling='yarn': choose 'none' or 'llama3'"),
+        (dict(style="gpt2", rope_scaling="llama3"), r"'llama3' needs style='llama'"),
+        (
+            dict(rope_scaling="llama3", rope_low_freq_factor=4.0),
+            r"rope_low_freq_factor=4.0 and rope_high_freq_factor=4.0 must satisfy 0 < low",
+        ),
+        (dict(rope_scaling="llama3", rope_factor=0.5), r"rope_factor=0.5 must be ≥ 1"),
+        (dict(style="gpt2", qkv_bias=True), r"qkv_bias=True: style 'gpt2' already biases"),
+        (dict(sliding_window=-1), r"sliding_window=-1: must be an integer ≥ 0"),
+    ],
+)
+def test_bad_rope_scaling_bias_and_window_fields_are_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        gpt_config(**kw)

@@ -23,6 +23,13 @@ def test_every_family_implements_the_model_interface():
         assert isinstance(module, nnx.Module)
 
 
+def test_the_gpt_family_points_at_its_hugging_face_adapters():
+    adapters = families()["gpt"].hf_adapters()
+    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        assert arch in adapters
+    assert families()["mlp"].hf_adapters() == {}
+
+
 def test_the_cli_offers_every_family_and_its_flags():
     job = cli.parse(["train", "--model", "mlp", "--mlp.d-model", "48", "--gpt.n-layers", "6"])
     assert job.model_config() == dataclasses.replace(families()["mlp"].default, d_model=48)

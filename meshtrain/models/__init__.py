@@ -19,6 +19,7 @@ register(
     GPTConfig,
     default=GPTConfig(n_kv_heads=2),
     summary="decoder-only transformer, GPT-2 or Llama style",
+    hf="meshtrain.hf",
 )
 register("mlp", MLPConfig, summary="residual MLP classifier on feature vectors")
 

@@ -48,6 +48,15 @@ class GPTConfig:
         attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (Pallas on
             a GPU when head width is 64 or 128, else xla). See kernels/README.md.
         norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto.
+        rope_scaling: RoPE frequency scaling (llama): ``"none"`` or ``"llama3"`` (Llama 3.1's
+            long-context scaling, set by the four ``rope_*`` fields below).
+        rope_factor: llama3: the factor low frequencies are divided by.
+        rope_low_freq_factor: llama3: wavelengths above original/low_freq_factor are scaled.
+        rope_high_freq_factor: llama3: wavelengths below original/high_freq_factor are kept;
+            those between are interpolated.
+        rope_original_max_seq_len: llama3: the context length of pre-training.
+        qkv_bias: biases on the query, key and value projections only (llama style; Qwen2).
+        sliding_window: 0, or the keys each query sees: positions (t − window, t] (Mistral).
     """
 
     style: str = "llama"
@@ -65,6 +74,13 @@ class GPTConfig:
     dtype: str = "float32"
     attention_impl: str = "xla"
     norm_impl: str = "xla"
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    qkv_bias: bool = False
+    sliding_window: int = 0
 
     def __post_init__(self):
         if self.style not in ("gpt2", "llama"):
@@ -92,6 +108,24 @@ class GPTConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
         kernels.check_impls(self.attention_impl, self.norm_impl, self.head_dim)
+        layers.check_rope_scaling(
+            self.rope_scaling,
+            style=self.style,
+            rope_factor=self.rope_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_high_freq_factor=self.rope_high_freq_factor,
+            rope_original_max_seq_len=self.rope_original_max_seq_len,
+        )
+        if self.qkv_bias and self.style == "gpt2":
+            raise ValueError(
+                "gpt qkv_bias=True: style 'gpt2' already biases every projection; qkv_bias is "
+                "for style='llama' (leave it False for gpt2)"
+            )
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(
+                f"gpt sliding_window={self.sliding_window!r}: must be an integer ≥ 0 "
+                "(0 = every earlier position is seen)"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -129,9 +163,12 @@ class GPTConfig:
 
         ``6·N`` for the N matmul parameters (2 forward, 4 backward) plus ``12·L·H·K·T`` for the
         attention scores and weighted sum at sequence length T. Masked (causal) positions are
-        counted too, as in the PaLM paper's MFU definition.
+        counted too, as in the PaLM paper's MFU definition. With a sliding window W < T each
+        query is counted against W keys instead of T (the band a windowed kernel computes);
+        biases are not matmul parameters.
         """
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * keys
         return 6 * self.matmul_params() + attention
 
     # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
@@ -196,17 +233,18 @@ class Attention(nnx.Module):
         dense = functools.partial(
             nnx.LinearGeneral, use_bias=bias, dtype=cfg.compute_dtype, rngs=rngs
         )
-        self.q = dense(
+        qkv = functools.partial(dense, use_bias=bias or cfg.qkv_bias)
+        self.q = qkv(
             D,
             (H, K),
             kernel_init=layers.init(("embed", "heads", "kv")),
             bias_init=layers.const_init(nnx.initializers.zeros, ("heads", "kv")),
         )
         kv_bias = layers.const_init(nnx.initializers.zeros, ("kv_heads", "kv"))
-        self.k = dense(
+        self.k = qkv(
             D, (G, K), kernel_init=layers.init(("embed", "kv_heads", "kv")), bias_init=kv_bias
         )
-        self.v = dense(
+        self.v = qkv(
             D, (G, K), kernel_init=layers.init(("embed", "kv_heads", "kv")), bias_init=kv_bias
         )
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
@@ -219,6 +257,15 @@ class Attention(nnx.Module):
         )
         self.rope = cfg.style == "llama"
         self.rope_theta = cfg.rope_theta
+        self.llama3 = None
+        if cfg.rope_scaling == "llama3":
+            self.llama3 = (
+                cfg.rope_factor,
+                cfg.rope_low_freq_factor,
+                cfg.rope_high_freq_factor,
+                cfg.rope_original_max_seq_len,
+            )
+        self.window = cfg.sliding_window or None
         self.impl = kernels.model_attention_impl(cfg.attention_impl, K)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -226,13 +273,16 @@ class Attention(nnx.Module):
         k_BTGK = constrain(self.k(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         v_BTGK = constrain(self.v(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         if self.rope:
-            cos, sin = layers.rope_tables(x_BTD.shape[1], q_BTHK.shape[-1], self.rope_theta)
+            T, K = x_BTD.shape[1], q_BTHK.shape[-1]
+            cos, sin = layers.rope_tables(T, K, self.rope_theta, llama3=self.llama3)
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         if self.impl == "xla":
-            o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK)
+            o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK, window=self.window)
         else:
-            o_BTHK = kernels.flash_attention(q_BTHK, k_BTGK, v_BTGK, impl=self.impl)
+            o_BTHK = kernels.flash_attention(
+                q_BTHK, k_BTGK, v_BTGK, impl=self.impl, window=self.window
+            )
         o_BTHK = checkpoint_name(o_BTHK, ATTN_OUT)
         o_BTHK = constrain(o_BTHK, ("batch", "seq", "heads", "kv"))
         return self.o(o_BTHK)

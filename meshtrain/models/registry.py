@@ -7,6 +7,7 @@ one `register` line in `meshtrain/models/__init__.py`.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 from flax import nnx
@@ -21,18 +22,29 @@ class Family:
         config: the config dataclass (implements `meshtrain.models.base.ModelConfig`).
         default: the config the CLI starts from.
         summary: one line for ``--help``.
+        hf: the module holding the family's Hugging Face adapters (imported only when used),
+            or None when the family has no Hugging Face layout.
     """
 
     name: str
     config: type
     default: Any
     summary: str
+    hf: str | None = None
+
+    def hf_adapters(self):
+        """The family's Hugging Face adapter registry (``architecture -> model_type``)."""
+        if self.hf is None:
+            return {}
+        return importlib.import_module(self.hf).ARCHITECTURES
 
 
 _FAMILIES: dict[str, Family] = {}
 
 
-def register(name: str, config: type, *, default=None, summary: str = "") -> Family:
+def register(
+    name: str, config: type, *, default=None, summary: str = "", hf: str | None = None
+) -> Family:
     """Adds a model family to the registry.
 
     Args:
@@ -40,13 +52,14 @@ def register(name: str, config: type, *, default=None, summary: str = "") -> Fam
         config: its config dataclass.
         default: the config the CLI starts from; None means ``config()``.
         summary: one line for ``--help``.
+        hf: the module holding its Hugging Face adapters (see `meshtrain.hf`), if any.
 
     Returns:
         The `Family`.
     """
     if not name.isidentifier() or name in _FAMILIES:
         raise ValueError(f"model family {name!r}: the name must be a new Python identifier")
-    family = Family(name, config, config() if default is None else default, summary)
+    family = Family(name, config, config() if default is None else default, summary, hf)
     _FAMILIES[name] = family
     return family
 

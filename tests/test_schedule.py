@@ -1,4 +1,5 @@
-"""Tests for the learning-rate schedule (meshtrain.train.optim.make_schedule).
+"""Tests for the learning-rate schedule (meshtrain.train.optim.make_schedule) and for how a
+skipped (non-finite) step advances it: the schedule is a function of batches consumed.
 
 The closed form below is the one in `OptimConfig`'s docstring, computed in float64 from
 `math.cos`; the schedule computes in float32 on a traced step.
@@ -9,9 +10,23 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-from meshtrain.train import OptimConfig, make_schedule
+from meshtrain import sharding as S
+from meshtrain.mesh import make_mesh
+from meshtrain.models import MLPConfig, build_model
+from meshtrain.train import (
+    OPTIMIZERS,
+    OptimConfig,
+    cross_entropy,
+    init_train_state,
+    jit_train_step,
+    make_optimizer,
+    make_schedule,
+)
+from meshtrain.train.step import batch_shardings
 
 
 def closed_form(s: int, steps: int, warmup: int, lr: float, ratio: float) -> float:
@@ -117,3 +132,154 @@ def test_schedule_takes_python_ints_as_well_as_traced_steps():
 def test_schedule_needs_a_step():
     with pytest.raises(ValueError, match=r"total_steps=0: a schedule needs at least one step"):
         make_schedule(OptimConfig(), 0)
+
+
+# --- a skipped step consumes its batch --------------------------------------------------
+
+MLP = MLPConfig(num_features=8, num_classes=4, d_model=16, d_hidden=32)
+ROWS = 16
+
+
+def mlp_batches(n: int, nan_at=()) -> list[dict]:
+    """`n` seeded batches for MLP; those in `nan_at` carry one NaN input."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        inputs = rng.normal(size=(ROWS, MLP.num_features)).astype(np.float32)
+        if i in nan_at:
+            inputs[3, 5] = np.nan
+        out.append({"inputs": inputs, "targets": rng.integers(0, MLP.num_classes, ROWS, np.int32)})
+    return out
+
+
+def one_device_run(config: OptimConfig, steps: int, data: list[dict]):
+    """Trains MLP on one device, one step per batch of `data`.
+
+    Returns:
+        ``(graphdef, [(state before, state after, metrics) per step])``, on the host.
+    """
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    rules = S.rules_for("dp", mesh)
+    tx = make_optimizer(config, steps)
+    graphdef, state, shardings = init_train_state(lambda: build_model(MLP, seed=0), tx, mesh, rules)
+    step = jit_train_step(
+        graphdef,
+        tx,
+        mesh,
+        rules,
+        shardings,
+        batch_shardings(data[0], mesh, rules),
+        schedule=make_schedule(config, steps),
+    )
+    out = []
+    for batch in data:
+        before = jax.device_get(state)
+        state, metrics = step(state, S.shard_batch(batch, mesh, rules))
+        out.append((before, jax.device_get(state), jax.device_get(metrics)))
+    return graphdef, out
+
+
+def counters_and_moments(opt_state) -> tuple[list, list]:
+    """The integer leaves (optax's step counters) and the float leaves of an optax state."""
+    leaves = jax.tree.leaves(opt_state)
+    ints = [x for x in leaves if np.issubdtype(x.dtype, np.integer)]
+    return ints, [x for x in leaves if not np.issubdtype(x.dtype, np.integer)]
+
+
+def flat64(tree) -> np.ndarray:
+    """All leaves of `tree`, raveled into one float64 vector."""
+    return np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)]).astype(np.float64)
+
+
+# Plain SGD: the update is exactly -lr(s) · g. 4 steps with warm-up 2: steps 0, 1, 3 run at
+# lr/2, lr and lr_min, exact in float32 for these rates, and step 2 (skipped) at their midpoint.
+SGD = OptimConfig(
+    optimizer="sgd",
+    lr=0.5,
+    warmup_steps=2,
+    min_lr_ratio=0.25,
+    momentum=0.0,
+    weight_decay=0.0,
+    clip_norm=0.0,
+)
+SGD_STEPS = 4
+
+
+def test_a_skipped_batch_advances_the_schedule_bit_for_bit():
+    """good, good, NaN, good: steps 0, 1 and 3 apply p ← p − lr(s)·g_s (hand-computed), step 2
+    changes nothing, and every reported lr is the rate that was applied."""
+    data = mlp_batches(SGD_STEPS, nan_at={2})
+    graphdef, run = one_device_run(SGD, SGD_STEPS, data)
+
+    @jax.jit
+    def grad(params, rest, batch):
+        def loss(p):
+            return cross_entropy(nnx.merge(graphdef, p, rest)(batch["inputs"]), batch["targets"])
+
+        return jax.grad(loss)(params)
+
+    lr = [closed_form(s, SGD_STEPS, SGD.warmup_steps, SGD.lr, SGD.min_lr_ratio) for s in range(4)]
+    assert lr[0] == SGD.lr / 2 and lr[1] == SGD.lr and lr[3] == SGD.lr * SGD.min_lr_ratio
+    assert abs(lr[2] - lr[3]) > 0.1  # an update at step 3 with lr(2) would show
+    params, rest = run[0][0].params, run[0][0].rest  # the hand computation, float32 numpy
+    for s, (before, after, metrics) in enumerate(run):
+        if s == 2:
+            assert int(metrics["skipped"]) == 1
+            jax.tree.map(np.testing.assert_array_equal, after.params, before.params)
+            assert float(metrics["lr"]) == pytest.approx(lr[2], rel=1e-6)
+        else:
+            assert int(metrics["skipped"]) == 0
+            g = jax.device_get(grad(params, rest, data[s]))
+            params = jax.tree.map(lambda p, g, s=s: p - np.float32(lr[s]) * g, params, g)
+            jax.tree.map(np.testing.assert_array_equal, after.params, params)  # bit for bit
+            assert metrics["lr"] == np.float32(lr[s])
+            # The rate the update applied, recovered by least squares from Δp = −lr · g.
+            dp = flat64(after.params) - flat64(before.params)
+            applied = -(dp @ flat64(g)) / (flat64(g) @ flat64(g))
+            assert applied == pytest.approx(float(metrics["lr"]), rel=1e-5), s
+        assert int(after.step) == s + 1
+        counters, _ = counters_and_moments(after.opt_state)
+        assert counters and all(int(c) == s + 1 for c in counters)  # count == state.step
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, 1.0])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_a_skipped_step_keeps_moments_and_advances_counters(optimizer, clip_norm):
+    """good, NaN, good: the NaN step leaves params and every float leaf of the optimizer state
+    bit-identical, while every counter advances with the step."""
+    config = OptimConfig(optimizer=optimizer, lr=0.1, warmup_steps=2, clip_norm=clip_norm)
+    _, run = one_device_run(config, 6, mlp_batches(3, nan_at={1}))
+    for s, (before, after, metrics) in enumerate(run):
+        counters, moments = counters_and_moments(after.opt_state)
+        assert counters and all(int(c) == int(after.step) == s + 1 for c in counters)
+        assert int(metrics["skipped"]) == (s == 1)
+        pairs = zip(jax.tree.leaves(before.params), jax.tree.leaves(after.params), strict=True)
+        moved = [not np.array_equal(a, b) for a, b in pairs]
+        if s == 1:
+            assert not any(moved)
+            for new, old in zip(moments, counters_and_moments(before.opt_state)[1], strict=True):
+                np.testing.assert_array_equal(new, old)
+        else:
+            assert all(np.isfinite(float(metrics[k])) for k in ("loss", "grad_norm"))
+            assert any(moved)
+
+
+def test_adamw_skip_keeps_mu_and_nu_and_advances_both_counts():
+    config = OptimConfig(optimizer="adamw", lr=0.1, warmup_steps=0)
+    _, run = one_device_run(config, 6, mlp_batches(2, nan_at={1}))
+    _, (before, after, metrics) = run
+    assert int(metrics["skipped"]) == 1
+
+    def is_adam(x):
+        return isinstance(x, optax.ScaleByAdamState)
+
+    def adam_states(opt_state):
+        return [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
+
+    (adam,) = adam_states(after.opt_state)
+    (adam_before,) = adam_states(before.opt_state)
+    assert int(adam_before.count) == 1 and int(adam.count) == 2
+    for name in ("mu", "nu"):
+        new, old = getattr(adam, name), getattr(adam_before, name)
+        assert any(np.any(x != 0) for x in jax.tree.leaves(old))  # moments from step 0
+        jax.tree.map(np.testing.assert_array_equal, new, old)

@@ -79,10 +79,13 @@ def test_fit_hybrid_mesh_logs_metrics_and_learns(tmp_path):
         assert set(RATE_KEYS) <= e.keys(), e
         assert e["step_time"] > 0 and e["tokens_per_s"] > 0 and e["tflops_per_device"] > 0
         assert e["mfu"] is None  # no known peak FLOP/s for a CPU
-    # The learning rate warms up, then decays.
+    # The learning rate warms up (lr/2, then exactly lr over warmup_steps=2), then decays to
+    # exactly lr · min_lr_ratio at the last step.
     lrs = [e["lr"] for e in history]
-    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(OPTIM.lr, rel=1e-5)
-    assert lrs[-1] < max(lrs)
+    assert lrs[0] == pytest.approx(OPTIM.lr / 2, rel=1e-6)
+    assert lrs[1] == max(lrs) == np.float32(OPTIM.lr)
+    assert all(a > b for a, b in zip(lrs[1:], lrs[2:], strict=False))
+    assert lrs[-1] == np.float32(OPTIM.lr * OPTIM.min_lr_ratio)
     # Evaluation at the end (eval_every=0) only.
     assert "eval_loss" in history[-1] and math.isfinite(history[-1]["eval_loss"])
     assert all("eval_loss" not in e for e in history[:-1])

@@ -53,9 +53,11 @@ def train_step(
     `jit_train_step` does), the loss and gradients come from the pipelined model
     (`meshtrain.pipeline`) instead of a plain `jax.value_and_grad`.
 
-    With `skip_nonfinite`, a step whose loss or gradient norm is NaN or infinite leaves the
-    parameters, optimizer state and other variables exactly as they were; only the step count
-    advances (it counts batches consumed, so the data position and schedule stay aligned).
+    With `skip_nonfinite`, a step whose loss or gradient norm is NaN or infinite skips its
+    batch: the parameters, the optimizer's moments and the other variables stay exactly as they
+    were, while the step count and the optimizer's own step counters advance. The schedule is a
+    function of batches consumed, so the update after a skip runs at the learning rate of its
+    own step, and the optimizer's counters always equal ``state.step``.
 
     Args:
         graphdef: the model's graph (from `init_train_state`).
@@ -70,7 +72,8 @@ def train_step(
 
     Returns:
         The new state and metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when the update was
-        skipped, else 0) and (with `schedule`) ``lr``.
+        skipped, else 0) and (with `schedule`) ``lr``, the rate of this step (``schedule`` at
+        the old ``state.step``), which is the one the update used.
     """
 
     def loss_of(params, rest, mb):
@@ -127,9 +130,25 @@ def train_step(
 
 
 def _keep_if_not(ok: jax.Array, new: tuple, state: TrainState) -> tuple:
-    """`new` (params, opt_state, rest) where `ok`, else the old values from `state`."""
-    old = (state.params, state.opt_state, state.rest)
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    """`new` (params, opt_state, rest) where `ok`; else the old values, but the new counters."""
+    params, opt_state, rest = new
+
+    def keep(n, o):
+        return jnp.where(ok, n, o)
+
+    # A skipped batch is still consumed. optax keeps its step counters (the `count` of
+    # scale_by_schedule, scale_by_adam, ...) as the integer leaves of its state and its moments
+    # and traces as float leaves, so counters take the new value either way: they stay equal
+    # to `TrainState.step` and the schedule runs on batches consumed. (Adam's bias correction
+    # then also counts the skipped step: a slightly smaller update just after an early skip.)
+    def keep_moments(n, o):
+        return n if jnp.issubdtype(n.dtype, jnp.integer) else keep(n, o)
+
+    return (
+        jax.tree.map(keep, params, state.params),
+        jax.tree.map(keep_moments, opt_state, state.opt_state),
+        jax.tree.map(keep, rest, state.rest),
+    )
 
 
 def eval_loss(

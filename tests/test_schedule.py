@@ -14,19 +14,12 @@ import optax
 import pytest
 from flax import nnx
 
-from meshtrain import sharding as S
+from meshtrain import layout as S
+from meshtrain.layout import batch_shardings
+from meshtrain.lower import cross_entropy, init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MLPConfig, build_model
-from meshtrain.train import (
-    OPTIMIZERS,
-    OptimConfig,
-    cross_entropy,
-    init_train_state,
-    jit_train_step,
-    make_optimizer,
-    make_schedule,
-)
-from meshtrain.train.step import batch_shardings
+from meshtrain.train import OPTIMIZERS, OptimConfig, make_optimizer, make_schedule
 
 
 def closed_form(s: int, steps: int, warmup: int, lr: float, ratio: float) -> float:

@@ -51,15 +51,19 @@ def _constructor(model, seed: int) -> tuple[Callable[[], nnx.Module], list[Probl
             f"model={type(model).__name__}: give a model config (e.g. GPTConfig()) or a "
             "function that builds an nnx.Module"
         )
+    # A class's own signature may be hidden by its metaclass (nnx.Module's is): read __init__.
+    function = model.__init__ if isinstance(model, type) else model
     try:
         wanted = [
             p
-            for p in inspect.signature(model).parameters.values()
+            for p in inspect.signature(function).parameters.values()
             if p.default is inspect.Parameter.empty
             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
     except (TypeError, ValueError):
         wanted = []
+    if isinstance(model, type):
+        wanted = wanted[1:]  # self
     if len(wanted) == 1:  # e.g. a module class whose __init__ takes rngs
         return (lambda: model(nnx.Rngs(params=seed))), []
     problems = []

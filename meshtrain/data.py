@@ -56,7 +56,8 @@ class DataConfig:
             "synthetic" (a learnable random byte stream from `seed`), "text" (the bytes of
             the file at `path`) or "arrays" (an .npz at `path` with arrays "inputs" and
             "targets"; see `make_arrays_dataset`).
-        path: the file for "text" and "arrays"; unused otherwise.
+        path: the file for "text" and "arrays"; an error with the other sources, which read
+            no file.
         seq_len: tokens per example for the byte-level sources. "arrays" ignores it and
             takes the length from the arrays.
         batch_size: GLOBAL batch size, summed over processes; divisible by the process count.
@@ -84,6 +85,12 @@ class DataConfig:
         if self.source in ("text", "arrays") and not self.path:
             what = "a text file" if self.source == "text" else "an .npz with inputs and targets"
             raise ValueError(f"data source={self.source!r} needs path=...: give {what}")
+        if self.path and self.source not in ("text", "arrays"):
+            reader = "arrays" if self.path.endswith(".npz") else "text"
+            raise ValueError(
+                f"data.path={self.path!r} is given but source={self.source!r} reads no file; "
+                f"add --data.source {reader} (source={reader!r}) to train on it, or drop the path"
+            )
         _check_common(**self._common())
         _positive("seq_len", self.seq_len)
         _positive("max_bytes", self.max_bytes)

@@ -193,6 +193,7 @@ def test_every_config_field_can_be_overridden():
         (["--model", "resnet"], "resnet"),
         (["--keep-last", "0"], "keep_last=0"),
         (["--resume", "--no-save"], "resume=True needs checkpoints"),
+        (["--data.path", "notes.txt"], "add --data.source text"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):

@@ -269,6 +269,9 @@ def test_process_slices_form_the_global_batch(monkeypatch, count):
         (dict(val_fraction=-0.1), "val_fraction=-0.1"),
         (dict(seed=-1), "seed=-1"),
         (dict(max_bytes=0), "max_bytes=0"),
+        # A path with a source that reads no file names the source that would read it.
+        (dict(path="notes.txt"), r"path='notes.txt'.*source='stdlib'.*--data.source text"),
+        (dict(source="synthetic", path="xy.npz"), r"--data.source arrays"),
     ],
 )
 def test_config_validation(kwargs, match):

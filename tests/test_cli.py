@@ -194,9 +194,12 @@ def test_every_config_field_can_be_overridden():
         (["--keep-last", "0"], "keep_last=0"),
         (["--resume", "--no-save"], "resume=True needs checkpoints"),
         (["--data.path", "notes.txt"], "add --data.source text"),
+        (["--data.source", "arrays", "--data.path", "notes.txt"], "is not an .npz archive"),
     ],
 )
-def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):
+def test_errors_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello there\n")  # a relative --data.path
     try:
         code = cli.main(["train", *argv, "--run-dir", str(tmp_path / "run"), "--no-progress"])
     except SystemExit as e:  # pragma: no cover - the failure shown below

@@ -20,6 +20,7 @@ from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_datase
 from meshtrain.distributed import DistributedConfig
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
 from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, build_model, sample
+from meshtrain.models.layers import Embed
 from meshtrain.pipeline import PipelineConfig, schedule_table
 from meshtrain.sharding import (
     LOGICAL_AXES,
@@ -52,6 +53,7 @@ __all__ = [
     "DataConfig",
     "Dataset",
     "DistributedConfig",
+    "Embed",
     "GPTConfig",
     "MLPClassifier",
     "MLPConfig",

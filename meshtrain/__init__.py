@@ -22,6 +22,7 @@ from meshtrain.distributed import DistributedConfig
 from meshtrain.layout import LOGICAL_AXES, STRATEGIES, Rules, constrain, rules_for
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
 from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, families
+from meshtrain.models.layers import Embed
 from meshtrain.pipeline import PipelineConfig, schedule_table
 from meshtrain.problem import RunCheckError
 from meshtrain.train import OptimConfig, TrainConfig, Trainer
@@ -34,6 +35,7 @@ __all__ = [
     "DataConfig",
     "Dataset",
     "DistributedConfig",
+    "Embed",
     "GPT",
     "GPTConfig",
     "LOGICAL_AXES",

@@ -2,6 +2,7 @@
 restores onto other meshes (the reshard matrix), fallback past corrupt steps, resume through the
 Trainer API, and the NaN/Inf guard. Real orbax checkpoints on disk; nothing mocked."""
 
+import dataclasses
 import hashlib
 import shutil
 import warnings
@@ -190,8 +191,10 @@ def test_restore_onto_another_layout(layouts, saved_layouts, source, target):
         assert layers.addressable_shards[0].data.shape[0] == GPT.n_layers // 2
 
 
-def test_restore_reports_a_model_that_does_not_match(layouts, saved_layouts):
-    _, _, like, shardings = layouts["hybrid"]
+def test_a_checkpoint_of_another_model_is_one_line_without_warnings_and_changes_nothing(
+    layouts, saved_layouts, tmp_path
+):
+    mesh, rules, like, shardings = layouts["hybrid"]
     target = abstract_target(like, shardings)
     kernel = target.params["head"]["kernel"]
     wrong = jax.ShapeDtypeStruct((kernel.shape[0] * 2, kernel.shape[1]), kernel.dtype)
@@ -199,12 +202,39 @@ def test_restore_reports_a_model_that_does_not_match(layouts, saved_layouts):
         wrong.shape, wrong.dtype, sharding=jax.sharding.NamedSharding(kernel.sharding.mesh, jax.P())
     )
     before = _snapshot(saved_layouts["hybrid"])
-    with pytest.warns(CheckpointWarning), pytest.raises(ValueError) as err:
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError) as err:
+        warnings.simplefilter("always")
         ckpt.restore(saved_layouts["hybrid"], target)
+    assert not [w for w in caught if issubclass(w.category, CheckpointWarning)], caught
     message = str(err.value)
-    assert "does not match" in message and "head/kernel" in message, message
-    assert f"[{kernel.shape[0]}, {kernel.shape[1]}] in the checkpoint" in message, message
+    assert "\n" not in message and len(message) < 500, message
+    assert "was written with a different model" in message, message
+    assert "1 of " in message and "parameters differ" in message, message
+    assert f"head/kernel is [{kernel.shape[0]}, {kernel.shape[1]}] in the checkpoint" in message
+    assert f"[{wrong.shape[0]}, {wrong.shape[1]}] in the model" in message, message
+    assert "same model and optimizer settings" in message and "--run-dir" in message, message
     assert _snapshot(saved_layouts["hybrid"]) == before
+
+    # The newest step is another model's (d_model 64), an older one fits: the run stops there
+    # rather than falling back, so the newer step is not set aside as if it were damaged.
+    wide = abstract_train_state(
+        lambda: build_model(dataclasses.replace(GPT, d_model=64), seed=0), TX, mesh, rules
+    )
+    root = tmp_path / "ck"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, like)
+        mgr.save(2, _randomized(wide, jax.tree.map(lambda x: x.sharding, wide), seed=3))
+    before = _snapshot(root)
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ValueError) as err:
+        warnings.simplefilter("always")
+        with CheckpointManager(root, CheckpointConfig(resume=True)) as mgr:
+            mgr.restore(abstract_target(like, shardings))
+    assert not [w for w in caught if issubclass(w.category, CheckpointWarning)], caught
+    message = str(err.value)
+    assert f"checkpoint {root / '2'} was written with a different model" in message, message
+    assert "norm/scale is [64] in the checkpoint, [32] in the model" in message, message
+    assert "; and 10 more)" in message, message  # the rest summarised
+    assert _snapshot(root) == before and sorted(p.name for p in root.iterdir()) == ["1", "2"]
 
 
 def _truncate(paths):

@@ -204,9 +204,13 @@ def test_every_config_field_can_be_overridden(overrides):
         (["--model", "resnet"], "resnet"),
         (["--keep-last", "0"], "keep_last=0"),
         (["--resume", "--no-save"], "resume=True: needs checkpoints"),
+        (["--data.path", "notes.txt"], "add --data.source text"),
+        (["--data.source", "arrays", "--data.path", "notes.txt"], "is not an .npz archive"),
     ],
 )
-def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):
+def test_errors_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello there\n")  # a relative --data.path
     try:
         code = cli.main(["train", *argv, "--run-dir", str(tmp_path / "run"), "--no-progress"])
     except SystemExit as e:  # pragma: no cover - the failure shown below
@@ -309,3 +313,39 @@ def test_running_the_default_job_twice_keeps_the_first_run(tmp_path):
     assert "this run writes to runs/default-1" in outs[1], outs[1]
     assert sorted(p.name for p in (tmp_path / "runs/default/checkpoints").iterdir()) == ["1"]
     assert (tmp_path / "runs/default-1/checkpoints/1").is_dir()
+
+
+@pytest.mark.slow
+def test_resuming_with_another_model_size_is_one_line_and_changes_nothing(tmp_path):
+    """A run's checkpoint, then ``meshtrain train --resume`` with another --gpt.d-model: one
+    line, exit 2, no warnings before it, and nothing set aside as if it were damaged."""
+    flags = ["--gpt.n-layers", "1", "--gpt.max-seq-len", "16", "--data.source", "synthetic",
+             "--data.seq-len", "16", "--data.batch-size", "8", "--sample-tokens", "0",
+             "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    # The checkpoint the CLI's own trainer writes (in this process; no step compiled).
+    trainer = cli.build_trainer(cli.parse(["train", *flags, "--gpt.d-model", "32"]), say=print)
+    trainer.save(wait=True)
+    trainer.checkpoints.close()
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = {str(p.relative_to(ckpts)): p.stat().st_mtime_ns for p in ckpts.rglob("*")}
+    assert sorted(p.name for p in ckpts.iterdir()) == ["0"]
+    script = Path(sys.executable).parent / "meshtrain"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [str(script), "train", *flags, "--gpt.d-model", "64", "--resume"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 2, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr  # no warnings before it
+    line = lines[0]
+    assert line.startswith("meshtrain: error: checkpoint ") and len(line) < 500, line
+    assert "was written with a different model" in line and "parameters differ" in line, line
+    assert "same model and optimizer settings" in line and "--run-dir" in line, line
+    after = {str(p.relative_to(ckpts)): p.stat().st_mtime_ns for p in ckpts.rglob("*")}
+    assert after == before  # nothing set aside, renamed, written or deleted

@@ -351,6 +351,26 @@ def test_bf16_config_keeps_fp32_params():
     assert output_shape(config, tokens(), lambda m: m.embed).dtype == jnp.bfloat16
 
 
+def test_embed_computes_what_nnx_embed_does_and_names_its_table():
+    import meshtrain as mt
+
+    assert mt.Embed is layers.Embed
+    tokens = jnp.array([[0, 3, 9], [9, 1, 2]], jnp.int32)
+    ours = layers.Embed(10, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    plain = nnx.Embed(10, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert ours(tokens).dtype == jnp.bfloat16 and ours(tokens).shape == (2, 3, 4)
+    np.testing.assert_array_equal(ours(tokens), plain(tokens))
+    np.testing.assert_array_equal(ours.attend(jnp.ones((2, 4))), plain.attend(jnp.ones((2, 4))))
+    assert ours.embedding.get_metadata()["out_sharding"] == ("vocab", "embed")
+    # An initialiser that carries its own names keeps them.
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", None))
+    assert layers.Embed(10, 4, embedding_init=init, rngs=nnx.Rngs(0)).embedding.get_metadata()[
+        "out_sharding"
+    ] == ("vocab", None)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        ours(jnp.zeros(3))
+
+
 # --- models never mention devices ---------------------------------------------------------
 
 

@@ -19,24 +19,45 @@ def mesh_meta(mesh: jax.sharding.Mesh) -> dict:
 
 
 def layout_mismatch(saved: Any, target: TrainState) -> str | None:
-    """Compares the saved tree's paths, shapes and dtypes with the target's; None if they fit."""
-    saved_leaves = {
-        path_str(p): (tuple(m.shape), str(m.dtype))
-        for p, m in jax.tree_util.tree_leaves_with_path(saved)
-    }
-    want = {
-        path_str(p): (tuple(x.shape), str(x.dtype))
-        for p, x in jax.tree_util.tree_leaves_with_path(target._asdict())
-    }
-    problems = [f"{k} missing from the checkpoint" for k in want if k not in saved_leaves]
-    problems += [f"{k} not in the model" for k in saved_leaves if k not in want]
-    problems += [
-        f"{k} is {saved_leaves[k][1]}{list(saved_leaves[k][0])} in the checkpoint, "
-        f"{want[k][1]}{list(want[k][0])} in the model"
-        for k in want
-        if k in saved_leaves and saved_leaves[k] != want[k]
-    ]
-    if not problems:
+    """Compares the saved tree's paths, shapes and dtypes with the target's.
+
+    Returns:
+        None if they fit; else one line naming what differs and showing the two simplest
+        arrays, e.g. "a different model: 2 of 9 parameters differ (norm/scale is [64] in the
+        checkpoint, [32] in the model; ...)".
+    """
+
+    def leaves(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {
+            path_str(p): (tuple(x.shape), str(x.dtype))
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        }
+
+    have, want = leaves(saved), leaves(target._asdict())
+    names = have.keys() | want.keys()
+    differ = [k for k in names if have.get(k) != want.get(k)]
+    if not differ:
         return None
-    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-    return "the model does not match: " + "; ".join(problems[:3]) + more
+    params = [k for k in differ if k.startswith("params/")]
+    if params:
+        total = sum(k.startswith("params/") for k in names)
+        head, shown = f"a different model: {len(params)} of {total} parameters differ", params
+    elif any(k.startswith("opt_state/") for k in differ):
+        head, shown = f"a different optimizer: {len(differ)} optimizer-state arrays differ", differ
+    else:
+        head, shown = f"different model variables: {len(differ)} arrays differ", differ
+    # Lowest rank first: the clearest example (a norm's scale) leads.
+    shown.sort(key=lambda k: (len((want.get(k) or have[k])[0]), k))
+
+    def describe(k: str) -> str:
+        name = k.removeprefix("params/")
+        if k not in have:
+            return f"{name} is missing from the checkpoint"
+        if k not in want:
+            return f"{name} is not in the model"
+        same_dtype = have[k][1] == want[k][1]
+        saved_k, want_k = (("" if same_dtype else d) + str(list(s)) for s, d in (have[k], want[k]))
+        return f"{name} is {saved_k} in the checkpoint, {want_k} in the model"
+
+    more = f"; and {len(shown) - 2} more" if len(shown) > 2 else ""
+    return f"{head} (" + "; ".join(map(describe, shown[:2])) + more + ")"

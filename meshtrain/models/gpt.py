@@ -348,11 +348,11 @@ class GPT(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         D = cfg.d_model
-        self.embed = nnx.Embed(
+        self.embed = layers.Embed(
             cfg.vocab_size,
             D,
             dtype=cfg.compute_dtype,
-            embedding_init=layers.init(("vocab", "embed")),
+            embedding_init=nnx.initializers.normal(0.02),
             rngs=rngs,
         )
         if cfg.style == "gpt2":
@@ -405,10 +405,7 @@ class GPT(nnx.Module):
         T = tokens_BT.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
-        # Cast, then gathered over the FSDP axes before the lookup, as FSDP gathers any weight
-        # at use: a lookup into an embed-sharded table would leave rows split where the batch is.
-        table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
-        x_BTD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BT, axis=0)
+        x_BTD = self.embed(tokens_BT)  # the table is gathered to its activation layout first
         if self.pos is not None:
             x_BTD = x_BTD + self.pos[:T].astype(x_BTD.dtype)
         return constrain(x_BTD, ("batch", "seq", "embed"))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.kernels import reference
+from meshtrain.layout import constrain
 
 
 def init(names: tuple[str | None, ...], std: float = 0.02):
@@ -21,6 +22,59 @@ def init(names: tuple[str | None, ...], std: float = 0.02):
 def const_init(fn, names: tuple[str | None, ...]):
     """Wraps a constant initialiser (zeros / ones) with logical axis `names`."""
     return nnx.with_partitioning(fn, names, eager_sharding=False)
+
+
+class Embed(nnx.Embed):
+    """`nnx.Embed` for sharded training: its table is named ``("vocab", "embed")`` and its
+    lookup partitions under every strategy.
+
+    Under fsdp and zero1 the table is stored split over the batch axes (the ``embed`` rule).
+    A plain ``jnp.take`` into it leaves each row split where the batch is, and with
+    ``tensor > 1`` XLA can only fix that by replicating the whole result ("Involuntary full
+    rematerialization"). This lookup casts the table to the compute dtype and constrains it
+    to its activation layout first, as FSDP gathers any weight at use. Outside a meshtrain
+    step the constraint does nothing, so the module computes exactly what `nnx.Embed` does.
+
+    Args:
+        num_embeddings: rows of the table (the vocabulary size).
+        features: width of a row.
+        dtype: dtype of the looked-up rows; None: the parameter dtype.
+        param_dtype: dtype of the table.
+        embedding_init: initialiser of the table; None: flax's default. A plain initialiser
+            gets the names ``("vocab", "embed")``; one wrapped by `nnx.with_partitioning`
+            keeps its own, and the lookup uses those.
+        rngs: random streams; ``params`` initialises the table.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        dtype=None,
+        param_dtype=jnp.float32,
+        embedding_init=None,
+        rngs: nnx.Rngs,
+    ):
+        init = {} if embedding_init is None else {"embedding_init": embedding_init}
+        names = {"out_sharding": ("vocab", "embed"), "eager_sharding": False}
+        super().__init__(
+            num_embeddings,
+            features,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            embedding_metadata=names,
+            rngs=rngs,
+            **init,
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Integer ids [...] → rows [..., features] in `dtype`."""
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"Embed: token ids must be integers, got {tokens.dtype}")
+        names = self.embedding.get_metadata().get("out_sharding") or (None, None)
+        table_VD = constrain(self.embedding[...].astype(self.dtype), tuple(names))
+        return jnp.take(table_VD, tokens, axis=0)
 
 
 def make_norm(kind: str, width: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):

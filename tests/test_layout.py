@@ -381,12 +381,12 @@ def test_bad_strategies(strategy, mesh_str, match):
             "data=8",
             r"\(embed=60\) is not divisible by mesh data=8 = 8",
         ),
-        (
+        (  # query heads have no fallback (key/value heads are replicated instead)
             GPT["llama"],
             "tp",
-            "data=2,tensor=4",
-            r"parameter 'blocks/attn/k/kernel' \(2, 64, 2, 16\): dimension 2 \(kv_heads=2\) is "
-            r"not divisible by mesh tensor=4 = 4",
+            "data=1,tensor=8",
+            r"parameter 'blocks/attn/o/kernel' \(2, 4, 16, 64\): dimension 1 \(heads=4\) is "
+            r"not divisible by mesh tensor=8 = 8",
         ),
     ],
 )

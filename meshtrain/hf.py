@@ -16,6 +16,10 @@ files keep one tensor per layer and flat head dimensions::
     pos               [T, D]        wpe [n_positions, D]           - (RoPE, rotate-half halves)
     head.kernel       [D, V]        lm_head [V, D] (usually tied)  lm_head [V, D]
 
+The files hold the true ``vocab_size`` rows; meshtrain's embedding and head hold
+``cfg.padded_vocab`` (see `GPTConfig.vocab_multiple`): import pads them with zero rows,
+export drops the padding, and ``config.json`` keeps the true ``vocab_size``.
+
 The two agree on the rest: GPT-2's ``gelu_new`` is the tanh GELU of `jax.nn.gelu`; HF Llama's
 RoPE rotates (first half, second half) pairs, as `layers.apply_rope` does, so q/k need no
 permutation.
@@ -348,12 +352,31 @@ def _to_meshtrain(get: Callable[[str], np.ndarray], cfg: GPTConfig) -> dict:
         params["norm"] = {"scale": get("norm.weight")}
     if not cfg.tie_embeddings:
         params["head"] = {"kernel": get("lm_head.weight").T}
+    return _pad_vocab(params, cfg)
+
+
+def _pad_vocab(params: dict, cfg: GPTConfig) -> dict:
+    """The embedding and head of `params` (``vocab_size`` ids) zero-padded to ``padded_vocab``."""
+    extra = cfg.padded_vocab - cfg.vocab_size
+    params["embed"]["embedding"] = np.pad(params["embed"]["embedding"], ((0, extra), (0, 0)))
+    if "head" in params:
+        params["head"]["kernel"] = np.pad(params["head"]["kernel"], ((0, 0), (0, extra)))
+    return params
+
+
+def _unpad_vocab(params: Mapping, cfg: GPTConfig) -> dict:
+    """`params` with the embedding and head cut back to ``vocab_size`` ids (a shallow copy)."""
+    V = cfg.vocab_size
+    params = dict(params, embed={"embedding": params["embed"]["embedding"][:V]})
+    if "head" in params:
+        params["head"] = {"kernel": params["head"]["kernel"][:, :V]}
     return params
 
 
 def _to_hf(params: Mapping, cfg: GPTConfig) -> dict[str, np.ndarray]:
     """HF tensors (unprefixed name → numpy) from nested meshtrain params (numpy)."""
     block = "h" if cfg.style == "gpt2" else "layers"
+    params = _unpad_vocab(params, cfg)
     out: dict[str, np.ndarray] = {}
     for i in range(cfg.n_layers):
         layer = jax.tree.map(lambda x, i=i: x[i], dict(params["blocks"]))
@@ -451,7 +474,8 @@ def load_pretrained(
     Returns:
         ``(config, params)``: params is the nested dict of float32 arrays that
         ``nnx.to_pure_dict(nnx.state(GPT(config), nnx.Param))`` has, on the default device or
-        sharded over `mesh`.
+        sharded over `mesh`; the embedding and head have zero rows for the padded vocabulary
+        (``config.padded_vocab``).
     """
     path = Path(path)
     if (mesh is None) != (rules is None):
@@ -526,7 +550,9 @@ def save_pretrained(
     """Writes a meshtrain GPT in the Hugging Face layout (``config.json`` + ``model.safetensors``).
 
     The result loads with ``transformers``' ``AutoModelForCausalLM.from_pretrained`` as a
-    ``GPT2LMHeadModel`` (style ``gpt2``) or ``LlamaForCausalLM`` (style ``llama``).
+    ``GPT2LMHeadModel`` (style ``gpt2``) or ``LlamaForCausalLM`` (style ``llama``), with the
+    true ``vocab_size``: the rows of the padded vocabulary (`GPTConfig.vocab_multiple`) are
+    not written.
 
     Args:
         path: output directory; created if needed, and must not already hold a model.

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from meshtrain import hf
 from meshtrain.layout import activation_rules, named, rules_for, state_specs
 from meshtrain.mesh import make_mesh
-from meshtrain.models import GPT, GPTConfig
+from meshtrain.models import GPT, GPTConfig, layers
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 STYLES = ("gpt2", "llama")
@@ -49,10 +49,15 @@ def _abstract(cfg):
 
 
 def _random_params(cfg, seed):
-    """Fresh random float32 params (biases and norm scales included) with the model's tree."""
+    """Fresh random float32 params (biases and norm scales included) with the model's tree; the
+    padded vocabulary's rows are zero, as the model keeps them."""
     rng = np.random.default_rng(seed)
     abstract = nnx.to_pure_dict(nnx.state(_abstract(cfg), nnx.Param))
-    return jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), abstract)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), abstract)
+    params["embed"]["embedding"][cfg.vocab_size :] = 0
+    if "head" in params:
+        params["head"]["kernel"][:, cfg.vocab_size :] = 0
+    return params
 
 
 def _read(path):
@@ -188,6 +193,34 @@ def test_export_then_import_is_identity(tmp_path, name):
     want = {hf._hf_key(cfg, k): v for k, v in hf.hf_shapes(cfg).items()}
     assert {k: v.shape for k, v in tensors.items()} == want
     assert {v.dtype for v in tensors.values()} == {np.dtype(np.float32)}
+
+
+def test_padded_vocabulary_is_dropped_on_export_and_zero_on_import(tmp_path):
+    """A GPT-2-shaped vocabulary of 50257 ids is 50304 rows in meshtrain (vocab_multiple=128):
+    the files and config.json hold 50257; import pads with zero rows, and the padding changes
+    no real logit (the same file loaded unpadded gives the same logits)."""
+    cfg = GPTConfig(
+        style="gpt2", vocab_size=50257, d_model=32, n_layers=1, n_heads=2, max_seq_len=16,
+        tie_embeddings=True,
+    )  # fmt: skip
+    assert cfg.padded_vocab == 50304
+    params = _random_params(cfg, seed=5)
+    hf.save_pretrained(tmp_path / "m", params, cfg)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["vocab_size"] == 50257
+    wte = _read(tmp_path / "m" / "model.safetensors")["transformer.wte.weight"]
+    np.testing.assert_array_equal(wte, params["embed"]["embedding"][:50257])
+
+    cfg2, params2 = hf.load_pretrained(tmp_path / "m")
+    assert cfg2 == cfg and params2["embed"]["embedding"].shape == (50304, 32)
+    jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, params2))
+
+    plain = dataclasses.replace(cfg, vocab_multiple=1)
+    _, unpadded = hf.load_pretrained(tmp_path / "m", config=plain)
+    tokens = np.random.default_rng(0).integers(0, 50257, (2, 16))
+    forward = lambda c, p: np.asarray(nnx.merge(nnx.graphdef(_abstract(c)), p)(tokens))
+    padded_logits, want = forward(cfg, params2), forward(plain, unpadded)
+    np.testing.assert_allclose(padded_logits[..., :50257], want, rtol=0, atol=ATOL)
+    assert np.all(padded_logits[..., 50257:] == layers.PADDED_LOGIT)
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -400,7 +400,9 @@ def cpu_smoke() -> dict:
         ),
         "rms_norm": rel_err(K.rms_norm(x, w, impl="pallas"), R.rms_norm(x, w)),
         "layer_norm": rel_err(K.layer_norm(x, w, b, impl="pallas"), R.layer_norm(x, w, b)),
-        "cross_entropy": rel_err(K.token_cross_entropy(x, t, impl="pallas"), R.token_cross_entropy(x, t)),
+        "cross_entropy": rel_err(
+            K.token_cross_entropy(x, t, impl="pallas"), R.token_cross_entropy(x, t)
+        ),
         "matmul": rel_err(
             K.matmul(x, mw, mb, activation="gelu", impl="pallas"),
             R.matmul(x, mw, mb, activation="gelu"),

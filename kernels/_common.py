@@ -79,31 +79,42 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
 
     Returns:
         ``fn(*args)``; under `meshtrain.layout.activation_rules` each device runs `fn` on its
-        own block (batch over data × fsdp, heads over tensor), with no gathering. Each logical
-        name is split the same way in every argument that carries it, by the layout's one
-        divisibility policy (`meshtrain.layout.resolve`): a name its rule cannot split in all
-        of them is an error. With `with_axes`, `fn` also gets ``axes=`` (logical name → the
-        mesh axes it is split over).
+        own block (batch over data × fsdp, heads over tensor), with no gathering. Each argument
+        is split as `meshtrain.layout.constrain` would split an array with its names (the
+        layout's one divisibility policy, `meshtrain.layout.resolve`), with each name's size
+        taken as the gcd over the arguments that carry it; a name must come out split the same
+        way in every argument. With `with_axes`, `fn` also gets ``axes=`` (logical name → the
+        mesh axes it is split over), e.g. to find which key/value heads a shard's query heads
+        use when the two are split differently.
     """
     layout = active()
     if layout is None:
         return fn(*args, axes={}) if with_axes else fn(*args)
-    # Every name once, in order of first appearance, with the gcd of its sizes: a split
-    # divides the gcd exactly when it divides every argument that carries the name.
+    # The gcd of each name's sizes: a split divides the gcd exactly when it divides every
+    # argument that carries the name.
     sizes: dict[str, int] = {}
     for arg, arg_names in zip(args, names, strict=True):
         for dim, name in enumerate(arg_names):
             if name is not None:
                 sizes[name] = math.gcd(sizes.get(name, 0), arg.shape[dim])
-    order = tuple(sizes)
-    spec = resolve(
-        order,
-        layout.rules.activations,
-        layout.mesh,
-        shape=tuple(sizes.values()),
-        where=f"kernel inputs {tuple(tuple(a.shape) for a in args)}",
-    )
-    resolved = {name: axes_of(part) for name, part in zip(order, spec, strict=True)}
+    where = f"kernel inputs {tuple(tuple(a.shape) for a in args)}"
+    resolved: dict[str, tuple[str, ...]] = {}
+    for arg_names in names:
+        present = tuple(n for n in arg_names if n is not None)
+        spec = resolve(
+            present,
+            layout.rules.activations,
+            layout.mesh,
+            shape=tuple(sizes[n] for n in present),
+            where=where,
+        )
+        for name, part in zip(present, spec, strict=True):
+            if resolved.setdefault(name, axes_of(part)) != axes_of(part):
+                raise ValueError(
+                    f"{where}: logical axis {name!r} is split over {resolved[name]} in one "
+                    f"argument and {axes_of(part)} in another; give the kernel's arguments "
+                    "their logical names in one order"
+                )
 
     def spec_of(arg_names):
         parts = []

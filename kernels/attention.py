@@ -3,10 +3,11 @@
 Layout is the model's own, ``[batch, seq, heads, head_dim]``: each grid cell reads a
 ``[block, head_dim]`` window, so nothing is transposed on the way in or out. Grouped-query
 attention needs no copies either: the key/value index map sends query head h to key/value
-head ``h // R``. Sequences are zero-padded up to the block and the padding is masked, so any
-length works. Memory is O(sequence): the forward keeps a ``[block_q, head_dim]`` accumulator
-and writes the output and a ``[B, H, T]`` logsumexp; the backward recomputes the probabilities
-block by block from that logsumexp.
+head ``h // R``; under tensor parallelism with fewer key/value heads than shards, each shard
+picks the ones its query heads use (`_local_kv_heads`). Sequences are zero-padded up to the
+block and the padding is masked, so any length works. Memory is O(sequence): the forward keeps
+a ``[block_q, head_dim]`` accumulator and writes the output and a ``[B, H, T]`` logsumexp; the
+backward recomputes the probabilities block by block from that logsumexp.
 """
 
 from __future__ import annotations
@@ -460,7 +461,9 @@ def flash_attention(
 
     Returns:
         [batch, T, heads, head_dim] in the input dtype. Under `activation_rules` the Pallas and
-        cuDNN paths run per shard (batch over data × fsdp, heads over tensor).
+        cuDNN paths run per shard (batch over data × fsdp, heads over tensor); key/value heads
+        that the layout keeps whole (fewer than tensor) are picked per shard for its query
+        heads.
     """
     impl = _common.resolve_impl(impl, kernel="flash_attention", allowed=_common.ATTENTION_IMPLS)
     _validate(q_BTHK, k_BSGK, v_BSGK, impl, causal, window)
@@ -482,7 +485,52 @@ def flash_attention(
         def fn(q, k, v):
             return _attend(q, k, v, causal, window, bq, bk, interpret)
 
-    # Query and key/value heads share one name so that both split (or neither) and each
-    # shard keeps whole groups.
-    names = ("batch", None, "heads", None)
-    return _common.sharded(fn, (q_BTHK, k_BSGK, v_BSGK), (names, names, names), names)
+    H = q_BTHK.shape[2]
+
+    def per_shard(q, k, v, *, axes):
+        k, v = _local_kv_heads(q, k, v, heads=H, axes=axes)
+        return fn(q, k, v)
+
+    q_names, kv_names = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+    return _common.sharded(
+        per_shard,
+        (q_BTHK, k_BSGK, v_BSGK),
+        (q_names, kv_names, kv_names),
+        q_names,
+        with_axes=True,
+    )
+
+
+def _local_kv_heads(q_BTHK, k_BSGK, v_BSGK, *, heads: int, axes):
+    """This shard's key/value heads, arranged for its query heads (inside a manual region).
+
+    Query head h uses key/value head ``h // R`` (R = H / G). Split over the same axes, each
+    shard holds whole groups and its own k/v: nothing to do. When the query heads are split
+    and k/v are whole on every shard (the layout replicates ``kv_heads`` that ``tensor`` does
+    not divide), shard i holds query heads ``[i·Hl, (i+1)·Hl)`` and picks what they use:
+
+    - the one group's k/v head when the shard's heads all fall in one group (R a multiple of
+      Hl: G divides the split, e.g. 8 query and 2 k/v heads on tensor=4): no copy, and the
+      kernel runs GQA with all local heads in one group;
+    - otherwise (the shard's heads straddle groups unevenly) one k/v head per local query head.
+
+    Picking beats repeating k/v to every query head up front: the kernel reads, and its
+    backward keeps as residuals, only the k/v heads a shard uses. The gradients of the picked
+    heads reach the whole k/v through the region's transpose, which sums them over the shards.
+    """
+    q_axes, kv_axes = axes.get("heads", ()), axes.get("kv_heads", ())
+    if kv_axes == q_axes:
+        return k_BSGK, v_BSGK
+    if kv_axes:
+        raise ValueError(
+            f"flash_attention: key/value heads split over {kv_axes} but query heads over "
+            f"{q_axes or 'nothing'}; split kv_heads over the axes heads use, or not at all"
+        )
+    G, Hl = k_BSGK.shape[2], q_BTHK.shape[2]
+    R = heads // G
+    first = lax.axis_index(q_axes) * Hl  # this shard's first query head
+    if R % Hl == 0:
+        pick = lambda x: lax.dynamic_slice_in_dim(x, first // R, 1, axis=2)
+    else:
+        pick = lambda x: jnp.take(x, (first + jnp.arange(Hl)) // R, axis=2)
+    return pick(k_BSGK), pick(v_BSGK)

@@ -84,6 +84,8 @@ def check_run(
         )
     if model is not None:
         problems += model.check(spec)
+        if callable(getattr(model, "check_layout", None)):  # optional (see ModelConfig)
+            problems += model.check_layout(sizes, rules)
     problems += _model_layout_problems(abstract, rules, sizes)
     if sizes.get("pipe", 1) > 1:
         axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"

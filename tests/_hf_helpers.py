@@ -62,10 +62,15 @@ def forward(cfg: GPTConfig):
 
 
 def random_params(cfg: GPTConfig, seed: int) -> dict:
-    """Fresh random float32 params (biases and norm scales included) with the model's tree."""
+    """Fresh random float32 params (biases and norm scales included) with the model's tree; the
+    padded vocabulary's rows are zero, as the model keeps them."""
     rng = np.random.default_rng(seed)
     tree = nnx.to_pure_dict(nnx.state(abstract(cfg), nnx.Param))
-    return jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), tree)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32), tree)
+    params["embed"]["embedding"][cfg.vocab_size :] = 0
+    if "head" in params:
+        params["head"]["kernel"][:, cfg.vocab_size :] = 0
+    return params
 
 
 def read(path: Path) -> dict[str, np.ndarray]:

@@ -1,6 +1,8 @@
 """The run check: every problem of a run found at once, each naming the field, the value and
 the fix; batch devices counted from the rules; nothing compiled or allocated."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -73,6 +75,26 @@ def test_the_parameter_layout_is_checked_from_the_abstract_model():
     )
     assert problems and all(p.field == "strategy" for p in problems)
     assert "(embed=36) is not divisible by mesh fsdp=8 = 8" in str(problems[0])
+
+
+def test_a_padded_vocabulary_that_tensor_does_not_split_names_the_multiple():
+    """GPT-2's 50257 ids pad to 50304 (vocab_multiple=128): fine on tensor=4 and 8, not on
+    tensor=5; unpadded, not even on tensor=2. Each problem names the vocab_multiple to set."""
+    gpt2 = mt.GPTConfig(style="gpt2", vocab_size=50257, d_model=32, n_layers=1, n_heads=4)
+    data = LM._replace(batch_size=16, vocab_size=50257)
+
+    def problems(cfg, tensor):
+        sizes = dict(pipe=1, data=1, fsdp=1, expert=1, seq=1, tensor=tensor)
+        return check_run(model=cfg, data=data, mesh=sizes, rules=mt.rules_for("tp", sizes))
+
+    assert problems(gpt2, 4) == problems(gpt2, 8) == []
+    (five,) = problems(gpt2, 5)
+    assert str(five) == (
+        "gpt.vocab_multiple=128: the vocabulary of 50257 padded to 50304 ids does not split "
+        "over tensor=5; set --gpt.vocab-multiple 640 (pads it to 50560)"
+    )
+    (two,) = problems(dataclasses.replace(gpt2, vocab_multiple=1), 2)
+    assert "50257 ids does not split over tensor=2; set --gpt.vocab-multiple 2 " in str(two)
 
 
 def test_the_check_compiles_and_allocates_nothing():

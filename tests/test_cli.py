@@ -115,6 +115,7 @@ OVERRIDES = {
     "--gpt.dtype": (["bfloat16"], "bfloat16"),
     "--gpt.attention-impl": (["auto"], "auto"),
     "--gpt.norm-impl": (["pallas"], "pallas"),
+    "--gpt.vocab-multiple": (["64"], 64),
     "--loss-impl": (["pallas"], "pallas"),
     "--gpt.sliding-window": (["8"], 8),
     "--mlp.num-features": (["8"], 8),

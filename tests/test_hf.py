@@ -262,6 +262,34 @@ def test_a_plain_llama_config_exports_as_mistral_when_asked(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, params2))
 
 
+def test_padded_vocabulary_is_dropped_on_export_and_zero_on_import(tmp_path):
+    """A GPT-2-shaped vocabulary of 50257 ids is 50304 rows in meshtrain (vocab_multiple=128):
+    the files and config.json hold 50257; import pads with zero rows, and the padding changes
+    no real logit (the same file loaded unpadded gives the same logits)."""
+    cfg = GPTConfig(
+        style="gpt2", vocab_size=50257, d_model=32, n_layers=1, n_heads=2, max_seq_len=16,
+        tie_embeddings=True,
+    )  # fmt: skip
+    assert cfg.padded_vocab == 50304
+    params = random_params(cfg, seed=5)
+    hf.save_pretrained(tmp_path / "m", params, cfg)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["vocab_size"] == 50257
+    wte = read(tmp_path / "m" / "model.safetensors")["transformer.wte.weight"]
+    np.testing.assert_array_equal(wte, params["embed"]["embedding"][:50257])
+
+    cfg2, params2 = hf.load_pretrained(tmp_path / "m")
+    assert cfg2 == cfg and params2["embed"]["embedding"].shape == (50304, 32)
+    jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, params2))
+
+    plain = dataclasses.replace(cfg, vocab_multiple=1)
+    _, unpadded = hf.load_pretrained(tmp_path / "m", config=plain)
+    tokens = np.random.default_rng(0).integers(0, 50257, (2, 16))
+    run = lambda c, p: np.asarray(nnx.merge(nnx.graphdef(abstract(c)), p)(tokens))
+    padded_logits, want = run(cfg, params2), run(plain, unpadded)
+    np.testing.assert_allclose(padded_logits[..., :50257], want, rtol=0, atol=ATOL)
+    assert np.all(padded_logits[..., 50257:] == layers.PADDED_LOGIT)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_reexport_of_fixture_reproduces_its_files(loaded, tmp_path, name):
     """Fixture → meshtrain → export in the fixture's dtype: same keys, shapes, dtypes, bits."""

@@ -147,8 +147,8 @@ def test_bad_tensors_are_refused_clearly(tmp_path):
 
 
 def test_bad_mesh_is_refused_before_reading():
-    mesh = make_mesh("data=1,tensor=8")
-    with pytest.raises(ValueError, match=r"kv_heads=2\) is not divisible by mesh tensor=8"):
+    mesh = make_mesh("data=1,tensor=8")  # 4 query heads (the 2 kv heads would be replicated)
+    with pytest.raises(ValueError, match=r"\(heads=4\) is not divisible by mesh tensor=8"):
         hf.load_pretrained(FIXTURES / "llama", mesh=mesh, rules=rules_for("tp", mesh))
     with pytest.raises(ValueError, match="pass mesh and rules together"):
         hf.load_pretrained(FIXTURES / "llama", mesh=mesh)

@@ -113,6 +113,42 @@ def test_causal_mask_first_and_last_rows():
     assert float(jnp.max(jnp.abs(out2[:, -1] - out[:, -1]))) > 1e-3
 
 
+@pytest.mark.parametrize(
+    "H,G",
+    [
+        pytest.param(8, 2, id="8q-2kv-one-group-per-shard"),
+        pytest.param(12, 3, id="12q-3kv-groups-straddle-shards"),
+    ],
+)
+def test_kv_heads_replicated_over_tensor_match_reference(H, G):
+    """On data=2 × tensor=4 with tp rules: query heads split 4 ways, key/value heads (fewer, or
+    a count 4 does not divide) whole on every shard. Each shard's kernel must use the k/v head
+    of each of its query heads (h // (H / G)), and dk/dv must sum every shard's part."""
+    from meshtrain.layout import activation_rules, constrain, rules_for
+    from meshtrain.mesh import make_mesh
+
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, 2, 33, H, G, 64, jnp.float32)
+    mesh = make_mesh("data=2,tensor=4")
+    rules = rules_for("tp", mesh)
+
+    def pallas(q, k, v):
+        with activation_rules(mesh, rules):
+            q = constrain(q, ("batch", None, "heads", None))
+            k, v = (constrain(x, ("batch", None, "kv_heads", None)) for x in (k, v))
+            out = flash_attention(q, k, v, impl="pallas", block_q=BLOCK, block_k=BLOCK)
+            return constrain(out, ("batch", None, "heads", None))
+
+    out, grads = jax.jit(lambda q, k, v, do: _grads(pallas, q, k, v, do))(q, k, v, do)
+    ref, ref_grads = _grads(lambda q, k, v: reference.attention(q, k, v), q, k, v, do)
+    split = jax.sharding.NamedSharding(mesh, jax.P("data", None, "tensor", None))
+    assert out.sharding.is_equivalent_to(split, 4)
+    fwd_tol, grad_tol = TOL[jnp.float32]
+    assert_close(out, ref, fwd_tol, "output", seed)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, grad_tol, f"d{name}", seed)
+
+
 def test_xla_impl_is_the_model_attention():
     key, _ = fresh_key()
     q, k, v, _ = _inputs(key, 2, 20, 4, 2, 32, jnp.float32)

@@ -199,6 +199,30 @@ def test_fsdp_optimizer_state_matches_params():
     assert q.addressable_shards[0].data.shape == (2, 64 // 8, 4, 16)
 
 
+def test_tp_replicates_kv_heads_that_tensor_does_not_divide_and_splits_the_padded_vocab():
+    """llama with 2 kv heads on tensor=4: k/v kernels whole on every tensor shard, q split; a
+    vocabulary of 1000 is 1024 rows (vocab_multiple=128), split 4 ways."""
+    config = GPTConfig(
+        style="llama", vocab_size=1000, n_layers=1, d_model=64, n_heads=8, n_kv_heads=2
+    )
+    mesh = make_mesh("data=2,tensor=4")
+    rules = S.rules_for("fsdp+tp", mesh)
+    assert rules.params["kv_heads"] == rules.activations["kv_heads"] == ["tensor", None]
+    _, state, _ = init_train_state(lambda: build_model(config), TX, mesh, rules)
+    params = flat(state.params)
+    want = {
+        "blocks/attn/q/kernel": P("pipe", "data", "tensor", None),
+        "blocks/attn/k/kernel": P("pipe", "data", None, None),
+        "blocks/attn/v/kernel": P("pipe", "data", None, None),
+        "embed/embedding": P("tensor", "data"),
+        "head/kernel": P("data", "tensor"),
+    }
+    for path, spec in want.items():
+        array = params[path]
+        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), path
+    assert params["embed/embedding"].addressable_shards[0].data.shape == (1024 // 4, 64 // 2)
+
+
 def test_resolve_drops_size_one_axes_and_reused_axes():
     mesh = make_mesh("data=2,fsdp=4")
     table = {"embed": ("data", "fsdp", "tensor"), "mlp": "fsdp", "vocab": None}
@@ -381,12 +405,12 @@ def test_bad_strategies(strategy, mesh_str, match):
             "data=8",
             r"\(embed=60\) is not divisible by mesh data=8 = 8",
         ),
-        (
+        (  # query heads have no fallback (key/value heads are replicated instead)
             GPT["llama"],
             "tp",
-            "data=2,tensor=4",
-            r"parameter 'blocks/attn/k/kernel' \(2, 64, 2, 16\): dimension 2 \(kv_heads=2\) is "
-            r"not divisible by mesh tensor=4 = 4",
+            "data=1,tensor=8",
+            r"parameter 'blocks/attn/o/kernel' \(2, 4, 16, 64\): dimension 1 \(heads=4\) is "
+            r"not divisible by mesh tensor=8 = 8",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""Tests for meshtrain.models: shapes, causality, GQA, RoPE, remat, scan, FLOPs, no-mesh rule."""
+"""Tests for meshtrain.models: shapes, causality, GQA, RoPE, remat, scan, FLOPs, no-mesh rule,
+the padded vocabulary (masked logits, loss, gradients, sampling)."""
 
 import dataclasses
 import functools
@@ -13,7 +14,10 @@ import pytest
 from flax import nnx
 
 import meshtrain.models
+from meshtrain.layout import activation_rules, constrain, rules_for
+from meshtrain.mesh import make_mesh
 from meshtrain.models import REMAT_POLICIES, GPTConfig, MLPConfig, build_model, layers
+from meshtrain.models.sampling import sample
 from meshtrain.train import OptimConfig, cross_entropy
 
 V, T, B = 256, 16, 2
@@ -302,15 +306,126 @@ def counted_flops_per_token(model, seq_len: int) -> int:
         gpt_config("llama", 2),
         gpt_config("llama", 1, d_ff=96, n_layers=3),
         gpt_config("gpt2", tie_embeddings=True, d_model=32, n_heads=2),
+        gpt_config("llama", 2, vocab_size=300),  # the padded vocabulary (384) counts
         MLPConfig(num_features=16, num_classes=10, d_model=32, d_hidden=48, n_layers=3),
         gpt_config("llama", 2, sliding_window=24, qkv_bias=True),
     ],
-    ids=["gpt2", "llama-gqa", "llama-mqa-dff", "gpt2-tied", "mlp", "llama-window-bias"],
+    ids=[
+        "gpt2",
+        "llama-gqa",
+        "llama-mqa-dff",
+        "gpt2-tied",
+        "llama-padded-vocab",
+        "mlp",
+        "llama-window-bias",
+    ],
 )
 @pytest.mark.parametrize("seq_len", [16, 128])
 def test_flops_per_token_matches_a_count_from_param_shapes(config, seq_len):
     model = nnx.eval_shape(lambda: build_model(config))
     assert config.flops_per_token(seq_len) == counted_flops_per_token(model, seq_len)
+
+
+# --- the padded vocabulary ----------------------------------------------------------------
+
+PV = 300  # a vocabulary that 128 does not divide: 384 rows
+
+
+def _sliced_to_vocab(padded: GPTConfig, state) -> tuple[GPTConfig, nnx.State]:
+    """The unpadded config (vocab_multiple=1) and `state` with its padded rows cut off."""
+    plain = dataclasses.replace(padded, vocab_multiple=1)
+    pure = nnx.to_pure_dict(state)
+    pure["embed"]["embedding"] = pure["embed"]["embedding"][:PV]
+    if "head" in pure:
+        pure["head"]["kernel"] = pure["head"]["kernel"][:, :PV]
+    plain_state = nnx.state(abstract(plain))
+    nnx.replace_by_pure_dict(plain_state, pure)
+    return plain, plain_state
+
+
+def test_byte_level_default_is_not_padded():
+    """vocab 256 keeps its shapes and its exact numbers (parameters and logits)."""
+    default, plain = GPTConfig(), GPTConfig(vocab_multiple=1)
+    assert default.vocab_multiple == 128 and default.padded_vocab == 256
+    a, b = params_of(build_model(default)), params_of(build_model(plain))
+    for path in b:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+    x = np.random.default_rng(0).integers(0, 256, (2, 16), np.int32)
+    np.testing.assert_array_equal(logits(default, x), logits(plain, x))
+
+
+@pytest.mark.parametrize("style, tied", [("gpt2", True), ("llama", False)])
+def test_padded_vocabulary_is_masked_and_changes_nothing_else(style, tied):
+    """Padded rows start at zero, their logits are PADDED_LOGIT, they get exactly zero
+    gradient, and the loss and real gradients equal those of the unpadded model."""
+    config = gpt_config(style, vocab_size=PV, tie_embeddings=tied)
+    assert config.padded_vocab == 384
+    model = build_model(config, seed=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    p = params_of(model)
+    assert p["embed/embedding"].shape == (384, 64)
+    assert not np.any(np.asarray(p["embed/embedding"][PV:]))
+    assert tied or not np.any(np.asarray(p["head/kernel"][:, PV:]))
+    x = np.random.default_rng(2).integers(0, PV, (B, T + 1), np.int32)
+
+    def loss(params, graphdef=graphdef, rest=rest):
+        return cross_entropy(nnx.merge(graphdef, params, rest)(x[:, :-1]), x[:, 1:])
+
+    out = logits(config, x[:, :-1], nnx.state(model))
+    assert np.all(out[..., PV:] == layers.PADDED_LOGIT)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    g = {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
+    assert np.all(g["embed/embedding"][PV:] == 0) and np.any(g["embed/embedding"][:PV])
+    assert tied or (np.all(g["head/kernel"][:, PV:] == 0) and np.any(g["head/kernel"][:, :PV]))
+
+    plain, plain_params = _sliced_to_vocab(config, params)
+    plain_graphdef, _, plain_rest = nnx.split(abstract(plain), nnx.Param, ...)
+    plain_loss = functools.partial(loss, graphdef=plain_graphdef, rest=rest)
+    want, want_grads = jax.jit(jax.value_and_grad(plain_loss))(plain_params)
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-6)  # fp32, one more sum
+    _, sliced = _sliced_to_vocab(config, grads)
+    for (path, got), (_, ref) in zip(
+        nnx.to_flat_state(sliced), nnx.to_flat_state(want_grads), strict=True
+    ):
+        np.testing.assert_allclose(
+            got.get_value(), ref.get_value(), rtol=0, atol=1e-6, err_msg=str(path)
+        )
+
+
+@pytest.mark.parametrize(
+    "impl, mesh_str", [("xla", None), ("pallas", None), ("pallas", "data=2,tensor=4")]
+)
+def test_loss_of_masked_padded_logits_equals_the_unpadded_loss(impl, mesh_str):
+    """Whatever the padded columns held, once masked they change neither the loss nor the
+    real logits' gradient, and get none themselves (the Pallas loss also split over vocab)."""
+    rng = np.random.default_rng()
+    N, Vp = 24, 1024
+    real = jnp.asarray(rng.normal(0, 3, (N, 1000)), jnp.float32)
+    junk = jnp.asarray(rng.normal(20, 3, (N, Vp - 1000)), jnp.float32)  # would dominate
+    targets = jnp.asarray(rng.integers(0, 1000, N), jnp.int32)
+
+    def padded_loss(junk, real):
+        x = layers.mask_padded_vocab(jnp.concatenate([real, junk], axis=-1), 1000)
+        if mesh_str is None:
+            return cross_entropy(x, targets, impl=impl)
+        mesh = make_mesh(mesh_str)
+        with activation_rules(mesh, rules_for("tp", mesh)):
+            return cross_entropy(constrain(x, ("batch", "vocab")), targets, impl=impl)
+
+    value, (d_junk, d_real) = jax.jit(jax.value_and_grad(padded_loss, (0, 1)))(junk, real)
+    want, want_grad = jax.value_and_grad(lambda r: cross_entropy(r, targets, impl="xla"))(real)
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(d_real), np.asarray(want_grad), rtol=0, atol=1e-7)
+    assert np.all(np.asarray(d_junk) == 0)
+
+
+def test_sampling_never_draws_a_padded_id():
+    """Padded head columns set far above the real ones would win every draw unmasked."""
+    config = gpt_config("llama", vocab_size=PV, n_layers=1)
+    model = build_model(config, seed=0)
+    model.head.kernel[...] = model.head.kernel[...].at[:, PV:].set(5.0)
+    out = sample(model, jnp.arange(4), 12, key=jax.random.key(0), temperature=1.0)
+    assert out.shape == (16,) and int(out.max()) < PV
 
 
 # --- construction -------------------------------------------------------------------------

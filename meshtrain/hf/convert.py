@@ -1,5 +1,9 @@
 """Whole-model conversion, generic over the layout: the layers one by one, stacked along
-meshtrain's leading ``layers`` dimension, the top-level tensors, and the untied ``lm_head``."""
+meshtrain's leading ``layers`` dimension, the top-level tensors, and the untied ``lm_head``.
+
+The files hold the true ``vocab_size`` rows; meshtrain's embedding and head hold
+``cfg.padded_vocab`` (see `GPTConfig.vocab_multiple`): import pads them with zero rows, export
+drops the padding, and ``config.json`` keeps the true ``vocab_size``."""
 
 from __future__ import annotations
 
@@ -46,12 +50,31 @@ def to_meshtrain(get: Getter, adapter: Adapter, cfg: GPTConfig) -> dict:
     params |= layout.top_to_meshtrain(get, cfg)
     if not cfg.tie_embeddings:
         params["head"] = {"kernel": get(HEAD).T}
+    return _pad_vocab(params, cfg)
+
+
+def _pad_vocab(params: dict, cfg: GPTConfig) -> dict:
+    """The embedding and head of `params` (``vocab_size`` ids) zero-padded to ``padded_vocab``."""
+    extra = cfg.padded_vocab - cfg.vocab_size
+    params["embed"]["embedding"] = np.pad(params["embed"]["embedding"], ((0, extra), (0, 0)))
+    if "head" in params:
+        params["head"]["kernel"] = np.pad(params["head"]["kernel"], ((0, 0), (0, extra)))
+    return params
+
+
+def _unpad_vocab(params: Mapping, cfg: GPTConfig) -> dict:
+    """`params` with the embedding and head cut back to ``vocab_size`` ids (a shallow copy)."""
+    V = cfg.vocab_size
+    params = dict(params, embed={"embedding": params["embed"]["embedding"][:V]})
+    if "head" in params:
+        params["head"] = {"kernel": params["head"]["kernel"][:, :V]}
     return params
 
 
 def to_hf(params: Mapping, adapter: Adapter, cfg: GPTConfig) -> dict[str, np.ndarray]:
     """HF tensors (name without the prefix → numpy) from nested meshtrain params (numpy)."""
     layout = adapter.layout
+    params = _unpad_vocab(params, cfg)
     out: dict[str, np.ndarray] = {}
     for i in range(cfg.n_layers):
         layer = jax.tree.map(lambda x, i=i: x[i], dict(params["blocks"]))

@@ -21,12 +21,19 @@ Presets (combine one data strategy with ``tp`` using ``+``, e.g. ``"fsdp+tp"``):
     fsdp   ZeRO-3: parameters, gradients and optimizer state sharded over data × fsdp
     hsdp   parameters sharded over fsdp, replicated over data (hybrid sharded DP)
     zero1  parameters replicated; only optimizer state sharded over data × fsdp
-    tp     Megatron: attention heads, MLP hidden and vocab split over tensor
+    tp     Megatron: attention heads, MLP hidden and vocab split over tensor; key/value
+           heads too when tensor divides them, else replicated over tensor
 
 The stacked ``layers`` dimension is always split over ``pipe``, so on a mesh with ``pipe > 1``
 each pipeline stage holds its own contiguous slice of the blocks; with ``pipe = 1`` the rule
 does nothing. The tensor-parallel rules apply whenever the mesh has ``tensor > 1``, so
 ``--strategy fsdp`` on a mesh ``data=4,tensor=2`` means FSDP over data and Megatron over tensor.
+
+Uneven dimensions under tensor parallelism: ``kv_heads`` is ``["tensor", None]``, so a model
+with fewer key/value heads than ``tensor`` (or a count it does not divide) keeps them whole on
+every tensor shard, each shard using the ones its query heads need, as Megatron does. The
+vocabulary has no such fallback (a whole vocabulary would cost a full copy of the embedding,
+the head and the logits per shard); models pad it instead (`GPTConfig.vocab_multiple`).
 """
 
 from __future__ import annotations
@@ -56,7 +63,13 @@ LOGICAL_AXES: dict[str, str] = {
 
 STRATEGIES = ("dp", "fsdp", "hsdp", "zero1", "tp")
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")  # the presets' batch axes
-_TP_NAMES = ("mlp", "heads", "kv_heads", "vocab")
+# Megatron rules: split over tensor; key/value heads replicated where tensor does not divide them.
+_TP_RULES: dict[str, Entry] = {
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": ["tensor", None],
+    "vocab": "tensor",
+}
 
 
 def axes_of(entry: MeshAxes) -> tuple[str, ...]:
@@ -137,9 +150,9 @@ def rules_for(strategy: str, mesh=None) -> Rules:
     activations: dict[str, Entry] = {name: None for name in LOGICAL_AXES}
     activations["batch"] = BATCH_AXES
     activations["seq"] = "seq"
-    for name in _TP_NAMES:  # Megatron rules; a no-op while tensor == 1
-        params[name] = "tensor"
-        activations[name] = "tensor"
+    for name, entry in _TP_RULES.items():  # a no-op while tensor == 1
+        params[name] = alternatives(entry) if isinstance(entry, list) else entry
+        activations[name] = alternatives(entry) if isinstance(entry, list) else entry
     # Pipeline stages own contiguous slices of the stacked layers; a no-op while pipe == 1.
     params["layers"] = "pipe"
     optimizer = None

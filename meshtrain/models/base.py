@@ -44,6 +44,10 @@ class DataSpec(NamedTuple):
 class ModelConfig(Protocol):
     """A model family's config: a frozen dataclass, validated in ``__post_init__``.
 
+    Optionally, it also has ``check_layout(sizes, rules) -> list[Problem]``: what keeps the
+    model from being laid out by `rules` on axes of `sizes`, with the fix in its own fields
+    (the GPT's names ``gpt.vocab_multiple``); the run check calls it when present.
+
     Attributes:
         dtype: the compute dtype name (``float32`` or ``bfloat16``), for the peak-FLOPs lookup.
     """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import kernels
-from meshtrain.layout import constrain
+from meshtrain.layout import Rules, alternatives, axes_of, constrain, resolve
 from meshtrain.models import layers
 from meshtrain.models.base import DTYPES, DataSpec, PipelineParts
 from meshtrain.models.remat import ATTN_OUT, POLICIES, check_policy
@@ -57,6 +58,14 @@ class GPTConfig:
         rope_original_max_seq_len: llama3: the context length of pre-training.
         qkv_bias: biases on the query, key and value projections only (llama style; Qwen2).
         sliding_window: 0, or the keys each query sees: positions (t − window, t] (Mistral).
+        vocab_multiple: the embedding and head get ``vocab_size`` rounded up to a multiple of
+            this (`padded_vocab`), so the vocabulary splits over ``tensor`` (and matmuls get
+            whole tiles): GPT-2's 50257 becomes 50304. The padded ids' logits are masked to
+            `layers.PADDED_LOGIT`, so they take no probability, no loss and no gradient, and
+            their rows start and stay zero. A setting of the model, never derived from the
+            size of ``tensor``, so a checkpoint's shapes do not depend on the layout it was
+            trained under. 128 leaves 256, 32000, 128256 and 151936 as they are; 1 turns
+            padding off.
     """
 
     style: str = "llama"
@@ -81,6 +90,7 @@ class GPTConfig:
     rope_original_max_seq_len: int = 8192
     qkv_bias: bool = False
     sliding_window: int = 0
+    vocab_multiple: int = 128
 
     def __post_init__(self):
         if self.style not in ("gpt2", "llama"):
@@ -104,6 +114,11 @@ class GPTConfig:
             )
         if self.style == "llama" and self.head_dim % 2:
             raise ValueError(f"gpt head width {self.head_dim} must be even for RoPE")
+        if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
+            raise ValueError(
+                f"gpt vocab_multiple={self.vocab_multiple!r}: must be a positive integer "
+                "(1: no padding)"
+            )
         check_policy(self.remat)
         if self.dtype not in DTYPES:
             raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
@@ -147,6 +162,11 @@ class GPTConfig:
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
 
     @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and head: ``vocab_size`` up to a multiple of ``vocab_multiple``."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def compute_dtype(self):
         """The jnp dtype matmuls run in."""
         return DTYPES[self.dtype]
@@ -156,16 +176,17 @@ class GPTConfig:
         D, H, G, K, F = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.ff_dim
         attn = D * H * K + 2 * D * G * K + H * K * D
         mlp = (3 if self.style == "llama" else 2) * D * F
-        return self.n_layers * (attn + mlp) + D * self.vocab_size
+        return self.n_layers * (attn + mlp) + D * self.padded_vocab
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward).
 
         ``6·N`` for the N matmul parameters (2 forward, 4 backward) plus ``12·L·H·K·T`` for the
         attention scores and weighted sum at sequence length T. Masked (causal) positions are
-        counted too, as in the PaLM paper's MFU definition. With a sliding window W < T each
-        query is counted against W keys instead of T (the band a windowed kernel computes);
-        biases are not matmul parameters.
+        counted too, as in the PaLM paper's MFU definition, and so is the padded vocabulary
+        (`padded_vocab`): the head's matmul runs over it, as Megatron-LM and nanoGPT count it.
+        With a sliding window W < T each query is counted against W keys instead of T (the
+        band a windowed kernel computes); biases are not matmul parameters.
         """
         keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * keys
@@ -210,12 +231,40 @@ class GPTConfig:
             )
         return problems
 
+    def check_layout(self, sizes: Mapping[str, int], rules: Rules) -> list[Problem]:
+        """A padded vocabulary that the rules' ``vocab`` split does not divide, with the
+        ``vocab_multiple`` that fixes it (`sizes`: axis name → size)."""
+        for table in (rules.params, rules.activations):
+            if table.get("vocab") is None:
+                continue
+            try:
+                resolve(("vocab",), table, sizes, shape=(self.padded_vocab,))
+            except ValueError:
+                axes = [a for a in axes_of(alternatives(table["vocab"])[0]) if sizes.get(a, 1) > 1]
+                ways = math.prod(sizes[a] for a in axes)
+                fix = math.lcm(self.vocab_multiple, ways)
+                padded = dataclasses.replace(self, vocab_multiple=fix).padded_vocab
+                split = " × ".join(f"{a}={sizes[a]}" for a in axes)
+                return [
+                    Problem(
+                        "gpt.vocab_multiple",
+                        self.vocab_multiple,
+                        f"the vocabulary of {self.vocab_size} padded to {self.padded_vocab} "
+                        f"ids does not split over {split}; set --gpt.vocab-multiple {fix} "
+                        f"(pads it to {padded})",
+                    )
+                ]
+        return []
+
     def describe(self) -> str:
         """E.g. ``gpt llama · d_model=128 · 4 layers · 4 heads (2 kv)``."""
         kv = f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else ""
+        vocab = ""
+        if self.padded_vocab != self.vocab_size:
+            vocab = f" · vocab {self.vocab_size} padded to {self.padded_vocab}"
         return (
             f"gpt {self.style} · d_model={self.d_model} · {self.n_layers} layers · "
-            f"{self.n_heads} heads{kv}"
+            f"{self.n_heads} heads{kv}{vocab}"
         )
 
     @property
@@ -343,16 +392,17 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Token ids [B, T] → next-token logits [B, T, vocab] (float32)."""
+    """Token ids [B, T] → next-token logits [B, T, padded_vocab] (float32); the logits of
+    padded ids (``vocab_size`` and up) are `layers.PADDED_LOGIT`."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        D = cfg.d_model
+        D, V, Vp = cfg.d_model, cfg.vocab_size, cfg.padded_vocab
         self.embed = layers.Embed(
-            cfg.vocab_size,
+            Vp,
             D,
             dtype=cfg.compute_dtype,
-            embedding_init=nnx.initializers.normal(0.02),
+            embedding_init=layers.init_rows(("vocab", "embed"), V, axis=0),
             rngs=rngs,
         )
         if cfg.style == "gpt2":
@@ -376,10 +426,10 @@ class GPT(nnx.Module):
         else:
             self.head = nnx.Linear(
                 D,
-                cfg.vocab_size,
+                Vp,
                 use_bias=False,
                 dtype=cfg.compute_dtype,
-                kernel_init=layers.init(("embed", "vocab")),
+                kernel_init=layers.init_rows(("embed", "vocab"), V, axis=1),
                 rngs=rngs,
             )
 
@@ -415,13 +465,19 @@ class GPT(nnx.Module):
         return scan_blocks(self.blocks, x_BTD, self.cfg.remat)
 
     def head_logits(self, x_BTD: jax.Array) -> jax.Array:
-        """Final norm and output head: [B, T, D] → float32 logits [B, T, vocab]."""
+        """Final norm and output head: [B, T, D] → float32 logits [B, T, padded_vocab], the
+        padded ids' masked."""
         x_BTD = layers.apply_norm(self.norm, x_BTD, self.cfg.norm_impl)
         if self.head is None:
             logits_BTV = self.embed.attend(x_BTD)
         else:
             logits_BTV = self.head(x_BTD)
-        return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"))
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if self.cfg.padded_vocab > self.cfg.vocab_size:
+            # In the model, not the loss: every loss (xla, pallas, a user's), evaluation and
+            # sampling then see padded ids at zero probability, with no gradient into them.
+            logits_BTV = layers.mask_padded_vocab(logits_BTV, self.cfg.vocab_size)
+        return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def scan_blocks(blocks: Block, x_BTD: jax.Array, remat: str = "none") -> jax.Array:

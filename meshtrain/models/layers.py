@@ -19,6 +19,33 @@ def init(names: tuple[str | None, ...], std: float = 0.02):
     return nnx.with_partitioning(nnx.initializers.normal(std), names, eager_sharding=False)
 
 
+def init_rows(names: tuple[str | None, ...], valid: int, *, axis: int, std: float = 0.02):
+    """`init`, but zero past the first `valid` entries along `axis`: a padded vocabulary's
+    unused rows (exactly `init` when nothing is padded)."""
+    base = nnx.initializers.normal(std)
+
+    def fn(key, shape, dtype=jnp.float32):
+        w = base(key, shape, dtype)
+        if shape[axis] == valid:
+            return w
+        keep = jnp.arange(shape[axis]) < valid
+        return jnp.where(jnp.expand_dims(keep, [d for d in range(len(shape)) if d != axis]), w, 0)
+
+    return nnx.with_partitioning(fn, names, eager_sharding=False)
+
+
+# The logit of a padded vocabulary id: exp() of it minus any real logit is exactly 0 in float32,
+# and, unlike -inf, it keeps sums and products over the logits finite.
+PADDED_LOGIT = -1e9
+
+
+def mask_padded_vocab(logits_BTV: jax.Array, vocab_size: int) -> jax.Array:
+    """Logits of ids ``vocab_size`` and up set to `PADDED_LOGIT`: a softmax gives them
+    probability 0, and no gradient flows back through them."""
+    ids_V = jnp.arange(logits_BTV.shape[-1])
+    return jnp.where(ids_V < vocab_size, logits_BTV, jnp.asarray(PADDED_LOGIT, logits_BTV.dtype))
+
+
 def const_init(fn, names: tuple[str | None, ...]):
     """Wraps a constant initialiser (zeros / ones) with logical axis `names`."""
     return nnx.with_partitioning(fn, names, eager_sharding=False)

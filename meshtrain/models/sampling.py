@@ -29,8 +29,8 @@ def sample(
         key: the random key.
         temperature: softmax temperature (near 0: greedy).
         window: context length; default ``model.cfg.max_seq_len``.
-        vocab_size: sample only ids below this (logits past it, e.g. a padded vocabulary,
-            are never drawn); default: every logit.
+        vocab_size: sample only ids below this (logits past it are never drawn); default:
+            every logit. meshtrain's GPT masks its padded vocabulary itself.
 
     Returns:
         [T0 + n_new] int32 tokens.

@@ -15,6 +15,10 @@ LOSS_IMPLS = ("xla", "pallas", "auto")
 def cross_entropy(logits: jax.Array, targets: jax.Array, *, impl: str = "xla") -> jax.Array:
     """Mean softmax cross-entropy over every target.
 
+    Logits a model masks to a large negative value (a padded vocabulary, e.g.
+    `meshtrain.models.layers.PADDED_LOGIT`) add exactly nothing to the loss and get no
+    gradient, with either `impl`.
+
     Args:
         logits: [..., C] float.
         targets: [...] integer class ids.

@@ -220,13 +220,19 @@ def loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
 
 def optimizer(opt: OptConfig) -> optax.GradientTransformation:
     """clip_by_global_norm, then AdamW with warmup + cosine; no decay on biases and scales."""
-    schedule = optax.warmup_cosine_decay_schedule(
+    # Step s (from 0) runs at optax's schedule of s + 1: the first step already gets lr/W, step
+    # W − 1 the peak, and the last step (total_steps − 1) exactly lr · min_lr_ratio.
+    warmup = max(min(opt.warmup_steps, opt.total_steps - 1), 1)
+    shifted = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=opt.lr,
-        warmup_steps=min(opt.warmup_steps, max(opt.total_steps - 1, 0)),
-        decay_steps=max(opt.total_steps, opt.warmup_steps + 1),
+        warmup_steps=warmup,
+        decay_steps=max(opt.total_steps, warmup + 1),
         end_value=opt.lr * opt.min_lr_ratio,
     )
+
+    def schedule(step):
+        return shifted(step + 1)
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(

@@ -143,7 +143,7 @@ def run_jax_baseline(args, shape) -> dict:
         attention=attention,
         remat=c.remat if c.remat in ("none", "full", "save-dots") else "none",
     )
-    _, param_vars, _ = nnx.split(mt.build_model(c, seed=args.seed), nnx.Param, ...)
+    _, param_vars, _ = nnx.split(mt.lower.build_model(c, seed=args.seed), nnx.Param, ...)
     params = nnx.to_pure_dict(param_vars)
     del param_vars
     total = args.warmup + 2 * args.steps + 1

@@ -286,7 +286,7 @@ def bench_rowwise(args, ceilings, name) -> list[dict]:
         fns = {}
         for impl in ("pallas", "xla"):
             if name == "cross_entropy":
-                f = lambda x, t, impl=impl: K.cross_entropy(x, t, impl=impl)  # noqa: E731
+                f = lambda x, t, impl=impl: K.token_cross_entropy(x, t, impl=impl)  # noqa: E731
                 fb = lambda x, t, g, f=f: jax.vjp(lambda x: f(x, t), x)[1](g)  # noqa: E731
             elif name == "rms_norm":
                 f = lambda x, w, b, impl=impl: K.rms_norm(x, w, impl=impl)  # noqa: E731
@@ -400,7 +400,9 @@ def cpu_smoke() -> dict:
         ),
         "rms_norm": rel_err(K.rms_norm(x, w, impl="pallas"), R.rms_norm(x, w)),
         "layer_norm": rel_err(K.layer_norm(x, w, b, impl="pallas"), R.layer_norm(x, w, b)),
-        "cross_entropy": rel_err(K.cross_entropy(x, t, impl="pallas"), R.cross_entropy(x, t)),
+        "cross_entropy": rel_err(
+            K.token_cross_entropy(x, t, impl="pallas"), R.token_cross_entropy(x, t)
+        ),
         "matmul": rel_err(
             K.matmul(x, mw, mb, activation="gelu", impl="pallas"),
             R.matmul(x, mw, mb, activation="gelu"),

@@ -9,7 +9,7 @@ For one GPT and one mesh this script builds
   ``jax.jit(step, donate_argnums=0)`` doing ``value_and_grad`` of cross-entropy, ``tx.update``
   and ``apply_updates``; no activation constraints;
 - ``baseline_constrained``: the same hand-written step traced inside
-  ``meshtrain.sharding.activation_rules``, so the model's activation constraints apply. It
+  ``meshtrain.layout.activation_rules``, so the model's activation constraints apply. It
   separates the cost of the step wrapper (what meshtrain adds) from the effect of the layout
   (what the constraints change).
 
@@ -95,11 +95,12 @@ def main(argv=None) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from meshtrain import sharding as S
+    from meshtrain import layout as S
+    from meshtrain.layout import batch_shardings
+    from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
     from meshtrain.mesh import describe, make_mesh
     from meshtrain.models import GPTConfig, build_model
-    from meshtrain.train import OptimConfig, init_train_state, jit_train_step, make_optimizer
-    from meshtrain.train.step import batch_shardings
+    from meshtrain.train import OptimConfig
 
     # A compile-time benchmark must not read compiled programs back from a disk cache.
     jax.config.update("jax_enable_compilation_cache", False)
@@ -301,7 +302,7 @@ def main(argv=None) -> dict:
             "apply_updates; no activation constraints; returns only the loss"
         ),
         "baseline_constrained_detail": (
-            "the same hand-written step traced inside meshtrain.sharding.activation_rules, so "
+            "the same hand-written step traced inside meshtrain.layout.activation_rules, so "
             "the model's activation constraints apply"
         ),
         "same_state_layout": same_layout,

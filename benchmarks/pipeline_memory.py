@@ -36,11 +36,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from meshtrain.layout import activation_rules, rules_for
+from meshtrain.lower import cross_entropy, init_train_state
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss_and_grads
-from meshtrain.sharding import activation_rules, rules_for
-from meshtrain.train.step import cross_entropy, init_train_state
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8}
 

@@ -71,11 +71,10 @@ def main(argv=None) -> dict:
 
     from meshtrain.checkpoint import CheckpointConfig, CheckpointManager
     from meshtrain.cli import TrainJob
+    from meshtrain.layout import batch_shardings, rules_for, shard_batch
+    from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
     from meshtrain.mesh import describe, make_mesh
     from meshtrain.models import GPTConfig, build_model
-    from meshtrain.sharding import rules_for, shard_batch
-    from meshtrain.train import init_train_state, jit_train_step, make_optimizer
-    from meshtrain.train.step import batch_shardings
 
     job = TrainJob()
     model = job.gpt

@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     )
     mesh = mt.make_mesh("data=1", devices=jax.devices()[:1])
     rules = mt.rules_for("dp", mesh)
-    tx = mt.make_optimizer(mt.OptimConfig(), total_steps=10)
-    graphdef, state, _ = mt.init_train_state(
-        lambda: mt.build_model(cfg, seed=args.seed), tx, mesh, rules
+    tx = mt.lower.make_optimizer(mt.OptimConfig(), total_steps=10)
+    graphdef, state, _ = mt.lower.init_train_state(
+        lambda: mt.lower.build_model(cfg, seed=args.seed), tx, mesh, rules
     )
     # Weights ten times the initial scale, so the logits are far from uniform and the loss
     # reacts to a wrong weight (at the initial scale every port gives about ln(vocab)).
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     )
     tokens = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (3, 25), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    _, metrics = mt.train_step(graphdef, tx, state, batch)
+    _, metrics = mt.lower.train_step(graphdef, tx, state, batch)
 
     flat = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):

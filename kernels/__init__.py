@@ -9,7 +9,7 @@ See kernels/README.md for each kernel's algorithm, backend and limits.
 from meshtrain.kernels import reference
 from meshtrain.kernels._common import ATTENTION_IMPLS, IMPLS, poison_outputs
 from meshtrain.kernels.attention import flash_attention
-from meshtrain.kernels.cross_entropy import cross_entropy, cross_entropy_loss
+from meshtrain.kernels.cross_entropy import token_cross_entropy
 from meshtrain.kernels.matmul import matmul
 from meshtrain.kernels.norms import layer_norm, rms_norm
 from meshtrain.kernels.select import check_impls, model_attention_impl
@@ -18,8 +18,6 @@ __all__ = [
     "ATTENTION_IMPLS",
     "IMPLS",
     "check_impls",
-    "cross_entropy",
-    "cross_entropy_loss",
     "flash_attention",
     "layer_norm",
     "matmul",
@@ -27,4 +25,5 @@ __all__ = [
     "poison_outputs",
     "reference",
     "rms_norm",
+    "token_cross_entropy",
 ]

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.layout import active, axes_of, manual_region, resolve
+
 IMPLS = ("pallas", "xla", "auto")
 ATTENTION_IMPLS = ("pallas", "xla", "cudnn", "auto")
 
@@ -66,32 +68,8 @@ def triton_params(num_warps: int, num_stages: int):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _active():
-    """The (mesh, rules) the model is being traced under, or None."""
-    from meshtrain.sharding import _ACTIVE
-
-    return _ACTIVE.get()
-
-
-def _axes_for(name: str | None, size: int, mesh, rules, used: set[str]) -> tuple[str, ...]:
-    """Mesh axes the logical `name` maps to that are > 1, unused and divide `size` together."""
-    if name is None:
-        return ()
-    from meshtrain.sharding import _as_tuple
-
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
-    axes = []
-    ways = 1
-    for a in _as_tuple(rules.activations.get(name)):
-        if sizes.get(a, 1) > 1 and a not in used and size % (ways * sizes[a]) == 0:
-            axes.append(a)
-            ways *= sizes[a]
-    used.update(axes)
-    return tuple(axes)
-
-
 def sharded(fn, args, names, out_names, *, with_axes=False):
-    """Runs ``fn(*args)`` per shard under `jax.shard_map` when a mesh is active.
+    """Runs ``fn(*args)`` per shard, in a region manual over the mesh, when a layout is active.
 
     Args:
         fn: the kernel call; must act independently on every split dimension.
@@ -100,32 +78,45 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
         out_names: one tuple of logical names per output (a single tuple: one output).
 
     Returns:
-        ``fn(*args)``; under `meshtrain.sharding.activation_rules` each device runs `fn` on its
-        own block (batch over data × fsdp, heads over tensor), with no gathering. A dimension
-        whose size the mesh axes do not divide is left whole (replicated). With `with_axes`,
-        `fn` also gets ``axes=`` (logical name → the mesh axes it is split over).
+        ``fn(*args)``; under `meshtrain.layout.activation_rules` each device runs `fn` on its
+        own block (batch over data × fsdp, heads over tensor), with no gathering. Each argument
+        is split as `meshtrain.layout.constrain` would split an array with its names (the
+        layout's one divisibility policy, `meshtrain.layout.resolve`), with each name's size
+        taken as the gcd over the arguments that carry it; a name must come out split the same
+        way in every argument. With `with_axes`, `fn` also gets ``axes=`` (logical name → the
+        mesh axes it is split over), e.g. to find which key/value heads a shard's query heads
+        use when the two are split differently.
     """
-    active = _active()
-    if active is None:
+    layout = active()
+    if layout is None:
         return fn(*args, axes={}) if with_axes else fn(*args)
-    mesh, rules = active
-    # Resolve each logical name once, from the first argument that carries it, so all
-    # arguments sharing a name are split the same way.
+    # The gcd of each name's sizes: a split divides the gcd exactly when it divides every
+    # argument that carries the name.
+    sizes: dict[str, int] = {}
+    for arg, arg_names in zip(args, names, strict=True):
+        for dim, name in enumerate(arg_names):
+            if name is not None:
+                sizes[name] = math.gcd(sizes.get(name, 0), arg.shape[dim])
+    where = f"kernel inputs {tuple(tuple(a.shape) for a in args)}"
     resolved: dict[str, tuple[str, ...]] = {}
-    used: set[str] = set()
-    for arg, arg_names in zip(args, names, strict=True):
-        for dim, name in enumerate(arg_names):
-            if name is not None and name not in resolved:
-                resolved[name] = _axes_for(name, arg.shape[dim], mesh, rules, used)
-    # A name must divide every argument that carries it.
-    for arg, arg_names in zip(args, names, strict=True):
-        for dim, name in enumerate(arg_names):
-            if name is not None and resolved[name]:
-                ways = math.prod(mesh.shape[a] for a in resolved[name])
-                if arg.shape[dim] % ways:
-                    resolved[name] = ()
+    for arg_names in names:
+        present = tuple(n for n in arg_names if n is not None)
+        spec = resolve(
+            present,
+            layout.rules.activations,
+            layout.mesh,
+            shape=tuple(sizes[n] for n in present),
+            where=where,
+        )
+        for name, part in zip(present, spec, strict=True):
+            if resolved.setdefault(name, axes_of(part)) != axes_of(part):
+                raise ValueError(
+                    f"{where}: logical axis {name!r} is split over {resolved[name]} in one "
+                    f"argument and {axes_of(part)} in another; give the kernel's arguments "
+                    "their logical names in one order"
+                )
 
-    def spec(arg_names):
+    def spec_of(arg_names):
         parts = []
         for name in arg_names:
             axes = resolved.get(name, ()) if name is not None else ()
@@ -133,15 +124,16 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
         return P(*parts)
 
     single = out_names and not isinstance(out_names[0], tuple)
-    out_specs = spec(out_names) if single else tuple(spec(n) for n in out_names)
-    in_specs = tuple(spec(n) for n in names)
+    out_specs = spec_of(out_names) if single else tuple(spec_of(n) for n in out_names)
+    in_specs = tuple(spec_of(n) for n in names)
     if with_axes:
         fn = functools.partial(fn, axes={k: v for k, v in resolved.items() if v})
     if all(s == P(*([None] * len(s))) for s in in_specs):
         return fn(*args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        *args
+    region = manual_region(
+        fn, mesh=layout.mesh, axes=None, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
+    return region(*args)
 
 
 _POISON: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_poison", default=False)

@@ -3,10 +3,11 @@
 Layout is the model's own, ``[batch, seq, heads, head_dim]``: each grid cell reads a
 ``[block, head_dim]`` window, so nothing is transposed on the way in or out. Grouped-query
 attention needs no copies either: the key/value index map sends query head h to key/value
-head ``h // R``. Sequences are zero-padded up to the block and the padding is masked, so any
-length works. Memory is O(sequence): the forward keeps a ``[block_q, head_dim]`` accumulator
-and writes the output and a ``[B, H, T]`` logsumexp; the backward recomputes the probabilities
-block by block from that logsumexp.
+head ``h // R``; under tensor parallelism with fewer key/value heads than shards, each shard
+picks the ones its query heads use (`_local_kv_heads`). Sequences are zero-padded up to the
+block and the padding is masked, so any length works. Memory is O(sequence): the forward keeps
+a ``[block_q, head_dim]`` accumulator and writes the output and a ``[B, H, T]`` logsumexp; the
+backward recomputes the probabilities block by block from that logsumexp.
 """
 
 from __future__ import annotations
@@ -42,27 +43,47 @@ def _dot(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
-def _mask(rows, cols, seq_q, seq_k, causal):
-    """Valid (query, key) pairs of a tile: inside both sequences and, if causal, col ≤ row."""
+def _mask(rows, cols, seq_q, seq_k, causal, window):
+    """Valid (query, key) pairs of a tile: inside both sequences and, if causal, col ≤ row
+    (and, with a window, row − col < window)."""
     ok = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
     if causal:
         ok = ok & (rows[:, None] >= cols[None, :])
+    if window is not None:
+        ok = ok & (rows[:, None] - cols[None, :] < window)
     return ok
 
 
-def _kv_blocks(i, block_q, block_k, n_kv, causal):
-    """Key blocks query block `i` must visit (causal: only those at or left of the diagonal)."""
+def _kv_range(i, block_q, block_k, n_kv, causal, window):
+    """Key blocks ``[lo, hi)`` query block `i` must visit: causal, only those at or left of the
+    diagonal; with a window, none wholly left of it either."""
     if not causal:
-        return n_kv
+        return 0, n_kv
     # lax.div truncates, which is floor division for these non-negative operands, and lowers
     # to one instruction (jnp's // adds sign fix-ups).
-    return jnp.minimum(n_kv, lax.div((i + 1) * block_q + block_k - 1, block_k))
+    hi = jnp.minimum(n_kv, lax.div((i + 1) * block_q + block_k - 1, block_k))
+    if window is None:
+        return 0, hi
+    return lax.div(jnp.maximum(i * block_q - window + 1, 0), block_k), hi
+
+
+def _q_range(j, block_q, block_k, n_q, causal, window):
+    """Query blocks ``[lo, hi)`` that see some key of key block `j`."""
+    if not causal:
+        return 0, n_q
+    lo = lax.div(j * block_k, block_q)  # earlier query blocks see none of these keys
+    if window is None:
+        return lo, n_q
+    # The last query that sees key (j + 1)·bk − 1 is that key + window − 1.
+    return lo, jnp.minimum(n_q, lax.div((j + 1) * block_k + window - 2, block_q) + 1)
 
 
 # --- forward ----------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, seq_q, seq_k):
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, window, bq, bk, seq_q, seq_k
+):
     i = pl.program_id(2)
     q = q_ref[...]
     rows = i * bq + lax.iota(jnp.int32, bq)
@@ -72,7 +93,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, s
         acc, m, denom = carry
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        ok = _mask(rows, j * bk + lax.iota(jnp.int32, bk), seq_q, seq_k, causal)
+        ok = _mask(rows, j * bk + lax.iota(jnp.int32, bk), seq_q, seq_k, causal, window)
         s = jnp.where(ok, _dot_nt(q, k) * scale, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
@@ -87,7 +108,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bq, bk, s
         jnp.full((bq,), _NEG, _F32),
         jnp.zeros((bq,), _F32),
     )
-    acc, m, denom = lax.fori_loop(0, _kv_blocks(i, bq, bk, n_kv, causal), body, init)
+    acc, m, denom = lax.fori_loop(*_kv_range(i, bq, bk, n_kv, causal, window), body, init)
     denom = jnp.where(denom == 0.0, 1.0, denom)  # rows with no visible key (padding only)
     o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(denom)
@@ -114,7 +135,7 @@ def _pad_inputs(q, k, v, bq, bk):
     return _common.pad_to(q, 1, Tp), _common.pad_to(k, 1, Sp), _common.pad_to(v, 1, Sp)
 
 
-def _fwd_call(q, k, v, *, causal, bq, bk, seq_q, seq_k, interpret):
+def _fwd_call(q, k, v, *, causal, window, bq, bk, seq_q, seq_k, interpret):
     """Runs the forward kernel on padded q, k, v."""
     B, Tp, H, K = q.shape
     Sp, G = k.shape[1], k.shape[2]
@@ -123,6 +144,7 @@ def _fwd_call(q, k, v, *, causal, bq, bk, seq_q, seq_k, interpret):
         _fwd_kernel,
         scale=1.0 / math.sqrt(K),
         causal=causal,
+        window=window,
         bq=bq,
         bk=bk,
         seq_q=seq_q,
@@ -147,7 +169,21 @@ def _fwd_call(q, k, v, *, causal, bq, bk, seq_q, seq_k, interpret):
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bq, bk, seq_q, seq_k
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    scale,
+    causal,
+    window,
+    bq,
+    bk,
+    seq_q,
+    seq_k,
 ):
     i = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
@@ -158,13 +194,13 @@ def _dq_kernel(
     def body(j, dq):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
-        ok = _mask(rows, j * bk + lax.iota(jnp.int32, bk), seq_q, seq_k, causal)
+        ok = _mask(rows, j * bk + lax.iota(jnp.int32, bk), seq_q, seq_k, causal, window)
         p = jnp.where(ok, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
         ds = p * (_dot_nt(do, v) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, _F32)
-    dq = lax.fori_loop(0, _kv_blocks(i, bq, bk, n_kv, causal), body, dq)
+    dq = lax.fori_loop(*_kv_range(i, bq, bk, n_kv, causal, window), body, dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -180,6 +216,7 @@ def _dkv_kernel(
     *,
     scale,
     causal,
+    window,
     bq,
     bk,
     seq_q,
@@ -189,7 +226,6 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     cols = j * bk + lax.iota(jnp.int32, bk)
     n_q = q_ref.shape[0] // bq
-    first = lax.div(j * bk, bq) if causal else 0  # earlier query blocks see none of these keys
 
     def body(i, carry):
         dk, dv = carry
@@ -197,7 +233,7 @@ def _dkv_kernel(
         do = do_ref[pl.ds(i * bq, bq), :]
         lse = lse_ref[pl.ds(i * bq, bq)]
         delta = delta_ref[pl.ds(i * bq, bq)]
-        ok = _mask(i * bq + lax.iota(jnp.int32, bq), cols, seq_q, seq_k, causal)
+        ok = _mask(i * bq + lax.iota(jnp.int32, bq), cols, seq_q, seq_k, causal, window)
         p = jnp.where(ok, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
         dv = dv + _dot_tn(p.astype(do.dtype), do)
         ds = p * (_dot_nt(do, v) - delta[:, None])
@@ -205,17 +241,25 @@ def _dkv_kernel(
         return dk, dv
 
     zeros = jnp.zeros(k.shape, _F32)
-    dk, dv = lax.fori_loop(first, n_q, body, (zeros, zeros))
+    dk, dv = lax.fori_loop(*_q_range(j, bq, bk, n_q, causal, window), body, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _bwd_calls(q, k, v, do, lse, delta, *, causal, bq, bk, seq_q, seq_k, interpret):
+def _bwd_calls(q, k, v, do, lse, delta, *, causal, window, bq, bk, seq_q, seq_k, interpret):
     """Runs the dq kernel and the dk/dv kernel on padded arrays; dk, dv per query head."""
     B, Tp, H, K = q.shape
     Sp, G = k.shape[1], k.shape[2]
     sp = _specs(B, H, G, Tp, Sp, K, bq, bk)
-    static = dict(scale=1.0 / math.sqrt(K), causal=causal, bq=bq, bk=bk, seq_q=seq_q, seq_k=seq_k)
+    static = dict(
+        scale=1.0 / math.sqrt(K),
+        causal=causal,
+        window=window,
+        bq=bq,
+        bk=bk,
+        seq_q=seq_q,
+        seq_k=seq_k,
+    )
     params = _common.triton_params(4 if K <= 64 else 8, 2)
     dq = _common.pallas_call(
         functools.partial(_dq_kernel, **static),
@@ -261,20 +305,29 @@ def _bwd_calls(q, k, v, do, lse, delta, *, causal, bq, bk, seq_q, seq_k, interpr
 # --- custom_vjp -------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _flash(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _flash(qp, kp, vp, causal, window, bq, bk, seq_q, seq_k, interpret):
     """Attention on block-padded q, k, v whose real lengths are seq_q and seq_k."""
-    return _flash_fwd(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret)[0]
+    return _flash_fwd(qp, kp, vp, causal, window, bq, bk, seq_q, seq_k, interpret)[0]
 
 
-def _flash_fwd(qp, kp, vp, causal, bq, bk, seq_q, seq_k, interpret):
+def _flash_fwd(qp, kp, vp, causal, window, bq, bk, seq_q, seq_k, interpret):
     o, lse = _fwd_call(
-        qp, kp, vp, causal=causal, bq=bq, bk=bk, seq_q=seq_q, seq_k=seq_k, interpret=interpret
+        qp,
+        kp,
+        vp,
+        causal=causal,
+        window=window,
+        bq=bq,
+        bk=bk,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        interpret=interpret,
     )
     return o, (qp, kp, vp, o, lse)
 
 
-def _flash_bwd(causal, bq, bk, seq_q, seq_k, interpret, res, do):
+def _flash_bwd(causal, window, bq, bk, seq_q, seq_k, interpret, res, do):
     qp, kp, vp, o, lse = res
     delta = jnp.einsum("bthk,bthk->bht", o.astype(_F32), do.astype(_F32))
     return _bwd_calls(
@@ -285,6 +338,7 @@ def _flash_bwd(causal, bq, bk, seq_q, seq_k, interpret, res, do):
         lse,
         delta,
         causal=causal,
+        window=window,
         bq=bq,
         bk=bk,
         seq_q=seq_q,
@@ -293,19 +347,21 @@ def _flash_bwd(causal, bq, bk, seq_q, seq_k, interpret, res, do):
     )
 
 
-def _attend(q, k, v, causal, bq, bk, interpret):
+def _attend(q, k, v, causal, window, bq, bk, interpret):
     """Pads to whole blocks, runs the kernels, drops the padding (whose rows get no gradient)."""
     T, S = q.shape[1], k.shape[1]
     qp, kp, vp = _pad_inputs(q, k, v, bq, bk)
-    return _flash(qp, kp, vp, causal, bq, bk, T, S, interpret)[:, :T]
+    return _flash(qp, kp, vp, causal, window, bq, bk, T, S, interpret)[:, :T]
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention_lse(q_BTHK, k_BSGK, v_BSGK, *, causal=True, block_q=None, block_k=None):
+def flash_attention_lse(
+    q_BTHK, k_BSGK, v_BSGK, *, causal=True, window=None, block_q=None, block_k=None
+):
     """Forward only, unsharded: ``(out [B, T, H, K], logsumexp [B, H, T])``; for tests."""
-    _validate(q_BTHK, k_BSGK, v_BSGK, "pallas")
+    _validate(q_BTHK, k_BSGK, v_BSGK, "pallas", causal, window)
     bq, bk = _blocks(q_BTHK.shape[1], k_BSGK.shape[1], block_q, block_k)
     T, S = q_BTHK.shape[1], k_BSGK.shape[1]
     qp, kp, vp = _pad_inputs(q_BTHK, k_BSGK, v_BSGK, bq, bk)
@@ -314,6 +370,7 @@ def flash_attention_lse(q_BTHK, k_BSGK, v_BSGK, *, causal=True, block_q=None, bl
         kp,
         vp,
         causal=causal,
+        window=window,
         bq=bq,
         bk=bk,
         seq_q=T,
@@ -326,8 +383,13 @@ def flash_attention_lse(q_BTHK, k_BSGK, v_BSGK, *, causal=True, block_q=None, bl
 # --- public -----------------------------------------------------------------------------
 
 
-def _validate(q, k, v, impl):
-    """Clear errors for shapes, head widths and dtypes the kernels do not take."""
+def _validate(q, k, v, impl, causal, window):
+    """Clear errors for shapes, head widths, dtypes and windows the kernels do not take."""
+    if window is not None and (not causal or not isinstance(window, int) or window < 1):
+        raise ValueError(
+            f"flash_attention: window={window!r} (causal={causal}) is not supported; a sliding "
+            "window is an integer ≥ 1 and needs causal=True"
+        )
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"flash_attention: q, k, v must be [batch, seq, heads, head_dim]; got ranks "
@@ -378,6 +440,7 @@ def flash_attention(
     v_BSGK: jax.Array,
     *,
     causal: bool = True,
+    window: int | None = None,
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -389,6 +452,8 @@ def flash_attention(
         k_BSGK: keys [batch, S, kv_heads, head_dim]; kv_heads divides heads.
         v_BSGK: values, the shape of the keys.
         causal: query i sees keys 0..i (top-left aligned, as `layers.causal_attention`).
+        window: with `causal`, query i sees only keys (i − window, i] (a sliding window);
+            None: all of 0..i. Key blocks wholly outside the window are skipped.
         impl: ``"pallas"`` (interpreted off the GPU), ``"xla"`` (the jnp reference),
             ``"cudnn"`` (`jax.nn.dot_product_attention`, GPU only) or ``"auto"``.
         block_q: query rows per tile (power of two ≥ 16; default 64, less for short sequences).
@@ -396,25 +461,76 @@ def flash_attention(
 
     Returns:
         [batch, T, heads, head_dim] in the input dtype. Under `activation_rules` the Pallas and
-        cuDNN paths run per shard (batch over data × fsdp, heads over tensor).
+        cuDNN paths run per shard (batch over data × fsdp, heads over tensor); key/value heads
+        that the layout keeps whole (fewer than tensor) are picked per shard for its query
+        heads.
     """
     impl = _common.resolve_impl(impl, kernel="flash_attention", allowed=_common.ATTENTION_IMPLS)
-    _validate(q_BTHK, k_BSGK, v_BSGK, impl)
+    _validate(q_BTHK, k_BSGK, v_BSGK, impl, causal, window)
     if impl == "xla":
-        return reference.attention(q_BTHK, k_BSGK, v_BSGK, causal=causal)
+        return reference.attention(q_BTHK, k_BSGK, v_BSGK, causal=causal, window=window)
     if impl == "cudnn":
+        # (left, right) keys beside the query itself: (window − 1, 0) is (i − window, i].
+        local = None if window is None else (window - 1, 0)
 
         def fn(q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+            return jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, local_window_size=local, implementation="cudnn"
+            )
 
     else:
         bq, bk = _blocks(q_BTHK.shape[1], k_BSGK.shape[1], block_q, block_k)
         interpret = _common.interpret_mode()
 
         def fn(q, k, v):
-            return _attend(q, k, v, causal, bq, bk, interpret)
+            return _attend(q, k, v, causal, window, bq, bk, interpret)
 
-    # Query and key/value heads share one name so that both split (or neither) and each
-    # shard keeps whole groups.
-    names = ("batch", None, "heads", None)
-    return _common.sharded(fn, (q_BTHK, k_BSGK, v_BSGK), (names, names, names), names)
+    H = q_BTHK.shape[2]
+
+    def per_shard(q, k, v, *, axes):
+        k, v = _local_kv_heads(q, k, v, heads=H, axes=axes)
+        return fn(q, k, v)
+
+    q_names, kv_names = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
+    return _common.sharded(
+        per_shard,
+        (q_BTHK, k_BSGK, v_BSGK),
+        (q_names, kv_names, kv_names),
+        q_names,
+        with_axes=True,
+    )
+
+
+def _local_kv_heads(q_BTHK, k_BSGK, v_BSGK, *, heads: int, axes):
+    """This shard's key/value heads, arranged for its query heads (inside a manual region).
+
+    Query head h uses key/value head ``h // R`` (R = H / G). Split over the same axes, each
+    shard holds whole groups and its own k/v: nothing to do. When the query heads are split
+    and k/v are whole on every shard (the layout replicates ``kv_heads`` that ``tensor`` does
+    not divide), shard i holds query heads ``[i·Hl, (i+1)·Hl)`` and picks what they use:
+
+    - the one group's k/v head when the shard's heads all fall in one group (R a multiple of
+      Hl: G divides the split, e.g. 8 query and 2 k/v heads on tensor=4): no copy, and the
+      kernel runs GQA with all local heads in one group;
+    - otherwise (the shard's heads straddle groups unevenly) one k/v head per local query head.
+
+    Picking beats repeating k/v to every query head up front: the kernel reads, and its
+    backward keeps as residuals, only the k/v heads a shard uses. The gradients of the picked
+    heads reach the whole k/v through the region's transpose, which sums them over the shards.
+    """
+    q_axes, kv_axes = axes.get("heads", ()), axes.get("kv_heads", ())
+    if kv_axes == q_axes:
+        return k_BSGK, v_BSGK
+    if kv_axes:
+        raise ValueError(
+            f"flash_attention: key/value heads split over {kv_axes} but query heads over "
+            f"{q_axes or 'nothing'}; split kv_heads over the axes heads use, or not at all"
+        )
+    G, Hl = k_BSGK.shape[2], q_BTHK.shape[2]
+    R = heads // G
+    first = lax.axis_index(q_axes) * Hl  # this shard's first query head
+    if R % Hl == 0:
+        pick = lambda x: lax.dynamic_slice_in_dim(x, first // R, 1, axis=2)
+    else:
+        pick = lambda x: jnp.take(x, (first + jnp.arange(Hl)) // R, axis=2)
+    return pick(k_BSGK), pick(v_BSGK)

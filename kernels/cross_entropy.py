@@ -139,7 +139,7 @@ def _ce_bwd(vocab_axes, br, bv, interpret, res, g):
 _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
-def cross_entropy(
+def token_cross_entropy(
     logits: jax.Array,
     targets: jax.Array,
     *,
@@ -160,23 +160,25 @@ def cross_entropy(
         [...] float32 losses. Under `activation_rules` the rows run split over the batch axes
         and, when the logits are split over ``vocab``, each shard reduces its own slice.
     """
-    impl = _common.resolve_impl(impl, kernel="cross_entropy")
+    impl = _common.resolve_impl(impl, kernel="token_cross_entropy")
     if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
         raise ValueError(
-            f"cross_entropy: targets {targets.shape} must be logits {logits.shape} without the "
-            "last (vocabulary) dimension"
+            f"token_cross_entropy: targets {targets.shape} must be logits {logits.shape} "
+            "without the last (vocabulary) dimension"
         )
     if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise ValueError(f"cross_entropy: targets must be integers, got {targets.dtype}")
+        raise ValueError(f"token_cross_entropy: targets must be integers, got {targets.dtype}")
     if impl == "xla":
-        return reference.cross_entropy(logits, targets)
+        return reference.token_cross_entropy(logits, targets)
     if logits.dtype not in DTYPES:
         raise ValueError(
-            f"cross_entropy impl='pallas': dtype {logits.dtype} is not supported; supported "
+            f"token_cross_entropy impl='pallas': dtype {logits.dtype} is not supported; supported "
             "dtypes are float32, bfloat16"
         )
     if block_vocab is not None and (block_vocab < 16 or block_vocab & (block_vocab - 1)):
-        raise ValueError(f"cross_entropy: block_vocab={block_vocab} must be a power of two ≥ 16")
+        raise ValueError(
+            f"token_cross_entropy: block_vocab={block_vocab} must be a power of two ≥ 16"
+        )
     interpret = _common.interpret_mode()
 
     def per_shard(x, t, *, axes):
@@ -192,8 +194,3 @@ def cross_entropy(
         rows,
         with_axes=True,
     )
-
-
-def cross_entropy_loss(logits: jax.Array, targets: jax.Array, *, impl: str = "auto") -> jax.Array:
-    """Mean of `cross_entropy` over all tokens: a drop-in training loss."""
-    return cross_entropy(logits, targets, impl=impl).mean()

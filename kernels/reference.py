@@ -19,13 +19,32 @@ ACTIVATIONS = {
 }
 
 
+def visible(T: int, S: int, *, causal: bool, window: int | None = None) -> jax.Array | None:
+    """The [T, S] mask of keys each query sees: all (None), causal (query i sees keys 0..i,
+    top-left aligned) or a causal sliding window (keys i − window + 1 .. i)."""
+    if window is not None and not causal:
+        raise ValueError("attention window: a sliding window needs causal=True")
+    if window is not None and window < 1:
+        raise ValueError(f"attention window={window}: must be ≥ 1 (None for no window)")
+    if not causal:
+        return None
+    gap_TS = jnp.arange(T)[:, None] - jnp.arange(S)[None, :]  # query position − key position
+    ok_TS = gap_TS >= 0
+    return ok_TS if window is None else ok_TS & (gap_TS < window)
+
+
 def attention(
-    q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, *, causal: bool = True
+    q_BTHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
 ) -> jax.Array:
     """Softmax attention with grouped key/value heads, softmax in float32.
 
     With ``causal=True`` this is `meshtrain.models.layers.causal_attention` (query i sees keys
-    0..i, top-left aligned).
+    0..i, top-left aligned); a `window` (causal only) limits it to keys (i − window, i].
 
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
@@ -36,15 +55,17 @@ def attention(
     s_BGRTS = jnp.einsum(
         "btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32
     ) / math.sqrt(K)
-    if causal:
-        causal_TS = jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]
-        s_BGRTS = jnp.where(causal_TS, s_BGRTS, jnp.finfo(jnp.float32).min)
+    ok_TS = visible(T, S, causal=causal, window=window)
+    if ok_TS is not None:
+        s_BGRTS = jnp.where(ok_TS, s_BGRTS, jnp.finfo(jnp.float32).min)
     p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(v_BSGK.dtype)
     o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS, v_BSGK)
     return o_BTGRK.reshape(B, T, H, K)
 
 
-def attention_logsumexp(q_BTHK: jax.Array, k_BSGK: jax.Array, *, causal: bool = True) -> jax.Array:
+def attention_logsumexp(
+    q_BTHK: jax.Array, k_BSGK: jax.Array, *, causal: bool = True, window: int | None = None
+) -> jax.Array:
     """The logsumexp of the scaled scores per query, [B, H, T] float32 (what flash saves)."""
     B, T, H, K = q_BTHK.shape
     S, G = k_BSGK.shape[1], k_BSGK.shape[2]
@@ -52,9 +73,9 @@ def attention_logsumexp(q_BTHK: jax.Array, k_BSGK: jax.Array, *, causal: bool = 
     s_BGRTS = jnp.einsum(
         "btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32
     ) / math.sqrt(K)
-    if causal:
-        causal_TS = jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]
-        s_BGRTS = jnp.where(causal_TS, s_BGRTS, -jnp.inf)
+    ok_TS = visible(T, S, causal=causal, window=window)
+    if ok_TS is not None:
+        s_BGRTS = jnp.where(ok_TS, s_BGRTS, -jnp.inf)
     return jax.nn.logsumexp(s_BGRTS, axis=-1).reshape(B, H, T)
 
 
@@ -79,7 +100,7 @@ def layer_norm(
     return (y + bias_D.astype(jnp.float32)).astype(x_ND.dtype)
 
 
-def cross_entropy(logits_NV: jax.Array, targets_N: jax.Array) -> jax.Array:
+def token_cross_entropy(logits_NV: jax.Array, targets_N: jax.Array) -> jax.Array:
     """Per-row softmax cross-entropy in float32: ``logsumexp(logits) - logits[target]``, [N]."""
     logits = logits_NV.astype(jnp.float32)
     lse_N = jax.nn.logsumexp(logits, axis=-1)

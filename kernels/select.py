@@ -6,13 +6,12 @@ from meshtrain.kernels import _common
 from meshtrain.kernels.attention import HEAD_DIMS
 
 
-def check_impls(attention_impl: str, norm_impl: str, loss_impl: str, head_dim: int) -> None:
+def check_impls(attention_impl: str, norm_impl: str, head_dim: int) -> None:
     """Raises a clear ValueError for an unknown impl or an attention kernel the head width
     cannot use; called from `GPTConfig.__post_init__`, before anything is traced."""
     for field, value, allowed in (
         ("attention_impl", attention_impl, _common.ATTENTION_IMPLS),
         ("norm_impl", norm_impl, _common.IMPLS),
-        ("loss_impl", loss_impl, _common.IMPLS),
     ):
         if value not in allowed:
             raise ValueError(f"gpt {field}={value!r}: choose from {', '.join(allowed)}")

@@ -1,6 +1,6 @@
 """meshtrain: Flax NNX training on `jax.sharding` meshes, where the XLA compiler distributes.
 
-The public API, in the order a script uses it::
+Two tiers. This module is the top one, in the order a script uses it::
 
     import meshtrain as mt
     mt.simulate_devices(8)                         # laptops / notebooks only
@@ -10,74 +10,54 @@ The public API, in the order a script uses it::
     trainer = mt.Trainer(mt.GPTConfig(), data, mesh=mesh, rules=rules)
     history = trainer.fit()
 
-Checkpoints: pass ``checkpoint=mt.CheckpointConfig(...)`` to the `Trainer` (see
-`meshtrain.checkpoint`).
+Your own model names its dimensions with `mt.constrain` and `mt.Embed`-style logical names;
+checkpoints come from ``checkpoint=mt.CheckpointConfig(...)``. The lower tier,
+`meshtrain.lower`, has the pieces the `Trainer` is built from, for writing your own loop.
 """
 
-from meshtrain import distributed
+from meshtrain import distributed, lower
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_dataset
 from meshtrain.distributed import DistributedConfig
+from meshtrain.layout import LOGICAL_AXES, STRATEGIES, Rules, constrain, rules_for
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
-from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, build_model, sample
+from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, families
+from meshtrain.models.layers import Embed
 from meshtrain.pipeline import PipelineConfig, schedule_table
-from meshtrain.sharding import (
-    LOGICAL_AXES,
-    STRATEGIES,
-    Rules,
-    constrain,
-    create_sharded_model,
-    process_rows,
-    rules_for,
-    shard_batch,
-)
-from meshtrain.train import (
-    OptimConfig,
-    TrainState,
-    init_train_state,
-    jit_train_step,
-    make_optimizer,
-    train_step,
-)
-from meshtrain.train.trainer import TrainConfig, Trainer
+from meshtrain.problem import RunCheckError
+from meshtrain.train import OptimConfig, TrainConfig, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AXES",
     "CheckpointConfig",
-    "GPT",
-    "LOGICAL_AXES",
-    "STRATEGIES",
     "DataConfig",
     "Dataset",
     "DistributedConfig",
+    "Embed",
+    "GPT",
     "GPTConfig",
+    "LOGICAL_AXES",
     "MLPClassifier",
     "MLPConfig",
     "MeshConfig",
     "OptimConfig",
     "PipelineConfig",
     "Rules",
+    "RunCheckError",
+    "STRATEGIES",
     "TrainConfig",
-    "TrainState",
     "Trainer",
-    "build_model",
     "constrain",
-    "create_sharded_model",
     "describe",
     "distributed",
-    "init_train_state",
-    "jit_train_step",
+    "families",
+    "lower",
     "make_arrays_dataset",
     "make_dataset",
     "make_mesh",
-    "make_optimizer",
-    "process_rows",
     "rules_for",
-    "sample",
     "schedule_table",
-    "shard_batch",
     "simulate_devices",
-    "train_step",
 ]

@@ -187,9 +187,9 @@ def loss_fn_for(impl: str) -> Callable | None:
     """The train step's loss: None (meshtrain's default, optax) for "xla", else the kernel."""
     if impl == "xla":
         return None
-    from meshtrain import kernels
+    from meshtrain.train.loss import cross_entropy_with
 
-    return lambda logits, targets: kernels.cross_entropy_loss(logits, targets, impl=impl)
+    return cross_entropy_with(impl)
 
 
 def synthetic_tokens(shape: Shape, n_batches: int, seed: int):
@@ -431,15 +431,15 @@ def run(args: argparse.Namespace) -> dict:
     record["strategy"] = args.strategy
     n_devices = mesh.devices.size
     total = args.warmup + 2 * args.steps + args.profile_steps + 1
-    tx = mt.make_optimizer(mt.OptimConfig(warmup_steps=2), total_steps=total)
-    graphdef, state, shardings = mt.init_train_state(
-        lambda: mt.build_model(shape.config, seed=args.seed), tx, mesh, rules
+    tx = mt.lower.make_optimizer(mt.OptimConfig(warmup_steps=2), total_steps=total)
+    graphdef, state, shardings = mt.lower.init_train_state(
+        lambda: mt.lower.build_model(shape.config, seed=args.seed), tx, mesh, rules
     )
     record["params"] = sum(int(x.size) for x in jax.tree.leaves(state.params))
-    batches = [mt.shard_batch(b, mesh, rules) for b in synthetic_tokens(shape, 3, args.seed)]
+    batches = [mt.lower.shard_batch(b, mesh, rules) for b in synthetic_tokens(shape, 3, args.seed)]
     batch_sharding = {k: v.sharding for k, v in batches[0].items()}
     extra = {} if (loss := loss_fn_for(args.loss)) is None else {"loss_fn": loss}
-    jitted = mt.jit_train_step(graphdef, tx, mesh, rules, shardings, batch_sharding, **extra)
+    jitted = mt.lower.jit_train_step(graphdef, tx, mesh, rules, shardings, batch_sharding, **extra)
     t0 = time.perf_counter()
     compiled = jitted.lower(state, batches[0]).compile()
     record["compile_s"] = time.perf_counter() - t0

@@ -12,7 +12,6 @@ meshtrain bench --size 125m                                # one JSON line of sp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import sys
@@ -22,74 +21,91 @@ from typing import Annotated
 
 import tyro
 
-from meshtrain.checkpoint import CheckpointConfig
+from meshtrain import _compat
+from meshtrain.checkpoint import CheckpointConfig, holds_run
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig, DistributedError
-from meshtrain.models import GPTConfig, MLPConfig
+from meshtrain.models import families
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.problem import Problem, RunCheckError
+from meshtrain.train.config import TrainConfig
 from meshtrain.train.optim import OptimConfig
-from meshtrain.train.trainer import TrainConfig
 
-MODEL_NAMES = ("gpt", "mlp")
+_DOC = """Train a model on a device mesh. With no flags: a small Llama-style GPT on this Python's
+own standard library, on 8 simulated CPU devices, as a data × fsdp × tensor = 2×2×2 hybrid.
+
+Args:
+    mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
+    strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
+        tensor > 1).
+    devices: CPU devices to simulate (per process); 0 uses the real devices (e.g. GPUs).
+    model: the model family: {models}.
+    prompt: start of the sample printed at the end (language models only).
+    sample_tokens: tokens to sample at the end (0 = none).
+    save: write checkpoints (to run_dir/checkpoints unless --checkpoint-dir is given).
+"""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainJob:
-    """Train a model on a device mesh. With no flags: a small Llama-style GPT on this Python's
-    own standard library, on 8 simulated CPU devices, as a data × fsdp × tensor = 2×2×2 hybrid.
-
-    Args:
-        mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
-        strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
-            tensor > 1).
-        devices: CPU devices to simulate (per process); 0 uses the real devices (e.g. GPUs).
-        model: gpt or mlp.
-        prompt: start of the sample printed at the end (gpt only).
-        sample_tokens: tokens to sample at the end (0 = none).
-        save: write checkpoints (to run_dir/checkpoints unless --checkpoint-dir is given).
-    """
-
-    mesh: str = "data=2,fsdp=2,tensor=2"
-    strategy: str = "hsdp+tp"
-    devices: int = 8
-    model: str = "gpt"
-    prompt: str = "def "
-    sample_tokens: int = 160
-    save: bool = True
-    train: Annotated[TrainConfig, tyro.conf.OmitArgPrefixes] = TrainConfig(steps=200)
-    pipeline: Annotated[PipelineConfig, tyro.conf.OmitArgPrefixes] = PipelineConfig()
-    checkpoint: Annotated[CheckpointConfig, tyro.conf.OmitArgPrefixes] = CheckpointConfig()
-    optim: Annotated[OptimConfig, tyro.conf.OmitArgPrefixes] = OptimConfig()
-    data: DataConfig = DataConfig()
-    gpt: GPTConfig = GPTConfig(n_kv_heads=2)
-    mlp: MLPConfig = MLPConfig()
-    dist: DistributedConfig = DistributedConfig()
+def _job_class() -> type:
+    """The ``train`` job: fixed fields, then one config field per registered model family."""
+    names = list(families())
+    fields = [
+        ("mesh", str, "data=2,fsdp=2,tensor=2"),
+        ("strategy", str, "hsdp+tp"),
+        ("devices", int, 8),
+        ("model", str, names[0]),
+        ("prompt", str, "def "),
+        ("sample_tokens", int, 160),
+        ("save", bool, True),
+        ("train", Annotated[TrainConfig, tyro.conf.OmitArgPrefixes], TrainConfig(steps=200)),
+        ("pipeline", Annotated[PipelineConfig, tyro.conf.OmitArgPrefixes], PipelineConfig()),
+        ("checkpoint", Annotated[CheckpointConfig, tyro.conf.OmitArgPrefixes], CheckpointConfig()),
+        ("optim", Annotated[OptimConfig, tyro.conf.OmitArgPrefixes], OptimConfig()),
+        ("data", DataConfig, DataConfig()),
+    ]
+    fields += [(f.name, f.config, f.default) for f in families().values()]
+    fields.append(("dist", DistributedConfig, DistributedConfig()))
 
     def __post_init__(self):
-        if self.model not in MODEL_NAMES:
+        if self.model not in families():
             raise ValueError(
-                f"model={self.model!r}: unknown model; choose from {', '.join(MODEL_NAMES)}"
+                f"model={self.model!r}: unknown model; choose from {', '.join(families())}"
             )
         if self.devices < 0 or self.sample_tokens < 0:
             raise ValueError(
                 f"devices={self.devices}, sample_tokens={self.sample_tokens}: must be ≥ 0"
             )
 
-    def model_config(self) -> GPTConfig | MLPConfig:
-        """The chosen model's config."""
-        return self.gpt if self.model == "gpt" else self.mlp
+    def model_config(self):
+        """The chosen model family's config."""
+        return getattr(self, self.model)
+
+    models = ", ".join(f"{n} ({f.summary})" if f.summary else n for n, f in families().items())
+    cls = dataclasses.make_dataclass(
+        "TrainJob",
+        [(name, kind, dataclasses.field(default=default)) for name, kind, default in fields],
+        namespace={"__post_init__": __post_init__, "model_config": model_config},
+        frozen=True,
+        kw_only=True,
+    )
+    cls.__doc__ = _DOC.format(models=models)
+    cls.__module__ = __name__
+    return cls
+
+
+TrainJob = _job_class()
 
 
 def _fresh_default_run_dir(job: TrainJob, say) -> TrainJob:
     """A fresh run left at the default run_dir moves to the next free ``runs/default-N`` when
-    the default already holds checkpoints, so ``make train`` runs again without touching them.
-    An explicit ``--run-dir`` that holds checkpoints is an error (see `open_for_run`)."""
+    the default already holds a run, so ``make train`` runs again without touching it. An
+    explicit ``--run-dir`` that holds checkpoints is an error (see `directory_problems`)."""
     default = TrainConfig.run_dir
     if (
         job.checkpoint.resume
         or job.checkpoint.checkpoint_dir
         or job.train.run_dir != default
-        or not any((Path(default) / "checkpoints").glob("[0-9]*"))
+        or not holds_run(Path(default))
     ):
         return job
     n = 1
@@ -111,15 +127,21 @@ def build_trainer(job: TrainJob, say=print):
         The `Trainer`; with ``job.checkpoint.resume`` its state is the restored one.
     """
     from meshtrain.data import make_dataset
+    from meshtrain.layout import rules_for
     from meshtrain.mesh import describe, make_mesh, simulate_devices
-    from meshtrain.sharding import rules_for
     from meshtrain.train.trainer import Trainer
 
     checkpointing = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
     if job.checkpoint.resume and not checkpointing:
-        raise ValueError(
-            "resume=True needs checkpoints, but --no-save or an empty --run-dir turns them off; "
-            "drop --no-save or give --run-dir / --checkpoint-dir"
+        raise RunCheckError(
+            [
+                Problem(
+                    "checkpoint.resume",
+                    True,
+                    "needs checkpoints, but --no-save or an empty --run-dir turns them off; "
+                    "drop --no-save or give --run-dir / --checkpoint-dir",
+                )
+            ]
         )
     if job.devices:
         simulate_devices(job.devices)
@@ -177,15 +199,8 @@ def run_train(job: TrainJob) -> dict:
             else f"no checkpoint in {where}: from step 0"
         )
     n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
-    shape = ", ".join(
-        f"{k}={v}"
-        for k, v in dataclasses.asdict(model_cfg).items()
-        if k in ("style", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_hidden")
-    )
-    say(
-        f"model {job.model} ({shape}) · {n_params / 1e6:.2f}M parameters · "
-        f"{model_cfg.dtype} compute"
-    )
+    size = f"{n_params / 1e6:.2f}M parameters"
+    say(f"model {model_cfg.describe()} · {size} · {model_cfg.dtype} compute")
     say(
         f"data {job.data.source} · {data.num_train} training examples · global batch "
         f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "")
@@ -208,7 +223,7 @@ def run_train(job: TrainJob) -> dict:
         return summary
     if trainer.checkpoints:
         say(f"checkpoint saved to {summary['checkpoint']}")
-    if job.model == "gpt" and job.sample_tokens and data.kind == "lm":
+    if job.sample_tokens and data.kind == "lm":
         text = trainer.generate(job.prompt, job.sample_tokens)
         summary["sample"] = text
         say("sample:\n" + text)
@@ -226,27 +241,19 @@ def _raise_config_error(event) -> None:
     """tyro parse-error hook: re-raises a config's own ValueError (from ``__post_init__``), so
     `main` prints it as one line rather than tyro's box, which names tyro's inner wrappers.
     Errors tied to one flag (``--steps abc``) keep tyro's box, which shows that flag's help."""
-    from tyro import _errors
-
-    failure = getattr(_errors, "InstantiationFailure", ())
+    failure = _compat.tyro_instantiation_failure()
     if isinstance(event, failure) and getattr(event, "argument", None) is None:
         raise ValueError(event.message)
 
 
-def parse(argv: list[str]) -> TrainJob:
+def parse(argv: list[str]):
     """Parses command-line arguments (without the program name) into a job; runs nothing.
 
     Raises:
         ValueError: a config rejected its value (e.g. ``--steps 0``).
         SystemExit: ``--help`` (code 0), or flags tyro itself rejects (code 2).
     """
-    try:  # tyro's hook API is private and experimental: without it, tyro's own box shows
-        from tyro._errors import on_parse_error
-    except ImportError:
-        hook = contextlib.nullcontext()
-    else:
-        hook = on_parse_error(_raise_config_error)
-    with hook:
+    with _compat.tyro_config_errors(_raise_config_error):
         return tyro.extras.subcommand_cli_from_dict(
             {"train": TrainJob},
             args=argv,
@@ -274,10 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, DistributedError) as e:
         if os.environ.get("MESHTRAIN_DEBUG"):
             raise
-        print(f"meshtrain: error: {e} (MESHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        lines = str(e).splitlines() or [""]
+        lines[-1] += " (MESHTRAIN_DEBUG=1 shows the traceback)"
+        for line in lines:
+            print(f"meshtrain: error: {line}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from meshtrain.checkpoint import NonFiniteError
+        from meshtrain.train.hooks import NonFiniteError
 
         if not isinstance(e, NonFiniteError) or os.environ.get("MESHTRAIN_DEBUG"):
             raise

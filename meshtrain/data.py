@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sysconfig
+import zipfile
 
 import grain
 import jax
@@ -56,7 +58,8 @@ class DataConfig:
             "synthetic" (a learnable random byte stream from `seed`), "text" (the bytes of
             the file at `path`) or "arrays" (an .npz at `path` with arrays "inputs" and
             "targets"; see `make_arrays_dataset`).
-        path: the file for "text" and "arrays"; unused otherwise.
+        path: the file for "text" and "arrays"; an error with the other sources, which read
+            no file.
         seq_len: tokens per example for the byte-level sources. "arrays" ignores it and
             takes the length from the arrays.
         batch_size: GLOBAL batch size, summed over processes; divisible by the process count.
@@ -84,6 +87,12 @@ class DataConfig:
         if self.source in ("text", "arrays") and not self.path:
             what = "a text file" if self.source == "text" else "an .npz with inputs and targets"
             raise ValueError(f"data source={self.source!r} needs path=...: give {what}")
+        if self.path and self.source not in ("text", "arrays"):
+            reader = "arrays" if self.path.endswith(".npz") else "text"
+            raise ValueError(
+                f"data.path={self.path!r} is given but source={self.source!r} reads no file; "
+                f"add --data.source {reader} (source={reader!r}) to train on it, or drop the path"
+            )
         _check_common(**self._common())
         _positive("seq_len", self.seq_len)
         _positive("max_bytes", self.max_bytes)
@@ -174,14 +183,7 @@ class Dataset:
     """
 
     def __init__(self, kind: str, vocab_size: int, train, val, batch_size: int, seed: int):
-        if train.count < batch_size:
-            lm = isinstance(train, _Windows)
-            what = f"train windows of seq_len+1={train.seq_len + 1}" if lm else "train rows"
-            fix = "batch_size/seq_len or give more text" if lm else "batch_size or give more rows"
-            raise ValueError(
-                f"data: corpus has {train.count} {what}, fewer than batch_size={batch_size}; "
-                f"lower {fix}"
-            )
+        assert train.count >= batch_size, "the builders check the size and name the source"
         self.kind, self.vocab_size, self.batch_size, self.seed = kind, vocab_size, batch_size, seed
         self._train, self._val, self.num_train, self.num_val = train, val, train.count, val.count
         width = train.take(np.zeros(1, dtype=int))["inputs"].shape[1]
@@ -219,7 +221,7 @@ class Dataset:
 
         Args:
             rows: the rows ``[lo, hi)`` of each global batch to read (see
-                `meshtrain.sharding.process_rows`); None splits evenly over processes.
+                `meshtrain.layout.process_rows`); None splits evenly over processes.
 
         Returns:
             a `BatchIterator` of process-local batches.
@@ -335,18 +337,54 @@ def synthetic_corpus(seed: int, size: int = SYNTHETIC_BYTES) -> bytes:
     return b"".join(out)[:size]
 
 
+def _min_size(train: int, held_out: int, val_fraction: float) -> int:
+    """Smallest total N whose first ``N - int(N * val_fraction)`` units reach `train` and whose
+    held-out tail ``int(N * val_fraction)`` reaches `held_out` (ignored when val_fraction=0)."""
+    # Lower bounds, since N(1 - f) <= N - int(N f) < N(1 - f) + 1; then step up to the exact one.
+    n = max(train, math.floor((train - 1) / (1 - val_fraction)))
+    if val_fraction:
+        n = max(n, math.floor(held_out / val_fraction) - 1)
+    while n - int(n * val_fraction) < train or (val_fraction and int(n * val_fraction) < held_out):
+        n += 1
+    return n
+
+
 def _lm_dataset(corpus: bytes, config: DataConfig) -> Dataset:
-    """Splits a byte corpus into train windows and held-out tail windows."""
+    """Splits a byte corpus into train windows and held-out tail windows.
+
+    ValueError, naming the corpus, its size and the size it needs, when it is too small.
+    """
     tokens = np.frombuffer(corpus, dtype=np.uint8)
     n_val = int(len(tokens) * config.val_fraction)
-    split, t = len(tokens) - n_val, config.seq_len
+    split, t, b = len(tokens) - n_val, config.seq_len, config.batch_size
     train, val = _Windows(tokens[:split], t), _Windows(tokens[split:], t)
-    if config.val_fraction > 0 and val.count == 0:
+    short_val = config.val_fraction > 0 and val.count == 0
+    if not short_val and train.count >= b:
+        return Dataset("lm", 256, train, val, b, config.seed)
+    need = _min_size(b * t + 1, t + 1, config.val_fraction)
+    if config.source == "text":
+        what, more = f"data.path={config.path!r}", f"give a text file of at least {need} bytes"
+    elif config.source == "stdlib":
+        what = f"data: the stdlib corpus (max_bytes={config.max_bytes})"
+        more = f"raise max_bytes to at least {need}"
+    else:
+        what, more = f"data: the {config.source} corpus", ""
+    if not len(tokens):
+        tail = f", and a val_fraction={config.val_fraction} tail of at least one"
         raise ValueError(
-            f"data: the held-out tail has {n_val} bytes, fewer than seq_len+1={t + 1}; "
-            "raise val_fraction, lower seq_len, or set val_fraction=0"
+            f"{what} is empty (0 bytes); {more} (batch_size={b} windows of seq_len+1={t + 1} "
+            f"bytes{tail if config.val_fraction else ''})"
         )
-    return Dataset("lm", 256, train, val, config.batch_size, config.seed)
+    more = f"{more}, or " if more else ""
+    if short_val:
+        raise ValueError(
+            f"{what} holds {len(tokens)} bytes: the held-out tail has {n_val} bytes, fewer than "
+            f"seq_len+1={t + 1}; {more}lower seq_len, raise val_fraction, or set val_fraction=0"
+        )
+    raise ValueError(
+        f"{what} holds {len(tokens)} bytes: the corpus has {train.count} train windows of "
+        f"seq_len+1={t + 1}, fewer than batch_size={b}; {more}lower batch_size or seq_len"
+    )
 
 
 def make_dataset(config: DataConfig) -> Dataset:
@@ -363,19 +401,59 @@ def make_dataset(config: DataConfig) -> Dataset:
     if config.source == "synthetic":
         return _lm_dataset(synthetic_corpus(config.seed), config)
     if not os.path.isfile(config.path):
-        raise ValueError(f"data path={config.path!r}: no such file; give an existing file")
+        raise ValueError(f"data.path={config.path!r}: no such file; give an existing file")
     if config.source == "text":
         with open(config.path, "rb") as f:
             return _lm_dataset(f.read(), config)
-    with np.load(config.path, allow_pickle=False) as npz:
+    inputs, targets = _read_npz(config.path)
+    return _arrays_dataset(inputs, targets, f"data.path={config.path!r}", **config._common())
+
+
+def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """The "inputs" and "targets" arrays of an .npz; a one-line ValueError for anything else."""
+    save = "np.savez(path, inputs=..., targets=...)"
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        npz = e
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        with open(path, "rb") as f:
+            head = f.read(512)
+        if not head:
+            what = "it is empty (0 bytes)"
+        elif isinstance(npz, np.ndarray):
+            what = "it holds a single .npy array"
+        elif head.startswith(b"PK"):
+            what = f"it is a damaged zip: {npz}"
+        else:
+            try:
+                head.decode("utf-8")
+            except UnicodeDecodeError:
+                what = "it is not a zip archive, as .npz files are"
+            else:
+                what = "it looks like text"
+        text = ", or use --data.source text to train on a text file" if "text" in what else ""
+        raise ValueError(
+            f"data.path={path!r} is not an .npz archive ({what}); source='arrays' needs the "
+            f"arrays saved with {save}{text}"
+        )
+    with npz:
         missing = {"inputs", "targets"} - set(npz.files)
         if missing:
             raise ValueError(
-                f"data path={config.path!r}: .npz lacks {sorted(missing)} (has {npz.files}); "
-                "save it with np.savez(path, inputs=..., targets=...)"
+                f"data.path={path!r}: .npz lacks {sorted(missing)} (has {npz.files}); "
+                f"save it with {save}"
             )
-        inputs, targets = npz["inputs"], npz["targets"]
-    return make_arrays_dataset(inputs, targets, **config._common())
+        arrays = []
+        for name in ("inputs", "targets"):
+            try:
+                arrays.append(npz[name])
+            except ValueError:  # numpy's advice to unpickle it
+                raise ValueError(
+                    f"data.path={path!r}: array {name!r} holds Python objects (dtype object), "
+                    f"which are not loaded; save numeric arrays with {save}"
+                ) from None
+    return arrays[0], arrays[1]
 
 
 def make_arrays_dataset(
@@ -405,25 +483,41 @@ def make_arrays_dataset(
     Returns:
         a `Dataset`.
     """
+    return _arrays_dataset(
+        inputs,
+        targets,
+        "data",
+        batch_size=batch_size,
+        seed=seed,
+        val_fraction=val_fraction,
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+    )
+
+
+def _arrays_dataset(
+    inputs, targets, what: str, *, batch_size, seed, val_fraction, seq_len=None, vocab_size=None
+) -> Dataset:
+    """`make_arrays_dataset`, its errors starting with `what` (where the arrays came from)."""
     _check_common(batch_size=batch_size, seed=seed, val_fraction=val_fraction)
     inputs, targets = np.asarray(inputs), np.asarray(targets)
     if len(inputs) != len(targets):
         raise ValueError(
-            f"data: inputs has {len(inputs)} rows but targets has {len(targets)}; they must match"
+            f"{what}: inputs has {len(inputs)} rows but targets has {len(targets)}; they must match"
         )
     if not np.issubdtype(targets.dtype, np.integer):
-        raise ValueError(f"data: targets dtype {targets.dtype} must be integer (class/token ids)")
+        raise ValueError(f"{what}: targets dtype {targets.dtype} must be integer (class/token ids)")
     if targets.ndim == 1:
         if inputs.ndim != 2 or not np.issubdtype(inputs.dtype, np.number):
             raise ValueError(
-                f"data: classify inputs must be a numeric [N, F] array, got {inputs.dtype} "
+                f"{what}: classify inputs must be a numeric [N, F] array, got {inputs.dtype} "
                 f"{inputs.shape}; reshape to (N, -1)"
             )
         kind, ids, inputs = "classify", targets, inputs.astype(np.float32)
     elif targets.ndim == 2:
         if inputs.shape != targets.shape or not np.issubdtype(inputs.dtype, np.integer):
             raise ValueError(
-                f"data: lm inputs must be integer tokens shaped like targets {targets.shape}, "
+                f"{what}: lm inputs must be integer tokens shaped like targets {targets.shape}, "
                 f"got {inputs.dtype} {inputs.shape}"
             )
         if seq_len is not None and seq_len != inputs.shape[1]:
@@ -431,21 +525,30 @@ def make_arrays_dataset(
         kind, ids, inputs = "lm", np.stack([inputs, targets]), inputs.astype(np.int32)
     else:
         raise ValueError(
-            f"data: targets must be 1-D class ids or 2-D token ids, got shape {targets.shape}"
+            f"{what}: targets must be 1-D class ids or 2-D token ids, got shape {targets.shape}"
         )
     if ids.size and ids.min() < 0:
-        raise ValueError("data: class/token ids must be non-negative")
+        raise ValueError(f"{what}: class/token ids must be non-negative")
     n_ids = int(ids.max(initial=0)) + 1
     if vocab_size is not None and (not _is_int(vocab_size) or vocab_size < n_ids):
         raise ValueError(
             f"data vocab_size={vocab_size!r}: must be an integer above the largest id {n_ids - 1}"
         )
-    n_val = int(len(inputs) * val_fraction)
-    if val_fraction > 0 and n_val == 0:
+    n, n_val = len(inputs), int(len(inputs) * val_fraction)
+    if not n or (val_fraction > 0 and n_val == 0) or n - n_val < batch_size:
+        need = _min_size(batch_size, 1, val_fraction)
+        split = f"batch_size={batch_size} for training, val_fraction={val_fraction} held out"
+        if not n:
+            raise ValueError(f"{what} has no rows; give at least {need} rows ({split})")
+        if n - n_val < batch_size:
+            raise ValueError(
+                f"{what} has {n} rows, {n - n_val} after holding out {n_val}, fewer than "
+                f"batch_size={batch_size}; give at least {need} rows or lower batch_size"
+            )
         raise ValueError(
-            f"data: val_fraction={val_fraction} of {len(inputs)} rows holds out none; "
-            "raise val_fraction or set it to 0"
+            f"{what}: val_fraction={val_fraction} of {n} rows holds out none; raise "
+            f"val_fraction, give at least {need} rows, or set val_fraction=0"
         )
-    split, targets = len(inputs) - n_val, targets.astype(np.int32)
+    split, targets = n - n_val, targets.astype(np.int32)
     train, val = _Rows(inputs[:split], targets[:split]), _Rows(inputs[split:], targets[split:])
     return Dataset(kind, int(vocab_size or n_ids), train, val, batch_size, seed)

@@ -27,7 +27,8 @@ import sys
 
 import jax
 
-ENV_PREFIX = "MESHTRAIN_"
+from meshtrain._compat import jax_distributed_client
+
 # Fields that the environment may set, and their variables.
 ENV_VARS = {
     "coordinator": "MESHTRAIN_COORDINATOR",
@@ -185,12 +186,7 @@ def _is_local(host: str) -> bool:
 
 def is_initialized() -> bool:
     """Whether `jax.distributed.initialize` has run in this process."""
-    check = getattr(jax.distributed, "is_initialized", None)
-    if check is not None:
-        return bool(check())
-    from jax._src import distributed as _dist  # jax < 0.5 lacks the public query
-
-    return _dist.global_state.client is not None
+    return bool(jax.distributed.is_initialized())
 
 
 def _supported_kwargs(kwargs: dict) -> dict:
@@ -202,21 +198,16 @@ def _supported_kwargs(kwargs: dict) -> dict:
 def _check_counts(config: DistributedConfig) -> None:
     """Fails on every process when the processes were told different process counts."""
     actual, me, told = jax.process_count(), jax.process_index(), config.num_processes
-    try:
-        from jax._src import distributed as _dist
-
-        client = _dist.global_state.client
-        client.key_value_set(f"meshtrain/num_processes/{me}", str(told or actual))
-        if not told or told == actual:
-            timeout_ms = config.init_timeout_s * 1000
-            seen = {
-                i: int(client.blocking_key_value_get(f"meshtrain/num_processes/{i}", timeout_ms))
-                for i in range(actual)
-            }
-        else:
-            seen = {me: told}
-    except (ImportError, AttributeError):  # pragma: no cover - private API moved
-        seen = {me: told or actual}
+    client = jax_distributed_client()
+    client.key_value_set(f"meshtrain/num_processes/{me}", str(told or actual))
+    if not told or told == actual:
+        timeout_ms = config.init_timeout_s * 1000
+        seen = {
+            i: int(client.blocking_key_value_get(f"meshtrain/num_processes/{i}", timeout_ms))
+            for i in range(actual)
+        }
+    else:
+        seen = {me: told}
     wrong = {i: n for i, n in seen.items() if n != actual}
     if wrong:
         told_text = ", ".join(f"process {i} was told {n}" for i, n in wrong.items())

@@ -20,6 +20,7 @@ import threading
 import time
 
 from meshtrain.distributed import free_port, port_is_free
+from meshtrain.mesh import with_device_count
 
 # Arguments after "--" that name a meshtrain subcommand run as ``python -m meshtrain.cli ...``.
 SUBCOMMANDS = ("train",)
@@ -112,10 +113,8 @@ def plan(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
 def _env(rank: int, nproc: int, port: int, devices: int, heartbeat: int | None) -> dict:
     """The environment of process `rank`."""
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
     env.update(
-        XLA_FLAGS=" ".join(flags),
+        XLA_FLAGS=with_device_count(env.get("XLA_FLAGS", ""), devices),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         MESHTRAIN_COORDINATOR=f"127.0.0.1:{port}",

@@ -18,16 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from meshtrain._compat import jax_backends_started
+
 AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
-# In a multi-process job these axes run across hosts (slow links); the others stay within one.
-HOST_AXES: tuple[str, ...] = ("pipe", "data")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,7 +72,12 @@ class MeshConfig:
         """
         sizes: dict[str, int] = {}
         text = text.strip()
-        if text in ("", "auto"):
+        if text == "auto":
+            raise ValueError(
+                "mesh 'auto': not a mesh; 'data=-1' puts every device on data (auto is kept "
+                "for an automatic planner)"
+            )
+        if text == "":
             return cls()
         for part in text.split(","):
             key, sep, value = part.partition("=")
@@ -147,7 +150,7 @@ def host_layout(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Splits mesh axis sizes into the part across processes and the part within one.
 
-    The outer axes (`HOST_AXES`: pipe, then data) take the processes; every other axis lives
+    The outer axes (pipe, then data) take the processes; every other axis lives
     inside a process. ``across[a] * within[a] == sizes[a]`` for every axis.
 
     Args:
@@ -228,16 +231,10 @@ def describe(mesh: Mesh) -> str:
     return f"{used} ({mesh.devices.size} {platform} devices)"
 
 
-def _backends_initialised() -> bool:
-    """True once jax has created its backends (after which device counts are fixed)."""
-    if "jax" not in sys.modules:
-        return False
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except (ImportError, AttributeError):  # pragma: no cover - private API moved
-        return True
+def with_device_count(xla_flags: str, n: int) -> str:
+    """`xla_flags` with its simulated CPU device count set to `n` (any earlier one replaced)."""
+    flags = [f for f in xla_flags.split() if "xla_force_host_platform_device_count" not in f]
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
 
 
 def simulate_devices(n: int) -> None:
@@ -252,7 +249,7 @@ def simulate_devices(n: int) -> None:
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"simulate_devices(n={n!r}): n must be a positive integer")
-    if _backends_initialised():
+    if jax_backends_started():
         have = jax.device_count()
         if have >= n:
             return
@@ -262,8 +259,6 @@ def simulate_devices(n: int) -> None:
             "notebook: restart the kernel and run it in the first cell), or set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before starting Python"
         )
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    flags.append(f"--xla_force_host_platform_device_count={n}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), n)
     jax.config.update("jax_num_cpu_devices", n)
     jax.config.update("jax_platforms", "cpu")  # simulated devices are CPU ones, even beside a GPU

@@ -34,6 +34,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0},
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32"}
+METRICS_FILE = "metrics.jsonl"  # a run directory's metrics, one JSON object per line
 
 
 def _device_family(device_kind: str) -> str | None:
@@ -288,7 +289,7 @@ class MetricsWriter:
         tensorboard: bool = False,
         append: bool = True,
     ):
-        self.path = None if run_dir is None else os.path.join(os.fspath(run_dir), "metrics.jsonl")
+        self.path = None if run_dir is None else os.path.join(os.fspath(run_dir), METRICS_FILE)
         self._file, self._tb = None, None
         if run_dir is None:
             return

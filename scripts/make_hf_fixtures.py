@@ -7,18 +7,27 @@ torch==2.13.0 first and exactly, so pip does not pull a CUDA build)::
     python3.11 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install torch==2.13.0
     /tmp/hfvenv/bin/pip install transformers safetensors numpy
-    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py              # all fixtures
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py mistral qwen2  # only these
 
 The fixtures were made with torch 2.13.0+cpu, transformers 5.23.0, safetensors 0.8.0 and numpy
-2.4.6; `versions.json` beside them records what ran.
+2.4.6; `versions.json` beside them records what ran. Making only some fixtures is refused when
+the installed versions differ from the recorded ones (make them all then).
 
-For each of two tiny random models (fixed seeds) it writes
+For each tiny random model (fixed seeds) it writes
 ``tests/fixtures/hf/<name>/{config.json, model.safetensors}`` via ``save_pretrained`` and
 ``tests/fixtures/hf/<name>_logits.npz`` (``tokens`` [2, T] int32, ``logits`` [2, T, V] float32):
 
-- ``gpt2``: ``GPT2LMHeadModel``, tied head, weights stored as float16;
+- ``gpt2``: ``GPT2LMHeadModel``, tied head, weights stored as float16 (T = 24);
 - ``llama``: ``LlamaForCausalLM`` with grouped-query attention (4 query / 2 key-value heads),
-  untied head, weights stored as bfloat16.
+  untied head, weights stored as bfloat16 (T = 24);
+- ``llama3``: ``LlamaForCausalLM`` with Llama 3.1's RoPE scaling (``rope_type="llama3"``,
+  original context 64, so of the 8 rotary frequencies one is kept, two are blended and five
+  slowed down 8×), tied head, bfloat16 (T = 40, long enough for the slowed rotations to turn);
+- ``mistral``: ``MistralForCausalLM`` with ``sliding_window=16`` < T = 40, GQA, untied head,
+  float16;
+- ``qwen2``: ``Qwen2ForCausalLM`` with q/k/v biases (made non-zero), tied head, bfloat16
+  (T = 40).
 
 Parameters are rounded to the storage dtype first and the logits computed from the rounded
 weights in float32, so a float32 implementation can match them to float32 rounding. Buffers
@@ -45,7 +54,7 @@ import torch
 import transformers
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
-BATCH, SEQ = 2, 24
+BATCH = 2
 
 
 def _gpt2() -> transformers.PreTrainedModel:
@@ -90,29 +99,106 @@ def _llama() -> transformers.PreTrainedModel:
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _randomise_norms(model: torch.nn.Module, gen: torch.Generator) -> None:
-    """Norm scales and biases start at 1 and 0; perturb them so their mapping is tested too."""
+def _small_llama_fields(**changes) -> dict:
+    """The sizes the newer Llama-layout fixtures share: vocab 128, width 64, 2 layers, 4 query
+    and 2 key/value heads (head width 16), MLP 96."""
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    return fields | changes
+
+
+def _llama3() -> transformers.PreTrainedModel:
+    """Tiny Llama with Llama 3.1's RoPE scaling. With theta 10⁴ and head width 16 the
+    wavelengths are 6.3, 20, 63, 199, ... positions; against the original context of 64 (high
+    boundary 64 / 4 = 16, low boundary 64 / 1) the first is kept, the next two are blended and
+    the rest are slowed down 8×."""
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=10_000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
+    cfg = transformers.LlamaConfig(
+        **_small_llama_fields(rope_parameters=rope, tie_word_embeddings=True)
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _mistral() -> transformers.PreTrainedModel:
+    """Tiny Mistral whose sliding window (16) is shorter than the fixture's sequence (40)."""
+    cfg = transformers.MistralConfig(
+        **_small_llama_fields(
+            sliding_window=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            tie_word_embeddings=False,
+        )
+    )
+    return transformers.MistralForCausalLM(cfg)
+
+
+def _qwen2() -> transformers.PreTrainedModel:
+    """Tiny Qwen2: q/k/v biases, tied head, no sliding window."""
+    cfg = transformers.Qwen2Config(
+        **_small_llama_fields(
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            tie_word_embeddings=True,
+        )
+    )
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _randomise_norms(model: torch.nn.Module, gen: torch.Generator, biases: bool) -> None:
+    """Norm scales and biases start at 1 and 0; perturb them so their mapping is tested too
+    (with `biases`, every projection bias as well)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1 and ("ln" in name or "norm" in name):
                 p.add_(0.2 * torch.randn(p.shape, generator=gen))
+            elif biases and name.endswith("_proj.bias"):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
 
 
-def _make(name: str, build, dtype: torch.dtype, seed: int) -> None:
+# name → (builder, storage dtype, seed, sequence length, perturb projection biases)
+FIXTURES = {
+    "gpt2": (_gpt2, torch.float16, 1234, 24, False),
+    "llama": (_llama, torch.bfloat16, 5678, 24, False),
+    "llama3": (_llama3, torch.bfloat16, 31, 40, False),
+    "mistral": (_mistral, torch.float16, 7, 40, False),
+    "qwen2": (_qwen2, torch.bfloat16, 2, 40, True),
+}
+
+
+def _make(
+    out: Path, name: str, build, dtype: torch.dtype, seed: int, seq: int, biases: bool
+) -> None:
     """Builds, rounds to `dtype`, saves, and records float32 logits on fixed tokens."""
     torch.manual_seed(seed)
     model = build().eval()
-    _randomise_norms(model, torch.Generator().manual_seed(seed + 1))
+    _randomise_norms(model, torch.Generator().manual_seed(seed + 1), biases)
     with torch.no_grad():  # round the parameters only: buffers (RoPE's inv_freq) stay float32
         for p in model.parameters():
             p.copy_(p.to(dtype).to(torch.float32))
-    tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, (BATCH, SEQ))
+    tokens = np.random.default_rng(seed).integers(0, model.config.vocab_size, (BATCH, seq))
     tokens = tokens.astype(np.int32)
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens).long()).logits.numpy().astype(np.float32)
-    model.to(dtype).save_pretrained(OUT / name, safe_serialization=True)  # exact: pre-rounded
-    np.savez(OUT / f"{name}_logits.npz", tokens=tokens, logits=logits)
-    print(f"{name}: {OUT / name}, logits {logits.shape}, |logits| max {np.abs(logits).max():.3f}")
+    model.to(dtype).save_pretrained(out / name, safe_serialization=True)  # exact: pre-rounded
+    np.savez(out / f"{name}_logits.npz", tokens=tokens, logits=logits)
+    print(f"{name}: {out / name}, logits {logits.shape}, |logits| max {np.abs(logits).max():.3f}")
 
 
 def _verify(path: Path) -> None:
@@ -132,16 +218,18 @@ def _verify(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"fixtures to make: {', '.join(FIXTURES)} (all)")
     parser.add_argument("--verify", type=Path, nargs="*", help="check meshtrain exports instead")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"fixture directory ({OUT})")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float32)
     if args.verify:
         for path in args.verify:
             _verify(path)
         return
-    OUT.mkdir(parents=True, exist_ok=True)
-    _make("gpt2", _gpt2, torch.float16, seed=1234)
-    _make("llama", _llama, torch.bfloat16, seed=5678)
+    unknown = sorted(set(args.names) - set(FIXTURES))
+    if unknown:
+        sys.exit(f"unknown fixtures {unknown}; choose from {', '.join(FIXTURES)}")
     versions = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -150,7 +238,17 @@ def main() -> None:
         "numpy": np.__version__,
         "attn_implementation": "eager",
     }
-    (OUT / "versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+    recorded = args.out / "versions.json"
+    if args.names and set(args.names) != set(FIXTURES) and recorded.exists():
+        if json.loads(recorded.read_text()) != versions:
+            sys.exit(
+                f"{recorded} records {recorded.read_text()} but this is {versions}: make every "
+                "fixture (no names) so that one set of versions made them all"
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.names or FIXTURES:
+        _make(args.out, name, *FIXTURES[name])
+    recorded.write_text(json.dumps(versions, indent=2) + "\n")
     print(json.dumps(versions))
 
 

@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 import meshtrain as mt
-from meshtrain.sharding import _path_str, shard_batch
+from meshtrain._tree import path_str as _path_str
+from meshtrain.layout import shard_batch
 
 # name: (mesh, strategy, pipeline schedule)
 LAYOUTS = {
@@ -58,7 +59,12 @@ def run_layout(name: str) -> dict[str, np.ndarray]:
         data,
         mesh=mesh,
         rules=rules,
-        optim=mt.OptimConfig(lr=1e-2, warmup_steps=1),
+        # SGD with momentum, not AdamW: since the schedule's first step is a real update,
+        # AdamW at lr 1e-2 turned float32 reduction-order differences between gloo and
+        # in-process all-reduces into parameter differences up to 3e-6 (Adam's first steps
+        # are nearly sign(g)), which says nothing about the layout. SGD keeps the comparison
+        # linear in the gradients, so the tolerance still means what it says.
+        optim=mt.OptimConfig(optimizer="sgd", lr=0.1, warmup_steps=1),
         config=mt.TrainConfig(steps=STEPS, log_every=1, run_dir="", progress=False, seed=3),
         pipeline=mt.PipelineConfig(schedule=schedule or "gpipe", microbatches=4),
     )

@@ -140,7 +140,7 @@ def test_flop_counter_agrees_with_xla_on_the_matmul_part():
     head, or counting only the forward, misses by far more than 10%: the check can fail."""
     cfg = mt.GPTConfig(d_model=256, n_layers=1, n_heads=4, vocab_size=2048, max_seq_len=8)
     B, T = 4, 8
-    graphdef, params, rest = nnx.split(mt.build_model(cfg), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(mt.lower.build_model(cfg), nnx.Param, ...)
     params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 2048, (B, T + 1)), jnp.int32)
 
@@ -206,9 +206,9 @@ def test_jax_baseline_computes_meshtrain_losses(style, dtype, rtol):
     )
     mesh = mt.make_mesh("data=2,fsdp=2,tensor=2")
     rules = mt.rules_for("fsdp+tp", mesh)
-    tx = mt.make_optimizer(mt.OptimConfig(warmup_steps=1), total_steps=10)
-    graphdef, state, shardings = mt.init_train_state(
-        lambda: mt.build_model(cfg, seed=3), tx, mesh, rules
+    tx = mt.lower.make_optimizer(mt.OptimConfig(warmup_steps=1), total_steps=10)
+    graphdef, state, shardings = mt.lower.init_train_state(
+        lambda: mt.lower.build_model(cfg, seed=3), tx, mesh, rules
     )
     params0 = jax.device_get(state.params)  # before the donated step consumes them
     rng = np.random.default_rng(1)
@@ -216,8 +216,8 @@ def test_jax_baseline_computes_meshtrain_losses(style, dtype, rtol):
     for _ in range(3):
         t = rng.integers(0, cfg.vocab_size, (8, 17), dtype=np.int32)
         host.append({"inputs": t[:, :-1], "targets": t[:, 1:]})
-    batches = [mt.shard_batch(b, mesh, rules) for b in host]
-    step = mt.jit_train_step(
+    batches = [mt.lower.shard_batch(b, mesh, rules) for b in host]
+    step = mt.lower.jit_train_step(
         graphdef, tx, mesh, rules, shardings, {k: v.sharding for k, v in batches[0].items()}
     )
     mesh_losses = []

@@ -17,10 +17,11 @@ import pytest
 
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointConfig, CheckpointManager
+from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.metrics import read_jsonl
 from meshtrain.models import MLPConfig, build_model
-from meshtrain.sharding import rules_for
+from meshtrain.state import abstract_train_state
 from meshtrain.train.optim import OptimConfig, make_optimizer
 
 MESHTRAIN = [sys.executable, "-m", "meshtrain.cli", "train"]
@@ -83,7 +84,7 @@ def _target(d_model=16, d_hidden=32):
     mesh = make_mesh("data=2", devices=jax.devices()[:2])
     model = MLPConfig(num_features=8, num_classes=4, d_model=d_model, d_hidden=d_hidden)
     tx = make_optimizer(OptimConfig(), 10)
-    return ckpt.abstract_train_state(lambda: build_model(model), tx, mesh, rules_for("dp", mesh))
+    return abstract_train_state(lambda: build_model(model), tx, mesh, rules_for("dp", mesh))
 
 
 def _losses(run_dir):
@@ -167,7 +168,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
 def test_second_signal_exits_at_once(tmp_path):
     script = (
         "import os, signal, time\n"
-        "from meshtrain.checkpoint import StopSignals\n"
+        "from meshtrain.train.hooks import StopSignals\n"
         "with StopSignals() as stop:\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    print('first:', stop.received, flush=True)\n"

@@ -115,7 +115,9 @@ OVERRIDES = {
     "--gpt.dtype": (["bfloat16"], "bfloat16"),
     "--gpt.attention-impl": (["auto"], "auto"),
     "--gpt.norm-impl": (["pallas"], "pallas"),
-    "--gpt.loss-impl": (["pallas"], "pallas"),
+    "--gpt.vocab-multiple": (["64"], 64),
+    "--loss-impl": (["pallas"], "pallas"),
+    "--gpt.sliding-window": (["8"], 8),
     "--mlp.num-features": (["8"], 8),
     "--mlp.num-classes": (["3"], 3),
     "--mlp.d-model": (["16"], 16),
@@ -132,6 +134,15 @@ OVERRIDES = {
     "--dist.init-timeout-s": (["30"], 30),
     "--dist.shutdown-timeout-s": (["20"], 20),
     "--mlp.dtype": (["bfloat16"], "bfloat16"),
+}
+# Fields only style llama takes (OVERRIDES makes the GPT a gpt2): checked in a second job.
+LLAMA_OVERRIDES = {
+    "--gpt.rope-scaling": (["llama3"], "llama3"),
+    "--gpt.rope-factor": (["32"], 32.0),
+    "--gpt.rope-low-freq-factor": (["2"], 2.0),
+    "--gpt.rope-high-freq-factor": (["8"], 8.0),
+    "--gpt.rope-original-max-seq-len": (["4096"], 4096),
+    "--gpt.qkv-bias": ([], True),
 }
 
 
@@ -163,13 +174,14 @@ def test_parse_documented_example():
     assert default.train.steps == 200 and default.gpt.n_kv_heads == 2
 
 
-def test_every_config_field_can_be_overridden():
+@pytest.mark.parametrize("overrides", [OVERRIDES, LLAMA_OVERRIDES], ids=["all", "llama-only"])
+def test_every_config_field_can_be_overridden(overrides):
     flags = _flags()
-    untested = sorted(set(flags) - set(OVERRIDES))
+    untested = sorted(set(flags) - set(OVERRIDES) - set(LLAMA_OVERRIDES))
     assert not untested, f"new config fields: add a value for {untested} to OVERRIDES"
     default = cli.parse(["train"])
     argv = ["train"]
-    for flag, (words, want) in OVERRIDES.items():
+    for flag, (words, want) in overrides.items():
         section, name = flags[flag]
         assert _get(default, section, name) != want, f"{flag}: pick a non-default value"
         if words:
@@ -177,7 +189,7 @@ def test_every_config_field_can_be_overridden():
         else:  # a boolean: --x or --no-x
             argv.append(flag if want else _negated(flag))
     job = cli.parse(argv)
-    for flag, (_, want) in OVERRIDES.items():
+    for flag, (_, want) in overrides.items():
         section, name = flags[flag]
         assert _get(job, section, name) == want, flag
 
@@ -192,10 +204,14 @@ def test_every_config_field_can_be_overridden():
         (["--gpt.remat", "bogus"], "bogus"),
         (["--model", "resnet"], "resnet"),
         (["--keep-last", "0"], "keep_last=0"),
-        (["--resume", "--no-save"], "resume=True needs checkpoints"),
+        (["--resume", "--no-save"], "resume=True: needs checkpoints"),
+        (["--data.path", "notes.txt"], "add --data.source text"),
+        (["--data.source", "arrays", "--data.path", "notes.txt"], "is not an .npz archive"),
     ],
 )
-def test_errors_are_one_line_and_exit_2(capsys, tmp_path, argv, message):
+def test_errors_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello there\n")  # a relative --data.path
     try:
         code = cli.main(["train", *argv, "--run-dir", str(tmp_path / "run"), "--no-progress"])
     except SystemExit as e:  # pragma: no cover - the failure shown below
@@ -298,3 +314,39 @@ def test_running_the_default_job_twice_keeps_the_first_run(tmp_path):
     assert "this run writes to runs/default-1" in outs[1], outs[1]
     assert sorted(p.name for p in (tmp_path / "runs/default/checkpoints").iterdir()) == ["1"]
     assert (tmp_path / "runs/default-1/checkpoints/1").is_dir()
+
+
+@pytest.mark.slow
+def test_resuming_with_another_model_size_is_one_line_and_changes_nothing(tmp_path):
+    """A run's checkpoint, then ``meshtrain train --resume`` with another --gpt.d-model: one
+    line, exit 2, no warnings before it, and nothing set aside as if it were damaged."""
+    flags = ["--gpt.n-layers", "1", "--gpt.max-seq-len", "16", "--data.source", "synthetic",
+             "--data.seq-len", "16", "--data.batch-size", "8", "--sample-tokens", "0",
+             "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    # The checkpoint the CLI's own trainer writes (in this process; no step compiled).
+    trainer = cli.build_trainer(cli.parse(["train", *flags, "--gpt.d-model", "32"]), say=print)
+    trainer.save(wait=True)
+    trainer.checkpoints.close()
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = {str(p.relative_to(ckpts)): p.stat().st_mtime_ns for p in ckpts.rglob("*")}
+    assert sorted(p.name for p in ckpts.iterdir()) == ["0"]
+    script = Path(sys.executable).parent / "meshtrain"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [str(script), "train", *flags, "--gpt.d-model", "64", "--resume"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 2, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr  # no warnings before it
+    line = lines[0]
+    assert line.startswith("meshtrain: error: checkpoint ") and len(line) < 500, line
+    assert "was written with a different model" in line and "parameters differ" in line, line
+    assert "same model and optimizer settings" in line and "--run-dir" in line, line
+    after = {str(p.relative_to(ckpts)): p.stat().st_mtime_ns for p in ckpts.rglob("*")}
+    assert after == before  # nothing set aside, renamed, written or deleted

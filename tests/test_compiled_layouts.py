@@ -3,7 +3,9 @@
 rematerialization" warning), which would move a full copy of an activation or weight.
 
 XLA prints that warning from C++ to stderr, so the compiles run in a subprocess whose stderr
-the test reads.
+the test reads. Two models: meshtrain's GPT, and a user's own model written here (an
+`mt.Embed` and two linears, as in the README), which with a plain `nnx.Embed` makes XLA
+print the warning under fsdp+tp and zero1+tp.
 """
 
 import subprocess
@@ -29,9 +31,9 @@ SCRIPT = textwrap.dedent(
     import meshtrain as mt
 
     mt.simulate_devices(8)
-    from meshtrain.train.step import batch_shardings
+    from meshtrain.layout import batch_shardings
 
-    tx = mt.make_optimizer(mt.OptimConfig(), 10)
+    tx = mt.lower.make_optimizer(mt.OptimConfig(), 10)
     tokens = np.random.default_rng(0).integers(0, 256, (16, 33), dtype=np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     for style, mesh_str, strategy in LAYOUTS:
@@ -39,21 +41,77 @@ SCRIPT = textwrap.dedent(
         cfg = mt.GPTConfig(style=style, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
-        graphdef, state, shardings = mt.init_train_state(
-            lambda: mt.build_model(cfg), tx, mesh, rules
+        graphdef, state, shardings = mt.lower.init_train_state(
+            lambda: mt.lower.build_model(cfg), tx, mesh, rules
         )
-        step = mt.jit_train_step(
+        step = mt.lower.jit_train_step(
             graphdef, tx, mesh, rules, shardings, batch_shardings(batch, mesh, rules)
         )
-        step.lower(state, mt.shard_batch(batch, mesh, rules)).compile()
+        step.lower(state, mt.lower.shard_batch(batch, mesh, rules)).compile()
     print("DONE", file=sys.stderr, flush=True)
     """
 )
 
 
-@pytest.mark.slow
-def test_no_preset_makes_xla_replicate_a_tensor_to_repartition_it():
-    code = f"LAYOUTS = {LAYOUTS!r}\n{SCRIPT}"
+# Every data strategy alone, on meshes without a tensor axis, and with +tp on the README's mesh.
+USER_LAYOUTS = [
+    ("data=8", "dp"),
+    ("data=2,fsdp=4", "fsdp"),
+    ("data=2,fsdp=4", "hsdp"),
+    ("data=8", "zero1"),
+    ("data=2,fsdp=2,tensor=2", "dp+tp"),
+    ("data=2,fsdp=2,tensor=2", "fsdp+tp"),
+    ("data=2,fsdp=2,tensor=2", "hsdp+tp"),
+    ("data=2,fsdp=2,tensor=2", "zero1+tp"),
+]
+
+USER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    import meshtrain as mt
+
+    mt.simulate_devices(8)
+    from meshtrain.layout import batch_shardings
+
+
+    class TwoLayer(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.normal(0.02)
+            named = lambda names: nnx.with_partitioning(init, names, eager_sharding=False)
+            self.embed = mt.Embed(256, 64, embedding_init=init, rngs=rngs)
+            self.up = nnx.Linear(64, 128, kernel_init=named(("embed", "mlp")), rngs=rngs)
+            self.out = nnx.Linear(128, 256, kernel_init=named(("mlp", "vocab")), rngs=rngs)
+
+        def __call__(self, tokens_BT):
+            x_BTD = mt.constrain(self.embed(tokens_BT), ("batch", "seq", "embed"))
+            return self.out(nnx.relu(self.up(x_BTD))).astype(jnp.float32)
+
+
+    tx = mt.lower.make_optimizer(mt.OptimConfig(), 10)
+    tokens = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    for mesh_str, strategy in LAYOUTS:
+        print(f"LAYOUT {mesh_str} {strategy}", file=sys.stderr, flush=True)
+        mesh = mt.make_mesh(mesh_str)
+        rules = mt.rules_for(strategy, mesh)
+        graphdef, state, shardings = mt.lower.init_train_state(
+            lambda: TwoLayer(nnx.Rngs(0)), tx, mesh, rules
+        )
+        step = mt.lower.jit_train_step(
+            graphdef, tx, mesh, rules, shardings, batch_shardings(batch, mesh, rules)
+        )
+        step.lower(state, mt.lower.shard_batch(batch, mesh, rules)).compile()
+    print("DONE", file=sys.stderr, flush=True)
+    """
+)
+
+
+def _compile_and_collect_rematerializations(script: str, layouts: list) -> list[str]:
+    """Runs `script` with LAYOUTS set in a fresh process; returns each warning with its layout."""
+    code = f"LAYOUTS = {layouts!r}\n{script}"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DONE" in proc.stderr
@@ -63,4 +121,16 @@ def test_no_preset_makes_xla_replicate_a_tensor_to_repartition_it():
             layout = line.removeprefix("LAYOUT ")
         elif "Involuntary full rematerialization" in line:
             bad.append(f"{layout}: {line[line.find('for HLO operation') :][:200]}")
+    return bad
+
+
+@pytest.mark.slow
+def test_no_preset_makes_xla_replicate_a_tensor_to_repartition_it():
+    bad = _compile_and_collect_rematerializations(SCRIPT, LAYOUTS)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_a_users_model_with_mt_embed_partitions_cleanly_under_every_preset():
+    bad = _compile_and_collect_rematerializations(USER_SCRIPT, USER_LAYOUTS)
     assert not bad, "\n".join(bad)

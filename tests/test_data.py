@@ -269,6 +269,9 @@ def test_process_slices_form_the_global_batch(monkeypatch, count):
         (dict(val_fraction=-0.1), "val_fraction=-0.1"),
         (dict(seed=-1), "seed=-1"),
         (dict(max_bytes=0), "max_bytes=0"),
+        # A path with a source that reads no file names the source that would read it.
+        (dict(path="notes.txt"), r"path='notes.txt'.*source='stdlib'.*--data.source text"),
+        (dict(source="synthetic", path="xy.npz"), r"--data.source arrays"),
     ],
 )
 def test_config_validation(kwargs, match):
@@ -291,6 +294,83 @@ def test_dataset_errors(tmp_path):
     np.savez(bad, x=np.zeros(3))
     with pytest.raises(ValueError, match=r"lacks \['inputs', 'targets'\]"):
         make_dataset(DataConfig(source="arrays", path=str(bad)))
+
+
+def _one_line(error) -> str:
+    """The message of a ValueError, checked to be one line without numpy's pickle advice."""
+    message = str(error.value)
+    assert "\n" not in message and "pickle" not in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [
+        (b"hello there\n", "it looks like text"),
+        (b"", "it is empty"),
+        (b"PK\x03\x04 not really a zip", "a damaged zip"),
+        ("npy", "a single .npy array"),
+    ],
+)
+def test_arrays_source_on_a_file_that_is_not_an_npz(tmp_path, content, what):
+    path = tmp_path / ("x.npy" if content == "npy" else "notes.txt")
+    if content == "npy":
+        np.save(path, np.zeros(3))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        make_dataset(DataConfig(source="arrays", path=str(path)))
+    message = _one_line(err)
+    assert message.startswith(f"data.path={str(path)!r} is not an .npz archive"), message
+    assert what in message and "np.savez(path, inputs=..., targets=...)" in message, message
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, inputs=np.array([object()] * 3), targets=np.zeros(3, int))
+    with pytest.raises(ValueError) as err:
+        make_dataset(DataConfig(source="arrays", path=str(objects)))
+    assert "'inputs' holds Python objects" in _one_line(err)
+
+
+def test_an_empty_or_tiny_file_names_the_file_its_size_and_the_fix(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError) as err:
+        make_dataset(DataConfig(source="text", path=str(empty)))
+    message = _one_line(err)
+    # Defaults: 32 windows of 129 bytes for training plus a 5 % tail of at least 129 bytes.
+    assert f"data.path={str(empty)!r} is empty (0 bytes)" in message, message
+    assert "at least 4312 bytes" in message, message
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"hello there\n")
+    with pytest.raises(ValueError) as err:
+        make_dataset(DataConfig(source="text", path=str(tiny)))
+    message = _one_line(err)
+    assert f"data.path={str(tiny)!r} holds 12 bytes" in message, message
+    assert "at least 4312 bytes" in message and "lower seq_len" in message, message
+    # The size the message asks for is enough, and one byte less is not.
+    need = tmp_path / "need.txt"
+    need.write_bytes(b"x" * 4312)
+    make_dataset(DataConfig(source="text", path=str(need)))
+    need.write_bytes(b"x" * 4311)
+    with pytest.raises(ValueError, match="at least 4312 bytes"):
+        make_dataset(DataConfig(source="text", path=str(need)))
+    # The same for an .npz with too few rows.
+    rows = tmp_path / "rows.npz"
+    np.savez(rows, inputs=np.zeros((0, 3)), targets=np.zeros(0, int))
+    with pytest.raises(ValueError) as err:
+        make_dataset(DataConfig(source="arrays", path=str(rows), batch_size=4))
+    message = _one_line(err)
+    assert f"data.path={str(rows)!r} has no rows" in message and "at least 20 rows" in message
+    np.savez(rows, inputs=np.zeros((3, 3)), targets=np.zeros(3, int))
+    with pytest.raises(ValueError) as err:
+        make_dataset(DataConfig(source="arrays", path=str(rows), batch_size=4, val_fraction=0))
+    message = _one_line(err)
+    assert f"data.path={str(rows)!r} has 3 rows" in message and "batch_size=4" in message
+    assert "at least 4 rows" in message, message
+    np.savez(rows, inputs=np.zeros((19, 3)), targets=np.zeros(19, int))
+    with pytest.raises(ValueError, match="holds out none.*at least 20 rows"):
+        make_dataset(DataConfig(source="arrays", path=str(rows), batch_size=4))
+    np.savez(rows, inputs=np.zeros((20, 3)), targets=np.zeros(20, int))
+    make_dataset(DataConfig(source="arrays", path=str(rows), batch_size=4))
 
 
 @pytest.mark.parametrize(

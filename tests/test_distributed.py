@@ -22,8 +22,8 @@ import pytest
 from meshtrain.data import DataConfig, make_dataset
 from meshtrain.distributed import DistributedConfig
 from meshtrain.launch import plan
+from meshtrain.layout import process_rows, rules_for
 from meshtrain.mesh import host_layout, make_mesh
-from meshtrain.sharding import process_rows, rules_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "_dist_driver.py"

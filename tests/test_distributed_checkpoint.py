@@ -32,10 +32,11 @@ from test_distributed import LOSS_RTOL, PARAM_ATOL, ROOT, TINY_TRAIN, _env, _wai
 
 from meshtrain import checkpoint as ckpt
 from meshtrain import cli
+from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.metrics import read_jsonl
 from meshtrain.models import build_model
-from meshtrain.sharding import rules_for
+from meshtrain.state import abstract_train_state
 from meshtrain.train.optim import make_optimizer
 
 pytestmark = pytest.mark.slow
@@ -133,7 +134,7 @@ def target():
     job = cli.parse(["train", *JOB])
     mesh = make_mesh(MESH)
     tx = make_optimizer(job.optim, job.train.steps)
-    return ckpt.abstract_train_state(
+    return abstract_train_state(
         lambda: build_model(job.model_config()), tx, mesh, rules_for(STRATEGY, mesh)
     )
 

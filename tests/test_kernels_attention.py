@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from _kernel_helpers import TOL, assert_close, fresh_key
 
-from meshtrain.kernels import _common, flash_attention, reference
+from meshtrain.kernels import _common, attention, flash_attention, reference
 from meshtrain.kernels.attention import flash_attention_lse
 from meshtrain.models import layers
 
@@ -111,6 +111,42 @@ def test_causal_mask_first_and_last_rows():
     out2 = run(k2, v2)
     np.testing.assert_array_equal(out2[:, :-1], out[:, :-1])
     assert float(jnp.max(jnp.abs(out2[:, -1] - out[:, -1]))) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "H,G",
+    [
+        pytest.param(8, 2, id="8q-2kv-one-group-per-shard"),
+        pytest.param(12, 3, id="12q-3kv-groups-straddle-shards"),
+    ],
+)
+def test_kv_heads_replicated_over_tensor_match_reference(H, G):
+    """On data=2 × tensor=4 with tp rules: query heads split 4 ways, key/value heads (fewer, or
+    a count 4 does not divide) whole on every shard. Each shard's kernel must use the k/v head
+    of each of its query heads (h // (H / G)), and dk/dv must sum every shard's part."""
+    from meshtrain.layout import activation_rules, constrain, rules_for
+    from meshtrain.mesh import make_mesh
+
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, 2, 33, H, G, 64, jnp.float32)
+    mesh = make_mesh("data=2,tensor=4")
+    rules = rules_for("tp", mesh)
+
+    def pallas(q, k, v):
+        with activation_rules(mesh, rules):
+            q = constrain(q, ("batch", None, "heads", None))
+            k, v = (constrain(x, ("batch", None, "kv_heads", None)) for x in (k, v))
+            out = flash_attention(q, k, v, impl="pallas", block_q=BLOCK, block_k=BLOCK)
+            return constrain(out, ("batch", None, "heads", None))
+
+    out, grads = jax.jit(lambda q, k, v, do: _grads(pallas, q, k, v, do))(q, k, v, do)
+    ref, ref_grads = _grads(lambda q, k, v: reference.attention(q, k, v), q, k, v, do)
+    split = jax.sharding.NamedSharding(mesh, jax.P("data", None, "tensor", None))
+    assert out.sharding.is_equivalent_to(split, 4)
+    fwd_tol, grad_tol = TOL[jnp.float32]
+    assert_close(out, ref, fwd_tol, "output", seed)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, grad_tol, f"d{name}", seed)
 
 
 def test_xla_impl_is_the_model_attention():
@@ -233,3 +269,103 @@ def test_memory_is_linear_in_sequence():
 
     assert biggest(lambda q, k, v: flash_attention(q, k, v, impl="pallas")) < T * T // 4
     assert biggest(reference.attention) >= T * T  # the check can fail
+
+
+# --- sliding window -------------------------------------------------------------------------
+
+# (batch, T, heads, kv_heads, window): a window of one key, one of exactly a block, one that
+# spans blocks unevenly with GQA.
+WINDOWS = [
+    pytest.param(1, 40, 2, 1, 1, id="w1"),
+    pytest.param(1, 40, 2, 2, 16, id="w16-block"),
+    pytest.param(2, 45, 4, 2, 21, id="w21-gqa2"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,G,window", WINDOWS)
+def test_sliding_window_matches_reference(B, T, H, G, window):
+    """Query t sees keys (t − window, t]: values, logsumexp and gradients as the reference."""
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, B, T, H, G, 64, jnp.float32)
+    fwd_tol, grad_tol = TOL[jnp.float32]
+
+    def pallas(q, k, v):
+        return flash_attention(q, k, v, window=window, impl="pallas", block_q=BLOCK, block_k=BLOCK)
+
+    out, grads = _grads(pallas, q, k, v, do)
+    ref, ref_grads = _grads(
+        lambda q, k, v: reference.attention(q, k, v, window=window), q, k, v, do
+    )
+    assert_close(out, ref, fwd_tol, "output", seed)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        if window == 1 and name in "qk":  # each query sees only itself: no gradient to q, k
+            assert float(jnp.max(jnp.abs(r))) == 0 and float(jnp.max(jnp.abs(g))) < 1e-5, name
+            continue
+        assert_close(g, r, grad_tol, f"d{name}", seed)
+    _, lse = flash_attention_lse(q, k, v, window=window, block_q=BLOCK, block_k=BLOCK)
+    assert_close(lse, reference.attention_logsumexp(q, k, window=window), 1e-6, "lse", seed)
+    # the window bites: the output differs from plain causal attention
+    assert float(jnp.max(jnp.abs(ref - reference.attention(q, k, v)))) > 1e-2
+
+
+def test_reference_window_is_the_keys_t_minus_window_exclusive_to_t():
+    ok = np.asarray(reference.visible(6, 6, causal=True, window=3))
+    want = [[int(t - 3 < s <= t) for s in range(6)] for t in range(6)]
+    np.testing.assert_array_equal(ok.astype(int), want)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("bq,bk", [(16, 16), (16, 32), (32, 16)])
+def test_window_visits_exactly_the_blocks_it_sees(window, bq, bk):
+    """The forward's key-block range and the dk/dv kernel's query-block range are the blocks
+    holding at least one visible (query, key) pair: none skipped, none wasted."""
+    n_q, n_kv = 96 // bq, 96 // bk
+    ok = np.asarray(reference.visible(96, 96, causal=True, window=window))
+    sees = ok.reshape(n_q, bq, n_kv, bk).any(axis=(1, 3))  # [query block, key block]
+    for i in range(n_q):
+        lo, hi = (int(x) for x in attention._kv_range(i, bq, bk, n_kv, True, window))
+        assert list(range(lo, hi)) == list(np.flatnonzero(sees[i])), (i, lo, hi)
+    for j in range(n_kv):
+        lo, hi = (int(x) for x in attention._q_range(j, bq, bk, n_q, True, window))
+        assert list(range(lo, hi)) == list(np.flatnonzero(sees[:, j])), (j, lo, hi)
+
+
+def test_cudnn_window_argument_means_the_reference_window():
+    """The cuDNN path passes ``local_window_size=(window − 1, 0)``; through jax's own XLA
+    implementation of that argument (runs on CPU) it is the reference's window."""
+    key, _ = fresh_key()
+    q, k, v, _ = _inputs(key, 1, 30, 4, 2, 64, jnp.float32)
+    for window in (1, 7):
+        got = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation="xla"
+        )
+        np.testing.assert_allclose(got, reference.attention(q, k, v, window=window), atol=1e-6)
+
+
+def test_bad_window_errors():
+    q = jnp.zeros((1, 16, 2, 64), jnp.float32)
+    with pytest.raises(ValueError, match=r"window=8 \(causal=False\) is not supported"):
+        flash_attention(q, q, q, window=8, causal=False, impl="pallas")
+    with pytest.raises(ValueError, match=r"window=0 \(causal=True\) is not supported"):
+        flash_attention(q, q, q, window=0, impl="xla")
+    with pytest.raises(ValueError, match="a sliding window needs causal=True"):
+        reference.attention(q, q, q, causal=False, window=8)
+
+
+@pytest.mark.gpu
+def test_compiled_window_on_gpu_matches_cudnn_and_reference():
+    """Compiled kernels with a sliding window on a GPU, bf16, against the reference and cuDNN."""
+    key, seed = fresh_key()
+    q, k, v, do = _inputs(key, 2, 1000, 8, 2, 64, jnp.bfloat16)
+    window = 200
+    fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, window=window, impl="pallas"))
+    out, grads = _grads(fn, q, k, v, do)
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+    ref, ref_grads = _grads(
+        lambda q, k, v: reference.attention(*f32(q, k, v), window=window), q, k, v, do
+    )
+    assert_close(out, ref, 2e-2, "output", seed)
+    for name, g, r in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, r, 3e-2, f"d{name}", seed)
+    cudnn = flash_attention(q, k, v, window=window, impl="cudnn")
+    assert_close(cudnn, ref, 2e-2, "cudnn output", seed)

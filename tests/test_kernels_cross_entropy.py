@@ -7,9 +7,9 @@ import optax
 import pytest
 from _kernel_helpers import TOL, assert_close, fresh_key
 
-from meshtrain.kernels import cross_entropy, poison_outputs, reference
+from meshtrain.kernels import poison_outputs, reference, token_cross_entropy
+from meshtrain.layout import activation_rules, constrain, rules_for
 from meshtrain.mesh import make_mesh
-from meshtrain.sharding import activation_rules, constrain, rules_for
 
 
 def _inputs(key, lead, V, dtype):
@@ -34,13 +34,13 @@ def test_matches_reference(lead, V, dtype):
     key, seed = fresh_key()
     logits, targets, g = _inputs(key, lead, V, dtype)
     loss, grad = _value_and_grad(
-        lambda x, t: cross_entropy(x, t, impl="pallas", block_rows=8, block_vocab=64),
+        lambda x, t: token_cross_entropy(x, t, impl="pallas", block_rows=8, block_vocab=64),
         logits,
         targets,
         g,
     )
     ref, ref_grad = _value_and_grad(
-        lambda x, t: reference.cross_entropy(x.astype(jnp.float32), t), logits, targets, g
+        lambda x, t: reference.token_cross_entropy(x.astype(jnp.float32), t), logits, targets, g
     )
     assert loss.dtype == jnp.float32 and grad.dtype == dtype
     assert_close(loss, ref, 1e-6, "loss", seed)
@@ -51,7 +51,7 @@ def test_reference_is_optax():
     key, _ = fresh_key()
     logits, targets, _ = _inputs(key, (5, 7), 50, jnp.float32)
     np.testing.assert_allclose(
-        reference.cross_entropy(logits, targets),
+        reference.token_cross_entropy(logits, targets),
         optax.softmax_cross_entropy_with_integer_labels(logits, targets),
         rtol=1e-6,
         atol=1e-6,
@@ -64,7 +64,7 @@ def test_backward_makes_no_float32_logits():
     logits, targets, g = _inputs(key, (16,), 512, jnp.bfloat16)
 
     def loss(x):
-        return jnp.sum(cross_entropy(x, targets, impl="pallas", block_vocab=128) * g)
+        return jnp.sum(token_cross_entropy(x, targets, impl="pallas", block_vocab=128) * g)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(logits)
     big_f32 = [
@@ -75,7 +75,7 @@ def test_backward_makes_no_float32_logits():
     ]
     assert not big_f32, f"float32 arrays as big as the logits: {big_f32}"
     reference_jaxpr = jax.make_jaxpr(
-        jax.grad(lambda x: jnp.sum(reference.cross_entropy(x, targets) * g))
+        jax.grad(lambda x: jnp.sum(reference.token_cross_entropy(x, targets) * g))
     )(logits)
     assert any(  # the check can fail: the plain reference does make one
         v.aval.dtype == jnp.float32 and v.aval.size >= logits.size
@@ -89,7 +89,7 @@ def test_every_output_element_is_written():
     logits, targets, g = _inputs(key, (21,), 200, jnp.float32)
     with poison_outputs():
         loss, grad = _value_and_grad(
-            lambda x, t: cross_entropy(x, t, impl="pallas", block_rows=8, block_vocab=64),
+            lambda x, t: token_cross_entropy(x, t, impl="pallas", block_rows=8, block_vocab=64),
             logits,
             targets,
             g,
@@ -107,10 +107,10 @@ def test_vocab_parallel_under_tensor_parallelism():
     def sharded(x, t):
         with activation_rules(mesh, rules):
             x = constrain(x, ("batch", "seq", "vocab"))
-            return cross_entropy(x, t, impl="pallas", block_vocab=32)
+            return token_cross_entropy(x, t, impl="pallas", block_vocab=32)
 
     loss, grad = jax.jit(lambda x: _value_and_grad(sharded, x, targets, g))(logits)
-    ref, ref_grad = _value_and_grad(reference.cross_entropy, logits, targets, g)
+    ref, ref_grad = _value_and_grad(reference.token_cross_entropy, logits, targets, g)
     assert_close(loss, ref, 1e-6, "loss", seed)
     assert_close(grad, ref_grad, 1e-5, "grad", seed)
     assert "psum" in str(jax.make_jaxpr(sharded)(logits, targets))
@@ -119,10 +119,10 @@ def test_vocab_parallel_under_tensor_parallelism():
 def test_bad_input_errors():
     x = jnp.zeros((4, 10), jnp.float32)
     with pytest.raises(ValueError, match=r"targets \(5,\) must be logits \(4, 10\) without"):
-        cross_entropy(x, jnp.zeros((5,), jnp.int32), impl="pallas")
+        token_cross_entropy(x, jnp.zeros((5,), jnp.int32), impl="pallas")
     with pytest.raises(ValueError, match="targets must be integers"):
-        cross_entropy(x, jnp.zeros((4,), jnp.float32), impl="pallas")
+        token_cross_entropy(x, jnp.zeros((4,), jnp.float32), impl="pallas")
     with pytest.raises(ValueError, match=r"dtype float16 .*float32, bfloat16"):
-        cross_entropy(x.astype(jnp.float16), jnp.zeros((4,), jnp.int32), impl="pallas")
+        token_cross_entropy(x.astype(jnp.float16), jnp.zeros((4,), jnp.int32), impl="pallas")
     with pytest.raises(ValueError, match="block_vocab=100 must be a power of two"):
-        cross_entropy(x, jnp.zeros((4,), jnp.int32), impl="pallas", block_vocab=100)
+        token_cross_entropy(x, jnp.zeros((4,), jnp.int32), impl="pallas", block_vocab=100)

@@ -6,8 +6,8 @@ import pytest
 from _kernel_helpers import TOL, assert_close, fresh_key
 
 from meshtrain.kernels import matmul, poison_outputs, reference
+from meshtrain.layout import activation_rules, rules_for
 from meshtrain.mesh import make_mesh
-from meshtrain.sharding import activation_rules, rules_for
 
 TILES = dict(block_m=16, block_n=16, block_k=16)
 

@@ -13,19 +13,19 @@ from flax import nnx
 
 from meshtrain import cli
 from meshtrain.data import DataConfig, make_dataset
+from meshtrain.layout import activation_rules, rules_for, shard_batch
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
-from meshtrain.sharding import activation_rules, rules_for, shard_batch
-from meshtrain.train.step import cross_entropy
+from meshtrain.train.loss import cross_entropy
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 # Head width 64 (the kernels take 64 and 128); GQA with 2 query heads per key/value head, so
 # query and key/value heads both split over tensor=2. T=40 is not a whole number of blocks.
 BASE = dict(vocab_size=256, max_seq_len=64, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2)
-PALLAS = dict(attention_impl="pallas", norm_impl="pallas", loss_impl="pallas")
+PALLAS = dict(attention_impl="pallas", norm_impl="pallas")  # the model's kernels
 
 
-def _loss_and_grads(cfg, mesh, rules, tokens, targets):
+def _loss_and_grads(cfg, mesh, rules, tokens, targets, loss_impl="xla"):
     """Loss and parameter gradients of `cfg`'s GPT (seed 0) on the mesh, jitted."""
     model = build_model(cfg, seed=0)
     graphdef, params = nnx.split(model, nnx.Param)
@@ -35,16 +35,23 @@ def _loss_and_grads(cfg, mesh, rules, tokens, targets):
         def loss_of(params):
             with activation_rules(mesh, rules):
                 logits = nnx.merge(graphdef, params)(tokens)
-                return cross_entropy(logits, targets, impl=cfg.loss_impl)
+                return cross_entropy(logits, targets, impl=loss_impl)
 
         return jax.value_and_grad(loss_of)(params)
 
     return run(params, tokens, targets)
 
 
+# Mistral/Qwen2/Llama 3.1 features at once: a window shorter than the sequence (and than two
+# blocks), q/k/v biases, scaled RoPE.
+NEWER = dict(sliding_window=20, qkv_bias=True, rope_scaling="llama3", rope_original_max_seq_len=16)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("style", ["llama", "gpt2"])
-def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style):
+@pytest.mark.parametrize(
+    "style,extra", [("llama", {}), ("gpt2", {}), ("llama", NEWER)], ids=["llama", "gpt2", "newer"]
+)
+def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style, extra):
     key, seed = fresh_key()
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     rules = rules_for("fsdp+tp", mesh)
@@ -52,9 +59,9 @@ def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style):
     batch = shard_batch(
         {"x": np.asarray(tokens[:, :-1]), "y": np.asarray(tokens[:, 1:])}, mesh, rules
     )
-    ref_cfg = GPTConfig(style=style, **BASE)
+    ref_cfg = GPTConfig(style=style, **BASE, **extra)
     loss, grads = _loss_and_grads(
-        dataclasses.replace(ref_cfg, **PALLAS), mesh, rules, batch["x"], batch["y"]
+        dataclasses.replace(ref_cfg, **PALLAS), mesh, rules, batch["x"], batch["y"], "pallas"
     )
     ref_loss, ref_grads = _loss_and_grads(ref_cfg, mesh, rules, batch["x"], batch["y"])
     assert abs(float(loss) - float(ref_loss)) < 1e-5 * abs(float(ref_loss)), (loss, ref_loss)
@@ -76,18 +83,19 @@ def test_config_validates_impls():
     with pytest.raises(ValueError, match=r"norm_impl='cudnn': choose from pallas, xla, auto"):
         GPTConfig(norm_impl="cudnn")
     with pytest.raises(ValueError, match=r"loss_impl='fused'"):
-        GPTConfig(loss_impl="fused")
+        TrainConfig(loss_impl="fused")
     # The default GPT has head width 32: the kernel would not take it.
     with pytest.raises(ValueError, match=r"head width \(d_model / n_heads\) of 64 or 128, got 32"):
         GPTConfig(attention_impl="pallas")
     GPTConfig(attention_impl="auto")  # auto falls back to the jnp path for width 32
-    assert GPTConfig().attention_impl == GPTConfig().norm_impl == GPTConfig().loss_impl == "xla"
+    assert GPTConfig().attention_impl == GPTConfig().norm_impl == TrainConfig().loss_impl == "xla"
 
 
 def test_cli_exposes_the_kernel_flags(capsys, tmp_path):
     argv = ["train", "--gpt.d-model", "128", "--gpt.n-heads", "2"]
-    job = cli.parse([*argv, *(f"--gpt.{k.replace('_', '-')}={v}" for k, v in PALLAS.items())])
-    assert (job.gpt.attention_impl, job.gpt.norm_impl, job.gpt.loss_impl) == ("pallas",) * 3
+    flags = [f"--gpt.{k.replace('_', '-')}={v}" for k, v in PALLAS.items()]
+    job = cli.parse([*argv, *flags, "--loss-impl", "pallas"])
+    assert (job.gpt.attention_impl, job.gpt.norm_impl, job.train.loss_impl) == ("pallas",) * 3
     code = cli.main(
         ["train", "--gpt.attention-impl", "pallas", "--run-dir", str(tmp_path), "--no-progress"]
     )
@@ -109,10 +117,12 @@ def test_trainer_trains_with_kernels_selected():
         data,
         mesh=mesh,
         rules=rules,
-        config=TrainConfig(steps=3, log_every=1, eval_every=0, run_dir="", progress=False),
+        config=TrainConfig(
+            steps=3, log_every=1, eval_every=0, run_dir="", progress=False, loss_impl="pallas"
+        ),
     )
     logits, targets = jnp.zeros((2, 4, 256)), jnp.zeros((2, 4), jnp.int32)
-    assert "cross_entropy_fwd" in str(jax.make_jaxpr(trainer._loss_fn())(logits, targets))
+    assert "cross_entropy_fwd" in str(jax.make_jaxpr(trainer.loss_fn)(logits, targets))
     losses = [m["loss"] for m in trainer.fit()]
     assert len(losses) == 3 and np.all(np.isfinite(losses)), losses
     assert abs(losses[0] - np.log(256)) < 0.3, losses
@@ -120,7 +130,7 @@ def test_trainer_trains_with_kernels_selected():
 
 
 def test_auto_on_cpu_uses_the_jnp_paths():
-    cfg = GPTConfig(attention_impl="auto", norm_impl="auto", loss_impl="auto", **BASE)
+    cfg = GPTConfig(attention_impl="auto", norm_impl="auto", **BASE)
     model = build_model(cfg)
     if jax.default_backend() != "gpu":
         assert model.blocks.attn.impl == "xla"

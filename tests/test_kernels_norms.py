@@ -8,8 +8,8 @@ from _kernel_helpers import TOL, assert_close, fresh_key
 from flax import nnx
 
 from meshtrain.kernels import layer_norm, poison_outputs, reference, rms_norm
+from meshtrain.layout import activation_rules, rules_for
 from meshtrain.mesh import make_mesh
-from meshtrain.sharding import activation_rules, rules_for
 
 KINDS = {
     "rms": (rms_norm, lambda x, w, b, **kw: reference.rms_norm(x, w, **kw)),

@@ -54,7 +54,13 @@ def test_parse_str_round_trip(text):
 def test_parse_sets_unnamed_axes_to_one_and_tolerates_spaces():
     config = MeshConfig.parse(" data = 4 , tensor=2 ")
     assert config == MeshConfig(pipe=1, data=4, fsdp=1, expert=1, seq=1, tensor=2)
-    assert MeshConfig.parse("") == MeshConfig() == MeshConfig.parse("auto")
+    assert MeshConfig.parse("") == MeshConfig()
+
+
+def test_auto_is_not_a_mesh_spelling():
+    """'auto' is kept for an automatic planner; 'data=-1' already means all data."""
+    with pytest.raises(ValueError, match=r"mesh 'auto': not a mesh; 'data=-1' puts every device"):
+        MeshConfig.parse("auto")
 
 
 def test_product_not_device_count_names_sizes_and_count():

@@ -1,4 +1,5 @@
-"""Tests for meshtrain.models: shapes, causality, GQA, RoPE, remat, scan, FLOPs, no-mesh rule."""
+"""Tests for meshtrain.models: shapes, causality, GQA, RoPE, remat, scan, FLOPs, no-mesh rule,
+the padded vocabulary (masked logits, loss, gradients, sampling)."""
 
 import dataclasses
 import functools
@@ -13,7 +14,10 @@ import pytest
 from flax import nnx
 
 import meshtrain.models
+from meshtrain.layout import activation_rules, constrain, rules_for
+from meshtrain.mesh import make_mesh
 from meshtrain.models import REMAT_POLICIES, GPTConfig, MLPConfig, build_model, layers
+from meshtrain.models.sampling import sample
 from meshtrain.train import OptimConfig, cross_entropy
 
 V, T, B = 256, 16, 2
@@ -289,7 +293,9 @@ def counted_flops_per_token(model, seq_len: int) -> int:
     flops = 6 * matmul
     if "blocks/attn/q/kernel" in params:
         n_layers, _, heads, head_dim = params["blocks/attn/q/kernel"].shape
-        flops += 3 * n_layers * 2 * (2 * seq_len * heads * head_dim)
+        window = model.cfg.sliding_window  # each query is counted against `window` keys
+        keys = min(seq_len, window) if window else seq_len
+        flops += 3 * n_layers * 2 * (2 * keys * heads * head_dim)
     return flops
 
 
@@ -300,14 +306,126 @@ def counted_flops_per_token(model, seq_len: int) -> int:
         gpt_config("llama", 2),
         gpt_config("llama", 1, d_ff=96, n_layers=3),
         gpt_config("gpt2", tie_embeddings=True, d_model=32, n_heads=2),
+        gpt_config("llama", 2, vocab_size=300),  # the padded vocabulary (384) counts
         MLPConfig(num_features=16, num_classes=10, d_model=32, d_hidden=48, n_layers=3),
+        gpt_config("llama", 2, sliding_window=24, qkv_bias=True),
     ],
-    ids=["gpt2", "llama-gqa", "llama-mqa-dff", "gpt2-tied", "mlp"],
+    ids=[
+        "gpt2",
+        "llama-gqa",
+        "llama-mqa-dff",
+        "gpt2-tied",
+        "llama-padded-vocab",
+        "mlp",
+        "llama-window-bias",
+    ],
 )
 @pytest.mark.parametrize("seq_len", [16, 128])
 def test_flops_per_token_matches_a_count_from_param_shapes(config, seq_len):
     model = nnx.eval_shape(lambda: build_model(config))
     assert config.flops_per_token(seq_len) == counted_flops_per_token(model, seq_len)
+
+
+# --- the padded vocabulary ----------------------------------------------------------------
+
+PV = 300  # a vocabulary that 128 does not divide: 384 rows
+
+
+def _sliced_to_vocab(padded: GPTConfig, state) -> tuple[GPTConfig, nnx.State]:
+    """The unpadded config (vocab_multiple=1) and `state` with its padded rows cut off."""
+    plain = dataclasses.replace(padded, vocab_multiple=1)
+    pure = nnx.to_pure_dict(state)
+    pure["embed"]["embedding"] = pure["embed"]["embedding"][:PV]
+    if "head" in pure:
+        pure["head"]["kernel"] = pure["head"]["kernel"][:, :PV]
+    plain_state = nnx.state(abstract(plain))
+    nnx.replace_by_pure_dict(plain_state, pure)
+    return plain, plain_state
+
+
+def test_byte_level_default_is_not_padded():
+    """vocab 256 keeps its shapes and its exact numbers (parameters and logits)."""
+    default, plain = GPTConfig(), GPTConfig(vocab_multiple=1)
+    assert default.vocab_multiple == 128 and default.padded_vocab == 256
+    a, b = params_of(build_model(default)), params_of(build_model(plain))
+    for path in b:
+        np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+    x = np.random.default_rng(0).integers(0, 256, (2, 16), np.int32)
+    np.testing.assert_array_equal(logits(default, x), logits(plain, x))
+
+
+@pytest.mark.parametrize("style, tied", [("gpt2", True), ("llama", False)])
+def test_padded_vocabulary_is_masked_and_changes_nothing_else(style, tied):
+    """Padded rows start at zero, their logits are PADDED_LOGIT, they get exactly zero
+    gradient, and the loss and real gradients equal those of the unpadded model."""
+    config = gpt_config(style, vocab_size=PV, tie_embeddings=tied)
+    assert config.padded_vocab == 384
+    model = build_model(config, seed=1)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    p = params_of(model)
+    assert p["embed/embedding"].shape == (384, 64)
+    assert not np.any(np.asarray(p["embed/embedding"][PV:]))
+    assert tied or not np.any(np.asarray(p["head/kernel"][:, PV:]))
+    x = np.random.default_rng(2).integers(0, PV, (B, T + 1), np.int32)
+
+    def loss(params, graphdef=graphdef, rest=rest):
+        return cross_entropy(nnx.merge(graphdef, params, rest)(x[:, :-1]), x[:, 1:])
+
+    out = logits(config, x[:, :-1], nnx.state(model))
+    assert np.all(out[..., PV:] == layers.PADDED_LOGIT)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    g = {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
+    assert np.all(g["embed/embedding"][PV:] == 0) and np.any(g["embed/embedding"][:PV])
+    assert tied or (np.all(g["head/kernel"][:, PV:] == 0) and np.any(g["head/kernel"][:, :PV]))
+
+    plain, plain_params = _sliced_to_vocab(config, params)
+    plain_graphdef, _, plain_rest = nnx.split(abstract(plain), nnx.Param, ...)
+    plain_loss = functools.partial(loss, graphdef=plain_graphdef, rest=rest)
+    want, want_grads = jax.jit(jax.value_and_grad(plain_loss))(plain_params)
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-6)  # fp32, one more sum
+    _, sliced = _sliced_to_vocab(config, grads)
+    for (path, got), (_, ref) in zip(
+        nnx.to_flat_state(sliced), nnx.to_flat_state(want_grads), strict=True
+    ):
+        np.testing.assert_allclose(
+            got.get_value(), ref.get_value(), rtol=0, atol=1e-6, err_msg=str(path)
+        )
+
+
+@pytest.mark.parametrize(
+    "impl, mesh_str", [("xla", None), ("pallas", None), ("pallas", "data=2,tensor=4")]
+)
+def test_loss_of_masked_padded_logits_equals_the_unpadded_loss(impl, mesh_str):
+    """Whatever the padded columns held, once masked they change neither the loss nor the
+    real logits' gradient, and get none themselves (the Pallas loss also split over vocab)."""
+    rng = np.random.default_rng()
+    N, Vp = 24, 1024
+    real = jnp.asarray(rng.normal(0, 3, (N, 1000)), jnp.float32)
+    junk = jnp.asarray(rng.normal(20, 3, (N, Vp - 1000)), jnp.float32)  # would dominate
+    targets = jnp.asarray(rng.integers(0, 1000, N), jnp.int32)
+
+    def padded_loss(junk, real):
+        x = layers.mask_padded_vocab(jnp.concatenate([real, junk], axis=-1), 1000)
+        if mesh_str is None:
+            return cross_entropy(x, targets, impl=impl)
+        mesh = make_mesh(mesh_str)
+        with activation_rules(mesh, rules_for("tp", mesh)):
+            return cross_entropy(constrain(x, ("batch", "vocab")), targets, impl=impl)
+
+    value, (d_junk, d_real) = jax.jit(jax.value_and_grad(padded_loss, (0, 1)))(junk, real)
+    want, want_grad = jax.value_and_grad(lambda r: cross_entropy(r, targets, impl="xla"))(real)
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(d_real), np.asarray(want_grad), rtol=0, atol=1e-7)
+    assert np.all(np.asarray(d_junk) == 0)
+
+
+def test_sampling_never_draws_a_padded_id():
+    """Padded head columns set far above the real ones would win every draw unmasked."""
+    config = gpt_config("llama", vocab_size=PV, n_layers=1)
+    model = build_model(config, seed=0)
+    model.head.kernel[...] = model.head.kernel[...].at[:, PV:].set(5.0)
+    out = sample(model, jnp.arange(4), 12, key=jax.random.key(0), temperature=1.0)
+    assert out.shape == (16,) and int(out.max()) < PV
 
 
 # --- construction -------------------------------------------------------------------------
@@ -348,6 +466,26 @@ def test_bf16_config_keeps_fp32_params():
     assert output_shape(config, tokens(), lambda m: m.embed).dtype == jnp.bfloat16
 
 
+def test_embed_computes_what_nnx_embed_does_and_names_its_table():
+    import meshtrain as mt
+
+    assert mt.Embed is layers.Embed
+    tokens = jnp.array([[0, 3, 9], [9, 1, 2]], jnp.int32)
+    ours = layers.Embed(10, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    plain = nnx.Embed(10, 4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert ours(tokens).dtype == jnp.bfloat16 and ours(tokens).shape == (2, 3, 4)
+    np.testing.assert_array_equal(ours(tokens), plain(tokens))
+    np.testing.assert_array_equal(ours.attend(jnp.ones((2, 4))), plain.attend(jnp.ones((2, 4))))
+    assert ours.embedding.get_metadata()["out_sharding"] == ("vocab", "embed")
+    # An initialiser that carries its own names keeps them.
+    init = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", None))
+    assert layers.Embed(10, 4, embedding_init=init, rngs=nnx.Rngs(0)).embedding.get_metadata()[
+        "out_sharding"
+    ] == ("vocab", None)
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        ours(jnp.zeros(3))
+
+
 # --- models never mention devices ---------------------------------------------------------
 
 
@@ -360,3 +498,85 @@ def test_model_code_mentions_no_mesh():
     for path in sources:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not pattern.search(line), f"{path.name}:{n}: {line.strip()}"
+
+
+# --- Llama 3.1 RoPE scaling, q/k/v biases, sliding window -----------------------------------
+
+
+def llama3_direct(freq, factor, low, high, original):
+    """Llama 3.1's rule per frequency, in float64: a wavelength shorter than original / high
+    is kept, one longer than original / low is slowed down `factor` times, and in between the
+    two are mixed by how far original / wavelength lies from low towards high."""
+    out = []
+    for f in freq:
+        wavelength = 2 * math.pi / f
+        if wavelength < original / high:
+            out.append(f)
+        elif wavelength > original / low:
+            out.append(f / factor)
+        else:
+            mix = (original / wavelength - low) / (high - low)
+            out.append((1 - mix) * f / factor + mix * f)
+    return np.array(out)
+
+
+def test_llama3_rope_frequencies_follow_the_rule():
+    theta, K = 5e5, 128  # Llama 3.1 8B
+    freq = theta ** (-np.arange(0, K, 2) / K)
+    wavelength = 2 * math.pi / freq
+    assert (wavelength < 2048).sum() and (wavelength > 8192).sum()  # every band is present
+    assert ((wavelength > 2048) & (wavelength < 8192)).sum() >= 3
+    got = layers.llama3_frequencies(jnp.asarray(freq, jnp.float32), 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(got, llama3_direct(freq, 8.0, 1.0, 4.0, 8192), rtol=2e-6)
+    cos, _ = layers.rope_tables(4, K, theta, llama3=(8.0, 1.0, 4.0, 8192))
+    np.testing.assert_allclose(cos[3], np.cos(3 * llama3_direct(freq, 8.0, 1.0, 4.0, 8192)),
+                               atol=1e-6)  # fmt: skip
+
+
+def test_llama3_defaults_are_the_config_defaults():
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    assert {k: defaults[k] for k in layers.LLAMA3_DEFAULTS} == layers.LLAMA3_DEFAULTS
+
+
+def test_qkv_bias_biases_query_key_value_only():
+    params = params_of(abstract(gpt_config("llama", 2, qkv_bias=True)))
+    biases = {p: a.shape for p, a in params.items() if p.endswith("bias")}
+    assert biases == {
+        "blocks/attn/q/bias": (2, 4, 16),
+        "blocks/attn/k/bias": (2, 2, 16),
+        "blocks/attn/v/bias": (2, 2, 16),
+    }
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_sliding_window_limits_how_far_a_token_reaches(style):
+    """Through 2 layers with window 4 a token reaches 2 · (4 − 1) = 6 positions ahead, and no
+    further; without the window it reaches the end."""
+    config = gpt_config(style, sliding_window=4)
+    x = tokens(seed=2)
+    y = x.copy()
+    y[:, 0] = (x[:, 0] + 1) % V
+    change = np.abs(logits(config, y) - logits(config, x)).max(axis=(0, 2))  # [T]
+    assert change[6] > 1e-4 and change[7:].max() == 0, change
+    full = gpt_config(style)
+    assert np.abs(logits(full, y) - logits(full, x))[:, -1].max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(rope_factor=4.0), r"rope_factor=4.0 has no effect with rope_scaling='none'"),
+        (dict(rope_scaling="yarn"), r"rope_scaling='yarn': choose 'none' or 'llama3'"),
+        (dict(style="gpt2", rope_scaling="llama3"), r"'llama3' needs style='llama'"),
+        (
+            dict(rope_scaling="llama3", rope_low_freq_factor=4.0),
+            r"rope_low_freq_factor=4.0 and rope_high_freq_factor=4.0 must satisfy 0 < low",
+        ),
+        (dict(rope_scaling="llama3", rope_factor=0.5), r"rope_factor=0.5 must be ≥ 1"),
+        (dict(style="gpt2", qkv_bias=True), r"qkv_bias=True: style 'gpt2' already biases"),
+        (dict(sliding_window=-1), r"sliding_window=-1: must be an integer ≥ 0"),
+    ],
+)
+def test_bad_rope_scaling_bias_and_window_fields_are_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        gpt_config(**kw)

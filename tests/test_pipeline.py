@@ -9,6 +9,7 @@ instead (see `_assert_as_accurate`).
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ import pytest
 from flax import nnx
 
 from meshtrain.data import make_arrays_dataset
+from meshtrain.layout import activation_rules, rules_for
+from meshtrain.lower import cross_entropy, init_train_state
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
 from meshtrain.pipeline import (
@@ -25,13 +28,11 @@ from meshtrain.pipeline import (
     FWD,
     IDLE,
     PipelineConfig,
-    check_pipeline,
     pipeline_loss_and_grads,
+    pipeline_problems,
     schedule_table,
 )
 from meshtrain.pipeline.schedules import buffer_depth
-from meshtrain.sharding import activation_rules, rules_for
-from meshtrain.train.step import cross_entropy, init_train_state
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32
@@ -308,10 +309,10 @@ def test_trainer_losses_match_unpipelined_step_for_step():
 @pytest.mark.parametrize(
     "config,kw,match",
     [
-        (PipelineConfig(), dict(n_layers=6, pipe=4), r"n_layers=6 .* pipe × repeats = 4"),
+        (PipelineConfig(), dict(layers=6, pipe=4), r"layers=6: .* pipe × repeats = 4"),
         (
             PipelineConfig(schedule="circular", repeats=2),
-            dict(n_layers=4, pipe=4),
+            dict(layers=4, pipe=4),
             r"pipe × repeats = 4 × 2 = 8",
         ),
         (
@@ -319,7 +320,7 @@ def test_trainer_losses_match_unpipelined_step_for_step():
             dict(pipe=4),
             r"microbatches=2 < pipe=4.*--microbatches 4",
         ),
-        (PipelineConfig(microbatches=3), dict(batch_size=32), r"batch_size=32 .*microbatches=3"),
+        (PipelineConfig(microbatches=3), dict(batch_size=32), r"batch_size=32: .*microbatches=3"),
         (
             PipelineConfig(microbatches=8),
             dict(batch_size=32, batch_ways=8),
@@ -334,9 +335,9 @@ def test_trainer_losses_match_unpipelined_step_for_step():
     ],
 )
 def test_bad_pipelines_are_rejected_with_the_fix(config, kw, match):
-    args = dict(n_layers=8, pipe=2, batch_size=32, batch_ways=1) | kw
-    with pytest.raises(ValueError, match=match):
-        check_pipeline(config, **args)
+    args = dict(layers=8, pipe=2, batch_size=32, batch_ways=1) | kw
+    problems = "\n".join(map(str, pipeline_problems(config, **args)))
+    assert re.search(match, problems), problems
 
 
 def test_unknown_schedule_names_the_choices():
@@ -350,7 +351,7 @@ def test_trainer_rejects_a_bad_pipeline_before_compiling():
     from _helpers import count_compiles
 
     mesh = make_mesh("pipe=4,data=2")
-    with count_compiles() as compiles, pytest.raises(ValueError, match="n_layers=8 .* = 12"):
+    with count_compiles() as compiles, pytest.raises(ValueError, match="layers=8: .* = 12"):
         Trainer(
             CFG,
             _lm_arrays(),

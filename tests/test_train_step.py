@@ -14,18 +14,13 @@ import optax
 import pytest
 from flax import nnx
 
-from meshtrain import sharding as S
+from meshtrain import layout as S
 from meshtrain.data import DataConfig, make_dataset
+from meshtrain.layout import batch_shardings
+from meshtrain.lower import cross_entropy, init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, MLPConfig, build_model
-from meshtrain.train import (
-    OptimConfig,
-    cross_entropy,
-    init_train_state,
-    jit_train_step,
-    make_optimizer,
-)
-from meshtrain.train.step import batch_shardings
+from meshtrain.train import OptimConfig
 
 B, T, STEPS = 16, 16, 3
 LR = 1e-3
@@ -39,7 +34,18 @@ MODELS = {
         style="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=T
     ),
     "mlp": MLPConfig(num_features=16, num_classes=10, d_model=64, d_hidden=128, n_layers=2),
-}
+    # Uneven under tensor=4: GPT-2's vocabulary (50257, padded to 50304 rows), tied as GPT-2
+    # is; small elsewhere, since the vocabulary is what matters.
+    "gpt2-vocab50257": GPTConfig(
+        style="gpt2", vocab_size=50257, n_layers=1, d_model=32, n_heads=4, max_seq_len=T,
+        tie_embeddings=True,
+    ),
+    # 8 query heads, 2 kv heads (replicated over tensor=4); an odd vocabulary (1000 → 1024), untied.
+    "llama-8q-2kv": GPTConfig(
+        style="llama", vocab_size=1000, n_layers=2, d_model=64, n_heads=8, n_kv_heads=2,
+        max_seq_len=T,
+    ),
+}  # fmt: skip
 
 # Tolerances for the fp32 equivalence runs (3 AdamW steps at lr=1e-3, max over all layouts):
 LOSS_ATOL = 1e-5  # measured ≤ 1.9e-6 (4 ulps) on losses ≈ 5.5: sums in another order
@@ -192,7 +198,25 @@ def test_layout_matches_single_device(model, mesh_str, strategy):
     )
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama", "mlp"])
+@pytest.mark.parametrize(
+    "model, strategy", [("gpt2-vocab50257", "fsdp+tp"), ("llama-8q-2kv", "tp")]
+)
+def test_uneven_dimensions_on_tensor4_match_single_device(model, strategy):
+    """A vocabulary that tensor=4 does not divide (padded) and fewer kv heads than tensor=4
+    (replicated) train as on one device; the padded rows stay exactly zero in both runs."""
+    got = run(model, "data=2,tensor=4", strategy, batches(model))
+    want = reference(model)
+    assert_same_run(
+        got, want, loss_atol=LOSS_ATOL, grad_norm_rtol=GRAD_NORM_RTOL, param_atol=PARAM_ATOL
+    )
+    V = MODELS[model].vocab_size
+    for r in (got, want):
+        assert r.params["embed/embedding"].shape[0] == MODELS[model].padded_vocab
+        assert np.all(r.params["embed/embedding"][V:] == 0)
+        assert np.all(r.params.get("head/kernel", np.zeros((1, V + 1)))[:, V:] == 0)
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama", "mlp", "gpt2-vocab50257", "llama-8q-2kv"])
 def test_reference_moves_params_far_beyond_the_tolerance(model):
     """Guards the equivalence tests against passing vacuously."""
     ref = reference(model)
@@ -394,3 +418,18 @@ def test_every_optimizer_updates_params(optimizer):
     new = optax.apply_updates(params, updates)
     # descends along the gradient (LARS scales its step by a 1e-3 trust coefficient)
     assert float(new["w"]["kernel"].max()) < 1 - 1e-5
+
+
+def test_a_batch_that_does_not_divide_is_a_clear_error_in_the_lower_api():
+    """Feeding the jitted step a batch of the wrong row count names the rows and the fix
+    (jax alone raises its internal IndivisibleError)."""
+    mesh = make_mesh("data=8")
+    rules = S.rules_for("dp", mesh)
+    graphdef, state, shardings = init_train_state(start_from(MODELS["mlp"]), TX, mesh, rules)
+    (batch,) = batches("mlp", 1)
+    step = jit_train_step(graphdef, TX, mesh, rules, shardings, batch_shardings(batch, mesh, rules))
+    short = {k: v[:12] for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"batch\['inputs'\] has 12 rows, not divisible by the 8"):
+        step(state, short)
+    with pytest.raises(ValueError, match=r"batch has entries \['inputs'\] but the step was built"):
+        step(state, {"inputs": batch["inputs"]})

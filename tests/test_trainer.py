@@ -12,9 +12,9 @@ from flax import nnx
 
 from meshtrain import metrics as mx
 from meshtrain.data import DataConfig, make_arrays_dataset, make_dataset
+from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, MLPConfig
-from meshtrain.sharding import rules_for
 from meshtrain.train import trainer as trainer_mod
 from meshtrain.train.optim import OptimConfig
 from meshtrain.train.trainer import TrainConfig, Trainer
@@ -79,10 +79,13 @@ def test_fit_hybrid_mesh_logs_metrics_and_learns(tmp_path):
         assert set(RATE_KEYS) <= e.keys(), e
         assert e["step_time"] > 0 and e["tokens_per_s"] > 0 and e["tflops_per_device"] > 0
         assert e["mfu"] is None  # no known peak FLOP/s for a CPU
-    # The learning rate warms up, then decays.
+    # The learning rate warms up (lr/2, then exactly lr over warmup_steps=2), then decays to
+    # exactly lr · min_lr_ratio at the last step.
     lrs = [e["lr"] for e in history]
-    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(OPTIM.lr, rel=1e-5)
-    assert lrs[-1] < max(lrs)
+    assert lrs[0] == pytest.approx(OPTIM.lr / 2, rel=1e-6)
+    assert lrs[1] == max(lrs) == np.float32(OPTIM.lr)
+    assert all(a > b for a, b in zip(lrs[1:], lrs[2:], strict=False))
+    assert lrs[-1] == np.float32(OPTIM.lr * OPTIM.min_lr_ratio)
     # Evaluation at the end (eval_every=0) only.
     assert "eval_loss" in history[-1] and math.isfinite(history[-1]["eval_loss"])
     assert all("eval_loss" not in e for e in history[:-1])
@@ -181,13 +184,13 @@ def _classify_data():
 @pytest.mark.parametrize(
     ("case", "match"),
     [
-        ("batch_not_divisible", r"batch_size=6 .*data × fsdp = 4"),
-        ("batch_not_divisible_by_accum", r"batch_size=16 .*accum_steps=8"),
-        ("pipe_without_gpt", r"pipe=2: pipelining runs the GPT's stacked blocks"),
-        ("pipe_layers", r"n_layers=2 is not divisible by pipe × repeats = 4"),
+        ("batch_not_divisible", r"batch_size=6: .*data × fsdp = 4"),
+        ("batch_not_divisible_by_accum", r"batch_size=16: .*accum_steps=8"),
+        ("pipe_without_gpt", r"pipe=2: .*cannot be pipelined.*set pipe=1"),
+        ("pipe_layers", r"layers=2: not divisible by pipe × repeats = 4"),
         ("expert", r"expert=2: .*set expert=1"),
         ("gpt_on_classify_data", r"gpt needs token data.*'classify'"),
-        ("seq_len_too_long", r"seq_len=64 exceeds .*max_seq_len=32"),
+        ("seq_len_too_long", r"seq_len=64: exceeds .*max_seq_len=32"),
     ],
 )
 def test_bad_combinations_raise_before_compiling(monkeypatch, case, match):

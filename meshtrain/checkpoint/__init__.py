@@ -5,16 +5,27 @@ three items:
 
 - ``state``: the `TrainState` (step, parameters, optimizer state, other model variables);
 - ``data``: the training data iterator's position (JSON);
-- ``meta``: the full run config, the mesh it was written from, the seed (JSON).
+- ``meta``: the JSON facts the run hands down: its config, the mesh it was written from, the
+  seed.
 
 Orbax writes each step into a temporary directory and renames it when complete, so a step
 exists only once fully written; leftovers of an interrupted save are removed when a manager
 opens the directory for writing. Restoring reads every array straight into the layout of an
-abstract target (`jax.ShapeDtypeStruct` with the new `NamedSharding`), on any mesh and any
-device count, never through one host's full copy. A step that cannot be read is reported and
-skipped for the previous one; it is never deleted or overwritten (see `set_aside`).
+abstract target (`meshtrain.state.abstract_target`), on any mesh and any device count, never
+through one host's full copy. A step that cannot be read is reported and skipped for the
+previous one; it is never deleted or overwritten (see `CheckpointManager.set_aside`).
+
+- `manager`: `CheckpointConfig`, `CheckpointManager`, `restore`;
+- `dirs`: which directory a run writes to, and what must hold before it does;
+- `targets`: the mesh facts a checkpoint records, and layout comparisons.
 """
 
+from meshtrain.checkpoint.dirs import (
+    checkpoint_directory,
+    directory_problems,
+    holds_run,
+    open_for_run,
+)
 from meshtrain.checkpoint.manager import (
     UNREADABLE_SUFFIX,
     CheckpointConfig,
@@ -23,22 +34,19 @@ from meshtrain.checkpoint.manager import (
     Restored,
     restore,
 )
-from meshtrain.checkpoint.run import NonFiniteError, StopSignals, due, open_for_run, run_meta
-from meshtrain.checkpoint.targets import abstract_target, abstract_train_state, mesh_meta
+from meshtrain.checkpoint.targets import layout_mismatch, mesh_meta
 
 __all__ = [
     "UNREADABLE_SUFFIX",
     "CheckpointConfig",
     "CheckpointManager",
     "CheckpointWarning",
-    "NonFiniteError",
     "Restored",
-    "StopSignals",
-    "abstract_target",
-    "abstract_train_state",
-    "due",
+    "checkpoint_directory",
+    "directory_problems",
+    "holds_run",
+    "layout_mismatch",
     "mesh_meta",
     "open_for_run",
     "restore",
-    "run_meta",
 ]

@@ -12,14 +12,15 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from meshtrain._compat import orbax_finish_tmp_cleanup
 from meshtrain.checkpoint.targets import layout_mismatch
-from meshtrain.train.step import TrainState
+from meshtrain.state import TrainState
 
 UNREADABLE_SUFFIX = ".unreadable"
 
 
 class _Mismatch(ValueError):
-    """The saved layout does not fit the target."""
+    """The saved layout does not fit the target: another model wrote it, not a damaged save."""
 
 
 class CheckpointWarning(UserWarning):
@@ -113,19 +114,13 @@ class CheckpointManager:
         }
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         # Orbax removes the leftovers of interrupted saves in the background; finish that now
-        # so the directory is clean once the manager is open (a private hook, hence getattr).
-        finish_cleanup = getattr(self._mgr, "_maybe_await_cleanup_tmp_directory", None)
-        if finish_cleanup is not None and not read_only:
-            finish_cleanup()
+        # so the directory is clean once the manager is open.
+        if not read_only:
+            orbax_finish_tmp_cleanup(self._mgr)
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first."""
         return sorted(self._mgr.all_steps())
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
 
     def path(self, step: int) -> Path:
         """The directory of step `step`."""
@@ -178,10 +173,10 @@ class CheckpointManager:
         """Reads a step into the layout of `target`, falling back past unreadable steps.
 
         Args:
-            target: abstract state (`abstract_target`) carrying the new shardings.
+            target: abstract state (`meshtrain.state.abstract_target`) carrying the new shardings.
             step: the step to read; None: the newest readable one, trying older steps when a
-                newer one is truncated, incomplete or does not match the model (each skip
-                is reported with a `CheckpointWarning`; nothing is deleted).
+                newer one is truncated or incomplete (each skip is reported with a
+                `CheckpointWarning`; nothing is deleted).
             quiet: no warnings (the reasons are still in the error when nothing is readable).
 
         Returns:
@@ -189,7 +184,9 @@ class CheckpointManager:
 
         Raises:
             ValueError: `step` (or, with step None, every step) cannot be read; the message
-                gives each reason.
+                gives each reason. Or the step was written by another model (its arrays'
+                names or shapes differ from `target`'s): a one-line error, no warning and no
+                fallback, since the step is not damaged and older steps are the same model's.
         """
         self.wait()
         steps = self.steps()
@@ -202,8 +199,14 @@ class CheckpointManager:
         for s in candidates:
             try:
                 return self._read(s, target)
+            except _Mismatch as e:
+                raise ValueError(
+                    f"checkpoint {self.path(s)} was written with {e}; resume with the same model "
+                    "and optimizer settings as that run, or start afresh with another --run-dir "
+                    "/ --checkpoint-dir"
+                ) from None
             except Exception as e:  # any read failure: report and try the previous step
-                failures.append((s, e if isinstance(e, _Mismatch) else _short(e)))
+                failures.append((s, _short(e)))
                 if step is None and not quiet:
                     older = [c for c in candidates if c < s]
                     then = f"falling back to step {older[0]}" if older else "no older step left"
@@ -222,7 +225,7 @@ class CheckpointManager:
         """Checks the saved layout against `target`, then reads step `step` into it."""
         saved = self._mgr.item_metadata(step)["state"]
         if saved is None:
-            raise _Mismatch("the 'state' item is missing")
+            raise ValueError("the 'state' item is missing")
         problem = layout_mismatch(getattr(saved, "tree", saved), target)
         if problem:
             raise _Mismatch(problem)

@@ -1,39 +1,43 @@
-"""Models annotated with logical axis names, and a registry to build them by name."""
+"""Models annotated with logical axis names, the model interface, and the registry.
+
+- `base`: the interface (`ModelConfig`, `PipelineParts`, `DataSpec`);
+- `registry`: the families by name (`register`, `families`, `build_model`);
+- `gpt` (GPT-2 / Llama-style decoder) and `mlp` (residual MLP classifier): the families.
+"""
 
 from __future__ import annotations
 
-from flax import nnx
-
-from meshtrain.models.gpt import GPT, GPTConfig, sample
+from meshtrain.models.base import DTYPES, DataSpec, ModelConfig, PipelineParts, pipeline_parts
+from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.mlp import MLPClassifier, MLPConfig
+from meshtrain.models.registry import Family, build_model, families, family_of, register
 from meshtrain.models.remat import POLICIES as REMAT_POLICIES
+from meshtrain.models.sampling import sample
 
-MODELS = {"gpt": (GPTConfig, GPT), "mlp": (MLPConfig, MLPClassifier)}
-
-
-def build_model(config: GPTConfig | MLPConfig, *, seed: int = 0) -> nnx.Module:
-    """Instantiates the model that `config` describes (unsharded; see `create_sharded_model`).
-
-    Args:
-        config: a `GPTConfig` or `MLPConfig`.
-        seed: seed of the parameter initialisers.
-
-    Returns:
-        The NNX module.
-    """
-    for _, (config_cls, model_cls) in MODELS.items():
-        if isinstance(config, config_cls):
-            return model_cls(config, rngs=nnx.Rngs(params=seed))
-    raise ValueError(f"model config {type(config).__name__}: unknown model; known: {list(MODELS)}")
-
+register(
+    "gpt",
+    GPTConfig,
+    default=GPTConfig(n_kv_heads=2),
+    summary="decoder-only transformer, GPT-2 or Llama style",
+    hf="meshtrain.hf",
+)
+register("mlp", MLPConfig, summary="residual MLP classifier on feature vectors")
 
 __all__ = [
+    "DTYPES",
     "GPT",
+    "DataSpec",
+    "Family",
     "GPTConfig",
     "MLPClassifier",
     "MLPConfig",
-    "MODELS",
+    "ModelConfig",
+    "PipelineParts",
     "REMAT_POLICIES",
     "build_model",
+    "families",
+    "family_of",
+    "pipeline_parts",
+    "register",
     "sample",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,11 +21,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import kernels
+from meshtrain.layout import Rules, alternatives, axes_of, constrain, resolve
 from meshtrain.models import layers
+from meshtrain.models.base import DTYPES, DataSpec, PipelineParts
 from meshtrain.models.remat import ATTN_OUT, POLICIES, check_policy
-from meshtrain.sharding import constrain
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from meshtrain.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +49,23 @@ class GPTConfig:
         attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (Pallas on
             a GPU when head width is 64 or 128, else xla). See kernels/README.md.
         norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto.
-        loss_impl: cross-entropy kernel used by the Trainer: xla (optax), pallas or auto.
+        rope_scaling: RoPE frequency scaling (llama): ``"none"`` or ``"llama3"`` (Llama 3.1's
+            long-context scaling, set by the four ``rope_*`` fields below).
+        rope_factor: llama3: the factor low frequencies are divided by.
+        rope_low_freq_factor: llama3: wavelengths above original/low_freq_factor are scaled.
+        rope_high_freq_factor: llama3: wavelengths below original/high_freq_factor are kept;
+            those between are interpolated.
+        rope_original_max_seq_len: llama3: the context length of pre-training.
+        qkv_bias: biases on the query, key and value projections only (llama style; Qwen2).
+        sliding_window: 0, or the keys each query sees: positions (t − window, t] (Mistral).
+        vocab_multiple: the embedding and head get ``vocab_size`` rounded up to a multiple of
+            this (`padded_vocab`), so the vocabulary splits over ``tensor`` (and matmuls get
+            whole tiles): GPT-2's 50257 becomes 50304. The padded ids' logits are masked to
+            `layers.PADDED_LOGIT`, so they take no probability, no loss and no gradient, and
+            their rows start and stay zero. A setting of the model, never derived from the
+            size of ``tensor``, so a checkpoint's shapes do not depend on the layout it was
+            trained under. 128 leaves 256, 32000, 128256 and 151936 as they are; 1 turns
+            padding off.
     """
 
     style: str = "llama"
@@ -66,7 +83,14 @@ class GPTConfig:
     dtype: str = "float32"
     attention_impl: str = "xla"
     norm_impl: str = "xla"
-    loss_impl: str = "xla"
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    qkv_bias: bool = False
+    sliding_window: int = 0
+    vocab_multiple: int = 128
 
     def __post_init__(self):
         if self.style not in ("gpt2", "llama"):
@@ -90,10 +114,33 @@ class GPTConfig:
             )
         if self.style == "llama" and self.head_dim % 2:
             raise ValueError(f"gpt head width {self.head_dim} must be even for RoPE")
+        if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
+            raise ValueError(
+                f"gpt vocab_multiple={self.vocab_multiple!r}: must be a positive integer "
+                "(1: no padding)"
+            )
         check_policy(self.remat)
         if self.dtype not in DTYPES:
             raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
-        kernels.check_impls(self.attention_impl, self.norm_impl, self.loss_impl, self.head_dim)
+        kernels.check_impls(self.attention_impl, self.norm_impl, self.head_dim)
+        layers.check_rope_scaling(
+            self.rope_scaling,
+            style=self.style,
+            rope_factor=self.rope_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_high_freq_factor=self.rope_high_freq_factor,
+            rope_original_max_seq_len=self.rope_original_max_seq_len,
+        )
+        if self.qkv_bias and self.style == "gpt2":
+            raise ValueError(
+                "gpt qkv_bias=True: style 'gpt2' already biases every projection; qkv_bias is "
+                "for style='llama' (leave it False for gpt2)"
+            )
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(
+                f"gpt sliding_window={self.sliding_window!r}: must be an integer ≥ 0 "
+                "(0 = every earlier position is seen)"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -115,6 +162,11 @@ class GPTConfig:
         return 64 * math.ceil(8 * self.d_model / 3 / 64)
 
     @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and head: ``vocab_size`` up to a multiple of ``vocab_multiple``."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def compute_dtype(self):
         """The jnp dtype matmuls run in."""
         return DTYPES[self.dtype]
@@ -124,17 +176,101 @@ class GPTConfig:
         D, H, G, K, F = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.ff_dim
         attn = D * H * K + 2 * D * G * K + H * K * D
         mlp = (3 if self.style == "llama" else 2) * D * F
-        return self.n_layers * (attn + mlp) + D * self.vocab_size
+        return self.n_layers * (attn + mlp) + D * self.padded_vocab
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward).
 
         ``6·N`` for the N matmul parameters (2 forward, 4 backward) plus ``12·L·H·K·T`` for the
         attention scores and weighted sum at sequence length T. Masked (causal) positions are
-        counted too, as in the PaLM paper's MFU definition.
+        counted too, as in the PaLM paper's MFU definition, and so is the padded vocabulary
+        (`padded_vocab`): the head's matmul runs over it, as Megatron-LM and nanoGPT count it.
+        With a sliding window W < T each query is counted against W keys instead of T (the
+        band a windowed kernel computes); biases are not matmul parameters.
         """
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * keys
         return 6 * self.matmul_params() + attention
+
+    # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
+
+    def build(self, *, rngs: nnx.Rngs) -> GPT:
+        """The decoder, unsharded."""
+        return GPT(self, rngs=rngs)
+
+    def check(self, data: DataSpec) -> list[Problem]:
+        """Token data whose sequences and vocabulary fit this model."""
+        if data.kind != "lm":
+            return [
+                Problem(
+                    "model",
+                    "gpt",
+                    f"a gpt needs token data ([N, T] token ids), but the data is {data.kind!r}; "
+                    "use --data.source stdlib, synthetic or text, or arrays of token ids",
+                )
+            ]
+        problems = []
+        if data.seq_len > self.max_seq_len:
+            problems.append(
+                Problem(
+                    "data.seq_len",
+                    data.seq_len,
+                    f"exceeds the model's max_seq_len={self.max_seq_len}; lower "
+                    f"--data.seq-len to {self.max_seq_len} or raise --gpt.max-seq-len to "
+                    f"{data.seq_len}",
+                )
+            )
+        if data.vocab_size > self.vocab_size:
+            problems.append(
+                Problem(
+                    "gpt.vocab_size",
+                    self.vocab_size,
+                    f"the data has {data.vocab_size} token ids; raise --gpt.vocab-size to at "
+                    f"least {data.vocab_size}",
+                )
+            )
+        return problems
+
+    def check_layout(self, sizes: Mapping[str, int], rules: Rules) -> list[Problem]:
+        """A padded vocabulary that the rules' ``vocab`` split does not divide, with the
+        ``vocab_multiple`` that fixes it (`sizes`: axis name → size)."""
+        for table in (rules.params, rules.activations):
+            if table.get("vocab") is None:
+                continue
+            try:
+                resolve(("vocab",), table, sizes, shape=(self.padded_vocab,))
+            except ValueError:
+                axes = [a for a in axes_of(alternatives(table["vocab"])[0]) if sizes.get(a, 1) > 1]
+                ways = math.prod(sizes[a] for a in axes)
+                fix = math.lcm(self.vocab_multiple, ways)
+                padded = dataclasses.replace(self, vocab_multiple=fix).padded_vocab
+                split = " × ".join(f"{a}={sizes[a]}" for a in axes)
+                return [
+                    Problem(
+                        "gpt.vocab_multiple",
+                        self.vocab_multiple,
+                        f"the vocabulary of {self.vocab_size} padded to {self.padded_vocab} "
+                        f"ids does not split over {split}; set --gpt.vocab-multiple {fix} "
+                        f"(pads it to {padded})",
+                    )
+                ]
+        return []
+
+    def describe(self) -> str:
+        """E.g. ``gpt llama · d_model=128 · 4 layers · 4 heads (2 kv)``."""
+        kv = f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else ""
+        vocab = ""
+        if self.padded_vocab != self.vocab_size:
+            vocab = f" · vocab {self.vocab_size} padded to {self.padded_vocab}"
+        return (
+            f"gpt {self.style} · d_model={self.d_model} · {self.n_layers} layers · "
+            f"{self.n_heads} heads{kv}{vocab}"
+        )
+
+    @property
+    def pipeline_layers(self) -> int:
+        """Stacked layers a pipeline cuts into stages."""
+        return self.n_layers
 
 
 class Attention(nnx.Module):
@@ -146,17 +282,18 @@ class Attention(nnx.Module):
         dense = functools.partial(
             nnx.LinearGeneral, use_bias=bias, dtype=cfg.compute_dtype, rngs=rngs
         )
-        self.q = dense(
+        qkv = functools.partial(dense, use_bias=bias or cfg.qkv_bias)
+        self.q = qkv(
             D,
             (H, K),
             kernel_init=layers.init(("embed", "heads", "kv")),
             bias_init=layers.const_init(nnx.initializers.zeros, ("heads", "kv")),
         )
         kv_bias = layers.const_init(nnx.initializers.zeros, ("kv_heads", "kv"))
-        self.k = dense(
+        self.k = qkv(
             D, (G, K), kernel_init=layers.init(("embed", "kv_heads", "kv")), bias_init=kv_bias
         )
-        self.v = dense(
+        self.v = qkv(
             D, (G, K), kernel_init=layers.init(("embed", "kv_heads", "kv")), bias_init=kv_bias
         )
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
@@ -169,6 +306,15 @@ class Attention(nnx.Module):
         )
         self.rope = cfg.style == "llama"
         self.rope_theta = cfg.rope_theta
+        self.llama3 = None
+        if cfg.rope_scaling == "llama3":
+            self.llama3 = (
+                cfg.rope_factor,
+                cfg.rope_low_freq_factor,
+                cfg.rope_high_freq_factor,
+                cfg.rope_original_max_seq_len,
+            )
+        self.window = cfg.sliding_window or None
         self.impl = kernels.model_attention_impl(cfg.attention_impl, K)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
@@ -176,13 +322,16 @@ class Attention(nnx.Module):
         k_BTGK = constrain(self.k(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         v_BTGK = constrain(self.v(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         if self.rope:
-            cos, sin = layers.rope_tables(x_BTD.shape[1], q_BTHK.shape[-1], self.rope_theta)
+            T, K = x_BTD.shape[1], q_BTHK.shape[-1]
+            cos, sin = layers.rope_tables(T, K, self.rope_theta, llama3=self.llama3)
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         if self.impl == "xla":
-            o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK)
+            o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK, window=self.window)
         else:
-            o_BTHK = kernels.flash_attention(q_BTHK, k_BTGK, v_BTGK, impl=self.impl)
+            o_BTHK = kernels.flash_attention(
+                q_BTHK, k_BTGK, v_BTGK, impl=self.impl, window=self.window
+            )
         o_BTHK = checkpoint_name(o_BTHK, ATTN_OUT)
         o_BTHK = constrain(o_BTHK, ("batch", "seq", "heads", "kv"))
         return self.o(o_BTHK)
@@ -243,16 +392,17 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Token ids [B, T] → next-token logits [B, T, vocab] (float32)."""
+    """Token ids [B, T] → next-token logits [B, T, padded_vocab] (float32); the logits of
+    padded ids (``vocab_size`` and up) are `layers.PADDED_LOGIT`."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        D = cfg.d_model
-        self.embed = nnx.Embed(
-            cfg.vocab_size,
+        D, V, Vp = cfg.d_model, cfg.vocab_size, cfg.padded_vocab
+        self.embed = layers.Embed(
+            Vp,
             D,
             dtype=cfg.compute_dtype,
-            embedding_init=layers.init(("vocab", "embed")),
+            embedding_init=layers.init_rows(("vocab", "embed"), V, axis=0),
             rngs=rngs,
         )
         if cfg.style == "gpt2":
@@ -276,10 +426,10 @@ class GPT(nnx.Module):
         else:
             self.head = nnx.Linear(
                 D,
-                cfg.vocab_size,
+                Vp,
                 use_bias=False,
                 dtype=cfg.compute_dtype,
-                kernel_init=layers.init(("embed", "vocab")),
+                kernel_init=layers.init_rows(("embed", "vocab"), V, axis=1),
                 rngs=rngs,
             )
 
@@ -289,15 +439,23 @@ class GPT(nnx.Module):
     # The forward in three pieces, so a pipeline can run the blocks stage by stage and the
     # embedding and head around them.
 
+    def pipeline_parts(self) -> PipelineParts:
+        """The embedding, the stacked blocks and the head, for `meshtrain.pipeline`."""
+        head = ("norm", "head") if self.head is not None else ("norm", "embed")
+        return PipelineParts(
+            blocks="blocks",
+            embed=self.embed_tokens,
+            run_blocks=functools.partial(scan_blocks, remat=self.cfg.remat),
+            head=self.head_logits,
+            head_params=head,
+        )
+
     def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
         """Token ids [B, T] → input activations [B, T, D] in the compute dtype."""
         T = tokens_BT.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
-        # Cast, then gathered over the FSDP axes before the lookup, as FSDP gathers any weight
-        # at use: a lookup into an embed-sharded table would leave rows split where the batch is.
-        table_VD = self.embed.embedding[...].astype(self.cfg.compute_dtype)
-        x_BTD = jnp.take(constrain(table_VD, ("vocab", "embed")), tokens_BT, axis=0)
+        x_BTD = self.embed(tokens_BT)  # the table is gathered to its activation layout first
         if self.pos is not None:
             x_BTD = x_BTD + self.pos[:T].astype(x_BTD.dtype)
         return constrain(x_BTD, ("batch", "seq", "embed"))
@@ -307,13 +465,19 @@ class GPT(nnx.Module):
         return scan_blocks(self.blocks, x_BTD, self.cfg.remat)
 
     def head_logits(self, x_BTD: jax.Array) -> jax.Array:
-        """Final norm and output head: [B, T, D] → float32 logits [B, T, vocab]."""
+        """Final norm and output head: [B, T, D] → float32 logits [B, T, padded_vocab], the
+        padded ids' masked."""
         x_BTD = layers.apply_norm(self.norm, x_BTD, self.cfg.norm_impl)
         if self.head is None:
             logits_BTV = self.embed.attend(x_BTD)
         else:
             logits_BTV = self.head(x_BTD)
-        return constrain(logits_BTV.astype(jnp.float32), ("batch", "seq", "vocab"))
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if self.cfg.padded_vocab > self.cfg.vocab_size:
+            # In the model, not the loss: every loss (xla, pallas, a user's), evaluation and
+            # sampling then see padded ids at zero probability, with no gradient into them.
+            logits_BTV = layers.mask_padded_vocab(logits_BTV, self.cfg.vocab_size)
+        return constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
 def scan_blocks(blocks: Block, x_BTD: jax.Array, remat: str = "none") -> jax.Array:
@@ -327,29 +491,3 @@ def scan_blocks(blocks: Block, x_BTD: jax.Array, remat: str = "none") -> jax.Arr
         body = nnx.remat(body, policy=POLICIES[remat], prevent_cse=False)
     scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
     return scan(blocks, x_BTD)
-
-
-def sample(
-    model: GPT, prompt: jax.Array, n_new: int, *, key: jax.Array, temperature: float = 0.8
-) -> jax.Array:
-    """Samples `n_new` tokens after `prompt` ([T0] int32); returns the [T0 + n_new] tokens.
-
-    Runs the full forward over a fixed window of ``max_seq_len`` each step (no KV cache): the
-    window is right-padded, and causality makes the padding invisible to earlier positions.
-    """
-    window = model.cfg.max_seq_len
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, buf_T, pos, key):
-        logits_TV = nnx.merge(graphdef, state)(buf_T[None])[0]
-        logits_V = jax.lax.dynamic_index_in_dim(logits_TV, pos, keepdims=False)
-        return jax.random.categorical(key, logits_V / max(temperature, 1e-6))
-
-    tokens = [int(t) for t in jnp.asarray(prompt)]
-    for i in range(n_new):
-        context = tokens[-window:]
-        buf = jnp.zeros((window,), jnp.int32).at[: len(context)].set(jnp.asarray(context))
-        tok = next_token(state, buf, len(context) - 1, jax.random.fold_in(key, i))
-        tokens.append(int(tok))
-    return jnp.asarray(tokens, jnp.int32)

@@ -1,4 +1,4 @@
-"""The surveys' proof-of-concept network: an MLP classifier with logical axis names."""
+"""A residual MLP classifier with logical axis names: features [B, F] → class logits [B, C]."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain.layout import constrain
 from meshtrain.models import layers
-from meshtrain.models.gpt import DTYPES
-from meshtrain.sharding import constrain
+from meshtrain.models.base import DTYPES, DataSpec
+from meshtrain.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,52 @@ class MLPConfig:
     def flops_per_token(self, seq_len: int = 1) -> float:
         """Training FLOPs per example: 6·N (2 forward, 4 backward) for N matmul parameters."""
         return 6 * self.matmul_params()
+
+    # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
+
+    def build(self, *, rngs: nnx.Rngs) -> MLPClassifier:
+        """The classifier, unsharded."""
+        return MLPClassifier(self, rngs=rngs)
+
+    def check(self, data: DataSpec) -> list[Problem]:
+        """Classification data with this model's feature and class counts."""
+        if data.kind != "classify":
+            return [
+                Problem(
+                    "model",
+                    "mlp",
+                    f"the MLP classifier needs classification data (features [N, F], class ids "
+                    f"[N]), but the data is {data.kind!r}; use --data.source arrays with such "
+                    "an .npz, or --model gpt",
+                )
+            ]
+        problems = []
+        if data.num_features != self.num_features:
+            problems.append(
+                Problem(
+                    "mlp.num_features",
+                    self.num_features,
+                    f"the data has {data.num_features} features per example; set "
+                    f"--mlp.num-features {data.num_features}",
+                )
+            )
+        if data.vocab_size > self.num_classes:
+            problems.append(
+                Problem(
+                    "mlp.num_classes",
+                    self.num_classes,
+                    f"the data has {data.vocab_size} classes; set --mlp.num-classes "
+                    f"{data.vocab_size} or more",
+                )
+            )
+        return problems
+
+    def describe(self) -> str:
+        """E.g. ``mlp · 64 features → 10 classes · d_model=128 · 2 blocks``."""
+        return (
+            f"mlp · {self.num_features} features → {self.num_classes} classes · "
+            f"d_model={self.d_model} · {self.n_layers} blocks"
+        )
 
 
 class MLPClassifier(nnx.Module):

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshtrain._compat import varies_over
 from meshtrain.pipeline.schedules import BWD, FWD, ScheduleTable, buffer_depth, forward_ticks
 
 AXIS = "pipe"
@@ -46,16 +47,11 @@ def _fill(x: jax.Array, poison: bool) -> jax.Array:
     )
 
 
-def _isvarying(x: jax.Array) -> bool:
-    """Whether `x` already differs between pipeline stages (jax 0.12 and 0.11 spellings)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return AXIS in (manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
 def varying(tree):
     """Marks stage-local buffers as varying over the pipe axis (scan carries must start so)."""
-    return jax.tree.map(lambda x: x if _isvarying(x) else lax.pcast(x, AXIS, to="varying"), tree)
+    return jax.tree.map(
+        lambda x: x if varies_over(x, AXIS) else lax.pcast(x, AXIS, to="varying"), tree
+    )
 
 
 def _put(buf: jax.Array, value: jax.Array, index, when) -> jax.Array:

@@ -1,10 +1,11 @@
-"""Optimizers (AdamW, LAMB, LARS, SGD+momentum), warmup + cosine schedule, gradient clipping."""
+"""Optimizers (AdamW, LAMB, LARS, SGD+momentum), warm-up + cosine schedule, gradient clipping."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
@@ -15,11 +16,21 @@ _NO_DECAY = ("bias", "scale")  # variable names that never get weight decay
 class OptimConfig:
     """Optimizer, schedule and clipping.
 
+    The learning rate at step s (0-based, one step per batch consumed) of a run of S steps,
+    with W = min(warmup_steps, S − 1) warm-up steps, peak step P = max(W − 1, 0) and
+    lr_min = lr · min_lr_ratio:
+
+    - s < P (warm-up, only when W ≥ 2): ``lr · (s + 1) / W``, so step 0 runs at lr / W;
+    - s ≥ P (decay): ``lr_min + (lr − lr_min) · ½ · (1 + cos(π · (s − P) / (S − 1 − P)))``,
+      exactly ``lr`` at step P and exactly ``lr_min`` at the last step S − 1;
+    - S = 1: the single step runs at ``lr``; steps past S − 1 stay at ``lr_min``.
+
     Args:
         optimizer: adamw, lamb, lars or sgd (SGD with momentum).
-        lr: peak learning rate, reached after warmup.
-        warmup_steps: linear warmup from 0 to `lr`.
-        min_lr_ratio: the cosine decays to ``lr · min_lr_ratio`` at the last step.
+        lr: peak learning rate, reached at the last warm-up step.
+        warmup_steps: linear warm-up steps, the last of which runs at `lr` (0 or 1: start at
+            `lr`).
+        min_lr_ratio: the cosine ends at ``lr · min_lr_ratio`` on the last step.
         weight_decay: decoupled weight decay on matrices (not on biases or norm scales).
         b1: first-moment decay (adamw, lamb).
         b2: second-moment decay (adamw, lamb).
@@ -62,15 +73,37 @@ class OptimConfig:
 
 
 def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warmup to `lr`, then cosine decay to ``lr · min_lr_ratio`` at `total_steps`."""
-    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=config.lr,
-        warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1),
-        end_value=config.lr * config.min_lr_ratio,
-    )
+    """Linear warm-up to `lr`, then a cosine down to ``lr · min_lr_ratio`` at the last step.
+
+    The formula, with its step indices, is in `OptimConfig`'s docstring. Both end points are
+    set by their own branch, so they are exactly ``lr`` and ``lr · min_lr_ratio`` in float32.
+
+    Args:
+        config: optimizer settings (`lr`, `warmup_steps`, `min_lr_ratio`).
+        total_steps: S, the steps in the run (≥ 1); the last one is S − 1.
+
+    Returns:
+        ``schedule(step) -> lr``, float32, traceable under `jax.jit` for an integer step.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps={total_steps}: a schedule needs at least one step")
+    peak = float(config.lr)
+    floor = float(config.lr * config.min_lr_ratio)
+    last = total_steps - 1  # S − 1
+    warmup = min(config.warmup_steps, last)  # W
+    top = max(warmup - 1, 0)  # P: the step that runs at the peak
+    decay_steps = max(last - top, 1)  # S − 1 − P; 0 only when S = 1, where no step decays
+
+    def schedule(step):
+        s = jnp.asarray(step)
+        rising = peak * (s + 1) / max(warmup, 1)  # used for s < P, so only when W ≥ 2
+        t = jnp.clip((s - top) / decay_steps, 0.0, 1.0)
+        falling = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
+        lr = jnp.where(s < top, rising, falling)
+        lr = jnp.where(s == top, peak, lr)
+        return jnp.where((s >= last) & (s > top), floor, lr).astype(jnp.float32)
+
+    return schedule
 
 
 def decay_mask(params):

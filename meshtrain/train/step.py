@@ -1,15 +1,9 @@
-"""The pure train step ``(state, batch) -> (state, metrics)`` and its sharded, jitted form.
-
-A `TrainState` is a plain pytree: the step count, the model's parameters as a nested dict
-(float32 master weights), the optax state, and any other model variables. The NNX graph is
-kept aside (`nnx.GraphDef`) and merged back inside the step, so the state can go straight to
-`jax.jit` shardings, optax and orbax.
-"""
+"""The pure train step ``(state, batch) -> (state, metrics)`` and its sharded, jitted form."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -18,105 +12,25 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import layout
+from meshtrain.layout import Rules, activation_rules, split_microbatches
 from meshtrain.mesh import mesh_sizes
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
-from meshtrain.sharding import (
-    Rules,
-    activation_rules,
-    batch_spec,
-    constrain,
-    create_sharded_model,
-    named,
-    state_specs,
-)
-
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+from meshtrain.state import TrainState
+from meshtrain.train.loss import LossFn, cross_entropy
 
 
-class TrainState(NamedTuple):
-    """Everything a step reads and writes."""
-
-    step: jax.Array  # int32 []
-    params: dict  # nnx.Param variables, nested dict of float32 arrays
-    opt_state: Any  # optax state
-    rest: dict  # other model variables (usually empty)
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, *, impl: str = "xla") -> jax.Array:
-    """Mean softmax cross-entropy; logits [..., C] float, targets [...] int.
-
-    ``impl`` other than ``"xla"`` runs `meshtrain.kernels.cross_entropy` (pallas / auto).
-    """
-    if impl != "xla":
-        from meshtrain import kernels
-
-        return kernels.cross_entropy_loss(logits, targets, impl=impl)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    return losses.mean()
-
-
-def state_layout(
-    param_vars: nnx.State, rest_vars: nnx.State, tx, mesh: Mesh, rules: Rules
-) -> tuple[dict, dict, Any, TrainState]:
-    """Where each part of a train state lives on `mesh`.
-
-    Returns:
-        ``(params, rest, abstract_opt_state, shardings)``: the variables as pure dicts, the
-        optimizer state's shapes, and a `TrainState` of `NamedSharding`s.
-    """
-    param_sh = named(state_specs(param_vars, rules.params, mesh, warn=False), mesh)
-    rest_sh = named(state_specs(rest_vars, rules.params, mesh, warn=False), mesh)
-    opt_param_specs = state_specs(param_vars, rules.optimizer_table, mesh, warn=False)
-    params, rest = nnx.to_pure_dict(param_vars), nnx.to_pure_dict(rest_vars)
-    abstract_opt = jax.eval_shape(tx.init, params)
-    opt_specs = optax.tree_map_params(
-        tx,
-        lambda _, spec: spec,
-        abstract_opt,
-        opt_param_specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    replicated = NamedSharding(mesh, P())
-    shardings = TrainState(replicated, param_sh, named(opt_specs, mesh), rest_sh)
-    return params, rest, abstract_opt, shardings
-
-
-def init_train_state(
-    ctor: Callable[[], nnx.Module], tx: optax.GradientTransformation, mesh: Mesh, rules: Rules
-) -> tuple[nnx.GraphDef, TrainState, TrainState]:
-    """Creates the model and optimizer state directly sharded on `mesh`.
-
-    Args:
-        ctor: zero-argument model constructor.
-        tx: the optax transformation.
-        mesh: the device mesh.
-        rules: logical-axis rules; ``rules.optimizer_table`` lays out the optimizer state.
-
-    Returns:
-        ``(graphdef, state, shardings)``, where `shardings` is a `TrainState` of `NamedSharding`s.
-    """
-    model = create_sharded_model(ctor, mesh, rules)
-    graphdef, param_vars, rest_vars = nnx.split(model, nnx.Param, ...)
-    params, rest, _, shardings = state_layout(param_vars, rest_vars, tx, mesh, rules)
-    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-    return graphdef, TrainState(step, params, opt_state, rest), shardings
-
-
-def _split_microbatches(batch: Mapping[str, jax.Array], k: int) -> dict[str, jax.Array]:
-    """[B, ...] → [k, B/k, ...]; microbatch i takes rows i, i+k, ... so every device keeps
-    its share of each microbatch (no resharding)."""
-    out = {}
-    for key, x in batch.items():
-        if x.shape[0] % k:
-            raise ValueError(
-                f"batch[{key!r}] has {x.shape[0]} rows, not divisible by accum_steps={k}; "
-                "make the batch size a multiple of accum_steps"
-            )
-        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
-        out[key] = constrain(x, (None, "batch", *([None] * (x.ndim - 2))))
-    return out
+def _pipeline_mesh(pipeline: PipelineConfig | None) -> Mesh | None:
+    """The mesh to pipeline over: the active layout's, when `pipeline` is set and pipe > 1."""
+    if pipeline is None:
+        return None
+    active = layout.active()
+    if active is None:
+        raise ValueError(
+            "pipeline=...: a pipelined step must be traced under "
+            "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
+        )
+    return active.mesh if mesh_sizes(active.mesh)["pipe"] > 1 else None
 
 
 def train_step(
@@ -128,23 +42,38 @@ def train_step(
     accum_steps: int = 1,
     loss_fn: LossFn = cross_entropy,
     schedule: optax.Schedule | None = None,
-    pipeline: tuple[PipelineConfig, Mesh] | None = None,
+    pipeline: PipelineConfig | None = None,
     skip_nonfinite: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; a pure function of its inputs.
 
     With ``accum_steps = k`` the batch is cut into k microbatches whose gradients are averaged
     (in float32) before the single update: the same update as the whole batch at once.
-    With `pipeline` = ``(config, mesh)`` the loss and gradients come from the pipelined GPT
+    With `pipeline` set and traced under a layout whose mesh has ``pipe > 1`` (as
+    `jit_train_step` does), the loss and gradients come from the pipelined model
     (`meshtrain.pipeline`) instead of a plain `jax.value_and_grad`.
 
-    With `skip_nonfinite`, a step whose loss or gradient norm is NaN or infinite leaves the
-    parameters, optimizer state and other variables exactly as they were; only the step count
-    advances (it counts batches consumed, so the data position and schedule stay aligned).
+    With `skip_nonfinite`, a step whose loss or gradient norm is NaN or infinite skips its
+    batch: the parameters, the optimizer's moments and the other variables stay exactly as they
+    were, while the step count and the optimizer's own step counters advance. The schedule is a
+    function of batches consumed, so the update after a skip runs at the learning rate of its
+    own step, and the optimizer's counters always equal ``state.step``.
+
+    Args:
+        graphdef: the model's graph (from `init_train_state`).
+        tx: the optax transformation.
+        state: the current state.
+        batch: ``inputs`` and ``targets``, global arrays.
+        accum_steps: microbatches per step (gradient accumulation).
+        loss_fn: ``(logits, targets) -> mean loss``.
+        schedule: the learning-rate schedule, to report ``lr``.
+        pipeline: the pipeline settings (used only where the mesh has ``pipe > 1``).
+        skip_nonfinite: skip updates whose loss or gradient is not finite.
 
     Returns:
         The new state and metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when the update was
-        skipped, else 0) and (with `schedule`) ``lr``.
+        skipped, else 0) and (with `schedule`) ``lr``, the rate of this step (``schedule`` at
+        the old ``state.step``), which is the one the update used.
     """
 
     def loss_of(params, rest, mb):
@@ -154,14 +83,14 @@ def train_step(
 
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r}: must be a positive integer")
-    if pipeline is None:
+    mesh = _pipeline_mesh(pipeline)
+    if mesh is None:
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     else:
-        config, mesh = pipeline
 
         def grad_fn(params, rest, mb):
             loss, grads = pipeline_loss_and_grads(
-                graphdef, params, rest, mb, config=config, mesh=mesh, loss_fn=loss_fn
+                graphdef, params, rest, mb, config=pipeline, mesh=mesh, loss_fn=loss_fn
             )
             return (loss, rest), grads
 
@@ -177,7 +106,13 @@ def train_step(
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         carry = (jnp.zeros((), jnp.float32), zeros, state.rest)
-        microbatches = _split_microbatches(batch, accum_steps)
+        for key, x in batch.items():
+            if x.shape[0] % accum_steps:
+                raise ValueError(
+                    f"batch[{key!r}] has {x.shape[0]} rows, not divisible by accum_steps="
+                    f"{accum_steps}; make the batch size a multiple of accum_steps"
+                )
+        microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
         (loss, grads, rest), _ = jax.lax.scan(accumulate, carry, microbatches)
         loss = loss / accum_steps
         grads = jax.tree.map(lambda g, p: (g / accum_steps).astype(p.dtype), grads, state.params)
@@ -195,41 +130,82 @@ def train_step(
 
 
 def _keep_if_not(ok: jax.Array, new: tuple, state: TrainState) -> tuple:
-    """`new` (params, opt_state, rest) where `ok`, else the old values from `state`."""
-    old = (state.params, state.opt_state, state.rest)
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    """`new` (params, opt_state, rest) where `ok`; else the old values, but the new counters."""
+    params, opt_state, rest = new
+
+    def keep(n, o):
+        return jnp.where(ok, n, o)
+
+    # A skipped batch is still consumed. optax keeps its step counters (the `count` of
+    # scale_by_schedule, scale_by_adam, ...) as the integer leaves of its state and its moments
+    # and traces as float leaves, so counters take the new value either way: they stay equal
+    # to `TrainState.step` and the schedule runs on batches consumed. (Adam's bias correction
+    # then also counts the skipped step: a slightly smaller update just after an early skip.)
+    def keep_moments(n, o):
+        return n if jnp.issubdtype(n.dtype, jnp.integer) else keep(n, o)
+
+    return (
+        jax.tree.map(keep, params, state.params),
+        jax.tree.map(keep_moments, opt_state, state.opt_state),
+        jax.tree.map(keep, rest, state.rest),
+    )
 
 
 def eval_loss(
     graphdef: nnx.GraphDef,
     state: TrainState,
     batch: Mapping[str, jax.Array],
+    *,
     loss_fn: LossFn = cross_entropy,
-    pipeline: tuple[PipelineConfig, Mesh] | None = None,
+    pipeline: PipelineConfig | None = None,
 ) -> jax.Array:
-    """Mean loss of the model in `state` on `batch` (no update)."""
-    if pipeline is not None:
-        config, mesh = pipeline
+    """Mean loss of the model in `state` on `batch` (no update); `pipeline` as in `train_step`."""
+    mesh = _pipeline_mesh(pipeline)
+    if mesh is not None:
         return pipeline_loss(
-            graphdef, state.params, state.rest, batch, config=config, mesh=mesh, loss_fn=loss_fn
+            graphdef, state.params, state.rest, batch, config=pipeline, mesh=mesh, loss_fn=loss_fn
         )
     model = nnx.merge(graphdef, state.params, state.rest)
     return loss_fn(model(batch["inputs"]), batch["targets"])
 
 
-def _pipelined(config: PipelineConfig | None, mesh: Mesh):
-    """``(config, mesh)`` when the mesh has pipeline stages to run, else None."""
-    if mesh_sizes(mesh)["pipe"] == 1:
-        return None
-    return (config or PipelineConfig(), mesh)
+def _check_batch(batch: Mapping, batch_sharding: Mapping[str, NamedSharding]) -> None:
+    """Clear errors for a batch whose keys or rows do not fit the step's batch shardings."""
+    if set(batch) != set(batch_sharding):
+        raise ValueError(
+            f"batch has entries {sorted(batch)} but the step was built for "
+            f"{sorted(batch_sharding)}; build batch_sharding from a batch of the same shape"
+        )
+    for key, x in batch.items():
+        sharding = batch_sharding[key]
+        axes = layout.axes_of(sharding.spec[0]) if len(sharding.spec) else ()
+        n = math.prod(sharding.mesh.shape[a] for a in axes)
+        if len(x.shape) and x.shape[0] % n:
+            raise ValueError(
+                f"batch[{key!r}] has {x.shape[0]} rows, not divisible by the {n} devices its "
+                f"sharding splits the batch over; use a batch size that is a multiple of {n}"
+            )
 
 
-def batch_shardings(batch_shapes: Mapping[str, Any], mesh: Mesh, rules: Rules) -> dict:
-    """`NamedSharding` per batch entry (dimension 0 split over the batch axes)."""
-    return {
-        key: NamedSharding(mesh, batch_spec(len(x.shape), rules, mesh, shape=tuple(x.shape)))
-        for key, x in batch_shapes.items()
-    }
+class _Jitted:
+    """A jitted step that checks its batch first, with the jitted function's ``lower``."""
+
+    def __init__(self, fn, batch_sharding):
+        self.fn, self.batch_sharding = fn, dict(batch_sharding)
+
+    def __call__(self, state, batch):
+        _check_batch(batch, self.batch_sharding)
+        return self.fn(state, batch)
+
+    def lower(self, state, batch):
+        """`jax.jit(...).lower` of the step (for compiled-memory and HLO inspection)."""
+        _check_batch(batch, self.batch_sharding)
+        return self.fn.lower(state, batch)
+
+    def trace(self, state, batch):
+        """`jax.jit(...).trace` of the step."""
+        _check_batch(batch, self.batch_sharding)
+        return self.fn.trace(state, batch)
 
 
 def jit_train_step(
@@ -248,10 +224,19 @@ def jit_train_step(
 ):
     """`train_step` jitted with explicit in/out shardings; the input state is donated.
 
-    `pipeline` takes effect on meshes with ``pipe > 1``.
+    Args:
+        graphdef, tx: as for `train_step`.
+        mesh: the device mesh.
+        rules: the layout rules; activations follow ``rules.activations`` while it traces.
+        state_shardings: a `TrainState` of `NamedSharding`s (from `init_train_state`).
+        batch_sharding: one `NamedSharding` per batch entry (`batch_shardings`).
+        accum_steps, loss_fn, schedule, skip_nonfinite: as for `train_step`.
+        pipeline: the pipeline settings; they take effect on meshes with ``pipe > 1``.
 
     Returns:
-        ``step(state, batch) -> (state, metrics)``; metrics are replicated scalars.
+        ``step(state, batch) -> (state, metrics)``; metrics are replicated scalars. A batch
+        whose rows do not divide over its sharding is refused with a clear error before the
+        call; ``step.lower(state, batch)`` gives jax's lowered program.
     """
 
     def step(state, batch):
@@ -264,17 +249,18 @@ def jit_train_step(
                 accum_steps=accum_steps,
                 loss_fn=loss_fn,
                 schedule=schedule,
-                pipeline=_pipelined(pipeline, mesh),
+                pipeline=pipeline or PipelineConfig(),
                 skip_nonfinite=skip_nonfinite,
             )
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(
+    jitted = jax.jit(
         step,
         in_shardings=(state_shardings, dict(batch_sharding)),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
+    return _Jitted(jitted, batch_sharding)
 
 
 def jit_eval_step(
@@ -283,6 +269,7 @@ def jit_eval_step(
     rules: Rules,
     state_shardings: TrainState,
     batch_sharding: Mapping[str, NamedSharding],
+    *,
     loss_fn: LossFn = cross_entropy,
     pipeline: PipelineConfig | None = None,
 ):
@@ -290,10 +277,13 @@ def jit_eval_step(
 
     def step(state, batch):
         with activation_rules(mesh, rules):
-            return eval_loss(graphdef, state, batch, loss_fn, _pipelined(pipeline, mesh))
+            return eval_loss(
+                graphdef, state, batch, loss_fn=loss_fn, pipeline=pipeline or PipelineConfig()
+            )
 
-    return jax.jit(
+    jitted = jax.jit(
         step,
         in_shardings=(state_shardings, dict(batch_sharding)),
         out_shardings=NamedSharding(mesh, P()),
     )
+    return _Jitted(jitted, batch_sharding)

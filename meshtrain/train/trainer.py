@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,60 +16,18 @@ from jax.sharding import Mesh
 
 from meshtrain import checkpoint as ckpt
 from meshtrain import metrics as mx
+from meshtrain.check import check_run
 from meshtrain.data import Dataset
-from meshtrain.mesh import BATCH_AXES, mesh_sizes
-from meshtrain.models import GPT, GPTConfig, MLPConfig, build_model, sample
-from meshtrain.pipeline import PipelineConfig, check_pipeline
-from meshtrain.sharding import Rules, process_rows, shard_batch
+from meshtrain.layout import Rules, batch_shardings, process_rows, shard_batch
+from meshtrain.models.sampling import sample
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.problem import Problem, raise_if
+from meshtrain.state import abstract_model, abstract_target, init_train_state
+from meshtrain.train.config import TrainConfig
+from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
+from meshtrain.train.loss import LossFn, cross_entropy_with
 from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
-from meshtrain.train.step import (
-    batch_shardings,
-    cross_entropy,
-    init_train_state,
-    jit_eval_step,
-    jit_train_step,
-)
-
-ModelSpec = GPTConfig | MLPConfig | Callable[[], nnx.Module]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """The training loop.
-
-    Args:
-        steps: optimizer steps to run.
-        accum_steps: microbatches per step (gradient accumulation).
-        eval_every: evaluate every this many steps (0: only at the end).
-        eval_batches: held-out batches per evaluation.
-        log_every: write metrics every this many steps.
-        seed: seed of the parameter initialisers.
-        run_dir: where metrics.jsonl (and checkpoints) go; empty: write no files.
-        tensorboard: also write TensorBoard event files to run_dir.
-        progress: show a progress bar.
-        max_bad_steps: stop after this many consecutive steps whose update was skipped for a
-            non-finite loss or gradient.
-    """
-
-    steps: int = 300
-    accum_steps: int = 1
-    eval_every: int = 100
-    eval_batches: int = 4
-    log_every: int = 10
-    seed: int = 0
-    run_dir: str = "runs/default"
-    tensorboard: bool = False
-    progress: bool = True
-    max_bad_steps: int = 5
-
-    def __post_init__(self):
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"steps={self.steps!r}: the step count must be ≥ 1 (e.g. --steps 300)")
-        for name in ("accum_steps", "eval_batches", "log_every", "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be ≥ 1")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every={self.eval_every}: must be ≥ 0 (0 = only at the end)")
+from meshtrain.train.step import jit_eval_step, jit_train_step
 
 
 def batch_shapes(data: Dataset) -> dict[str, jax.ShapeDtypeStruct]:
@@ -83,29 +42,75 @@ def batch_shapes(data: Dataset) -> dict[str, jax.ShapeDtypeStruct]:
     }
 
 
+def _constructor(model, seed: int) -> tuple[Callable[[], nnx.Module], list[Problem]]:
+    """A zero-argument constructor for `model`, and a problem if `seed` cannot reach it."""
+    if callable(getattr(model, "build", None)):  # a model config
+        return (lambda: model.build(rngs=nnx.Rngs(params=seed))), []
+    if not callable(model):
+        raise ValueError(
+            f"model={type(model).__name__}: give a model config (e.g. GPTConfig()) or a "
+            "function that builds an nnx.Module"
+        )
+    # A class's own signature may be hidden by its metaclass (nnx.Module's is): read __init__.
+    function = model.__init__ if isinstance(model, type) else model
+    try:
+        wanted = [
+            p
+            for p in inspect.signature(function).parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        wanted = []
+    if isinstance(model, type):
+        wanted = wanted[1:]  # self
+    if len(wanted) == 1:  # e.g. a module class whose __init__ takes rngs
+        return (lambda: model(nnx.Rngs(params=seed))), []
+    problems = []
+    if seed != 0:
+        problems.append(
+            Problem(
+                "train.seed",
+                seed,
+                "a zero-argument model constructor fixes its own seed, so this one would be "
+                "ignored; pass a constructor that takes an nnx.Rngs (e.g. the module class), "
+                "or leave seed at 0",
+            )
+        )
+    return model, problems
+
+
 class Trainer:
     """Trains a model on a mesh: `fit` runs the loop, `evaluate` the held-out loss.
 
     Args:
-        model: a `GPTConfig`/`MLPConfig`, or a zero-argument constructor of any NNX model whose
-            ``__call__(inputs)`` returns logits and whose parameters carry logical names.
+        model: a model config (`GPTConfig`, `MLPConfig`, any `meshtrain.models.ModelConfig`),
+            or a constructor of any NNX model whose ``__call__(inputs)`` returns logits and
+            whose parameters carry logical names: a function of one ``nnx.Rngs`` (such as
+            the module class; it gets ``TrainConfig.seed``), or of none.
         data: a `meshtrain.data.Dataset`.
         mesh: the device mesh.
         rules: logical-axis rules, e.g. ``rules_for("fsdp", mesh)``.
         optim: optimizer settings.
         config: loop settings.
-        pipeline: schedule and microbatches for a mesh with ``pipe > 1`` (GPT only); None
-            means the defaults of `PipelineConfig` (gpipe, 2 × pipe microbatches).
+        pipeline: schedule and microbatches for a mesh with ``pipe > 1`` (any model with
+            pipeline parts); None means the defaults of `PipelineConfig`.
+        loss_fn: ``(logits, targets) -> mean loss``; None means cross-entropy with
+            ``config.loss_impl``.
         flops_per_token: training FLOPs per token (or per example); taken from the model config
             when it has ``flops_per_token``; None leaves TFLOP/s and MFU out.
         checkpoint: checkpoint settings; None writes no checkpoints. With ``resume`` the
             trainer starts from the newest readable checkpoint.
         run_meta: extra JSON facts stored in every checkpoint (the CLI stores its whole job).
+
+    Raises:
+        RunCheckError: the settings cannot work (`meshtrain.check.check_run`); every problem
+            is listed, one per line, before anything is allocated or compiled.
     """
 
     def __init__(
         self,
-        model: ModelSpec,
+        model,
         data: Dataset,
         *,
         mesh: Mesh,
@@ -113,6 +118,7 @@ class Trainer:
         optim: OptimConfig | None = None,
         config: TrainConfig | None = None,
         pipeline: PipelineConfig | None = None,
+        loss_fn: LossFn | None = None,
         flops_per_token: float | None = None,
         checkpoint: ckpt.CheckpointConfig | None = None,
         run_meta: dict | None = None,
@@ -121,14 +127,34 @@ class Trainer:
         self.pipeline = pipeline or PipelineConfig()
         self.optim = optim or OptimConfig()
         self.data, self.mesh, self.rules = data, mesh, rules
-        self.model_config = model if isinstance(model, GPTConfig | MLPConfig) else None
-        self._check(data, mesh)
+        self.model_config = model if callable(getattr(model, "build", None)) else None
+        ctor, problems = _constructor(model, self.config.seed)
+        if loss_fn is not None and self.config.loss_impl != "xla":
+            problems.append(
+                Problem(
+                    "train.loss_impl",
+                    self.config.loss_impl,
+                    "a custom loss_fn was given too; pick one (the kernel applies only to "
+                    "the built-in cross-entropy)",
+                )
+            )
+        problems += check_run(
+            model=self.model_config,
+            data=data,
+            mesh=mesh,
+            rules=rules,
+            accum_steps=self.config.accum_steps,
+            pipeline=self.pipeline,
+            checkpoint=checkpoint,
+            run_dir=self.config.run_dir,
+            abstract=abstract_model(ctor),
+        )
+        raise_if(problems)
+        self.loss_fn = loss_fn or cross_entropy_with(self.config.loss_impl)
         self.checkpoints = ckpt.open_for_run(checkpoint, self.config.run_dir)
         self.stop_reason: str | None = None
         self.skipped_steps = 0
         self._run_meta = run_meta or {}
-        seed = self.config.seed
-        ctor = (lambda: build_model(model, seed=seed)) if self.model_config else model
         if flops_per_token is None and self.model_config is not None:
             flops_per_token = self.model_config.flops_per_token(data.seq_len or 1)
         self.flops_per_token = flops_per_token
@@ -148,7 +174,7 @@ class Trainer:
             self.shardings,
             self._batch_sharding,
             accum_steps=self.config.accum_steps,
-            loss_fn=self._loss_fn(),
+            loss_fn=self.loss_fn,
             schedule=self.schedule,
             pipeline=self.pipeline,
         )
@@ -158,70 +184,13 @@ class Trainer:
             rules,
             self.shardings,
             self._batch_sharding,
-            self._loss_fn(),
+            loss_fn=self.loss_fn,
             pipeline=self.pipeline,
         )
         self._eval_data = None
         self.history: list[dict] = []
         if checkpoint is not None and checkpoint.resume:
             self.resume()
-
-    def _loss_fn(self):
-        """Cross-entropy with the GPT config's ``loss_impl`` kernel (optax otherwise)."""
-        impl = getattr(self.model_config, "loss_impl", "xla")
-        return lambda logits, targets: cross_entropy(logits, targets, impl=impl)
-
-    def _check(self, data: Dataset, mesh: Mesh) -> None:
-        """Validates the combination of model, data, mesh and loop before anything compiles."""
-        sizes = mesh_sizes(mesh)
-        for axis in ("expert", "seq"):
-            if sizes[axis] > 1:
-                raise ValueError(
-                    f"mesh {axis}={sizes[axis]}: the Trainer does not run {axis} parallelism yet; "
-                    f"set {axis}=1"
-                )
-        ways = int(np.prod([sizes[a] for a in BATCH_AXES]))
-        k = self.config.accum_steps
-        if data.batch_size % (ways * k):
-            raise ValueError(
-                f"batch_size={data.batch_size} does not divide into accum_steps={k} microbatches "
-                f"across data × fsdp = {ways} devices; use a multiple of {ways * k}"
-            )
-        cfg = self.model_config
-        if sizes["pipe"] > 1:
-            if not isinstance(cfg, GPTConfig):
-                raise ValueError(
-                    f"mesh pipe={sizes['pipe']}: pipelining runs the GPT's stacked blocks; "
-                    "use model gpt, or set pipe=1"
-                )
-            check_pipeline(
-                self.pipeline,
-                n_layers=cfg.n_layers,
-                pipe=sizes["pipe"],
-                batch_size=data.batch_size // k,
-                batch_ways=ways,
-            )
-        if isinstance(cfg, GPTConfig):
-            if data.kind != "lm":
-                raise ValueError(
-                    f"model gpt needs token data, but the data source is {data.kind!r}"
-                )
-            if data.seq_len > cfg.max_seq_len:
-                raise ValueError(
-                    f"data seq_len={data.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
-                )
-            if data.vocab_size > cfg.vocab_size:
-                raise ValueError(
-                    f"data vocab_size={data.vocab_size} exceeds gpt vocab_size={cfg.vocab_size}"
-                )
-        if isinstance(cfg, MLPConfig):
-            if data.kind != "classify":
-                raise ValueError(f"model mlp needs classification data, got {data.kind!r}")
-            if data.num_features != cfg.num_features or data.vocab_size > cfg.num_classes:
-                raise ValueError(
-                    f"mlp num_features={cfg.num_features}, num_classes={cfg.num_classes} do not "
-                    f"fit the data ({data.num_features} features, {data.vocab_size} classes)"
-                )
 
     @property
     def model(self) -> nnx.Module:
@@ -232,6 +201,26 @@ class Trainer:
     def tokens_per_step(self) -> int:
         """Tokens (LM) or examples (classifier) consumed by one optimizer step."""
         return self.data.batch_size * (self.data.seq_len or 1)
+
+    def meta(self) -> dict:
+        """The JSON facts every checkpoint of this run records: configs, mesh, rules, seed."""
+
+        def as_dict(cfg):
+            return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
+
+        model = self.model_config
+        return {
+            "config": {
+                "model": {"kind": type(model).__name__, **as_dict(model)} if model else None,
+                "train": as_dict(self.config),
+                "optim": as_dict(self.optim),
+                "checkpoint": as_dict(self.checkpoints.config) if self.checkpoints else None,
+                **self._run_meta,
+            },
+            "mesh": ckpt.mesh_meta(self.mesh),
+            "rules": self.rules.name,
+            "rng": {"seed": self.config.seed},
+        }
 
     def evaluate(self) -> float:
         """Mean loss over the held-out batches."""
@@ -259,7 +248,8 @@ class Trainer:
         cfg = self.config
         main = jax.process_index() == 0
         run_dir = Path(cfg.run_dir) if cfg.run_dir and main else None
-        peak = mx.peak_flops_per_device(self.mesh.devices.flat[0], self._compute_dtype())
+        dtype = getattr(self.model_config, "dtype", "float32")
+        peak = mx.peak_flops_per_device(self.mesh.devices.flat[0], dtype)
         start = int(jax.device_get(self.state.step))
         end = cfg.steps if until is None else min(until, cfg.steps)
         pending = None
@@ -269,7 +259,7 @@ class Trainer:
         with (
             mx.MetricsWriter(run_dir, tensorboard=cfg.tensorboard, append=start > 0) as writer,
             mx.Progress(cfg.steps, enabled=cfg.progress and main) as bar,
-            ckpt.StopSignals() as signals,
+            StopSignals() as signals,
         ):
             for step in range(start, end):
                 batch = shard_batch(next(self._iter), self.mesh, self.rules)
@@ -280,7 +270,7 @@ class Trainer:
                 if signals.received:
                     self.stop_reason = signals.received
                     break
-                if self.checkpoints and ckpt.due(self.checkpoints.config, step + 1, end):
+                if self.checkpoints and save_due(self.checkpoints.config.save_every, step + 1, end):
                     # Skipped (non-finite) steps are not saved, so that the keep policy never
                     # pushes the last good checkpoint out during a bad streak.
                     if not (self._bad_streak or int(metrics["skipped"])):
@@ -292,7 +282,7 @@ class Trainer:
         return self.history
 
     def save(self, *, wait: bool = False) -> Path | None:
-        """Checkpoints the current state, data position and config (no-op if already saved).
+        """Checkpoints the current state, data position and `meta` (no-op if already saved).
 
         Returns:
             The checkpoint's directory, or None without checkpoints.
@@ -303,9 +293,8 @@ class Trainer:
         if step in self.checkpoints.steps():
             path = self.checkpoints.path(step)
         else:
-            meta = ckpt.run_meta(self, self._run_meta)
             path = self.checkpoints.save(
-                step, self.state, data=self._iter.get_state(), meta=meta, wait=wait
+                step, self.state, data=self._iter.get_state(), meta=self.meta(), wait=wait
             )
         if wait:
             self.checkpoints.wait()
@@ -321,7 +310,7 @@ class Trainer:
         """
         if self.checkpoints is None:
             raise ValueError("resume() needs checkpoints: pass checkpoint=CheckpointConfig(...)")
-        target = ckpt.abstract_target(self.state, self.shardings)
+        target = abstract_target(self.state, self.shardings)
         restored = self.checkpoints.restore(target)
         if restored is None:
             return None
@@ -332,10 +321,6 @@ class Trainer:
         if restored.data:
             self._iter.set_state(restored.data)
         return restored.step
-
-    def _compute_dtype(self):
-        """The matmul dtype, for the peak-FLOPs lookup."""
-        return getattr(self.model_config, "dtype", "float32")
 
     def _record(self, step, metrics, last_ready, peak, writer, bar, force=False):
         """Reads step `step`'s metrics (blocking on it), times it, logs and evaluates.
@@ -382,21 +367,22 @@ class Trainer:
         if self.skipped_steps:
             values["skipped_steps"] = self.skipped_steps
         if self._bad_streak >= self.config.max_bad_steps:
-            raise ckpt.NonFiniteError.after(
-                self._bad_streak, step, self._last_good, self.checkpoints
-            )
+            raise NonFiniteError.after(self._bad_streak, step, self._last_good, self.checkpoints)
 
     def generate(
         self, prompt: str, n_new: int = 200, *, temperature: float = 0.8, seed: int = 0
     ) -> str:
-        """Continues `prompt` with `n_new` sampled tokens (GPT on byte-level data only).
+        """Continues `prompt` with `n_new` sampled tokens (language models on byte-level data).
 
-        Sampling one sequence is latency-bound, so a model under 256 MiB is first copied to
-        one device; larger ones sample in place, sharded.
+        The context window is the data's ``seq_len``. Sampling one sequence is latency-bound,
+        so a model under 256 MiB is first copied to one device; larger ones sample in place,
+        sharded.
         """
+        if self.data.kind != "lm":
+            raise ValueError(
+                f"generate() needs a language model on token data, not {self.data.kind!r}"
+            )
         model = self.model
-        if not isinstance(model, GPT):
-            raise ValueError("generate() needs a GPT model")
         graphdef, state = nnx.split(model)
         if jax.process_count() > 1:  # every process samples the same text from a full copy
             from jax.experimental import multihost_utils
@@ -411,5 +397,7 @@ class Trainer:
             n_new,
             key=jax.random.key(seed),
             temperature=temperature,
+            window=self.data.seq_len,
+            vocab_size=self.data.vocab_size,
         )
         return self.data.decode(np.asarray(tokens))

@@ -1,8 +1,9 @@
-"""Tests for meshtrain.sharding: preset layouts, batches, custom rules, and validation.
+"""Tests for meshtrain.layout: preset layouts, batches, custom rules, the one divisibility
+policy, regions manual over some axes, and validation.
 
 The intended layouts here are written out independently of the library: each parameter's
 logical names come from a hand-written table of the models, and each preset's mapping from
-its definition (the `meshtrain.sharding` module docstring), so a change in either shows up.
+its definition (the `meshtrain.layout.rules` module docstring), so a change in either shows up.
 """
 
 import functools
@@ -19,11 +20,13 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import sharding as S
+from meshtrain import layout as S
+from meshtrain.layout import batch_shardings
+from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
-from meshtrain.train import OptimConfig, init_train_state, jit_train_step, make_optimizer
-from meshtrain.train.step import batch_shardings
+from meshtrain.state import create_sharded_model
+from meshtrain.train import OptimConfig
 
 GPT = {
     "gpt2": GPTConfig(style="gpt2", n_layers=2, d_model=64, n_heads=4, max_seq_len=16),
@@ -196,12 +199,36 @@ def test_fsdp_optimizer_state_matches_params():
     assert q.addressable_shards[0].data.shape == (2, 64 // 8, 4, 16)
 
 
-def test_spec_for_drops_size_one_axes_and_reused_axes():
+def test_tp_replicates_kv_heads_that_tensor_does_not_divide_and_splits_the_padded_vocab():
+    """llama with 2 kv heads on tensor=4: k/v kernels whole on every tensor shard, q split; a
+    vocabulary of 1000 is 1024 rows (vocab_multiple=128), split 4 ways."""
+    config = GPTConfig(
+        style="llama", vocab_size=1000, n_layers=1, d_model=64, n_heads=8, n_kv_heads=2
+    )
+    mesh = make_mesh("data=2,tensor=4")
+    rules = S.rules_for("fsdp+tp", mesh)
+    assert rules.params["kv_heads"] == rules.activations["kv_heads"] == ["tensor", None]
+    _, state, _ = init_train_state(lambda: build_model(config), TX, mesh, rules)
+    params = flat(state.params)
+    want = {
+        "blocks/attn/q/kernel": P("pipe", "data", "tensor", None),
+        "blocks/attn/k/kernel": P("pipe", "data", None, None),
+        "blocks/attn/v/kernel": P("pipe", "data", None, None),
+        "embed/embedding": P("tensor", "data"),
+        "head/kernel": P("data", "tensor"),
+    }
+    for path, spec in want.items():
+        array = params[path]
+        assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), path
+    assert params["embed/embedding"].addressable_shards[0].data.shape == (1024 // 4, 64 // 2)
+
+
+def test_resolve_drops_size_one_axes_and_reused_axes():
     mesh = make_mesh("data=2,fsdp=4")
     table = {"embed": ("data", "fsdp", "tensor"), "mlp": "fsdp", "vocab": None}
-    assert S.spec_for(("embed", "mlp"), table, mesh) == P(("data", "fsdp"), None)
-    assert S.spec_for(("mlp", "embed"), table, mesh) == P("fsdp", "data")
-    assert S.spec_for(("vocab", None), table, mesh) == P(None, None)
+    assert S.resolve(("embed", "mlp"), table, mesh) == P(("data", "fsdp"), None)
+    assert S.resolve(("mlp", "embed"), table, mesh) == P("fsdp", "data")
+    assert S.resolve(("vocab", None), table, mesh) == P(None, None)
 
 
 # --- batches ------------------------------------------------------------------------------
@@ -271,7 +298,7 @@ def test_unannotated_parameters_are_replicated_with_one_warning():
     rules = S.rules_for("fsdp", mesh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = S.create_sharded_model(TwoParams, mesh, rules)
+        model = create_sharded_model(TwoParams, mesh, rules)
     ours = [w for w in caught if "meshtrain" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in ours]
     message = str(ours[0].message)
@@ -289,7 +316,7 @@ def test_unknown_logical_axis_names_the_parameter_before_compiling():
             ValueError, match=r"parameter 'named_w' \(16, 4\): unknown logical axis 'bogus'"
         ),
     ):
-        S.create_sharded_model(lambda: TwoParams(("bogus", None)), mesh, rules)
+        create_sharded_model(lambda: TwoParams(("bogus", None)), mesh, rules)
     assert compiles == []
 
 
@@ -378,12 +405,12 @@ def test_bad_strategies(strategy, mesh_str, match):
             "data=8",
             r"\(embed=60\) is not divisible by mesh data=8 = 8",
         ),
-        (
+        (  # query heads have no fallback (key/value heads are replicated instead)
             GPT["llama"],
             "tp",
-            "data=2,tensor=4",
-            r"parameter 'blocks/attn/k/kernel' \(2, 64, 2, 16\): dimension 2 \(kv_heads=2\) is "
-            r"not divisible by mesh tensor=4 = 4",
+            "data=1,tensor=8",
+            r"parameter 'blocks/attn/o/kernel' \(2, 4, 16, 64\): dimension 1 \(heads=4\) is "
+            r"not divisible by mesh tensor=8 = 8",
         ),
     ],
 )
@@ -413,3 +440,62 @@ def test_activation_constraints_are_a_no_op_outside_rules():
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
     assert math.prod(y.addressable_shards[0].data.shape) == 2
+
+
+# --- one divisibility policy ---------------------------------------------------------------
+
+
+def test_alternatives_fall_back_to_the_first_that_divides():
+    mesh = make_mesh("data=2,tensor=4")
+    table = {"kv_heads": ["tensor", None], "kv": None}
+    assert S.resolve(("kv_heads", "kv"), table, mesh, shape=(8, 16)) == P("tensor", None)
+    assert S.resolve(("kv_heads", "kv"), table, mesh, shape=(2, 16)) == P(None, None)
+    with pytest.raises(ValueError, match=r"\(kv_heads=6\) is not divisible by mesh tensor=4"):
+        S.resolve(("kv_heads", "kv"), {"kv_heads": "tensor", "kv": None}, mesh, shape=(6, 16))
+
+
+def test_alternatives_are_validated_like_any_rule():
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'tensr'"):
+        S.Rules(params={"heads": ["tensr", None]}, activations={})
+
+
+def test_kernels_split_by_the_same_policy_and_refuse_what_it_refuses():
+    """A kernel under the layout splits its rows as `constrain` would, and a batch the batch
+    axes do not divide is the same clear error (it used to run silently replicated)."""
+    from meshtrain import kernels
+
+    mesh = make_mesh("data=4,tensor=2")
+    rules = S.rules_for("dp", mesh)
+    x = jax.random.normal(jax.random.key(0), (6, 8, 16))
+    scale = jnp.ones((16,))
+    with S.activation_rules(mesh, rules), pytest.raises(ValueError) as err:
+        jax.eval_shape(lambda x: kernels.rms_norm(x, scale, impl="pallas"), x)
+    assert "(batch=6) is not divisible by mesh data=4" in str(err.value)
+    x = x[:4]
+    with S.activation_rules(mesh, rules):
+        got = jax.jit(lambda x: kernels.rms_norm(x, scale, impl="pallas"))(x)
+    want = kernels.reference.rms_norm(x.reshape(-1, 16), scale).reshape(x.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_manual_region_nests_inside_another():
+    """A kernel (manual over the batch axes) inside a pipeline-like region manual over
+    ``pipe`` runs on the inner axes only and gives the reference result."""
+    from meshtrain import kernels
+
+    mesh = make_mesh("pipe=2,data=4")
+    rules = S.rules_for("dp", mesh)
+    x = jax.random.normal(jax.random.key(1), (2, 8, 4, 16))  # [pipe, batch, seq, width]
+    scale = jnp.linspace(0.5, 1.5, 16)
+
+    def stage(x):
+        assert S.manual_axes() == {"pipe"}
+        return kernels.rms_norm(x[0], scale, impl="pallas")[None]
+
+    region = S.manual_region(
+        stage, mesh=mesh, axes={"pipe"}, in_specs=P("pipe"), out_specs=P("pipe")
+    )
+    with S.activation_rules(mesh, rules):
+        got = jax.jit(region)(x)
+    want = kernels.reference.rms_norm(x.reshape(-1, 16), scale).reshape(x.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -1,73 +1,18 @@
-"""What a training run needs around its checkpoints: opening the directory, the save schedule,
-the metadata, the NaN/Inf stop, and SIGTERM/SIGINT handling."""
+"""What the training loop does around its steps: the save schedule, the stop after too many
+non-finite steps, and SIGTERM/SIGINT handling."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
-from meshtrain.checkpoint.manager import CheckpointConfig, CheckpointManager
-from meshtrain.checkpoint.targets import mesh_meta
+from meshtrain.checkpoint import CheckpointManager
 
 
-def open_for_run(config: CheckpointConfig | None, run_dir: str) -> CheckpointManager | None:
-    """Opens a run's checkpoint directory for writing, before anything compiles.
-
-    Returns:
-        The manager, or None when `config` is None.
-
-    Raises:
-        ValueError: no directory is set, or it already holds checkpoints and the run does not
-            resume (a fresh run never writes over an earlier one).
-    """
-    if config is None:
-        return None
-    directory = config.checkpoint_dir or (str(Path(run_dir) / "checkpoints") if run_dir else "")
-    if not directory:
-        raise ValueError(
-            "checkpoint_dir='' and run_dir='': checkpoints need a directory; set one of them"
-        )
-    mgr = CheckpointManager(directory, config)
-    steps = mgr.steps()
-    if steps and not config.resume:
-        mgr.close()
-        raise ValueError(
-            f"checkpoint directory {mgr.directory} already holds steps {steps}; pass "
-            "--resume (CheckpointConfig(resume=True)) to continue that run, or choose another "
-            "--run-dir / --checkpoint-dir"
-        )
-    return mgr
-
-
-def due(config: CheckpointConfig, step: int, end: int) -> bool:
+def save_due(save_every: int, step: int, end: int) -> bool:
     """True when the periodic schedule saves after step `step` (the final step saves anyway)."""
-    return bool(config.save_every) and step % config.save_every == 0 and step < end
-
-
-def run_meta(trainer: Any, extra: Mapping | None = None) -> dict:
-    """The JSON facts a trainer's checkpoint records: configs, mesh, rules, seed."""
-
-    def as_dict(cfg):
-        return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
-
-    model = trainer.model_config
-    return {
-        "config": {
-            "model": {"kind": type(model).__name__, **(as_dict(model) or {})} if model else None,
-            "train": as_dict(trainer.config),
-            "optim": as_dict(trainer.optim),
-            "checkpoint": as_dict(trainer.checkpoints.config) if trainer.checkpoints else None,
-            **dict(extra or {}),
-        },
-        "mesh": mesh_meta(trainer.mesh),
-        "rules": trainer.rules.name,
-        "rng": {"seed": trainer.config.seed},
-    }
+    return bool(save_every) and step % save_every == 0 and step < end
 
 
 class NonFiniteError(RuntimeError):

@@ -1,0 +1,142 @@
+"""The run check: every reason a run cannot work, found at once, before anything compiles.
+
+`check_run` is a pure function of the run's settings. It allocates nothing and compiles
+nothing, so the `Trainer` and the CLI call it once up front, and a planner can call it on
+many candidate meshes to reject those that cannot work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshtrain.checkpoint import CheckpointConfig
+from meshtrain.checkpoint.dirs import directory_problems
+from meshtrain.layout import Rules, state_problems
+from meshtrain.mesh import mesh_sizes
+from meshtrain.models.base import DataSpec, pipeline_parts
+from meshtrain.pipeline import PipelineConfig, pipeline_problems
+from meshtrain.problem import Problem
+
+UNSUPPORTED_AXES = ("expert", "seq")  # axes the Trainer does not run yet
+
+
+def data_spec(data) -> DataSpec:
+    """A `DataSpec` from a `Dataset` (or a `DataSpec`, returned as is)."""
+    if isinstance(data, DataSpec):
+        return data
+    return DataSpec(data.kind, data.batch_size, data.seq_len, data.vocab_size, data.num_features)
+
+
+def check_run(
+    *,
+    model=None,
+    data,
+    mesh: Mesh | Mapping[str, int],
+    rules: Rules,
+    accum_steps: int = 1,
+    pipeline: PipelineConfig | None = None,
+    checkpoint: CheckpointConfig | None = None,
+    run_dir: str = "",
+    abstract: tuple[nnx.GraphDef, nnx.State] | None = None,
+) -> list[Problem]:
+    """Every problem with a run's settings, each naming the field, the value and the fix.
+
+    Args:
+        model: the model config (a `ModelConfig`), or None for a model from a constructor.
+        data: a `Dataset` or a `DataSpec`.
+        mesh: the mesh, or its axis sizes (a planner's candidate).
+        rules: the layout rules.
+        accum_steps: microbatches per step (gradient accumulation).
+        pipeline: the pipeline settings, used where ``pipe > 1`` (default `PipelineConfig()`).
+        checkpoint: the checkpoint settings; None when the run keeps none.
+        run_dir: where the run writes metrics (and, by default, checkpoints); "" for nowhere.
+        abstract: the abstract model (``state.abstract_model(ctor)``): with it, every
+            parameter's layout and the model's pipeline parts are checked too.
+
+    Returns:
+        The problems; an empty list when the run can start.
+    """
+    sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
+    pipeline = pipeline or PipelineConfig()
+    spec = data_spec(data)
+    problems = [
+        Problem(
+            f"mesh.{axis}",
+            sizes[axis],
+            f"the Trainer does not run {axis} parallelism yet; set {axis}=1",
+        )
+        for axis in UNSUPPORTED_AXES
+        if sizes.get(axis, 1) > 1
+    ]
+    ways, k = rules.batch_ways(sizes), accum_steps
+    if spec.batch_size % (ways * k):
+        problems.append(
+            Problem(
+                "data.batch_size",
+                spec.batch_size,
+                f"does not divide into accum_steps={k} microbatches across "
+                f"{' × '.join(rules.batch_axes(sizes)) or 'batch axes'} = {ways} devices; "
+                f"use a multiple of {ways * k}",
+            )
+        )
+    if model is not None:
+        problems += model.check(spec)
+        if callable(getattr(model, "check_layout", None)):  # optional (see ModelConfig)
+            problems += model.check_layout(sizes, rules)
+    problems += _model_layout_problems(abstract, rules, sizes)
+    if sizes.get("pipe", 1) > 1:
+        axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
+        problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
+    problems += directory_problems(run_dir=run_dir, checkpoint=checkpoint)
+    return problems
+
+
+def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
+    """Parameters (and optimizer state) the rules cannot lay out on a mesh of `sizes`."""
+    if abstract is None:
+        return []
+    _, state = abstract
+    messages = state_problems(state, rules.params, sizes)
+    if rules.optimizer is not None:
+        messages += state_problems(state, rules.optimizer, sizes)
+    return [Problem("strategy", rules.name, m) for m in dict.fromkeys(messages)]
+
+
+def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) -> list[Problem]:
+    """What keeps the model from being pipelined over ``pipe`` stages."""
+    pipe = sizes["pipe"]
+    layers = getattr(model, "pipeline_layers", None)
+    if abstract is not None:
+        module = nnx.merge(*abstract)
+        parts = pipeline_parts(module)
+        if parts is None:
+            return [
+                Problem(
+                    "mesh.pipe",
+                    pipe,
+                    "this model cannot be pipelined: it has no pipeline_parts() method (see "
+                    "meshtrain.models.PipelineParts); set pipe=1",
+                )
+            ]
+        leaves = nnx.to_flat_state(nnx.state(getattr(module, parts.blocks)))
+        layers = leaves[0][1].get_value().shape[0] if leaves else layers
+    elif model is not None and layers is None:
+        return [
+            Problem(
+                "mesh.pipe",
+                pipe,
+                f"model {type(model).__name__} cannot be pipelined (it has no stacked layers "
+                "to cut into stages); set pipe=1",
+            )
+        ]
+    return pipeline_problems(
+        pipeline,
+        pipe=pipe,
+        batch_size=spec.batch_size // k,
+        batch_ways=ways,
+        batch_axes=axes,
+        layers=layers,
+    )

@@ -1,0 +1,57 @@
+"""Hugging Face interchange: ``config.json`` + ``model.safetensors`` ↔ meshtrain's GPT.
+
+Reads and writes the layouts ``transformers`` saves, with the `safetensors` numpy API (no
+torch). meshtrain keeps the blocks stacked along a leading ``layers`` dimension and splits
+attention weights per head; the HF files keep one tensor per layer and flat head dimensions.
+
+Modules, one idea each::
+
+    adapter     the Adapter and Layout types one architecture implements
+    registry    architecture name → Adapter; adapter_for(cfg) picks the export architecture
+    config      config.json ↔ GPTConfig through the adapters; same_architecture
+    convert     whole-model conversion: layers stacked, the untied lm_head
+    files       safetensors reading (one file or a sharded index) and writing
+    pretrained  load_pretrained, load_model, save_pretrained
+    gpt2, llama, ...  one file per architecture (see the register lines below)
+
+Adding an architecture is one file that builds an `Adapter` (reusing a `Layout` when the
+weights are stored like an existing one) and one `register` line below.
+"""
+
+from meshtrain.hf import gpt2, llama, mistral, qwen2
+from meshtrain.hf.adapter import Adapter, Layout
+from meshtrain.hf.config import config_from_hf, config_to_hf, same_architecture
+from meshtrain.hf.convert import hf_shapes
+from meshtrain.hf.pretrained import SAVE_DTYPES, load_model, load_pretrained, save_pretrained
+from meshtrain.hf.registry import (
+    ADAPTERS,
+    ARCHITECTURES,
+    adapter_for,
+    adapter_for_hf,
+    register,
+)
+
+# The built-in architectures, one line each. Order matters on export only: a config is written
+# as the first of these that can hold it.
+register(gpt2.ADAPTER)
+register(llama.ADAPTER)
+register(mistral.ADAPTER)
+register(qwen2.ADAPTER)
+
+__all__ = [
+    "ADAPTERS",
+    "ARCHITECTURES",
+    "SAVE_DTYPES",
+    "Adapter",
+    "Layout",
+    "adapter_for",
+    "adapter_for_hf",
+    "config_from_hf",
+    "config_to_hf",
+    "hf_shapes",
+    "load_model",
+    "load_pretrained",
+    "register",
+    "same_architecture",
+    "save_pretrained",
+]

@@ -1,0 +1,68 @@
+"""Layout: how logical names become places on the mesh.
+
+- `rules`: logical names, `Rules` tables and the strategy presets (`rules_for`);
+- `resolve`: logical names → `PartitionSpec`, with one divisibility policy for everything;
+- `batch`: batch shardings, the rows each process reads, microbatch splits;
+- `context`: the active layout while a step is traced, and `constrain` for activations;
+- `manual`: regions manual over some mesh axes (pipelines, kernels).
+"""
+
+from meshtrain.layout.batch import (
+    batch_shardings,
+    batch_spec,
+    merge_microbatches,
+    process_rows,
+    shard_batch,
+    split_microbatches,
+)
+from meshtrain.layout.context import (
+    Layout,
+    activation_rules,
+    active,
+    constrain,
+    override_activations,
+)
+from meshtrain.layout.manual import manual_axes, manual_region
+from meshtrain.layout.resolve import named, resolve, state_problems, state_specs
+from meshtrain.layout.rules import (
+    BATCH_AXES,
+    LOGICAL_AXES,
+    STRATEGIES,
+    Entry,
+    MeshAxes,
+    Rules,
+    alternatives,
+    axes_of,
+    rules_for,
+    strategy_problem,
+)
+
+__all__ = [
+    "BATCH_AXES",
+    "LOGICAL_AXES",
+    "STRATEGIES",
+    "Entry",
+    "Layout",
+    "MeshAxes",
+    "Rules",
+    "activation_rules",
+    "active",
+    "alternatives",
+    "axes_of",
+    "batch_shardings",
+    "batch_spec",
+    "constrain",
+    "manual_axes",
+    "manual_region",
+    "merge_microbatches",
+    "named",
+    "override_activations",
+    "process_rows",
+    "resolve",
+    "rules_for",
+    "shard_batch",
+    "split_microbatches",
+    "state_problems",
+    "state_specs",
+    "strategy_problem",
+]

@@ -1,0 +1,198 @@
+"""Logical axis names, the `Rules` that map them to mesh axes, and the strategy presets.
+
+Models name the dimensions of their parameters and activations with *logical* names
+(``("embed", "mlp")``) and never mention a mesh. A `Rules` table maps each logical name to
+mesh axes. Three tables make up a strategy:
+
+- ``params``: how parameters (and so gradients) are laid out;
+- ``optimizer``: how optimizer state is laid out (differs from ``params`` only for ZeRO-1);
+- ``activations``: the constraints placed on activations inside the model.
+
+A table entry is one of:
+
+- ``None``: the dimension is not split;
+- a mesh axis, ``"tensor"``, or a tuple of axes split together, ``("data", "fsdp")``;
+- a **list of alternatives**, ``["tensor", None]``: the first whose axes divide the dimension
+  is used (see `meshtrain.layout.resolve`).
+
+Presets (combine one data strategy with ``tp`` using ``+``, e.g. ``"fsdp+tp"``)::
+
+    dp     parameters replicated; the batch split over data × fsdp
+    fsdp   ZeRO-3: parameters, gradients and optimizer state sharded over data × fsdp
+    hsdp   parameters sharded over fsdp, replicated over data (hybrid sharded DP)
+    zero1  parameters replicated; only optimizer state sharded over data × fsdp
+    tp     Megatron: attention heads, MLP hidden and vocab split over tensor; key/value
+           heads too when tensor divides them, else replicated over tensor
+
+The stacked ``layers`` dimension is always split over ``pipe``, so on a mesh with ``pipe > 1``
+each pipeline stage holds its own contiguous slice of the blocks; with ``pipe = 1`` the rule
+does nothing. The tensor-parallel rules apply whenever the mesh has ``tensor > 1``, so
+``--strategy fsdp`` on a mesh ``data=4,tensor=2`` means FSDP over data and Megatron over tensor.
+
+Uneven dimensions under tensor parallelism: ``kv_heads`` is ``["tensor", None]``, so a model
+with fewer key/value heads than ``tensor`` (or a count it does not divide) keeps them whole on
+every tensor shard, each shard using the ones its query heads need, as Megatron does. The
+vocabulary has no such fallback (a whole vocabulary would cost a full copy of the embedding,
+the head and the logits per shard); models pad it instead (`GPTConfig.vocab_multiple`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from meshtrain.mesh import AXES, mesh_sizes
+
+MeshAxes = str | tuple[str, ...] | None
+Entry = MeshAxes | list[MeshAxes]  # one layout, or alternatives tried in order
+
+# Logical dimension names used by meshtrain's models.
+LOGICAL_AXES: dict[str, str] = {
+    "batch": "examples in a batch (activations)",
+    "seq": "token positions (activations)",
+    "embed": "model width",
+    "mlp": "feed-forward hidden width",
+    "heads": "query attention heads",
+    "kv_heads": "key/value attention heads (GQA groups)",
+    "kv": "width of one attention head",
+    "vocab": "vocabulary / output classes",
+    "pos": "rows of a learned position table",
+    "features": "input features of a classifier",
+    "layers": "stacked layers",
+}
+
+STRATEGIES = ("dp", "fsdp", "hsdp", "zero1", "tp")
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")  # the presets' batch axes
+# Megatron rules: split over tensor; key/value heads replicated where tensor does not divide them.
+_TP_RULES: dict[str, Entry] = {
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": ["tensor", None],
+    "vocab": "tensor",
+}
+
+
+def axes_of(entry: MeshAxes) -> tuple[str, ...]:
+    """``None`` → ``()``, ``"x"`` → ``("x",)``, tuples unchanged."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def alternatives(entry: Entry) -> list[MeshAxes]:
+    """A table entry as its list of alternatives (a single layout is a list of one)."""
+    return list(entry) if isinstance(entry, list) else [entry]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rules:
+    """Logical-name → mesh-axes tables for parameters, optimizer state and activations.
+
+    Args:
+        params: layout of parameters and gradients.
+        activations: constraints on activations inside the model; ``batch`` also decides how
+            batches are split over devices.
+        optimizer: layout of optimizer state; None means the same as ``params``.
+        name: a label shown in logs.
+    """
+
+    params: Mapping[str, Entry]
+    activations: Mapping[str, Entry]
+    optimizer: Mapping[str, Entry] | None = None
+    name: str = "custom"
+
+    def __post_init__(self):
+        for table_name in ("params", "activations", "optimizer"):
+            for logical, entry in (getattr(self, table_name) or {}).items():
+                for option in alternatives(entry):
+                    for axis in axes_of(option):
+                        if axis not in AXES:
+                            raise ValueError(
+                                f"rules.{table_name}[{logical!r}] = {entry!r}: unknown mesh "
+                                f"axis {axis!r}; mesh axes are {', '.join(AXES)}"
+                            )
+
+    @property
+    def optimizer_table(self) -> Mapping[str, Entry]:
+        """The optimizer-state table (falls back to ``params``)."""
+        return self.params if self.optimizer is None else self.optimizer
+
+    def batch_axes(self, sizes: Mapping[str, int]) -> tuple[str, ...]:
+        """The mesh axes (of size > 1) a batch is split over: the first layout of ``batch``."""
+        entry = alternatives(self.activations.get("batch"))[0]
+        return tuple(a for a in axes_of(entry) if sizes.get(a, 1) > 1)
+
+    def batch_ways(self, sizes: Mapping[str, int]) -> int:
+        """How many ways a batch is split (e.g. data × fsdp for the presets)."""
+        ways = 1
+        for a in self.batch_axes(sizes):
+            ways *= sizes[a]
+        return ways
+
+
+def rules_for(strategy: str, mesh=None) -> Rules:
+    """The preset `Rules` for a strategy such as ``"fsdp"`` or ``"hsdp+tp"``.
+
+    Args:
+        strategy: one data strategy from ``dp, fsdp, hsdp, zero1`` and/or ``tp``, joined by ``+``.
+        mesh: when given (a `Mesh` or a dict of axis sizes), the strategy is checked against it
+            (e.g. ``hsdp`` needs ``fsdp > 1``).
+
+    Returns:
+        The `Rules` for the strategy.
+    """
+    problem = strategy_problem(strategy, mesh)
+    if problem:
+        raise ValueError(problem)
+    parts = [p.strip() for p in strategy.split("+") if p.strip()]
+    data_strategy = next((p for p in parts if p != "tp"), "dp")
+    params: dict[str, Entry] = {name: None for name in LOGICAL_AXES}
+    activations: dict[str, Entry] = {name: None for name in LOGICAL_AXES}
+    activations["batch"] = BATCH_AXES
+    activations["seq"] = "seq"
+    for name, entry in _TP_RULES.items():  # a no-op while tensor == 1
+        params[name] = alternatives(entry) if isinstance(entry, list) else entry
+        activations[name] = alternatives(entry) if isinstance(entry, list) else entry
+    # Pipeline stages own contiguous slices of the stacked layers; a no-op while pipe == 1.
+    params["layers"] = "pipe"
+    optimizer = None
+    if data_strategy == "fsdp":
+        params["embed"] = BATCH_AXES
+    elif data_strategy == "hsdp":
+        params["embed"] = "fsdp"
+    elif data_strategy == "zero1":
+        optimizer = dict(params, embed=BATCH_AXES)
+    return Rules(params=params, activations=activations, optimizer=optimizer, name=strategy)
+
+
+def strategy_problem(strategy: str, mesh=None) -> str | None:
+    """Why `strategy` is not a valid preset (on `mesh`, when given), or None."""
+    if not isinstance(strategy, str):
+        return f"strategy={strategy!r}: must be a string such as 'fsdp+tp'"
+    parts = [p.strip() for p in strategy.split("+") if p.strip()]
+    unknown = [p for p in parts if p not in STRATEGIES]
+    if unknown or not parts:
+        return (
+            f"strategy {strategy!r}: unknown strategy {unknown[0] if unknown else ''!r}; "
+            f"choose from {', '.join(STRATEGIES)}, combined with '+' (e.g. 'fsdp+tp')"
+        )
+    data_parts = [p for p in parts if p != "tp"]
+    if len(data_parts) > 1:
+        return (
+            f"strategy {strategy!r}: {' and '.join(data_parts)} both decide how parameters use "
+            "the data axes; pick one of dp, fsdp, hsdp, zero1 (optionally + tp)"
+        )
+    if mesh is None:
+        return None
+    sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
+    if "tp" in parts and sizes.get("tensor", 1) == 1:
+        return (
+            f"strategy {strategy!r} uses tensor parallelism but the mesh has tensor=1; "
+            "add tensor=N to the mesh (e.g. --mesh data=4,tensor=2)"
+        )
+    if data_parts == ["hsdp"] and sizes.get("fsdp", 1) == 1:
+        return (
+            f"strategy {strategy!r} shards parameters over the fsdp axis but the mesh has "
+            "fsdp=1; add fsdp=N to the mesh (e.g. --mesh data=2,fsdp=4)"
+        )
+    return None

@@ -1,0 +1,102 @@
+"""The model interface: what the trainer, the pipeline, the CLI and the run check ask of a model.
+
+A model *family* is a frozen config dataclass that implements `ModelConfig`, plus the NNX
+module it builds. Nothing outside a family's own files asks which family it has: the
+`Trainer` builds, counts FLOPs and checks through the config; the pipeline cuts any module
+that offers `PipelineParts`; the CLI lists what `meshtrain.models.registry` holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshtrain.problem import Problem
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # compute dtypes by name
+
+
+class DataSpec(NamedTuple):
+    """What a model needs to know about its data (a `meshtrain.data.Dataset` has all of it).
+
+    Attributes:
+        kind: ``"lm"`` (token ids [B, T] → next-token ids) or ``"classify"`` (features [B, F]
+            → class ids [B]).
+        batch_size: the global batch size.
+        seq_len: T for ``lm``, else None.
+        vocab_size: token or class count.
+        num_features: F for ``classify``, else None.
+    """
+
+    kind: str
+    batch_size: int
+    seq_len: int | None
+    vocab_size: int
+    num_features: int | None = None
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    """A model family's config: a frozen dataclass, validated in ``__post_init__``.
+
+    Optionally, it also has ``check_layout(sizes, rules) -> list[Problem]``: what keeps the
+    model from being laid out by `rules` on axes of `sizes`, with the fix in its own fields
+    (the GPT's names ``gpt.vocab_multiple``); the run check calls it when present.
+
+    Attributes:
+        dtype: the compute dtype name (``float32`` or ``bfloat16``), for the peak-FLOPs lookup.
+    """
+
+    dtype: str
+
+    def build(self, *, rngs: nnx.Rngs) -> nnx.Module:
+        """The NNX module, unsharded (the trainer creates it sharded)."""
+        ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, or per example without tokens."""
+        ...
+
+    def check(self, data: DataSpec) -> list[Problem]:
+        """What keeps this model from training on `data`; an empty list when nothing."""
+        ...
+
+    def describe(self) -> str:
+        """One line for logs: the shape of the model."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineParts:
+    """A model cut for pipelining: what runs before, within and after its stacked blocks.
+
+    A model offers it from a ``pipeline_parts()`` method; the pipeline then runs the blocks
+    stage by stage and the embedding and head around them.
+
+    Attributes:
+        blocks: the attribute holding the stacked blocks (parameters with a leading ``layers``
+            dimension); the pipeline cuts that dimension into chunks.
+        embed: inputs → activations entering the first block.
+        run_blocks: ``(stacked blocks module of any length, activations) → activations``; a
+            plain function of its arguments (no reference to the model).
+        head: activations leaving the last block → logits.
+        head_params: the model's top-level attributes `head` reads (their gradients flow
+            through the loss head).
+    """
+
+    blocks: str
+    embed: Callable[[jax.Array], jax.Array]
+    run_blocks: Callable[[Any, jax.Array], jax.Array]
+    head: Callable[[jax.Array], jax.Array]
+    head_params: tuple[str, ...]
+
+
+def pipeline_parts(model: nnx.Module) -> PipelineParts | None:
+    """The model's `PipelineParts`, or None when it cannot be pipelined."""
+    method = getattr(model, "pipeline_parts", None)
+    return method() if callable(method) else None

@@ -1,0 +1,101 @@
+"""`PipelineConfig`, and what makes a pipeline unable to run on a model, mesh and batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.pipeline.schedules import SCHEDULES, check_schedule
+from meshtrain.problem import Problem
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """How to pipeline over the mesh's ``pipe`` axis (ignored while pipe = 1).
+
+    Args:
+        schedule: ``gpipe``, ``circular`` (interleaved) or ``1f1b``.
+        microbatches: microbatches per step; 0 means 2 × pipe.
+        repeats: chunks of layers per stage, v (circular only).
+    """
+
+    schedule: str = "gpipe"
+    microbatches: int = 0
+    repeats: int = 1
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule={self.schedule!r}: unknown pipeline schedule; choose from "
+                f"{', '.join(SCHEDULES)}"
+            )
+        if not isinstance(self.microbatches, int) or self.microbatches < 0:
+            raise ValueError(f"microbatches={self.microbatches!r}: must be ≥ 1 (or 0 for 2 × pipe)")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats!r}: must be ≥ 1")
+
+    def num_microbatches(self, pipe: int) -> int:
+        """Microbatches per step on a mesh with `pipe` stages."""
+        return self.microbatches or 2 * pipe
+
+    def chunks_per_stage(self) -> int:
+        """v: chunks of layers each stage holds (``repeats`` for circular, else 1)."""
+        return self.repeats if self.schedule == "circular" else 1
+
+
+def pipeline_problems(
+    config: PipelineConfig,
+    *,
+    pipe: int,
+    batch_size: int,
+    batch_ways: int,
+    batch_axes: str = "data × fsdp",
+    layers: int | None = None,
+) -> list[Problem]:
+    """What keeps a pipeline from running, before anything compiles.
+
+    Args:
+        config: the pipeline settings.
+        pipe: stages (the mesh's pipe size).
+        batch_size: rows the pipeline splits into microbatches (the batch of one
+            accumulation step).
+        batch_ways: devices each microbatch is split over (data × fsdp for the presets).
+        batch_axes: the names of those axes, for messages.
+        layers: the model's stacked layers, when known.
+
+    Returns:
+        One `Problem` per thing wrong, each naming the field, the value and the fix.
+    """
+    m, v = config.num_microbatches(pipe), config.repeats
+    try:
+        check_schedule(config.schedule, pipe, m, v)
+    except ValueError as e:
+        return [Problem("pipeline", config.schedule, str(e).removeprefix("pipeline "))]
+    problems = []
+    if layers is not None and layers % (pipe * v):
+        problems.append(
+            Problem(
+                "layers",
+                layers,
+                f"not divisible by pipe × repeats = {pipe} × {v} = {pipe * v}: each stage needs "
+                f"whole layers; use a multiple of {pipe * v} layers",
+            )
+        )
+    if batch_size % m:
+        problems.append(
+            Problem(
+                "data.batch_size",
+                batch_size,
+                f"not divisible by microbatches={m}; use a batch that is a multiple of {m}",
+            )
+        )
+    elif (batch_size // m) % batch_ways:
+        problems.append(
+            Problem(
+                "data.batch_size",
+                batch_size,
+                f"/ microbatches={m} = {batch_size // m} rows per microbatch, not divisible by "
+                f"{batch_axes} = {batch_ways} devices; use a batch that is a multiple of "
+                f"{m * batch_ways}",
+            )
+        )
+    return problems

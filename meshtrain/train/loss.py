@@ -1,0 +1,43 @@
+"""Training losses: ``(logits, targets) -> mean loss``, the form `train_step` takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+LOSS_IMPLS = ("xla", "pallas", "auto")
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, *, impl: str = "xla") -> jax.Array:
+    """Mean softmax cross-entropy over every target.
+
+    Logits a model masks to a large negative value (a padded vocabulary, e.g.
+    `meshtrain.models.layers.PADDED_LOGIT`) add exactly nothing to the loss and get no
+    gradient, with either `impl`.
+
+    Args:
+        logits: [..., C] float.
+        targets: [...] integer class ids.
+        impl: ``"xla"`` (optax, in float32), or ``"pallas"`` / ``"auto"`` for the chunked
+            kernel `meshtrain.kernels.token_cross_entropy`.
+
+    Returns:
+        A float32 scalar.
+    """
+    if impl != "xla":
+        from meshtrain import kernels
+
+        return kernels.token_cross_entropy(logits, targets, impl=impl).mean()
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return losses.mean()
+
+
+def cross_entropy_with(impl: str) -> LossFn:
+    """`cross_entropy` with its kernel fixed: the loss the `Trainer` uses for ``loss_impl``."""
+    if impl not in LOSS_IMPLS:
+        raise ValueError(f"loss_impl={impl!r}: choose from {', '.join(LOSS_IMPLS)}")
+    return lambda logits, targets: cross_entropy(logits, targets, impl=impl)

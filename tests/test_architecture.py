@@ -1,0 +1,78 @@
+"""The layers of the README's architecture picture hold: each module imports meshtrain
+modules of its own layer or below, never above. A new import that breaks a seam (say,
+`state` reaching up into `train`) fails here."""
+
+import ast
+import pathlib
+
+import meshtrain
+
+ROOT = pathlib.Path(meshtrain.__file__).parent
+KERNELS = ROOT.parent / "kernels"
+
+# Lowest first; the README's "Architecture" picture, bottom to top.
+LAYERS = [
+    ["meshtrain._compat", "meshtrain._tree", "meshtrain.problem", "meshtrain.mesh"],
+    ["meshtrain.layout"],
+    ["meshtrain.kernels"],
+    [
+        "meshtrain.models",
+        "meshtrain.state",
+        "meshtrain.data",
+        "meshtrain.metrics",
+        "meshtrain.distributed",
+    ],  # fmt: skip
+    ["meshtrain.pipeline", "meshtrain.checkpoint"],
+    ["meshtrain.check"],
+    ["meshtrain.train"],
+    ["meshtrain.lower", "meshtrain.hf", "meshtrain.launch", "meshtrain.cli", "meshtrain"],
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _unit(module: str) -> str:
+    """The layer entry a module belongs to (its package, or itself)."""
+    while module not in RANK:
+        module = module.rpartition(".")[0]
+    return module
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        yield ".".join(p for p in parts if p != "__init__") or "meshtrain", path
+    for path in sorted(KERNELS.glob("*.py")):
+        name = "meshtrain.kernels" + ("" if path.stem == "__init__" else f".{path.stem}")
+        yield name, path
+
+
+def _imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module != "meshtrain":  # `from meshtrain import x` imports x alone
+                yield node.module
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def test_every_module_sits_in_a_layer():
+    for name, _ in _modules():
+        assert _unit(name) in RANK, f"{name}: add it to LAYERS (and the README picture)"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    wrong = []
+    for name, path in _modules():
+        mine = RANK[_unit(name)]
+        for target in _imports(path):
+            if not target.startswith("meshtrain") or target == "meshtrain.kernels._common":
+                continue
+            try:
+                theirs = RANK[_unit(target)]
+            except KeyError:
+                continue  # a name imported from a module, checked through the module itself
+            if theirs > mine:
+                wrong.append(f"{name} (layer {mine}) imports {target} (layer {theirs})")
+    assert not wrong, "\n".join(sorted(set(wrong)))

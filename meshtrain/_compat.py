@@ -50,24 +50,33 @@ def tyro_config_errors(handler: Callable) -> contextlib.AbstractContextManager:
     """While active, tyro calls `handler(event)` on each parse error before printing it.
 
     Uses ``tyro._errors.on_parse_error``, tyro's private and experimental hook (the only way
-    to see a config's own ``ValueError`` instead of tyro's box).
+    to see a config's own ``ValueError`` instead of tyro's box). tyro < 1.0 has no such hook:
+    there this does nothing, and a rejected config value shows tyro's box.
     """
-    from tyro import _errors
+    try:
+        from tyro._errors import on_parse_error
+    except ImportError:
+        return contextlib.nullcontext()
+    return on_parse_error(handler)
 
-    return _errors.on_parse_error(handler)
 
-
-def tyro_instantiation_failure() -> type:
-    """tyro's private event type for a config class whose constructor raised."""
-    from tyro import _errors
-
-    return _errors.InstantiationFailure
+def tyro_instantiation_failure() -> type | tuple:
+    """tyro's private event type for a config class whose constructor raised (``()``, which
+    nothing is an instance of, on a tyro without it)."""
+    try:
+        from tyro import _errors
+    except ImportError:
+        return ()
+    return getattr(_errors, "InstantiationFailure", ())
 
 
 def orbax_finish_tmp_cleanup(manager) -> None:
     """Waits for an orbax `CheckpointManager`'s background removal of interrupted saves.
 
     Uses ``CheckpointManager._maybe_await_cleanup_tmp_directory``: orbax starts that cleanup
-    in a thread and has no public way to wait for it.
+    in a thread and has no public way to wait for it. Older orbax (0.11.17, the lowest we
+    allow) has no such method because it cleans up in the constructor: nothing to wait for.
     """
-    manager._maybe_await_cleanup_tmp_directory()
+    finish = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+    if finish is not None:
+        finish()

@@ -119,7 +119,7 @@ def run_jax_baseline(args, shape) -> dict:
     from flax import nnx
 
     import meshtrain as mt
-    from meshtrain import bench
+    from meshtrain import bench, measure
 
     c = shape.config
     attention = (
@@ -156,10 +156,10 @@ def run_jax_baseline(args, shape) -> dict:
     compile_s = time.perf_counter() - t0
     state, loss = compiled(state, batches[0])
     first_loss = float(loss)
-    state, synced, back_to_back = bench.time_steps(
+    state, synced, back_to_back = measure.time_steps(
         compiled, state, batches, args.warmup, args.steps
     )
-    stats = bench.spread(synced)
+    stats = measure.spread(synced)
     del state, compiled, batches
     gc.collect()
     return {

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import meshtrain as mt
-from meshtrain import bench, metrics
+from meshtrain import bench, measure, metrics
 from meshtrain.kernels import reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def test_throughput_arithmetic_and_both_conventions():
 
 
 def test_spread_orders_its_statistics():
-    s = bench.spread([3.0, 1.0, 2.0, 10.0, 2.5])
+    s = measure.spread([3.0, 1.0, 2.0, 10.0, 2.5])
     assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 10.0
     assert s["p10"] == 1.0 and s["p90"] == 10.0 and s["n"] == 5
 

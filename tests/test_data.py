@@ -238,7 +238,7 @@ def test_process_slices_form_the_global_batch(monkeypatch, count):
     global_eval = make_dataset(cfg).eval_batches(2)
     local, local_eval = [], []
     for p in range(count):
-        monkeypatch.setattr(data, "_process_shard", lambda p=p: (p, count))
+        monkeypatch.setattr(data.batches, "process_shard", lambda p=p: (p, count))
         ds = make_dataset(cfg)
         assert ds.local_batch_size == cfg.batch_size // count
         pit = ds.train_iter()
@@ -251,7 +251,7 @@ def test_process_slices_form_the_global_batch(monkeypatch, count):
     for step, want in enumerate(global_eval):
         got = np.concatenate([local_eval[p][step]["targets"] for p in range(count)])
         np.testing.assert_array_equal(got, want["targets"])
-    monkeypatch.setattr(data, "_process_shard", lambda: (0, 3))
+    monkeypatch.setattr(data.batches, "process_shard", lambda: (0, 3))
     with pytest.raises(ValueError, match="not divisible by jax.process_count"):
         make_dataset(cfg)
 

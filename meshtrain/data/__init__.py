@@ -1,0 +1,55 @@
+"""Input pipeline: byte-level LM corpora and user arrays, shuffled and batched with `grain`.
+
+Every source becomes a table of examples (LM windows of ``seq_len + 1`` bytes, or array
+rows). Training order is one grain pipeline over example *indices*,
+``MapDataset.range(n).shuffle(seed).repeat().batch(batch_size)``: each element is the index
+list of one GLOBAL batch, the same on every process. Each process then gathers only its rows
+``[p*B/P, (p+1)*B/P)``, so the per-process slices of a step always make up the batch one
+process alone would see, and a saved position (a global step) resumes on any process count.
+
+Modules: `config` (`DataConfig` and its checks), `batches` (examples, order, per-process rows,
+the resumable iterator), `text` (byte-level corpora), `arrays` (``.npz`` and in-memory arrays).
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshtrain.data.arrays import arrays_dataset, make_arrays_dataset, read_npz
+from meshtrain.data.batches import BatchIterator, Dataset
+from meshtrain.data.config import SOURCES, DataConfig
+from meshtrain.data.text import SYNTHETIC_BYTES, lm_dataset, stdlib_corpus, synthetic_corpus
+
+__all__ = [
+    "SOURCES",
+    "SYNTHETIC_BYTES",
+    "BatchIterator",
+    "DataConfig",
+    "Dataset",
+    "make_arrays_dataset",
+    "make_dataset",
+    "stdlib_corpus",
+    "synthetic_corpus",
+]
+
+
+def make_dataset(config: DataConfig) -> Dataset:
+    """Builds the dataset `config` describes (ValueError for a missing file or too little data).
+
+    Args:
+        config: a `DataConfig`.
+
+    Returns:
+        a `Dataset`.
+    """
+    if config.source == "stdlib":
+        return lm_dataset(stdlib_corpus(config.max_bytes), config)
+    if config.source == "synthetic":
+        return lm_dataset(synthetic_corpus(config.seed), config)
+    if not os.path.isfile(config.path):
+        raise ValueError(f"data.path={config.path!r}: no such file; give an existing file")
+    if config.source == "text":
+        with open(config.path, "rb") as f:
+            return lm_dataset(f.read(), config)
+    inputs, targets = read_npz(config.path)
+    return arrays_dataset(inputs, targets, f"data.path={config.path!r}", **config._common())

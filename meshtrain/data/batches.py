@@ -1,0 +1,191 @@
+"""Batches: examples (LM windows or array rows), the shuffled global order, each process's
+rows of it, and the resumable iterator (`Dataset`, `BatchIterator`)."""
+
+from __future__ import annotations
+
+import grain
+import jax
+import numpy as np
+
+from meshtrain.data.config import is_int
+
+
+def process_shard() -> tuple[int, int]:
+    """(this process's index, process count); a seam so tests can fake several processes."""
+    return jax.process_index(), jax.process_count()
+
+
+class Windows:
+    """LM examples: windows of seq_len+1 tokens starting at multiples of seq_len."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.count = max(0, (len(tokens) - 1) // seq_len)
+
+    def take(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Gathers windows `idx` as int32 inputs/targets [len(idx), seq_len]."""
+        w = self.tokens[idx[:, None] * self.seq_len + np.arange(self.seq_len + 1)]
+        return {"inputs": w[:, :-1].astype(np.int32), "targets": w[:, 1:].astype(np.int32)}
+
+
+class Rows:
+    """Array examples: rows of (inputs, targets)."""
+
+    def __init__(self, inputs: np.ndarray, targets: np.ndarray):
+        self.inputs, self.targets, self.count = inputs, targets, len(inputs)
+
+    def take(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """Gathers rows `idx`."""
+        return {"inputs": self.inputs[idx], "targets": self.targets[idx]}
+
+
+class BatchIterator:
+    """Infinite iterator of process-local training batches with a resumable position."""
+
+    def __init__(self, grain_iter: grain.DatasetIterator, fingerprint: dict):
+        self._it, self._fingerprint = grain_iter, fingerprint
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        """Returns this process's rows of the next global batch."""
+        return next(self._it)
+
+    def get_state(self) -> dict:
+        """Returns the position: grain's iterator state plus a fingerprint, all plain JSON."""
+        inner = {k: int(v) for k, v in self._it.get_state().items()}
+        return {"grain": inner, **self._fingerprint}
+
+    def set_state(self, state: dict) -> None:
+        """Resumes at a `get_state` position (JSON round trips are fine).
+
+        Args:
+            state: a position; the next batch is the one that followed it. ValueError if it
+                is from a dataset with another seed, batch size or example count.
+        """
+        for key, want in self._fingerprint.items():
+            if state.get(key) != want:
+                raise ValueError(
+                    f"data iterator state has {key}={state.get(key)!r} but this dataset has "
+                    f"{key}={want!r}; resume with the same data config"
+                )
+        self._it.set_state(dict(state["grain"]))
+
+    def close(self) -> None:
+        """Stops grain's prefetch thread."""
+        self._it.close()
+
+
+class Dataset:
+    """Training and evaluation batches from one source (build with `make_dataset`).
+
+    Attributes:
+        kind: "lm" (inputs/targets int32 [B, T]) or "classify" (inputs float32 [B, F],
+            targets int32 [B]).
+        vocab_size: 256 for byte-level sources; token/class count for arrays.
+        num_features: F for "classify", None for "lm".
+        seq_len: T for "lm", None for "classify".
+        batch_size: the global batch size; local_batch_size: rows per batch on this process.
+        num_train, num_val: training / held-out example counts.
+    """
+
+    def __init__(self, kind: str, vocab_size: int, train, val, batch_size: int, seed: int):
+        assert train.count >= batch_size, "the builders check the size and name the source"
+        self.kind, self.vocab_size, self.batch_size, self.seed = kind, vocab_size, batch_size, seed
+        self._train, self._val, self.num_train, self.num_val = train, val, train.count, val.count
+        width = train.take(np.zeros(1, dtype=int))["inputs"].shape[1]
+        self.seq_len: int | None = width if kind == "lm" else None
+        self.num_features: int | None = width if kind == "classify" else None
+        lo, hi = self._bounds()
+        self.local_batch_size = hi - lo
+
+    def _bounds(self) -> tuple[int, int]:
+        """This process's row range [lo, hi) within a global batch."""
+        index, count = process_shard()
+        if self.batch_size % count:
+            raise ValueError(
+                f"data batch_size={self.batch_size}: not divisible by jax.process_count()="
+                f"{count}; use a multiple of {count}"
+            )
+        return index * self.batch_size // count, (index + 1) * self.batch_size // count
+
+    def _rows(self, rows: tuple[int, int] | None) -> tuple[int, int]:
+        """`rows` checked against the batch size, or the even split over processes."""
+        if rows is None:
+            return self._bounds()
+        lo, hi = rows
+        if not (is_int(lo) and is_int(hi) and 0 <= lo < hi <= self.batch_size):
+            raise ValueError(
+                f"data rows={rows!r}: expected 0 ≤ lo < hi ≤ batch_size={self.batch_size}"
+            )
+        return lo, hi
+
+    def train_iter(self, rows: tuple[int, int] | None = None) -> BatchIterator:
+        """Starts an infinite, deterministic stream of training batches.
+
+        Each epoch is a fresh grain shuffle of all examples (from `seed` and the epoch
+        number); batches run on across epoch boundaries.
+
+        Args:
+            rows: the rows ``[lo, hi)`` of each global batch to read (see
+                `meshtrain.layout.process_rows`); None splits evenly over processes.
+
+        Returns:
+            a `BatchIterator` of process-local batches.
+        """
+        lo, hi = self._rows(rows)
+        take = self._train.take
+        ds = grain.MapDataset.range(self._train.count).shuffle(seed=self.seed).repeat()
+        ds = ds.batch(self.batch_size, drop_remainder=True).map(lambda i: take(i[lo:hi]))
+        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+        fp = {"seed": self.seed, "batch_size": self.batch_size, "num_train": self.num_train}
+        return BatchIterator(iter(ds.to_iter_dataset(options)), fp)
+
+    def eval_batches(
+        self, n: int, rows: tuple[int, int] | None = None
+    ) -> list[dict[str, np.ndarray]]:
+        """Returns `n` fixed held-out batches (process-local rows), the same on every call.
+
+        Held-out examples go in order, wrapping around if there are fewer than n*batch_size.
+
+        Args:
+            n: number of batches.
+            rows: the rows ``[lo, hi)`` of each batch to read; None splits evenly over processes.
+
+        Returns:
+            `n` batch dicts shaped like training batches.
+        """
+        if not is_int(n) or n < 1:
+            raise ValueError(f"eval_batches n={n!r}: must be a positive integer")
+        if self._val.count == 0:
+            raise ValueError("data: no held-out examples (val_fraction=0); set val_fraction > 0")
+        lo, hi = self._rows(rows)
+        idx = np.arange(n * self.batch_size).reshape(n, self.batch_size) % self._val.count
+        return [self._val.take(row[lo:hi]) for row in idx]
+
+    def encode(self, text: str) -> np.ndarray:
+        """Returns the UTF-8 bytes of `text` as int32 tokens (LM only).
+
+        Args:
+            text: any string.
+        """
+        self._require_lm("encode")
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, tokens) -> str:
+        """Returns byte tokens as text, invalid UTF-8 replaced by U+FFFD (LM only).
+
+        Args:
+            tokens: array-like of integers in [0, 256).
+        """
+        self._require_lm("decode")
+        arr = np.asarray(tokens).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise ValueError("decode: tokens must be byte values in [0, 256)")
+        return bytes(arr.astype(np.uint8)).decode("utf-8", errors="replace")
+
+    def _require_lm(self, what: str) -> None:
+        """Raises unless this is an LM dataset."""
+        if self.kind != "lm":
+            raise ValueError(f"{what}: only for LM datasets, this one is {self.kind!r}")

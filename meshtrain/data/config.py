@@ -1,0 +1,100 @@
+"""The data settings (`DataConfig`) and the checks its fields and `make_arrays_dataset`'s
+share."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+SOURCES: tuple[str, ...] = ("stdlib", "synthetic", "text", "arrays")
+
+
+def is_int(value) -> bool:
+    """True for Python/numpy integers, but not bools."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def positive(name: str, value) -> None:
+    """Raises unless `value` (of config field `name`) is a positive integer."""
+    if not is_int(value) or value < 1:
+        raise ValueError(f"data {name}={value!r}: must be a positive integer")
+
+
+def check_common(*, batch_size, seed, val_fraction) -> None:
+    """Validates the fields shared by `DataConfig` and `make_arrays_dataset`."""
+    positive("batch_size", batch_size)
+    if not is_int(seed) or not 0 <= seed < 2**32:
+        raise ValueError(f"data seed={seed!r}: must be an integer in [0, 2**32)")
+    number = isinstance(val_fraction, int | float | np.floating | np.integer)
+    if isinstance(val_fraction, bool) or not number or not 0.0 <= val_fraction < 1.0:
+        raise ValueError(
+            f"data val_fraction={val_fraction!r}: must be a number in [0, 1), "
+            "e.g. 0.05; use 0 to hold nothing out"
+        )
+
+
+def min_size(train: int, held_out: int, val_fraction: float) -> int:
+    """Smallest total N whose first ``N - int(N * val_fraction)`` units reach `train` and whose
+    held-out tail ``int(N * val_fraction)`` reaches `held_out` (ignored when val_fraction=0)."""
+    # Lower bounds, since N(1 - f) <= N - int(N f) < N(1 - f) + 1; then step up to the exact one.
+    n = max(train, math.floor((train - 1) / (1 - val_fraction)))
+    if val_fraction:
+        n = max(n, math.floor(held_out / val_fraction) - 1)
+    while n - int(n * val_fraction) < train or (val_fraction and int(n * val_fraction) < held_out):
+        n += 1
+    return n
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where batches come from.
+
+    Args:
+        source: "stdlib" (this interpreter's standard-library source, byte-level LM),
+            "synthetic" (a learnable random byte stream from `seed`), "text" (the bytes of
+            the file at `path`) or "arrays" (an .npz at `path` with arrays "inputs" and
+            "targets"; see `make_arrays_dataset`).
+        path: the file for "text" and "arrays"; an error with the other sources, which read
+            no file.
+        seq_len: tokens per example for the byte-level sources. "arrays" ignores it and
+            takes the length from the arrays.
+        batch_size: GLOBAL batch size, summed over processes; divisible by the process count.
+        seed: shuffle seed (and generator seed for "synthetic"), in [0, 2**32).
+        val_fraction: share held out for evaluation, in [0, 1): the corpus tail, or the
+            last rows of the arrays.
+        max_bytes: cap on the stdlib corpus size.
+    """
+
+    source: str = "stdlib"
+    path: str = ""
+    seq_len: int = 128
+    batch_size: int = 32
+    seed: int = 0
+    val_fraction: float = 0.05
+    max_bytes: int = 4_000_000
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(
+                f"data source={self.source!r}: unknown source; choose one of {', '.join(SOURCES)}"
+            )
+        if not isinstance(self.path, str):
+            raise ValueError(f"data path={self.path!r}: must be a string")
+        if self.source in ("text", "arrays") and not self.path:
+            what = "a text file" if self.source == "text" else "an .npz with inputs and targets"
+            raise ValueError(f"data source={self.source!r} needs path=...: give {what}")
+        if self.path and self.source not in ("text", "arrays"):
+            reader = "arrays" if self.path.endswith(".npz") else "text"
+            raise ValueError(
+                f"data.path={self.path!r} is given but source={self.source!r} reads no file; "
+                f"add --data.source {reader} (source={reader!r}) to train on it, or drop the path"
+            )
+        check_common(**self._common())
+        positive("seq_len", self.seq_len)
+        positive("max_bytes", self.max_bytes)
+
+    def _common(self) -> dict:
+        """The fields `make_arrays_dataset` shares."""
+        return dict(batch_size=self.batch_size, seed=self.seed, val_fraction=self.val_fraction)

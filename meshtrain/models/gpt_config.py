@@ -1,0 +1,268 @@
+"""`GPTConfig`: the settings of the decoder in `meshtrain.models.gpt`, with the model
+interface's FLOP count, checks and summary line."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from flax import nnx
+
+from meshtrain import kernels
+from meshtrain.layout import Rules, alternatives, axes_of, resolve
+from meshtrain.models import layers
+from meshtrain.models.base import DTYPES, DataSpec
+from meshtrain.models.remat import check_policy
+from meshtrain.problem import Problem
+
+if TYPE_CHECKING:
+    from meshtrain.models.gpt import GPT
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape and flavour of the decoder.
+
+    Args:
+        style: ``"gpt2"`` or ``"llama"`` (see the module docstring).
+        vocab_size: output classes (256 for byte-level text).
+        max_seq_len: longest sequence; sizes the learned position table.
+        d_model: model width.
+        n_layers: transformer blocks.
+        n_heads: query heads.
+        n_kv_heads: key/value heads; 0 means ``n_heads`` (MHA). Must divide ``n_heads``.
+        d_ff: MLP hidden width; 0 means 4·d_model (gpt2) or ⌈8/3·d_model⌉₆₄ (llama).
+        rope_theta: RoPE base (llama).
+        norm_eps: epsilon of the norms.
+        tie_embeddings: reuse the token embedding as the output head.
+        remat: rematerialisation policy: none, full, save-dots, save-attention-out.
+        dtype: compute dtype, ``float32`` or ``bfloat16``. Parameters stay float32.
+        attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (Pallas on
+            a GPU when head width is 64 or 128, else xla). See kernels/README.md.
+        norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto.
+        rope_scaling: RoPE frequency scaling (llama): ``"none"`` or ``"llama3"`` (Llama 3.1's
+            long-context scaling, set by the four ``rope_*`` fields below).
+        rope_factor: llama3: the factor low frequencies are divided by.
+        rope_low_freq_factor: llama3: wavelengths above original/low_freq_factor are scaled.
+        rope_high_freq_factor: llama3: wavelengths below original/high_freq_factor are kept;
+            those between are interpolated.
+        rope_original_max_seq_len: llama3: the context length of pre-training.
+        qkv_bias: biases on the query, key and value projections only (llama style; Qwen2).
+        sliding_window: 0, or the keys each query sees: positions (t − window, t] (Mistral).
+        vocab_multiple: the embedding and head get ``vocab_size`` rounded up to a multiple of
+            this (`padded_vocab`), so the vocabulary splits over ``tensor`` (and matmuls get
+            whole tiles): GPT-2's 50257 becomes 50304. The padded ids' logits are masked to
+            `layers.PADDED_LOGIT`, so they take no probability, no loss and no gradient, and
+            their rows start and stay zero. A setting of the model, never derived from the
+            size of ``tensor``, so a checkpoint's shapes do not depend on the layout it was
+            trained under. 128 leaves 256, 32000, 128256 and 151936 as they are; 1 turns
+            padding off.
+    """
+
+    style: str = "llama"
+    vocab_size: int = 256
+    max_seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0
+    d_ff: int = 0
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: str = "none"
+    dtype: str = "float32"
+    attention_impl: str = "xla"
+    norm_impl: str = "xla"
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    qkv_bias: bool = False
+    sliding_window: int = 0
+    vocab_multiple: int = 128
+
+    def __post_init__(self):
+        if self.style not in ("gpt2", "llama"):
+            raise ValueError(f"gpt style={self.style!r}: choose 'gpt2' or 'llama'")
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"gpt {name}={value!r}: must be a positive integer")
+        for name in ("n_kv_heads", "d_ff"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"gpt {name}={getattr(self, name)}: must be ≥ 0 (0 = default)")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"gpt d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "pick d_model as a multiple of n_heads"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"gpt n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
+                "each key/value head must serve a whole group of query heads"
+            )
+        if self.style == "llama" and self.head_dim % 2:
+            raise ValueError(f"gpt head width {self.head_dim} must be even for RoPE")
+        if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
+            raise ValueError(
+                f"gpt vocab_multiple={self.vocab_multiple!r}: must be a positive integer "
+                "(1: no padding)"
+            )
+        check_policy(self.remat)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
+        kernels.check_impls(self.attention_impl, self.norm_impl, self.head_dim)
+        layers.check_rope_scaling(
+            self.rope_scaling,
+            style=self.style,
+            rope_factor=self.rope_factor,
+            rope_low_freq_factor=self.rope_low_freq_factor,
+            rope_high_freq_factor=self.rope_high_freq_factor,
+            rope_original_max_seq_len=self.rope_original_max_seq_len,
+        )
+        if self.qkv_bias and self.style == "gpt2":
+            raise ValueError(
+                "gpt qkv_bias=True: style 'gpt2' already biases every projection; qkv_bias is "
+                "for style='llama' (leave it False for gpt2)"
+            )
+        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
+            raise ValueError(
+                f"gpt sliding_window={self.sliding_window!r}: must be an integer ≥ 0 "
+                "(0 = every earlier position is seen)"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads after defaults."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        """MLP hidden width after defaults."""
+        if self.d_ff:
+            return self.d_ff
+        if self.style == "gpt2":
+            return 4 * self.d_model
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and head: ``vocab_size`` up to a multiple of ``vocab_multiple``."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def compute_dtype(self):
+        """The jnp dtype matmuls run in."""
+        return DTYPES[self.dtype]
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (all but embeddings and norms)."""
+        D, H, G, K, F = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.ff_dim
+        attn = D * H * K + 2 * D * G * K + H * K * D
+        mlp = (3 if self.style == "llama" else 2) * D * F
+        return self.n_layers * (attn + mlp) + D * self.padded_vocab
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward).
+
+        ``6·N`` for the N matmul parameters (2 forward, 4 backward) plus ``12·L·H·K·T`` for the
+        attention scores and weighted sum at sequence length T. Masked (causal) positions are
+        counted too, as in the PaLM paper's MFU definition, and so is the padded vocabulary
+        (`padded_vocab`): the head's matmul runs over it, as Megatron-LM and nanoGPT count it.
+        With a sliding window W < T each query is counted against W keys instead of T (the
+        band a windowed kernel computes); biases are not matmul parameters.
+        """
+        keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * keys
+        return 6 * self.matmul_params() + attention
+
+    # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
+
+    def build(self, *, rngs: nnx.Rngs) -> GPT:
+        """The decoder, unsharded."""
+        from meshtrain.models.gpt import GPT
+
+        return GPT(self, rngs=rngs)
+
+    def check(self, data: DataSpec) -> list[Problem]:
+        """Token data whose sequences and vocabulary fit this model."""
+        if data.kind != "lm":
+            return [
+                Problem(
+                    "model",
+                    "gpt",
+                    f"a gpt needs token data ([N, T] token ids), but the data is {data.kind!r}; "
+                    "use --data.source stdlib, synthetic or text, or arrays of token ids",
+                )
+            ]
+        problems = []
+        if data.seq_len > self.max_seq_len:
+            problems.append(
+                Problem(
+                    "data.seq_len",
+                    data.seq_len,
+                    f"exceeds the model's max_seq_len={self.max_seq_len}; lower "
+                    f"--data.seq-len to {self.max_seq_len} or raise --gpt.max-seq-len to "
+                    f"{data.seq_len}",
+                )
+            )
+        if data.vocab_size > self.vocab_size:
+            problems.append(
+                Problem(
+                    "gpt.vocab_size",
+                    self.vocab_size,
+                    f"the data has {data.vocab_size} token ids; raise --gpt.vocab-size to at "
+                    f"least {data.vocab_size}",
+                )
+            )
+        return problems
+
+    def check_layout(self, sizes: Mapping[str, int], rules: Rules) -> list[Problem]:
+        """A padded vocabulary that the rules' ``vocab`` split does not divide, with the
+        ``vocab_multiple`` that fixes it (`sizes`: axis name → size)."""
+        for table in (rules.params, rules.activations):
+            if table.get("vocab") is None:
+                continue
+            try:
+                resolve(("vocab",), table, sizes, shape=(self.padded_vocab,))
+            except ValueError:
+                axes = [a for a in axes_of(alternatives(table["vocab"])[0]) if sizes.get(a, 1) > 1]
+                ways = math.prod(sizes[a] for a in axes)
+                fix = math.lcm(self.vocab_multiple, ways)
+                padded = dataclasses.replace(self, vocab_multiple=fix).padded_vocab
+                split = " × ".join(f"{a}={sizes[a]}" for a in axes)
+                return [
+                    Problem(
+                        "gpt.vocab_multiple",
+                        self.vocab_multiple,
+                        f"the vocabulary of {self.vocab_size} padded to {self.padded_vocab} "
+                        f"ids does not split over {split}; set --gpt.vocab-multiple {fix} "
+                        f"(pads it to {padded})",
+                    )
+                ]
+        return []
+
+    def describe(self) -> str:
+        """E.g. ``gpt llama · d_model=128 · 4 layers · 4 heads (2 kv)``."""
+        kv = f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else ""
+        vocab = ""
+        if self.padded_vocab != self.vocab_size:
+            vocab = f" · vocab {self.vocab_size} padded to {self.padded_vocab}"
+        return (
+            f"gpt {self.style} · d_model={self.d_model} · {self.n_layers} layers · "
+            f"{self.n_heads} heads{kv}{vocab}"
+        )
+
+    @property
+    def pipeline_layers(self) -> int:
+        """Stacked layers a pipeline cuts into stages."""
+        return self.n_layers

@@ -124,9 +124,11 @@ def _compile_and_collect_rematerializations(script: str, layouts: list) -> list[
     return bad
 
 
+# Two processes of about equal work, so that pytest's two workers can share them.
 @pytest.mark.slow
-def test_no_preset_makes_xla_replicate_a_tensor_to_repartition_it():
-    bad = _compile_and_collect_rematerializations(SCRIPT, LAYOUTS)
+@pytest.mark.parametrize("half", [LAYOUTS[:4], LAYOUTS[4:]], ids=["dp-fsdp-zero1-tp", "2x2x2"])
+def test_no_preset_makes_xla_replicate_a_tensor_to_repartition_it(half):
+    bad = _compile_and_collect_rematerializations(SCRIPT, half)
     assert not bad, "\n".join(bad)
 
 

@@ -11,7 +11,9 @@ from meshtrain.kernels._common import ATTENTION_IMPLS, IMPLS, poison_outputs
 from meshtrain.kernels.attention import flash_attention
 from meshtrain.kernels.cross_entropy import token_cross_entropy
 from meshtrain.kernels.matmul import matmul
+from meshtrain.kernels.mse import mean_squared_error
 from meshtrain.kernels.norms import layer_norm, rms_norm
+from meshtrain.kernels.relu import relu
 from meshtrain.kernels.select import check_impls, model_attention_impl
 
 __all__ = [
@@ -21,9 +23,11 @@ __all__ = [
     "flash_attention",
     "layer_norm",
     "matmul",
+    "mean_squared_error",
     "model_attention_impl",
     "poison_outputs",
     "reference",
+    "relu",
     "rms_norm",
     "token_cross_entropy",
 ]

@@ -116,3 +116,14 @@ def matmul(
     if bias_N is not None:
         z = z + bias_N.astype(jnp.float32)
     return ACTIVATIONS[activation](z).astype(x_MK.dtype)
+
+
+def relu(x: jax.Array) -> jax.Array:
+    """``max(x, 0)`` elementwise; its gradient is ``dy`` where x > 0, else 0."""
+    return jax.nn.relu(x)
+
+
+def mean_squared_error(pred_ND: jax.Array, target_ND: jax.Array) -> jax.Array:
+    """Per-row mean squared error ``mean((pred − target)², axis=-1)`` in float32."""
+    diff = pred_ND.astype(jnp.float32) - target_ND.astype(jnp.float32)
+    return jnp.mean(diff * diff, axis=-1)

@@ -27,7 +27,14 @@ def data_spec(data) -> DataSpec:
     """A `DataSpec` from a `Dataset` (or a `DataSpec`, returned as is)."""
     if isinstance(data, DataSpec):
         return data
-    return DataSpec(data.kind, data.batch_size, data.seq_len, data.vocab_size, data.num_features)
+    return DataSpec(
+        data.kind,
+        data.batch_size,
+        data.seq_len,
+        data.vocab_size,
+        data.num_features,
+        getattr(data, "image_shape", None),
+    )
 
 
 def check_run(

@@ -8,7 +8,8 @@ list of one GLOBAL batch, the same on every process. Each process then gathers o
 process alone would see, and a saved position (a global step) resumes on any process count.
 
 Modules: `config` (`DataConfig` and its checks), `batches` (examples, order, per-process rows,
-the resumable iterator), `text` (byte-level corpora), `arrays` (``.npz`` and in-memory arrays).
+the resumable iterator), `text` (byte-level corpora), `arrays` (``.npz`` and in-memory arrays),
+`images` (the embedded digits, an ``.npz`` of images, fake images; rows are flattened images).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from meshtrain.data.arrays import arrays_dataset, make_arrays_dataset, read_npz
 from meshtrain.data.batches import BatchIterator, Dataset
 from meshtrain.data.config import SOURCES, DataConfig
+from meshtrain.data.images import digits, image_source
 from meshtrain.data.text import SYNTHETIC_BYTES, lm_dataset, stdlib_corpus, synthetic_corpus
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "BatchIterator",
     "DataConfig",
     "Dataset",
+    "digits",
     "make_arrays_dataset",
     "make_dataset",
     "stdlib_corpus",
@@ -46,10 +49,14 @@ def make_dataset(config: DataConfig) -> Dataset:
         return lm_dataset(stdlib_corpus(config.max_bytes), config)
     if config.source == "synthetic":
         return lm_dataset(synthetic_corpus(config.seed), config)
+    if config.source in ("digits", "fake_images"):
+        return image_source(config)
     if not os.path.isfile(config.path):
         raise ValueError(f"data.path={config.path!r}: no such file; give an existing file")
     if config.source == "text":
         with open(config.path, "rb") as f:
             return lm_dataset(f.read(), config)
+    if config.source == "images":
+        return image_source(config)
     inputs, targets = read_npz(config.path)
     return arrays_dataset(inputs, targets, f"data.path={config.path!r}", **config._common())

@@ -88,6 +88,8 @@ class Dataset:
         seq_len: T for "lm", None for "classify".
         batch_size: the global batch size; local_batch_size: rows per batch on this process.
         num_train, num_val: training / held-out example counts.
+        image_shape: [H, W, C] when the rows are flattened images (`meshtrain.data.images`),
+            else None.
     """
 
     def __init__(self, kind: str, vocab_size: int, train, val, batch_size: int, seed: int):
@@ -97,6 +99,7 @@ class Dataset:
         width = train.take(np.zeros(1, dtype=int))["inputs"].shape[1]
         self.seq_len: int | None = width if kind == "lm" else None
         self.num_features: int | None = width if kind == "classify" else None
+        self.image_shape: tuple[int, int, int] | None = None
         lo, hi = self._bounds()
         self.local_batch_size = hi - lo
 

@@ -8,7 +8,8 @@ import math
 
 import numpy as np
 
-SOURCES: tuple[str, ...] = ("stdlib", "synthetic", "text", "arrays")
+SOURCES: tuple[str, ...] = ("stdlib", "synthetic", "text", "arrays", "digits", "images", "fake_images")
+FILE_SOURCES: tuple[str, ...] = ("text", "arrays", "images")  # the sources that read `path`
 
 
 def is_int(value) -> bool:
@@ -74,6 +75,7 @@ class DataConfig:
     seed: int = 0
     val_fraction: float = 0.05
     max_bytes: int = 4_000_000
+    image_shape: tuple[int, int, int] = (32, 32, 3)
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -82,10 +84,14 @@ class DataConfig:
             )
         if not isinstance(self.path, str):
             raise ValueError(f"data path={self.path!r}: must be a string")
-        if self.source in ("text", "arrays") and not self.path:
-            what = "a text file" if self.source == "text" else "an .npz with inputs and targets"
+        if self.source in FILE_SOURCES and not self.path:
+            what = {
+                "text": "a text file",
+                "arrays": "an .npz with inputs and targets",
+                "images": "an .npz of images and labels",
+            }[self.source]
             raise ValueError(f"data source={self.source!r} needs path=...: give {what}")
-        if self.path and self.source not in ("text", "arrays"):
+        if self.path and self.source not in FILE_SOURCES:
             reader = "arrays" if self.path.endswith(".npz") else "text"
             raise ValueError(
                 f"data.path={self.path!r} is given but source={self.source!r} reads no file; "
@@ -94,6 +100,12 @@ class DataConfig:
         check_common(**self._common())
         positive("seq_len", self.seq_len)
         positive("max_bytes", self.max_bytes)
+        shape = tuple(self.image_shape)
+        if len(shape) != 3 or not all(is_int(d) and d > 0 for d in shape):
+            raise ValueError(
+                f"data image_shape={self.image_shape!r}: must be three positive integers "
+                "H W C, e.g. --data.image-shape 32 32 3"
+            )
 
     def _common(self) -> dict:
         """The fields `make_arrays_dataset` shares."""

@@ -2,12 +2,15 @@
 
 - `base`: the interface (`ModelConfig`, `PipelineParts`, `DataSpec`);
 - `registry`: the families by name (`register`, `families`, `build_model`);
-- `gpt` (GPT-2 / Llama-style decoder) and `mlp` (residual MLP classifier): the families.
+- `gpt` (GPT-2 / Llama-style decoder), `mlp` (residual MLP classifier) and `cnn`
+  (LeNet/VGG- and ResNet-style convolutional classifiers on images): the families.
 """
 
 from __future__ import annotations
 
 from meshtrain.models.base import DTYPES, DataSpec, ModelConfig, PipelineParts, pipeline_parts
+from meshtrain.models.cnn import CNN
+from meshtrain.models.cnn_config import CNNConfig
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.mlp import MLPClassifier, MLPConfig
 from meshtrain.models.registry import Family, build_model, families, family_of, register
@@ -22,8 +25,11 @@ register(
     hf="meshtrain.hf",
 )
 register("mlp", MLPConfig, summary="residual MLP classifier on feature vectors")
+register("cnn", CNNConfig, summary="convolutional image classifier, LeNet/VGG or ResNet style")
 
 __all__ = [
+    "CNN",
+    "CNNConfig",
     "DTYPES",
     "GPT",
     "DataSpec",

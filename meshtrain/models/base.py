@@ -31,6 +31,7 @@ class DataSpec(NamedTuple):
         seq_len: T for ``lm``, else None.
         vocab_size: token or class count.
         num_features: F for ``classify``, else None.
+        image_shape: [H, W, C] when the ``classify`` features are flattened images, else None.
     """
 
     kind: str
@@ -38,6 +39,7 @@ class DataSpec(NamedTuple):
     seq_len: int | None
     vocab_size: int
     num_features: int | None = None
+    image_shape: tuple[int, int, int] | None = None
 
 
 @runtime_checkable

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.train.loss import LOSS_IMPLS
+from meshtrain.train.loss import LOSS_IMPLS, LOSSES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +25,9 @@ class TrainConfig:
         max_bad_steps: stop after this many consecutive steps whose update was skipped for a
             non-finite loss or gradient.
         loss_impl: the cross-entropy kernel: xla (optax), pallas or auto (Pallas on a GPU);
-            see kernels/README.md.
+            see kernels/README.md. With ``loss=mse``: the MSE kernels' switch.
+        loss: ``cross_entropy`` or ``mse`` (squared error to the one-hot targets, for
+            classifiers; the surveys' proof of concept).
     """
 
     steps: int = 300
@@ -39,6 +41,7 @@ class TrainConfig:
     progress: bool = True
     max_bad_steps: int = 5
     loss_impl: str = "xla"
+    loss: str = "cross_entropy"
 
     def __post_init__(self):
         if not isinstance(self.steps, int) or self.steps < 1:
@@ -53,3 +56,5 @@ class TrainConfig:
                 f"loss_impl={self.loss_impl!r}: choose from {', '.join(LOSS_IMPLS)} "
                 "(e.g. --loss-impl pallas)"
             )
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss={self.loss!r}: choose from {', '.join(LOSSES)} (e.g. --loss mse)")

@@ -10,6 +10,7 @@ import optax
 
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 LOSS_IMPLS = ("xla", "pallas", "auto")
+LOSSES = ("cross_entropy", "mse")
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, *, impl: str = "xla") -> jax.Array:
@@ -41,3 +42,31 @@ def cross_entropy_with(impl: str) -> LossFn:
     if impl not in LOSS_IMPLS:
         raise ValueError(f"loss_impl={impl!r}: choose from {', '.join(LOSS_IMPLS)}")
     return lambda logits, targets: cross_entropy(logits, targets, impl=impl)
+
+
+def mse(logits: jax.Array, targets: jax.Array, *, impl: str = "xla") -> jax.Array:
+    """Mean squared error between the logits and the one-hot targets (the surveys' proof of
+    concept trains with it), averaged over every element.
+
+    Args:
+        logits: [..., C] float.
+        targets: [...] integer class ids.
+        impl: ``"xla"`` (jnp), or ``"pallas"`` / ``"auto"`` for the hand-written kernels
+            `meshtrain.kernels.mean_squared_error`.
+
+    Returns:
+        A float32 scalar.
+    """
+    from meshtrain import kernels
+
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    return kernels.mean_squared_error(logits, onehot, impl=impl).mean()
+
+
+def loss_with(name: str, impl: str) -> LossFn:
+    """The `Trainer`'s loss for ``TrainConfig.loss`` (`LOSSES`) and ``loss_impl``."""
+    if name not in LOSSES:
+        raise ValueError(f"loss={name!r}: choose from {', '.join(LOSSES)}")
+    if name == "mse":
+        return lambda logits, targets: mse(logits, targets, impl=impl)
+    return cross_entropy_with(impl)

@@ -25,7 +25,7 @@ from meshtrain.problem import Problem, raise_if
 from meshtrain.state import abstract_model, abstract_target, init_train_state
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
-from meshtrain.train.loss import LossFn, cross_entropy_with
+from meshtrain.train.loss import LossFn, loss_with
 from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
 from meshtrain.train.step import jit_eval_step, jit_train_step
 
@@ -150,7 +150,7 @@ class Trainer:
             abstract=abstract_model(ctor),
         )
         raise_if(problems)
-        self.loss_fn = loss_fn or cross_entropy_with(self.config.loss_impl)
+        self.loss_fn = loss_fn or loss_with(self.config.loss, self.config.loss_impl)
         self.checkpoints = ckpt.open_for_run(checkpoint, self.config.run_dir)
         self.stop_reason: str | None = None
         self.skipped_steps = 0

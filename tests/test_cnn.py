@@ -1,0 +1,203 @@
+"""The CNN family: every data strategy (and channel-wise tensor parallelism) equal to one
+device, synchronised batch-norm statistics, the Pallas ReLU/MSE path equal to XLA's, the
+accuracy on the embedded digits, the image data and its errors before anything compiles."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshtrain as mt
+from meshtrain.data import DataConfig, make_dataset
+from meshtrain.models import CNNConfig
+from meshtrain.models.cnn import batch_statistics
+
+STEPS = 3
+LENET = CNNConfig(widths=(8, 16), hidden=16)
+RESNET = CNNConfig(preset="resnet18", widths=(8, 16), depth=1)
+
+
+def _digits(batch_size=16, val_fraction=0.1):
+    return make_dataset(
+        DataConfig(source="digits", batch_size=batch_size, val_fraction=val_fraction)
+    )
+
+
+def _train(cfg, mesh, strategy, *, loss="cross_entropy", loss_impl="xla", steps=STEPS, lr=1e-2):
+    trainer = mt.Trainer(
+        cfg,
+        _digits(),
+        mesh=mesh,
+        rules=mt.rules_for(strategy, mesh),
+        optim=mt.OptimConfig(lr=lr, warmup_steps=0),
+        config=mt.TrainConfig(
+            steps=steps,
+            run_dir="",
+            progress=False,
+            eval_every=0,
+            log_every=1,
+            loss=loss,
+            loss_impl=loss_impl,
+        ),
+    )
+    losses = [e["loss"] for e in trainer.fit()]
+    return losses, jax.tree.map(np.asarray, jax.device_get(trainer.state.params)), trainer
+
+
+def _one_device():
+    return mt.make_mesh("data=1", devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def lenet_single():
+    return _train(LENET, _one_device(), "dp")[:2]
+
+
+@pytest.fixture(scope="module")
+def resnet_single():
+    return _train(RESNET, _one_device(), "dp")[:2]
+
+
+def _assert_same(run, reference, tol=2e-5):
+    losses, params = run[:2]
+    ref_losses, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=tol)
+    assert losses[-1] < losses[0]
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(got, want, atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mesh", "strategy"),
+    [("data=8", "dp"), ("data=2,fsdp=4", "hsdp"), ("data=8", "zero1")],
+)
+def test_lenet_under_a_strategy_equals_one_device(mesh, strategy, lenet_single):
+    _assert_same(_train(LENET, mt.make_mesh(mesh), strategy), lenet_single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mesh", "strategy"), [("fsdp=8", "fsdp"), ("data=2,fsdp=2,tensor=2", "fsdp+tp")]
+)
+def test_resnet_under_a_strategy_equals_one_device(mesh, strategy, resnet_single):
+    """FSDP shards the convolution kernels' channels over 8 devices; +tp splits the residual
+    blocks' inner channels over tensor (channel-parallel pairs)."""
+    _assert_same(_train(RESNET, mt.make_mesh(mesh), strategy), resnet_single)
+
+
+def test_channel_names_split_the_kernels_over_tensor():
+    """A residual block's first kernel [3, 3, in, out]: its input (the stream) split over
+    fsdp, its output channels over tensor; the second kernel the other way round."""
+    from flax import nnx
+
+    from meshtrain.layout.resolve import state_specs
+
+    mesh = mt.make_mesh("fsdp=4,tensor=2")
+    rules = mt.rules_for("hsdp+tp", mesh)
+    _, state = mt.lower.abstract_model(lambda: RESNET.build(rngs=nnx.Rngs(params=0)))
+    specs = state_specs(state, rules.params, mesh)
+    block = specs["blocks"][0]
+    assert block["first"]["conv"]["kernel"] == P(None, None, "fsdp", "tensor")
+    assert block["second"]["conv"]["kernel"] == P(None, None, "tensor", "fsdp")
+
+
+def test_synchronised_batch_norm_uses_the_whole_batch():
+    """With the batch split over 8 devices, the statistics are the whole batch's (XLA
+    all-reduces them), not one device's slice."""
+    x = np.random.default_rng().normal(size=(16, 5, 5, 12)).astype(np.float32) * 3 + 1
+    mesh = mt.make_mesh("data=8")
+    sharded = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"))))
+    fn = jax.jit(batch_statistics)
+    mean, var = fn(sharded)
+    np.testing.assert_allclose(mean, x.mean(axis=(0, 1, 2)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(var, x.var(axis=(0, 1, 2)), rtol=1e-5)
+    local = x[:2].mean(axis=(0, 1, 2))  # what an unsynchronised device would see
+    assert np.abs(local - mean).max() > 1e-3
+    assert "all-reduce" in fn.lower(sharded).compile().as_text()
+
+
+@pytest.mark.slow
+def test_pallas_relu_and_mse_train_like_xla():
+    """The hand-written ReLU and MSE kernels (interpreted on CPU) train the CNN as XLA does."""
+    mesh = mt.make_mesh("data=4,tensor=2")
+    pallas = CNNConfig(widths=(8, 16), hidden=16, act_impl="pallas")
+    ref = _train(LENET, mesh, "dp+tp", loss="mse")
+    got = _train(pallas, mesh, "dp+tp", loss="mse", loss_impl="pallas")
+    _assert_same(got, ref[:2], tol=1e-5)
+
+
+@pytest.mark.slow
+def test_cnn_reaches_90_percent_on_the_embedded_digits():
+    """The LeNet-style net on the held-out 10% of the digits (180 images), 8 devices."""
+    start = time.perf_counter()
+    mesh = mt.make_mesh("data=8")
+    cfg = CNNConfig(widths=(16, 32), hidden=64)
+    data = _digits(batch_size=64)
+    trainer = mt.Trainer(
+        cfg,
+        data,
+        mesh=mesh,
+        rules=mt.rules_for("dp", mesh),
+        optim=mt.OptimConfig(lr=3e-3, warmup_steps=10),
+        config=mt.TrainConfig(steps=150, run_dir="", progress=False, eval_every=0, log_every=50),
+    )
+    trainer.fit()
+    model = trainer.model
+    model.eval()  # batch norm from its running averages
+    held_out = data.eval_batches(3)  # 192 rows in order, wrapping after the 180 held out
+    inputs = np.concatenate([b["inputs"] for b in held_out])[: data.num_val]
+    targets = np.concatenate([b["targets"] for b in held_out])[: data.num_val]
+    predicted = np.asarray(jax.jit(lambda x: model(x).argmax(-1))(jnp.asarray(inputs)))
+    accuracy = float((predicted == targets).mean())
+    took = time.perf_counter() - start
+    print(f"digits test accuracy {accuracy:.3f} on {len(targets)} images in {took:.0f} s")
+    assert accuracy >= 0.9
+
+
+def test_images_are_sharded_deterministic_and_resumable(tmp_path):
+    """An .npz of uint8 images [N, H, W] (MNIST style) becomes rows scaled to [0, 1]; a saved
+    position resumes with the same next batch; two processes' rows make up the batch."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (40, 6, 6), dtype=np.uint8)
+    labels = rng.integers(0, 3, 40)
+    path = tmp_path / "mnist.npz"
+    np.savez(path, x_train=images[:30], y_train=labels[:30], x_test=images[30:], y_test=labels[30:])
+    data = make_dataset(
+        DataConfig(source="images", path=str(path), batch_size=4, val_fraction=0.25)
+    )
+    assert data.image_shape == (6, 6, 1) and data.num_val == 10
+    np.testing.assert_allclose(data.eval_batches(1)[0]["inputs"][0], images[30].ravel() / 255)
+    it = data.train_iter()
+    next(it)
+    state = it.get_state()
+    want = next(it)
+    again = data.train_iter()
+    again.set_state(state)
+    np.testing.assert_array_equal(next(again)["inputs"], want["inputs"])
+    halves = [next(data.train_iter(rows=r))["inputs"] for r in ((0, 2), (2, 4))]
+    np.testing.assert_array_equal(np.concatenate(halves), next(data.train_iter())["inputs"])
+
+
+def _problems(cfg, data_cfg, mesh="data=8", strategy="dp"):
+    mesh = mt.make_mesh(mesh)
+    data = make_dataset(data_cfg)
+    return mt.lower.check_run(model=cfg, data=data, mesh=mesh, rules=mt.rules_for(strategy, mesh))
+
+
+def test_bad_input_is_named_before_compiling(tmp_path):
+    digits = DataConfig(source="digits", batch_size=16)
+    (wrong,) = _problems(CNNConfig(image_size=28), digits)
+    assert wrong.field == "cnn.image_size" and "--cnn.image-size 8" in wrong.message
+    (split,) = _problems(CNNConfig(widths=(6, 16)), digits, "data=2,tensor=4", "dp+tp")
+    assert split.field == "cnn.widths" and "divisible" in split.message
+    with pytest.raises(ValueError, match="halves the image 3 times and needs at least 8×8"):
+        CNNConfig(preset="vgg", image_size=4)
+    with pytest.raises(ValueError, match="no such file"):
+        make_dataset(DataConfig(source="images", path=str(tmp_path / "missing.npz")))
+    (text,) = _problems(CNNConfig(), DataConfig(source="synthetic", seq_len=16, batch_size=16))
+    assert "--data.source digits" in text.message

@@ -21,7 +21,7 @@ from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_datase
 from meshtrain.distributed import DistributedConfig
 from meshtrain.layout import LOGICAL_AXES, STRATEGIES, Rules, constrain, rules_for
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
-from meshtrain.models import GPT, GPTConfig, MLPClassifier, MLPConfig, families
+from meshtrain.models import CNN, GPT, CNNConfig, GPTConfig, MLPClassifier, MLPConfig, families
 from meshtrain.models.layers import Embed
 from meshtrain.pipeline import PipelineConfig, schedule_table
 from meshtrain.problem import RunCheckError
@@ -31,6 +31,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AXES",
+    "CNN",
+    "CNNConfig",
     "CheckpointConfig",
     "DataConfig",
     "Dataset",

@@ -61,6 +61,18 @@ CASES = {
         (_spec(512, 768), _spec(768, 1024), _spec(1024, dtype=jnp.float32)),
         3,  # the recomputed pre-activation, dx, dw (the forward's own output is unused: DCE)
     ),
+    "relu_fwd_bwd": (
+        _grad_of(lambda x: kernels.relu(x, impl="pallas"), 1),
+        (_spec(64, 16, 16, 96),),
+        2,
+    ),
+    "mse_fwd_grad": (
+        lambda p, t: jax.value_and_grad(
+            lambda p: kernels.mean_squared_error(p, t, impl="pallas").mean()
+        )(p),
+        (_spec(1000, 10), _spec(1000, 10)),
+        2,  # the loss (kept: its value is returned) and the gradient
+    ),
 }
 
 

@@ -8,7 +8,15 @@ import math
 
 import numpy as np
 
-SOURCES: tuple[str, ...] = ("stdlib", "synthetic", "text", "arrays", "digits", "images", "fake_images")
+SOURCES: tuple[str, ...] = (
+    "stdlib",
+    "synthetic",
+    "text",
+    "arrays",
+    "digits",
+    "images",
+    "fake_images",
+)
 FILE_SOURCES: tuple[str, ...] = ("text", "arrays", "images")  # the sources that read `path`
 
 

@@ -120,7 +120,9 @@ class ResidualBlock(nnx.Module):
         self.second = ConvNorm(cfg, c_out, c_out, ("mlp", "embed"), rngs=rngs)
         project = stride != 1 or c_in != c_out
         names = ("features", "embed")
-        self.skip = ConvNorm(cfg, c_in, c_out, names, k=1, stride=stride, rngs=rngs) if project else None
+        self.skip = (
+            ConvNorm(cfg, c_in, c_out, names, k=1, stride=stride, rngs=rngs) if project else None
+        )
 
     def __call__(self, x_BHWC: jax.Array) -> jax.Array:
         act = self.cfg.act_impl

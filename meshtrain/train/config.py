@@ -57,4 +57,6 @@ class TrainConfig:
                 "(e.g. --loss-impl pallas)"
             )
         if self.loss not in LOSSES:
-            raise ValueError(f"loss={self.loss!r}: choose from {', '.join(LOSSES)} (e.g. --loss mse)")
+            raise ValueError(
+                f"loss={self.loss!r}: choose from {', '.join(LOSSES)} (e.g. --loss mse)"
+            )

@@ -12,7 +12,7 @@ from meshtrain.problem import Problem
 
 
 def test_every_family_implements_the_model_interface():
-    assert list(families()) == ["gpt", "mlp"]
+    assert list(families()) == ["gpt", "mlp", "cnn"]
     for name, family in families().items():
         config = family.default
         assert isinstance(config, ModelConfig), name
@@ -47,6 +47,9 @@ def test_the_cli_offers_every_family_and_its_flags():
         ("gpt", DataSpec("lm", 16, 4096, 256), "data.seq_len"),
         ("mlp", DataSpec("lm", 16, 32, 256), "model"),
         ("mlp", DataSpec("classify", 16, None, 50, 7), "mlp.num_features"),
+        ("cnn", DataSpec("lm", 16, 32, 256), "model"),
+        ("cnn", DataSpec("classify", 16, None, 10, 784, (28, 28, 1)), "cnn.image_size"),
+        ("cnn", DataSpec("classify", 16, None, 10, 50), "cnn.image_size"),
     ],
 )
 def test_each_family_says_what_data_it_cannot_train_on(family, data, field):

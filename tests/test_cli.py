@@ -134,6 +134,19 @@ OVERRIDES = {
     "--dist.init-timeout-s": (["30"], 30),
     "--dist.shutdown-timeout-s": (["20"], 20),
     "--mlp.dtype": (["bfloat16"], "bfloat16"),
+    "--loss": (["mse"], "mse"),
+    "--data.image-shape": (["16", "16", "1"], (16, 16, 1)),
+    "--cnn.preset": (["vgg"], "vgg"),
+    "--cnn.widths": (["8", "16"], (8, 16)),
+    "--cnn.depth": (["2"], 2),
+    "--cnn.image-size": (["16"], 16),
+    "--cnn.in-channels": (["3"], 3),
+    "--cnn.num-classes": (["5"], 5),
+    "--cnn.hidden": (["32"], 32),
+    "--cnn.norm": (["group"], "group"),
+    "--cnn.groups": (["2"], 2),
+    "--cnn.act-impl": (["pallas"], "pallas"),
+    "--cnn.dtype": (["bfloat16"], "bfloat16"),
 }
 # Fields only style llama takes (OVERRIDES makes the GPT a gpt2): checked in a second job.
 LLAMA_OVERRIDES = {
@@ -207,6 +220,9 @@ def test_every_config_field_can_be_overridden(overrides):
         (["--resume", "--no-save"], "resume=True: needs checkpoints"),
         (["--data.path", "notes.txt"], "add --data.source text"),
         (["--data.source", "arrays", "--data.path", "notes.txt"], "is not an .npz archive"),
+        (["--model", "cnn"], "the CNN needs image classification data"),
+        (["--model", "cnn", "--data.source", "images", "--data.path", "x.npz"], "no such file"),
+        (["--model", "cnn", "--data.source", "digits", "--cnn.image-size", "28"], "8×8×1"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, message):

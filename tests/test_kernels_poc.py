@@ -1,17 +1,15 @@
 """The proof-of-concept kernels (ReLU forward/backward, MSE forward/gradient; Pallas,
-interpreted on CPU) against their jnp references, on fresh random inputs and odd shapes."""
+interpreted on CPU) against their jnp references, on fresh random inputs and odd shapes.
+Their per-shard runs (channels split over tensor) are checked by training the CNN with them
+under dp+tp (tests/test_cnn.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _kernel_helpers import TOL, assert_close, fresh_key
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from meshtrain.kernels import mean_squared_error, poison_outputs, reference, relu
-from meshtrain.layout import activation_rules, rules_for
-from meshtrain.mesh import make_mesh
 
 # Rows not a multiple of the block, widths not a power of two (padded); a block_rows of 8
 # makes several grid cells.
@@ -65,28 +63,6 @@ def test_mse_matches_reference(shape, dtype):
     for got, want, what in zip(grads, grads_ref, ("pred", "target"), strict=True):
         assert got.dtype == dtype
         assert_close(got, want, grad_tol, f"mse gradient wrt {what}", seed)
-
-
-def test_kernels_run_per_shard_under_a_layout():
-    """Under data × tensor, each shard runs its own block: batch rows and channel columns split
-    as the CNN's activations are, with the same values as one device."""
-    key, seed = fresh_key()
-    x = jax.random.normal(key, (8, 3, 3, 6))
-    mesh = make_mesh("data=4,tensor=2")
-    rules = rules_for("dp+tp", mesh)
-    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None, "tensor")))
-
-    @jax.jit
-    def run(x):
-        with activation_rules(mesh, rules):
-            y = relu(x, impl="pallas", names=("batch", None, None, "mlp"))
-            return y, mean_squared_error(y.reshape(8, -1), jnp.ones((8, 54)), impl="pallas")
-
-    y, loss = run(xs)
-    assert_close(y, jax.nn.relu(x), 1e-6, "relu under a layout", seed)
-    want = reference.mean_squared_error(jax.nn.relu(x).reshape(8, -1), jnp.ones((8, 54)))
-    assert_close(loss, want, 1e-6, "mse under a layout", seed)
-    assert y.sharding.spec == P("data", None, None, "tensor")
 
 
 def test_bad_kernel_input_is_a_clear_error():

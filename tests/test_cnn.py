@@ -19,7 +19,7 @@ from meshtrain.models.cnn import batch_statistics
 
 STEPS = 3
 LENET = CNNConfig(widths=(8, 16), hidden=16)
-RESNET = CNNConfig(preset="resnet18", widths=(8, 16), depth=1)
+RESNET = CNNConfig(preset="resnet18", widths=(8,), depth=1)  # stem + one residual block
 
 
 def _digits(batch_size=16, val_fraction=0.0):
@@ -252,3 +252,36 @@ def test_launch_two_processes_matches_one_process(tmp_path):
     np.testing.assert_allclose(
         [x[2] for x in losses["multi"]], [x[2] for x in losses["single"]], rtol=1e-5
     )
+
+
+def test_group_norm_normalises_each_group_of_channels():
+    """norm='group': right after the first convolution every group of channels of every image
+    has mean 0 and variance 1 (scale 1, bias 0 at initialisation), whatever the batch."""
+    from flax import nnx
+
+    from meshtrain.models.cnn import ConvNorm
+
+    cfg = CNNConfig(widths=(8, 16), hidden=16, norm="group", groups=4)
+    first = ConvNorm(cfg, 1, 8, ("features", "mlp"), rngs=nnx.Rngs(params=0))  # the first layer
+    x = np.random.default_rng().normal(size=(3, 8, 8, 1)).astype(np.float32) * 5 + 2
+    y = np.asarray(jax.jit(lambda x: first(x))(jnp.asarray(x)))  # [3, 8, 8, 8]
+    groups = y.reshape(3, 8, 8, 4, 2)
+    np.testing.assert_allclose(groups.mean(axis=(1, 2, 4)), 0, atol=1e-5)
+    np.testing.assert_allclose(groups.var(axis=(1, 2, 4)), 1, rtol=1e-3)
+
+
+def test_a_strided_residual_block_halves_the_image_through_its_projection():
+    """The first block of a later ResNet stage: stride 2 in its first convolution and in the
+    1×1 projection of its input, so the two paths meet at [B, H/2, W/2, out]."""
+    from flax import nnx
+
+    from meshtrain.models.cnn import ResidualBlock
+
+    def run(x):
+        block = ResidualBlock(RESNET, 8, 16, 2, rngs=nnx.Rngs(params=0))
+        assert block.skip is not None
+        return block(x)
+
+    y = nnx.eval_shape(run, jax.ShapeDtypeStruct((3, 7, 7, 8), jnp.float32))  # nothing compiles
+    assert y.shape == (3, 4, 4, 16)
+    assert RESNET.convs() == [(3, 1, 8, 8), (3, 8, 8, 8), (3, 8, 8, 8)]

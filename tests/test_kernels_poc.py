@@ -25,9 +25,14 @@ def test_relu_matches_reference(shape, dtype):
     x = jax.random.normal(kx, shape).astype(dtype)
     x = x.at[(0,) * len(shape)].set(0)  # the subgradient at 0
     dy = jax.random.normal(kd, shape).astype(dtype)
-    with poison_outputs():  # an element the kernels never write stays NaN
+
+    @jax.jit  # forward and backward in one compile
+    def pallas(x, dy):
         y, vjp = jax.vjp(lambda x: relu(x, impl="pallas", block_rows=BLOCK), x)
-        (dx,) = vjp(dy)
+        return y, vjp(dy)[0]
+
+    with poison_outputs():  # traced here: an element the kernels never write stays NaN
+        y, dx = pallas(x, dy)
     y_ref, vjp_ref = jax.vjp(reference.relu, x)
     (dx_ref,) = vjp_ref(dy)
     assert y.dtype == dtype and dx.dtype == dtype
@@ -47,11 +52,15 @@ def test_mse_matches_reference(shape, dtype):
     def loss(fn):
         return lambda p, t: jnp.sum(fn(p, t) * g)
 
+    @jax.jit  # the loss and both gradients in one compile
+    def pallas(p, t):
+        out, vjp = jax.vjp(
+            lambda p, t: mean_squared_error(p, t, impl="pallas", block_rows=BLOCK), p, t
+        )
+        return out, vjp(g)
+
     with poison_outputs():
-        out = mean_squared_error(pred, target, impl="pallas", block_rows=BLOCK)
-        grads = jax.grad(
-            loss(lambda p, t: mean_squared_error(p, t, impl="pallas", block_rows=BLOCK)), (0, 1)
-        )(pred, target)
+        out, grads = pallas(pred, target)
     f32 = jnp.float32
     ref = reference.mean_squared_error(pred.astype(f32), target.astype(f32))
     grads_ref = jax.grad(loss(reference.mean_squared_error), (0, 1))(

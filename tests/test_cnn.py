@@ -204,6 +204,16 @@ def test_bad_input_is_named_before_compiling(tmp_path):
         make_dataset(DataConfig(source="images", path=str(tmp_path / "missing.npz")))
     (text,) = _problems(CNNConfig(), DataConfig(source="synthetic", seq_len=16, batch_size=16))
     assert "--data.source digits" in text.message
+    mesh = mt.make_mesh("data=8")
+    with pytest.raises(mt.RunCheckError, match="train.loss='mse': a custom loss_fn was given"):
+        mt.Trainer(
+            LENET,
+            make_dataset(digits),
+            mesh=mesh,
+            rules=mt.rules_for("dp", mesh),
+            config=mt.TrainConfig(loss="mse", run_dir="", progress=False),
+            loss_fn=lambda logits, targets: logits.mean(),
+        )
 
 
 @pytest.mark.slow

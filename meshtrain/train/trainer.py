@@ -135,7 +135,15 @@ class Trainer:
                     "train.loss_impl",
                     self.config.loss_impl,
                     "a custom loss_fn was given too; pick one (the kernel applies only to "
-                    "the built-in cross-entropy)",
+                    "the built-in losses)",
+                )
+            )
+        if loss_fn is not None and self.config.loss != "cross_entropy":
+            problems.append(
+                Problem(
+                    "train.loss",
+                    self.config.loss,
+                    "a custom loss_fn was given too; pick one (train.loss picks a built-in loss)",
                 )
             )
         problems += check_run(

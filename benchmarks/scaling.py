@@ -3,7 +3,8 @@
 Measured: ``meshtrain train --model cnn --data.source fake_images`` as 1 process with 1 to 8
 simulated devices and through ``meshtrain launch`` as 2 and 4 processes, with the same batch
 per device (weak scaling), strategy ``dp``. Each configuration prints one JSON line with the
-images/s (the median of the logged steps after the first two) and the per-device throughput
+images/s (the median over steps 4 to the last: the rate is logged from step 2, and two more are
+skipped) and the per-device throughput
 relative to one device. On CPU every simulated device and process shares the same cores, so
 these figures show what the collectives and the processes cost, not a speed-up.
 

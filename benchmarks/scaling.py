@@ -4,9 +4,9 @@ Measured: ``meshtrain train --model cnn --data.source fake_images`` as 1 process
 simulated devices and through ``meshtrain launch`` as 2 and 4 processes, with the same batch
 per device (weak scaling), strategy ``dp``. Each configuration prints one JSON line with the
 images/s (the median over steps 4 to the last: the rate is logged from step 2, and two more are
-skipped) and the per-device throughput
-relative to one device. On CPU every simulated device and process shares the same cores, so
-these figures show what the collectives and the processes cost, not a speed-up.
+skipped) and the per-device throughput relative to one device. On CPU every simulated device
+and process shares the same cores, so these figures show what the collectives and the
+processes cost, not a speed-up.
 
 Projected: the α-β ring all-reduce estimate of `alpha_beta.py` (H100 NVLink / InfiniBand
 figures, labelled there) of the efficiency of data parallelism for the full ResNet-18 preset

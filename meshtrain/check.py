@@ -89,11 +89,14 @@ def check_run(
                 f"use a multiple of {ways * k}",
             )
         )
+    layout_problems = []
     if model is not None:
         problems += model.check(spec)
         if callable(getattr(model, "check_layout", None)):  # optional (see ModelConfig)
-            problems += model.check_layout(sizes, rules)
-    problems += _model_layout_problems(abstract, rules, sizes)
+            layout_problems = model.check_layout(sizes, rules)
+    # The model's own layout line names the config field to change; the per-parameter lines
+    # would only repeat it, one per tensor.
+    problems += layout_problems or _model_layout_problems(abstract, rules, sizes)
     if sizes.get("pipe", 1) > 1:
         axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
         problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)

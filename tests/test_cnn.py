@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -186,17 +187,21 @@ def test_images_are_sharded_deterministic_and_resumable(tmp_path):
     np.testing.assert_array_equal(np.concatenate(halves), next(data.train_iter())["inputs"])
 
 
-def _problems(cfg, data_cfg, mesh="data=8", strategy="dp"):
+def _problems(cfg, data_cfg, mesh="data=8", strategy="dp", abstract=None):
     mesh = mt.make_mesh(mesh)
     data = make_dataset(data_cfg)
-    return mt.lower.check_run(model=cfg, data=data, mesh=mesh, rules=mt.rules_for(strategy, mesh))
+    rules = mt.rules_for(strategy, mesh)
+    return mt.lower.check_run(model=cfg, data=data, mesh=mesh, rules=rules, abstract=abstract)
 
 
 def test_bad_input_is_named_before_compiling(tmp_path):
     digits = DataConfig(source="digits", batch_size=16)
     (wrong,) = _problems(CNNConfig(image_size=28), digits)
     assert wrong.field == "cnn.image_size" and "--cnn.image-size 8" in wrong.message
-    (split,) = _problems(CNNConfig(widths=(6, 16)), digits, "data=2,tensor=4", "dp+tp")
+    narrow = CNNConfig(widths=(6, 16))
+    abstract = mt.lower.abstract_model(lambda: narrow.build(rngs=nnx.Rngs(0)))
+    # One line naming the field, not one more per parameter the width reaches.
+    (split,) = _problems(narrow, digits, "data=2,tensor=4", "dp+tp", abstract=abstract)
     assert split.field == "cnn.widths" and "divisible" in split.message
     with pytest.raises(ValueError, match="halves the image 3 times and needs at least 8×8"):
         CNNConfig(preset="vgg", image_size=4)

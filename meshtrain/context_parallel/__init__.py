@@ -1,0 +1,33 @@
+"""Context parallelism: attention over a sequence split over the ``seq`` mesh axis.
+
+- `blocks`: one block's attention at global positions, with its log-sum-exp, and the merge;
+- `ring`: ring attention (``ppermute`` of keys/values) with a custom VJP;
+- `gather`: all-gather of keys/values, and Ulysses (all-to-all to a head split);
+- `zigzag`: head-tail load balancing of causal work;
+- `attention`: `context_attention` on global arrays, and the active context of a step.
+"""
+
+from meshtrain.context_parallel.attention import (
+    DEFAULT,
+    STRATEGIES,
+    Context,
+    active_context,
+    balanced_order,
+    context_attention,
+    strategy_problem,
+)
+from meshtrain.context_parallel.zigzag import causal_chunk_pairs, inverse, naive_counts, order
+
+__all__ = [
+    "DEFAULT",
+    "STRATEGIES",
+    "Context",
+    "active_context",
+    "balanced_order",
+    "causal_chunk_pairs",
+    "context_attention",
+    "inverse",
+    "naive_counts",
+    "order",
+    "strategy_problem",
+]

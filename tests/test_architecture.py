@@ -15,6 +15,7 @@ LAYERS = [
     ["meshtrain._compat", "meshtrain._tree", "meshtrain.problem", "meshtrain.mesh"],
     ["meshtrain.layout"],
     ["meshtrain.kernels"],
+    ["meshtrain.context_parallel"],
     [
         "meshtrain.models",
         "meshtrain.state",

@@ -11,14 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import count_compiles
 from flax import nnx
 
+from meshtrain import cli
 from meshtrain import context_parallel as cp
+from meshtrain.check import check_run
 from meshtrain.kernels import reference
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
-from meshtrain.models import GPTConfig, build_model
+from meshtrain.models import DataSpec, GPTConfig, build_model
 from meshtrain.train import OptimConfig
 
 ATOL = 2e-5  # float32: measured ≤ 2e-6 on outputs and gradients of unit-scale inputs
@@ -175,3 +178,44 @@ def _assert_same(got, want):
 )
 def test_gpt_trained_under_context_parallelism_equals_one_device(cfg, mesh_str, strategy, context):
     _assert_same(_train(cfg, mesh_str, strategy, context), _reference(cfg))
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+LM = DataSpec(kind="lm", batch_size=8, seq_len=20, vocab_size=256)
+
+
+def _problems(sizes, context, cfg=dataclasses.replace(GPT, max_seq_len=32), data=LM):
+    full = {**dict(pipe=1, data=1, fsdp=1, expert=1, seq=1, tensor=1), **sizes}
+    rules = rules_for("dp", full, context_parallel=context)
+    return [str(p) for p in check_run(model=cfg, data=data, mesh=full, rules=rules)]
+
+
+def test_bad_context_settings_are_clear_errors_before_compiling():
+    cfg = dataclasses.replace(GPT, n_heads=6, n_kv_heads=3, d_model=48, max_seq_len=32)
+    with count_compiles() as compiles:
+        assert _problems(dict(seq=4, data=2), "ring") == [
+            "data.seq_len=20: not divisible by 2 × seq = 8: context parallelism cuts each "
+            "sequence into 2·seq chunks to balance causal work; use --data.seq-len 24 (a "
+            "multiple of 8) or a smaller seq"
+        ]
+        assert _problems(dict(seq=4, data=2), "ulysses", cfg, LM._replace(seq_len=32)) == [
+            "gpt.n_heads=6: context_parallel='ulysses' splits the heads over seq=4, which does "
+            "not divide 6; use a head count divisible by 4, or --context-parallel ring"
+        ]
+        assert _problems(dict(seq=2), "ulysses", cfg, LM._replace(seq_len=32)) == []
+        assert _problems(dict(seq=2, data=4), "spiral") == [
+            "context_parallel='spiral': unknown strategy; choose from ring, allgather, ulysses "
+            "(e.g. --context-parallel ring)"
+        ]
+        assert _problems(dict(seq=2, pipe=2, data=2), "ring")[0].startswith(
+            "mesh.seq=2: context parallelism does not compose with pipelines (pipe=2) yet"
+        )
+        assert _problems(dict(seq=1, data=8), "spiral") == []  # seq=1: nothing to check
+    assert compiles == []
+
+
+def test_cli_refuses_an_unknown_strategy_in_one_line(capsys):
+    assert cli.main(["train", "--context-parallel", "spiral"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "context_parallel='spiral': unknown strategy" in err[0], err

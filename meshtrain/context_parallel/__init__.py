@@ -4,7 +4,8 @@
 - `ring`: ring attention (``ppermute`` of keys/values) with a custom VJP;
 - `gather`: all-gather of keys/values, and Ulysses (all-to-all to a head split);
 - `zigzag`: head-tail load balancing of causal work;
-- `attention`: `context_attention` on global arrays, and the active context of a step.
+- `attention`: `context_attention` on global arrays, and the active context of a step;
+- `checks`: the run check's questions (sequence length, heads, pipelines).
 """
 
 from meshtrain.context_parallel.attention import (
@@ -16,6 +17,7 @@ from meshtrain.context_parallel.attention import (
     context_attention,
     strategy_problem,
 )
+from meshtrain.context_parallel.checks import context_problems, heads_problem
 from meshtrain.context_parallel.zigzag import causal_chunk_pairs, inverse, naive_counts, order
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "balanced_order",
     "causal_chunk_pairs",
     "context_attention",
+    "context_problems",
+    "heads_problem",
     "inverse",
     "naive_counts",
     "order",

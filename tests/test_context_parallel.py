@@ -23,8 +23,8 @@ from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import DataSpec, GPTConfig, build_model
-from meshtrain.train import OptimConfig
 from meshtrain.state import abstract_target
+from meshtrain.train import OptimConfig
 
 ATOL = 2e-5  # float32: measured ≤ 2e-6 on outputs and gradients of unit-scale inputs
 
@@ -65,7 +65,7 @@ def _strategy_vs_full(strategies, n, causal, H, G, T, window=None):
         with jax.set_mesh(mesh):
             (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
         diffs = [float(jnp.abs(o - o_want).max())]
-        diffs += [float(jnp.abs(a - b).max()) for a, b in zip(g, g_want)]
+        diffs += [float(jnp.abs(a - b).max()) for a, b in zip(g, g_want, strict=True)]
         out[strategy] = diffs
     return out
 
@@ -203,7 +203,10 @@ def test_gpt_on_seq2_tensor2_data2_with_ulysses_equals_one_device():
 LM = DataSpec(kind="lm", batch_size=8, seq_len=20, vocab_size=256)
 
 
-def _problems(sizes, context, cfg=dataclasses.replace(GPT, max_seq_len=32), data=LM):
+GPT32 = dataclasses.replace(GPT, max_seq_len=32)
+
+
+def _problems(sizes, context, cfg=GPT32, data=LM):
     full = {**dict(pipe=1, data=1, fsdp=1, expert=1, seq=1, tensor=1), **sizes}
     rules = rules_for("dp", full, context_parallel=context)
     return [str(p) for p in check_run(model=cfg, data=data, mesh=full, rules=rules)]
@@ -237,4 +240,3 @@ def test_cli_refuses_an_unknown_strategy_in_one_line(capsys):
     assert cli.main(["train", "--context-parallel", "spiral"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "context_parallel='spiral': unknown strategy" in err[0], err
-

@@ -64,9 +64,7 @@ def context_attention(
     n = mesh.shape[axis]
     T, H = q_BTHK.shape[1], q_BTHK.shape[2]
     if T % n:
-        raise ValueError(
-            f"context parallelism: sequence length {T} is not divisible by {axis}={n}"
-        )
+        raise ValueError(f"context parallelism: sequence length {T} is not divisible by {axis}={n}")
     if strategy == "ulysses" and H % n:
         raise ValueError(
             f"context_parallel='ulysses': {H} heads are not divisible by {axis}={n}; pick a "

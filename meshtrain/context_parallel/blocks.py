@@ -44,15 +44,15 @@ def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, *, causal=True, window=None
     s_BGRTS = scores(q_BTHK, k_BSGK, visible(q_pos_T, k_pos_S, causal=causal, window=window))
     lse_BGRT = jax.nn.logsumexp(s_BGRTS, axis=-1)
     p_BGRTS = jnp.exp(s_BGRTS - lse_BGRT[..., None])
-    o = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS.astype(v_BSGK.dtype), v_BSGK,
-                   preferred_element_type=_F32)
+    o = jnp.einsum(
+        "bgrts,bsgk->btgrk", p_BGRTS.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=_F32
+    )
     return o.reshape(B, T, H, K), lse_BGRT
 
 
 def merge(o_a, lse_a, o_b, lse_b):
     """Two partial softmax results over disjoint key sets → the result over their union."""
     lse = jnp.logaddexp(lse_a, lse_b)
-    B, T, H, K = o_a.shape
     w_a = _per_query(jnp.exp(lse_a - lse), o_a.shape)
     w_b = _per_query(jnp.exp(lse_b - lse), o_a.shape)
     return o_a * w_a + o_b * w_b, lse

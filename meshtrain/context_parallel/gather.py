@@ -8,7 +8,6 @@ Shape suffixes as in `blocks`.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -49,7 +49,12 @@ def causal_chunk_pairs(positions: np.ndarray, n: int, chunks: int) -> list[int]:
     counts = []
     for i in range(n):
         rows = slice(i * T // n, (i + 1) * T // n)
-        pairs = {(int(q), k) for q, row in zip(positions[rows] // c, seen[rows]) for k in np.flatnonzero(row)}
+        q_chunks, rows_seen = positions[rows] // c, seen[rows]
+        pairs = {
+            (int(q), int(k))
+            for q, row in zip(q_chunks, rows_seen, strict=True)
+            for k in np.flatnonzero(row)
+        }  # noqa: E501
         counts.append(len(pairs))
     return counts
 

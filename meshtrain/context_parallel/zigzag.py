@@ -54,7 +54,7 @@ def causal_chunk_pairs(positions: np.ndarray, n: int, chunks: int) -> list[int]:
             (int(q), int(k))
             for q, row in zip(q_chunks, rows_seen, strict=True)
             for k in np.flatnonzero(row)
-        }  # noqa: E501
+        }
         counts.append(len(pairs))
     return counts
 

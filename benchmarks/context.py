@@ -12,7 +12,7 @@ Nothing runs; every figure is read from a compiled program (8 simulated CPU devi
   all-gather and reduce-scatter result bytes per device, against the analytic count.
 - ``ring_backward``: the ring's custom VJP against autodiff of the same ring (temp bytes).
 
-    python benchmarks/context.py            # T up to 2048: about 8 minutes on a loaded 2-core machine
+    python benchmarks/context.py            # T up to 2048: minutes on a 2-core machine
     python benchmarks/context.py --quick    # tiny sizes (the smoke test)
     python benchmarks/context.py --plot docs/context_memory.png < results.jsonl  # the figure
 """

@@ -75,7 +75,7 @@ def _strategy_vs_full(strategies, n, causal, H, G, T, window=None):
 CASES = [
     (2, True, 4, 2, 4, None),
     (4, False, 4, 4, 16, None),
-    (8, True, 8, 2, 32, 5),
+    pytest.param(8, True, 8, 2, 32, 5, marks=pytest.mark.slow),
 ]
 
 

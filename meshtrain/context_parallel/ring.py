@@ -33,13 +33,19 @@ def _shift(x, axis: str, n: int):
 
 
 def _forward(q, k, v, q_pos, k_pos, axis, causal, window):
-    """(out float32, lse) of the ring; n − 1 hops of k, v and their positions."""
+    """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
+    positions, one step at a time (a scan, so one step's scores are live at once)."""
     n = lax.axis_size(axis)
     o, lse = blocks.attend(q, k, v, q_pos, k_pos, causal=causal, window=window)
-    for _ in range(n - 1):
+
+    def hop(carry, _):
+        k, v, k_pos, o, lse = carry
         k, v, k_pos = (_shift(x, axis, n) for x in (k, v, k_pos))
         o_s, lse_s = blocks.attend(q, k, v, q_pos, k_pos, causal=causal, window=window)
         o, lse = blocks.merge(o, lse, o_s, lse_s)
+        return (k, v, k_pos, o, lse), None
+
+    (_, _, _, o, lse), _ = lax.scan(hop, (k, v, k_pos, o, lse), length=n - 1)
     return o, lse
 
 
@@ -75,28 +81,37 @@ def _ring_bwd(axis, causal, window, res, do_BTHK):
     n = lax.axis_size(axis)
     B, T, H, K = q.shape
     G = k.shape[2]
-    R = H // G
-    do_BTGRK = do_BTHK.astype(_F32).reshape(B, T, G, R, K)
-    q_BTGRK = q.astype(_F32).reshape(B, T, G, R, K)
-    delta_BGRT = jnp.einsum("btgrk,btgrk->bgrt", do_BTGRK, o.astype(_F32).reshape(B, T, G, R, K))
+    do_BTGRK = do_BTHK.astype(_F32).reshape(B, T, G, H // G, K)
+    q_BTGRK = q.astype(_F32).reshape(B, T, G, H // G, K)
+    o_BTGRK = o.astype(_F32).reshape(B, T, G, H // G, K)
+    delta_BGRT = jnp.einsum("btgrk,btgrk->bgrt", do_BTGRK, o_BTGRK)
     scale = 1.0 / jnp.sqrt(jnp.asarray(K, _F32))
-    dq_BTGRK = jnp.zeros_like(q_BTGRK)
-    dk, dv = jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)
-    for step in range(n):
+
+    def grads(k, v, k_pos):
+        """This device's queries' contributions (dq, dk, dv) against one k/v block."""
         ok = blocks.visible(q_pos, k_pos, causal=causal, window=window)
-        s_BGRTS = blocks.scores(q, k, ok)
-        p_BGRTS = jnp.exp(s_BGRTS - lse_BGRT[..., None])
+        p_BGRTS = jnp.exp(blocks.scores(q, k, ok) - lse_BGRT[..., None])
         if ok is not None:
             p_BGRTS = jnp.where(ok, p_BGRTS, 0.0)
-        dv = dv + jnp.einsum("bgrts,btgrk->bsgk", p_BGRTS, do_BTGRK)
+        dv = jnp.einsum("bgrts,btgrk->bsgk", p_BGRTS, do_BTGRK)
         dp_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", do_BTGRK, v.astype(_F32))
         ds_BGRTS = p_BGRTS * (dp_BGRTS - delta_BGRT[..., None]) * scale
-        dq_BTGRK = dq_BTGRK + jnp.einsum("bgrts,bsgk->btgrk", ds_BGRTS, k.astype(_F32))
-        dk = dk + jnp.einsum("bgrts,btgrk->bsgk", ds_BGRTS, q_BTGRK)
-        if step < n - 1:
-            k, v, k_pos = (_shift(x, axis, n) for x in (k, v, k_pos))
-        dk, dv = _shift(dk, axis, n), _shift(dv, axis, n)  # n hops: back home at the end
-    dq = dq_BTGRK.reshape(B, T, H, K).astype(q.dtype)
+        dq = jnp.einsum("bgrts,bsgk->btgrk", ds_BGRTS, k.astype(_F32))
+        dk = jnp.einsum("bgrts,btgrk->bsgk", ds_BGRTS, q_BTGRK)
+        return dq, dk, dv
+
+    dq, dk, dv = grads(k, v, k_pos)
+
+    def hop(carry, _):
+        # The k/v block moves on with its gradient accumulators.
+        k, v, k_pos, dq, dk, dv = carry
+        k, v, k_pos, dk, dv = (_shift(x, axis, n) for x in (k, v, k_pos, dk, dv))
+        dq_s, dk_s, dv_s = grads(k, v, k_pos)
+        return (k, v, k_pos, dq + dq_s, dk + dk_s, dv + dv_s), None
+
+    (_, _, _, dq, dk, dv), _ = lax.scan(hop, (k, v, k_pos, dq, dk, dv), length=n - 1)
+    dk, dv = _shift(dk, axis, n), _shift(dv, axis, n)  # the n-th hop brings them home
+    dq = dq.reshape(B, T, H, K).astype(q.dtype)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

@@ -142,6 +142,11 @@ def _train(cfg, mesh_str, strategy="dp", context="ring", devices=None):
     def go_on(state, batch):
         return step(state, shard_batch(batch, mesh, rules))
 
+    # The strategy's collective is in the program (the run is not silently unsplit).
+    text = step.lower(state, shard_batch(data[0], mesh, rules)).as_text()
+    want_op = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
+    assert mesh.shape["seq"] == 1 or f"stablehlo.{want_op[context]}" in text, context
+
     losses = []
     for batch in data[:STEPS]:
         state, m = go_on(state, batch)

@@ -102,6 +102,16 @@ def active_context() -> Context | None:
     return Context(layout.mesh, getattr(layout.rules, "context_parallel", DEFAULT), n)
 
 
+def attend_active(q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=None):
+    """`context_attention` with the active layout's mesh and strategy (see `active_context`;
+    call it only where that is not None): the form a model uses, naming no mesh."""
+    ctx = active_context()
+    return context_attention(
+        q_BTHK, k_BSGK, v_BSGK, positions_T, mesh=ctx.mesh, strategy=ctx.strategy,
+        causal=causal, window=window,
+    )  # fmt: skip
+
+
 def balanced_order(seq_len: int) -> np.ndarray | None:
     """The zig-zag order tokens take under the active context parallelism, or None."""
     ctx = active_context()

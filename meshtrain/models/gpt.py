@@ -84,10 +84,9 @@ class Attention(nnx.Module):
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         if cp is not None:
-            o_BTHK = context_parallel.context_attention(
-                q_BTHK, k_BTGK, v_BTGK, order, mesh=cp.mesh, strategy=cp.strategy,
-                window=self.window,
-            )  # fmt: skip
+            o_BTHK = context_parallel.attend_active(
+                q_BTHK, k_BTGK, v_BTGK, order, window=self.window
+            )
         elif self.impl == "xla":
             o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK, window=self.window)
         else:

@@ -14,13 +14,14 @@ from jax.sharding import Mesh
 
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.checkpoint.dirs import directory_problems
+from meshtrain.context_parallel import context_problems
 from meshtrain.layout import Rules, state_problems
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import DataSpec, pipeline_parts
 from meshtrain.pipeline import PipelineConfig, pipeline_problems
 from meshtrain.problem import Problem
 
-UNSUPPORTED_AXES = ("expert", "seq")  # axes the Trainer does not run yet
+UNSUPPORTED_AXES = ("expert",)  # axes the Trainer does not run yet
 
 
 def data_spec(data) -> DataSpec:
@@ -78,6 +79,8 @@ def check_run(
         for axis in UNSUPPORTED_AXES
         if sizes.get(axis, 1) > 1
     ]
+    strategy = getattr(rules, "context_parallel", "ring")
+    problems += context_problems(sizes, strategy, seq_len=spec.seq_len, kind=spec.kind)
     ways, k = rules.batch_ways(sizes), accum_steps
     if spec.batch_size % (ways * k):
         problems.append(

@@ -38,6 +38,8 @@ Args:
     mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
     strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
         tensor > 1).
+    context_parallel: attention over a sequence split over seq > 1: ring (default; memory
+        falls as 1/seq), allgather (short sequences, GQA) or ulysses (heads divisible by seq).
     devices: CPU devices to simulate (per process); 0 uses the real devices (e.g. GPUs).
     model: the model family: {models}.
     prompt: start of the sample printed at the end (language models only).
@@ -52,6 +54,7 @@ def _job_class() -> type:
     fields = [
         ("mesh", str, "data=2,fsdp=2,tensor=2"),
         ("strategy", str, "hsdp+tp"),
+        ("context_parallel", str, "ring"),
         ("devices", int, 8),
         ("model", str, names[0]),
         ("prompt", str, "def "),
@@ -71,6 +74,10 @@ def _job_class() -> type:
             raise ValueError(
                 f"model={self.model!r}: unknown model; choose from {', '.join(families())}"
             )
+        from meshtrain.context_parallel import strategy_problem
+
+        if strategy_problem(self.context_parallel):
+            raise ValueError(strategy_problem(self.context_parallel))
         if self.devices < 0 or self.sample_tokens < 0:
             raise ValueError(
                 f"devices={self.devices}, sample_tokens={self.sample_tokens}: must be ≥ 0"
@@ -151,9 +158,10 @@ def build_trainer(job: TrainJob, say=print):
         distributed.initialize(job.dist)
     job = _fresh_default_run_dir(job, say)  # after jax starts: `say` asks for the process index
     mesh = make_mesh(job.mesh)
-    rules = rules_for(job.strategy, mesh)
+    rules = rules_for(job.strategy, mesh, context_parallel=job.context_parallel)
     data = make_dataset(job.data)
-    say(f"meshtrain · mesh {describe(mesh)} · strategy {job.strategy}")
+    cp = f" · context parallel {job.context_parallel}" if mesh.shape["seq"] > 1 else ""
+    say(f"meshtrain · mesh {describe(mesh)} · strategy {job.strategy}{cp}")
     if mesh.shape["pipe"] > 1:
         pc = job.pipeline
         say(

@@ -14,7 +14,7 @@ KERNELS = ROOT.parent / "kernels"
 LAYERS = [
     ["meshtrain._compat", "meshtrain._tree", "meshtrain.problem", "meshtrain.mesh"],
     ["meshtrain.layout"],
-    ["meshtrain.kernels"],
+    ["meshtrain.kernels", "meshtrain.context_parallel"],
     [
         "meshtrain.models",
         "meshtrain.state",

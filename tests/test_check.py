@@ -41,7 +41,7 @@ def test_every_problem_is_reported_at_once():
         pipeline=mt.PipelineConfig(schedule="1f1b", microbatches=2),
     )
     text = "\n".join(map(str, problems))
-    assert "mesh.seq=2: the Trainer does not run seq parallelism yet; set seq=1" in text
+    assert "mesh.seq=2: context parallelism does not compose with pipelines (pipe=2)" in text
     assert "data.batch_size=12: does not divide into accum_steps=2" in text
     assert "data.seq_len=64: exceeds the model's max_seq_len=32" in text
     assert "gpt.vocab_size=256: the data has 300 token ids" in text

@@ -62,6 +62,7 @@ def test_help_reads_well(capsys, monkeypatch):
 OVERRIDES = {
     "--mesh": (["data=4,tensor=2"], "data=4,tensor=2"),
     "--strategy": (["fsdp"], "fsdp"),
+    "--context-parallel": (["ulysses"], "ulysses"),
     "--devices": (["4"], 4),
     "--model": (["mlp"], "mlp"),
     "--prompt": (["class "], "class "),

@@ -94,12 +94,15 @@ class Rules:
             batches are split over devices.
         optimizer: layout of optimizer state; None means the same as ``params``.
         name: a label shown in logs.
+        context_parallel: how attention runs when ``seq > 1``: ``ring``, ``allgather`` or
+            ``ulysses`` (see `meshtrain.context_parallel`); checked by the run check.
     """
 
     params: Mapping[str, Entry]
     activations: Mapping[str, Entry]
     optimizer: Mapping[str, Entry] | None = None
     name: str = "custom"
+    context_parallel: str = "ring"
 
     def __post_init__(self):
         for table_name in ("params", "activations", "optimizer"):
@@ -130,13 +133,14 @@ class Rules:
         return ways
 
 
-def rules_for(strategy: str, mesh=None) -> Rules:
+def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Rules:
     """The preset `Rules` for a strategy such as ``"fsdp"`` or ``"hsdp+tp"``.
 
     Args:
         strategy: one data strategy from ``dp, fsdp, hsdp, zero1`` and/or ``tp``, joined by ``+``.
         mesh: when given (a `Mesh` or a dict of axis sizes), the strategy is checked against it
             (e.g. ``hsdp`` needs ``fsdp > 1``).
+        context_parallel: the attention strategy over ``seq`` (`Rules.context_parallel`).
 
     Returns:
         The `Rules` for the strategy.
@@ -162,7 +166,13 @@ def rules_for(strategy: str, mesh=None) -> Rules:
         params["embed"] = "fsdp"
     elif data_strategy == "zero1":
         optimizer = dict(params, embed=BATCH_AXES)
-    return Rules(params=params, activations=activations, optimizer=optimizer, name=strategy)
+    return Rules(
+        params=params,
+        activations=activations,
+        optimizer=optimizer,
+        name=strategy,
+        context_parallel=context_parallel,
+    )
 
 
 def strategy_problem(strategy: str, mesh=None) -> str | None:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshtrain import kernels
+from meshtrain import context_parallel, kernels
 from meshtrain.layout import constrain
 from meshtrain.models import layers
 from meshtrain.models.base import PipelineParts
@@ -74,12 +74,20 @@ class Attention(nnx.Module):
         q_BTHK = constrain(self.q(x_BTD), ("batch", "seq", "heads", "kv"))
         k_BTGK = constrain(self.k(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         v_BTGK = constrain(self.v(x_BTD), ("batch", "seq", "kv_heads", "kv"))
+        T = x_BTD.shape[1]
+        cp = context_parallel.active_context()
+        order = None if cp is None else context_parallel.order(T, cp.n)  # the tokens' positions
         if self.rope:
-            T, K = x_BTD.shape[1], q_BTHK.shape[-1]
-            cos, sin = layers.rope_tables(T, K, self.rope_theta, llama3=self.llama3)
+            cos, sin = layers.rope_tables(T, q_BTHK.shape[-1], self.rope_theta, llama3=self.llama3)
+            if order is not None:
+                cos, sin = cos[order], sin[order]
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
-        if self.impl == "xla":
+        if cp is not None:
+            o_BTHK = context_parallel.attend_active(
+                q_BTHK, k_BTGK, v_BTGK, order, window=self.window
+            )
+        elif self.impl == "xla":
             o_BTHK = layers.causal_attention(q_BTHK, k_BTGK, v_BTGK, window=self.window)
         else:
             o_BTHK = kernels.flash_attention(
@@ -208,9 +216,16 @@ class GPT(nnx.Module):
         T = tokens_BT.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        # Under context parallelism the tokens take the balanced (zig-zag) order here and
+        # `head_logits` restores theirs: attention follows their positions, so the logits are
+        # exactly those of the plain order.
+        order = _balanced_order(T)
+        if order is not None:
+            tokens_BT = tokens_BT[:, order]
         x_BTD = self.embed(tokens_BT)  # the table is gathered to its activation layout first
         if self.pos is not None:
-            x_BTD = x_BTD + self.pos[:T].astype(x_BTD.dtype)
+            pos_TD = self.pos[:T] if order is None else self.pos[order]
+            x_BTD = x_BTD + pos_TD.astype(x_BTD.dtype)
         return constrain(x_BTD, ("batch", "seq", "embed"))
 
     def run_blocks(self, x_BTD: jax.Array) -> jax.Array:
@@ -220,6 +235,9 @@ class GPT(nnx.Module):
     def head_logits(self, x_BTD: jax.Array) -> jax.Array:
         """Final norm and output head: [B, T, D] → float32 logits [B, T, padded_vocab], the
         padded ids' masked."""
+        order = _balanced_order(x_BTD.shape[1])
+        if order is not None:  # back from the balanced order `embed_tokens` chose
+            x_BTD = constrain(x_BTD[:, context_parallel.inverse(order)], ("batch", "seq", "embed"))
         x_BTD = layers.apply_norm(self.norm, x_BTD, self.cfg.norm_impl)
         if self.head is None:
             logits_BTV = self.embed.attend(x_BTD)
@@ -231,6 +249,13 @@ class GPT(nnx.Module):
             # sampling then see padded ids at zero probability, with no gradient into them.
             logits_BTV = layers.mask_padded_vocab(logits_BTV, self.cfg.vocab_size)
         return constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def _balanced_order(seq_len: int):
+    """The zig-zag token order under context parallelism (`meshtrain.context_parallel`), or
+    None."""
+    cp = context_parallel.active_context()
+    return None if cp is None else context_parallel.order(seq_len, cp.n)
 
 
 def scan_blocks(blocks: Block, x_BTD: jax.Array, remat: str = "none") -> jax.Array:

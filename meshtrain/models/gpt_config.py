@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from flax import nnx
 
-from meshtrain import kernels
+from meshtrain import context_parallel, kernels
 from meshtrain.layout import Rules, alternatives, axes_of, resolve
 from meshtrain.models import layers
 from meshtrain.models.base import DTYPES, DataSpec
@@ -228,7 +228,12 @@ class GPTConfig:
 
     def check_layout(self, sizes: Mapping[str, int], rules: Rules) -> list[Problem]:
         """A padded vocabulary that the rules' ``vocab`` split does not divide, with the
-        ``vocab_multiple`` that fixes it (`sizes`: axis name → size)."""
+        ``vocab_multiple`` that fixes it (`sizes`: axis name → size); heads that Ulysses
+        context parallelism cannot split over ``seq``."""
+        strategy = getattr(rules, "context_parallel", context_parallel.DEFAULT)
+        heads = context_parallel.heads_problem(sizes, strategy, self.n_heads)
+        if heads is not None:
+            return [heads]
         for table in (rules.params, rules.activations):
             if table.get("vocab") is None:
                 continue

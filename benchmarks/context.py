@@ -1,0 +1,219 @@
+"""Context parallelism: compiled per-device memory against sequence length, and the bytes each
+strategy moves against the analytic count.
+
+Nothing runs; every figure is read from a compiled program (8 simulated CPU devices):
+
+- ``memory`` cases: the loss-and-gradient of a small Llama-style GPT (batch 1) on a mesh of
+  ``seq = n`` devices, for each sequence length and n ∈ {1, 2, 4, 8}, with the default ring
+  strategy. ``temp_bytes`` is XLA's per-device temporary allocation (`memory_analysis`); the
+  target is that it falls as 1/seq, and ``ratio_vs_seq1`` reports temp(seq=1) / temp(seq=n).
+- ``bytes`` cases: one attention call's forward and backward (``context_attention`` under
+  `jax.grad`) per strategy on ``seq = n``; the compiled HLO's collective-permute, all-to-all,
+  all-gather and reduce-scatter result bytes per device, against the analytic count.
+- ``ring_backward``: the ring's custom VJP against autodiff of the same ring (temp bytes).
+
+    python benchmarks/context.py            # T up to 2048: minutes on a 2-core machine
+    python benchmarks/context.py --quick    # tiny sizes (the smoke test)
+    python benchmarks/context.py --plot docs/context_memory.png < results.jsonl  # the figure
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshtrain import context_parallel as cp
+from meshtrain.context_parallel import ring as ring_mod
+from meshtrain.layout import activation_rules, manual_region, rules_for
+from meshtrain.lower import cross_entropy
+from meshtrain.mesh import make_mesh
+from meshtrain.models import GPTConfig, build_model
+
+DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
+OPS = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")
+
+
+def _loop_multiplicity(hlo: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """The HLO's computations (name → lines) and how many times each runs per call: the
+    known trip counts of the while loops around it multiplied together."""
+    comps: dict[str, list[str]] = {}
+    name = entry = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head:
+            name = head.group(2)
+            comps[name] = []
+            entry = name if head.group(1) else entry
+        elif name is not None:
+            comps[name].append(line)
+    times: dict[str, int] = dict.fromkeys(comps, 0)
+
+    def visit(comp: str, mult: int) -> None:
+        times[comp] = times.get(comp, 0) + mult
+        for line in comps.get(comp, []):
+            body = re.search(r"body=%?([\w.\-]+)", line)
+            if body:
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                visit(body.group(1), mult * (int(trip.group(1)) if trip else 1))
+            for ref in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", line):
+                visit(ref, mult)
+
+    visit(entry, 1)
+    return comps, times
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    """Result bytes per device per call of each collective kind in a compiled HLO module,
+    counting each op as often as the loops around it run."""
+    out = dict.fromkeys(OPS, 0)
+    comps, times = _loop_multiplicity(hlo)
+    pattern = re.compile(r"=\s*(.+?)\s+(" + "|".join(OPS) + r")(-start)?\(")
+    for comp, lines in comps.items():
+        for line in lines:
+            m = pattern.search(line)
+            if not m or m.group(3) or not times.get(comp):
+                continue
+            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+                size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                out[m.group(2)] += times[comp] * DTYPE_BYTES.get(dtype, 4) * size
+    return out
+
+
+def gpt_memory(cfg: GPTConfig, T: int, n: int) -> int:
+    """Per-device temp bytes of the GPT's loss and gradient at length T on seq = n devices."""
+    mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
+    rules = rules_for("dp", mesh)
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, params = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+    def loss(params, tokens):
+        with activation_rules(mesh, rules):
+            logits = nnx.merge(graphdef, params)(tokens)
+            return cross_entropy(logits[:, :-1], tokens[:, 1:])
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def attention_program(strategy, n, B, T, H, G, K, *, autodiff_ring=False):
+    """The compiled forward + backward of one context-parallel attention call."""
+    mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
+    idx = jnp.asarray(cp.order(T, n))
+    q = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, G, K), jnp.float32)
+    if autodiff_ring:
+        seq = jax.P(None, "seq")
+
+        def attend(q, k, v):
+            fn = lambda q, k, v, p: ring_mod.ring_autodiff(q, k, v, p, p, "seq", True, None)
+            region = manual_region(
+                fn, mesh=mesh, axes={"seq"}, in_specs=(seq, seq, seq, jax.P("seq")),
+                out_specs=seq,
+            )  # fmt: skip
+            return region(q, k, v, idx)
+    else:
+
+        def attend(q, k, v):
+            return cp.context_attention(q, k, v, idx, mesh=mesh, strategy=strategy)
+
+    def loss(q, k, v, w):  # a random cotangent: a constant one would fold collectives away
+        return (attend(q, k, v) * w).sum()
+
+    with jax.set_mesh(mesh):  # the value too, so the forward's last collective stays live
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, kv, kv, q).compile()
+
+
+def analytic(strategy, n, B, T, H, G, K) -> dict[str, int]:
+    """Result bytes per device each strategy's forward + backward moves (float32, int32)."""
+    Tl = T // n
+    kv, pos = B * Tl * G * K * 4, Tl * 4  # one device's k (or v) block; its positions
+    out = dict.fromkeys(OPS, 0)
+    if strategy == "ring":
+        # k, v and positions hop n − 1 times in each pass; dk, dv hop n times (back home)
+        out["collective-permute"] = 2 * (n - 1) * (2 * kv + pos) + n * 2 * kv
+    elif strategy == "allgather":
+        out["all-gather"] = n * (2 * kv + pos)  # the whole k, v and positions, gathered once
+        out["reduce-scatter"] = 2 * kv  # dk, dv scattered back
+    else:  # ulysses: q, k, v (k, v repeated to H heads when seq does not divide G) and out
+        g = G if G % n == 0 else H
+        qo, kvh = B * Tl * H * K * 4, B * Tl * g * K * 4
+        out["all-to-all"] = 2 * (2 * qo + 2 * kvh)  # forward q, k, v, o; backward the same
+        out["all-gather"] = n * pos  # the positions (of queries and keys alike)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    ap.add_argument("--plot", help="draw the memory lines read from stdin to this PNG; no compile")
+    args = ap.parse_args(argv)
+    if args.plot:
+        return plot([json.loads(line) for line in sys.stdin if line.strip()], args.plot)
+    quick = args.quick
+    lengths = [128, 256] if quick else [512, 1024, 2048]
+    seqs = [1, 2, 4] if quick else [1, 2, 4, 8]
+    cfg = GPTConfig(
+        style="llama", n_layers=2, d_model=64, n_heads=8, n_kv_heads=2, max_seq_len=max(lengths)
+    )
+    device = jax.devices()[0].device_kind
+    for T in lengths:
+        base = None
+        for n in seqs:
+            temp = gpt_memory(cfg, T, n)
+            base = base or temp
+            line = dict(case="memory", T=T, seq=n, strategy="ring", temp_bytes=temp)
+            line.update(ratio_vs_seq1=round(base / temp, 2), ideal=n, device=device)
+            print(json.dumps(line), flush=True)
+    B, T, H, G, K = 1, (64 if quick else 1024), 8, 2, 16
+    for strategy in cp.STRATEGIES:
+        for n in [2, 4] if quick else [2, 4, 8]:
+            got = collective_bytes(attention_program(strategy, n, B, T, H, G, K).as_text())
+            want = analytic(strategy, n, B, T, H, G, K)
+            line = dict(case="bytes", strategy=strategy, seq=n, T=T, heads=H, kv_heads=G)
+            line.update(measured=got, analytic=want, match=got == want, device=device)
+            print(json.dumps(line), flush=True)
+    n = 4
+    for name, autodiff in (("custom_vjp", False), ("autodiff", True)):
+        compiled = attention_program("ring", n, B, T, H, G, K, autodiff_ring=autodiff)
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        line = dict(case="ring_backward", backward=name, seq=n, T=T, temp_bytes=temp)
+        print(json.dumps(line | {"device": device}), flush=True)
+    return 0
+
+
+def plot(lines: list[dict], path: str) -> int:
+    """Per-device temp memory against sequence length, one line per seq size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    memory = [x for x in lines if x["case"] == "memory"]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for n in sorted({x["seq"] for x in memory}):
+        pts = sorted((x["T"], x["temp_bytes"] / 2**20) for x in memory if x["seq"] == n)
+        ax.loglog(*zip(*pts, strict=True), "o-", label=f"seq={n}")
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("compiled temp memory per device (MiB)")
+    ax.set_title(f"GPT loss + gradient, ring attention ({memory[0]['device']}, simulated)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

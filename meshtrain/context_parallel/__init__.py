@@ -1,0 +1,39 @@
+"""Context parallelism: attention over a sequence split over the ``seq`` mesh axis.
+
+- `blocks`: one block's attention at global positions, with its log-sum-exp, and the merge;
+- `ring`: ring attention (``ppermute`` of keys/values) with a custom VJP;
+- `gather`: all-gather of keys/values, and Ulysses (all-to-all to a head split);
+- `zigzag`: head-tail load balancing of causal work;
+- `attention`: `context_attention` on global arrays, and the active context of a step;
+- `checks`: the run check's questions (sequence length, heads, pipelines).
+"""
+
+from meshtrain.context_parallel.attention import (
+    DEFAULT,
+    STRATEGIES,
+    Context,
+    active_context,
+    attend_active,
+    balanced_order,
+    context_attention,
+    strategy_problem,
+)
+from meshtrain.context_parallel.checks import context_problems, heads_problem
+from meshtrain.context_parallel.zigzag import causal_chunk_pairs, inverse, naive_counts, order
+
+__all__ = [
+    "DEFAULT",
+    "STRATEGIES",
+    "Context",
+    "active_context",
+    "attend_active",
+    "balanced_order",
+    "causal_chunk_pairs",
+    "context_attention",
+    "context_problems",
+    "heads_problem",
+    "inverse",
+    "naive_counts",
+    "order",
+    "strategy_problem",
+]

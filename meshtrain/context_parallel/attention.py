@@ -1,0 +1,118 @@
+"""Context-parallel attention on global arrays: picks a strategy and runs it in a region
+manual over the sequence axis (every other mesh axis stays with the compiler)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.context_parallel import gather, ring, zigzag
+from meshtrain.layout import active, manual_axes, manual_region
+
+STRATEGIES = ("ring", "allgather", "ulysses")
+DEFAULT = "ring"
+AXIS = "seq"
+_FNS = {"ring": ring.ring, "allgather": gather.allgather, "ulysses": gather.ulysses}
+
+
+def strategy_problem(strategy) -> str | None:
+    """Why `strategy` is not a context-parallel strategy, or None."""
+    if strategy in STRATEGIES:
+        return None
+    return (
+        f"context_parallel={strategy!r}: unknown strategy; choose from {', '.join(STRATEGIES)} "
+        "(e.g. --context-parallel ring)"
+    )
+
+
+def context_attention(
+    q_BTHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    positions_T: jax.Array,
+    *,
+    mesh: Mesh,
+    strategy: str = DEFAULT,
+    causal: bool = True,
+    window: int | None = None,
+    axis: str = AXIS,
+) -> jax.Array:
+    """Self-attention over a sequence split over the mesh axis `axis`.
+
+    Args:
+        q_BTHK: queries [batch, T, heads, head_dim], global (T split over `axis`).
+        k_BSGK, v_BSGK: keys and values [batch, T, kv_heads, head_dim].
+        positions_T: the global position of each of the T entries (int): the causal mask and
+            window follow these, so a balanced (zig-zag) layout stays exact.
+        mesh: the device mesh.
+        strategy: ``ring``, ``allgather`` or ``ulysses`` (see the README).
+        causal: mask keys at later positions.
+        window: with `causal`, each query sees keys (t − window, t]; None: all earlier.
+        axis: the mesh axis the sequence is split over.
+
+    Returns:
+        [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
+    """
+    problem = strategy_problem(strategy)
+    if problem:
+        raise ValueError(problem)
+    n = mesh.shape[axis]
+    T, H = q_BTHK.shape[1], q_BTHK.shape[2]
+    if T % n:
+        raise ValueError(f"context parallelism: sequence length {T} is not divisible by {axis}={n}")
+    if strategy == "ulysses" and H % n:
+        raise ValueError(
+            f"context_parallel='ulysses': {H} heads are not divisible by {axis}={n}; pick a "
+            "head count divisible by seq, or --context-parallel ring"
+        )
+    fn = _FNS[strategy]
+
+    def per_device(q, k, v, pos):
+        return fn(q, k, v, pos, pos, axis, causal, window)
+
+    seq, pos = P(None, axis), P(axis)
+    region = manual_region(
+        per_device, mesh=mesh, axes={axis}, in_specs=(seq, seq, seq, pos), out_specs=seq
+    )
+    return region(q_BTHK, k_BSGK, v_BSGK, jnp.asarray(positions_T, jnp.int32))
+
+
+class Context(NamedTuple):
+    """Context parallelism as the active layout asks for it."""
+
+    mesh: Mesh
+    strategy: str
+    n: int
+
+
+def active_context() -> Context | None:
+    """The context parallelism of the layout being traced: None outside `activation_rules`,
+    with ``seq = 1``, or inside a region already manual over ``seq``."""
+    layout = active()
+    if layout is None or AXIS in manual_axes():
+        return None
+    n = layout.mesh.shape.get(AXIS, 1)
+    if n == 1:
+        return None
+    return Context(layout.mesh, getattr(layout.rules, "context_parallel", DEFAULT), n)
+
+
+def attend_active(q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=None):
+    """`context_attention` with the active layout's mesh and strategy (see `active_context`;
+    call it only where that is not None): the form a model uses, naming no mesh."""
+    ctx = active_context()
+    return context_attention(
+        q_BTHK, k_BSGK, v_BSGK, positions_T, mesh=ctx.mesh, strategy=ctx.strategy,
+        causal=causal, window=window,
+    )  # fmt: skip
+
+
+def balanced_order(seq_len: int) -> np.ndarray | None:
+    """The zig-zag order tokens take under the active context parallelism, or None."""
+    ctx = active_context()
+    return None if ctx is None else zigzag.order(seq_len, ctx.n)

@@ -1,0 +1,64 @@
+"""Attention of a block of queries against a block of keys at given global positions, with its
+log-sum-exp, and the merge of partial results: the per-step math every strategy shares.
+
+Shape suffixes: B batch, T query positions, S key positions, H query heads, G key/value heads,
+R = H // G, K head width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30  # a masked score: finite, so a block that sees no key keeps finite results
+_F32 = jnp.float32
+
+
+def visible(q_pos_T: jax.Array, k_pos_S: jax.Array, *, causal: bool, window: int | None):
+    """[T, S] mask of the keys each query sees, from global positions (None: all)."""
+    if not causal:
+        return None
+    gap_TS = q_pos_T[:, None] - k_pos_S[None, :]
+    ok_TS = gap_TS >= 0
+    return ok_TS if window is None else ok_TS & (gap_TS < window)
+
+
+def scores(q_BTHK: jax.Array, k_BSGK: jax.Array, ok_TS) -> jax.Array:
+    """Scaled, masked scores [B, G, R, T, S] in float32."""
+    B, T, H, K = q_BTHK.shape
+    G = k_BSGK.shape[2]
+    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+    s = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=_F32)
+    s = s / math.sqrt(K)
+    return s if ok_TS is None else jnp.where(ok_TS, s, NEG)
+
+
+def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, *, causal=True, window=None):
+    """Softmax attention of one block: ``(out [B, T, H, K] float32, lse [B, G, R, T] float32)``.
+
+    A query that sees no key of the block gets an lse near `NEG`, so merging weighs it 0.
+    """
+    B, T, H, K = q_BTHK.shape
+    s_BGRTS = scores(q_BTHK, k_BSGK, visible(q_pos_T, k_pos_S, causal=causal, window=window))
+    lse_BGRT = jax.nn.logsumexp(s_BGRTS, axis=-1)
+    p_BGRTS = jnp.exp(s_BGRTS - lse_BGRT[..., None])
+    o = jnp.einsum(
+        "bgrts,bsgk->btgrk", p_BGRTS.astype(v_BSGK.dtype), v_BSGK, preferred_element_type=_F32
+    )
+    return o.reshape(B, T, H, K), lse_BGRT
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Two partial softmax results over disjoint key sets → the result over their union."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    w_a = _per_query(jnp.exp(lse_a - lse), o_a.shape)
+    w_b = _per_query(jnp.exp(lse_b - lse), o_a.shape)
+    return o_a * w_a + o_b * w_b, lse
+
+
+def _per_query(w_BGRT: jax.Array, shape) -> jax.Array:
+    """[B, G, R, T] weights → [B, T, H, 1] to scale an output."""
+    B, T, H, _ = shape
+    return jnp.moveaxis(w_BGRT, 3, 1).reshape(B, T, H, 1)

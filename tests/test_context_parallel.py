@@ -1,0 +1,248 @@
+"""Context parallelism over ``seq``: every strategy against full attention (outputs and
+gradients), zig-zag balance against its closed form, whole GPT runs against one device, and
+bad input refused before anything compiles.
+
+Inputs are fresh random arrays from seeded jax/numpy; everything is float32 unless stated.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import count_compiles
+from flax import nnx
+
+from meshtrain import cli
+from meshtrain import context_parallel as cp
+from meshtrain.check import check_run
+from meshtrain.checkpoint import CheckpointManager, restore
+from meshtrain.kernels import reference
+from meshtrain.layout import batch_shardings, rules_for, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.mesh import make_mesh
+from meshtrain.models import DataSpec, GPTConfig, build_model
+from meshtrain.state import abstract_target
+from meshtrain.train import OptimConfig
+
+ATOL = 2e-5  # float32: measured ≤ 2e-6 on outputs and gradients of unit-scale inputs
+
+
+def _qkv(seed, B, T, H, G, K):
+    """Fresh random q, k, v and an output cotangent."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (
+        jax.random.normal(ks[0], (B, T, H, K)),
+        jax.random.normal(ks[1], (B, T, G, K)),
+        jax.random.normal(ks[2], (B, T, G, K)),
+        jax.random.normal(ks[3], (B, T, H, K)),
+    )
+
+
+def _strategy_vs_full(strategies, n, causal, H, G, T, window=None):
+    """Max |difference| of output and of dq, dk, dv, per strategy, against full attention."""
+    mesh = make_mesh(f"data={8 // n},seq={n}")
+    q, k, v, w = _qkv(n * 100 + H + G + T, 2, T, H, G, 16)
+    idx = cp.order(T, n) if causal else np.arange(T)  # balanced order for causal attention
+    inv = cp.inverse(idx)
+
+    def full(q, k, v):
+        o = reference.attention(q, k, v, causal=causal, window=window)
+        return (o * w).sum(), o
+
+    (_, o_want), g_want = jax.value_and_grad(full, (0, 1, 2), has_aux=True)(q, k, v)
+    out = {}
+    for strategy in strategies:
+
+        def split(q, k, v, strategy=strategy):
+            o = cp.context_attention(
+                q[:, idx], k[:, idx], v[:, idx], jnp.asarray(idx), mesh=mesh,
+                strategy=strategy, causal=causal, window=window,
+            )  # fmt: skip
+            return (o * w[:, idx]).sum(), o[:, inv]
+
+        with jax.set_mesh(mesh):
+            (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
+        diffs = [float(jnp.abs(o - o_want).max())]
+        diffs += [float(jnp.abs(a - b).max()) for a, b in zip(g, g_want, strict=True)]
+        out[strategy] = diffs
+    return out
+
+
+# (seq, causal, heads, kv heads, T, window): MHA and GQA, causal and not, seq 2/4/8; T = 2·seq
+# (one token per zig-zag chunk, the smallest edge) and larger; a window shorter than a block.
+CASES = [
+    (2, True, 4, 2, 4, None),
+    (4, False, 4, 4, 16, None),
+    pytest.param(8, True, 8, 2, 32, 5, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("n, causal, H, G, T, window", CASES)
+def test_every_strategy_equals_full_attention_with_gradients(n, causal, H, G, T, window):
+    strategies = ["ring", "allgather", "ulysses"]
+    for strategy, diffs in _strategy_vs_full(strategies, n, causal, H, G, T, window).items():
+        assert max(diffs) < ATOL, (strategy, diffs)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_balances_causal_blocks_and_the_plain_split_does_not(n):
+    T = 2 * n * 4  # 2n chunks of 4 tokens
+    balanced = cp.causal_chunk_pairs(cp.order(T, n), n, 2 * n)
+    plain = cp.causal_chunk_pairs(np.arange(T), n, 2 * n)
+    assert max(balanced) - min(balanced) <= 1
+    assert balanced == [2 * n + 1] * n
+    assert plain == cp.naive_counts(n)  # 4i + 3: the closed form
+    assert max(plain) - min(plain) == 4 * (n - 1)
+    assert sum(balanced) == sum(plain)  # the same work, redistributed
+
+
+def test_zigzag_order_is_a_permutation_and_inverse_undoes_it():
+    idx = cp.order(24, 3)
+    assert sorted(idx) == list(range(24))
+    np.testing.assert_array_equal(idx[cp.inverse(idx)], np.arange(24))
+    assert list(idx[:8]) == [0, 1, 2, 3, 20, 21, 22, 23]  # device 0: first and last chunk
+
+
+# --- a whole GPT --------------------------------------------------------------------------
+
+T, B, STEPS = 16, 8, 3
+TX = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)
+GPT = GPTConfig(style="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=T)
+
+
+def _batches(cfg):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):  # noqa: B007
+        tokens = rng.integers(0, cfg.vocab_size, (B, T + 1), np.int32)
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    return out + out[:1]  # one more batch for a resumed step
+
+
+def _train(cfg, mesh_str, strategy="dp", context="ring", devices=None):
+    """STEPS steps from the same initial values: losses, final parameters, and what it takes
+    to go on (state, shardings, the jitted step)."""
+    mesh = make_mesh(mesh_str, devices=devices)
+    rules = rules_for(strategy, mesh, context_parallel=context)
+    values = _initial(cfg)
+
+    def ctor():
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
+        return nnx.merge(graphdef, state)
+
+    graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
+    data = _batches(cfg)
+    step = jit_train_step(
+        graphdef, TX, mesh, rules, shardings, batch_shardings(data[0], mesh, rules)
+    )
+
+    def go_on(state, batch):
+        return step(state, shard_batch(batch, mesh, rules))
+
+    # The strategy's collective is in the program (the run is not silently unsplit).
+    text = step.lower(state, shard_batch(data[0], mesh, rules)).as_text()
+    want_op = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
+    assert mesh.shape["seq"] == 1 or f"stablehlo.{want_op[context]}" in text, context
+
+    losses = []
+    for batch in data[:STEPS]:
+        state, m = go_on(state, batch)
+        losses.append(float(m["loss"]))
+    params = jax.tree.map(np.asarray, state.params)
+    return dict(loss=np.array(losses), params=params, state=state, shardings=shardings, step=go_on)
+
+
+_INIT = {}
+
+
+def _initial(cfg):
+    if cfg not in _INIT:
+        state = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
+        _INIT[cfg] = jax.tree.map(np.asarray, state)
+    return _INIT[cfg]
+
+
+_REF = {}
+
+
+def _reference(cfg):
+    if cfg not in _REF:
+        _REF[cfg] = _train(cfg, "data=1", devices=jax.devices()[:1])
+    return _REF[cfg]
+
+
+def _assert_same(got, want):
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-5)
+    assert not np.allclose(got["loss"][0], got["loss"][-1])  # it trained
+
+
+@pytest.mark.slow
+def test_gpt_on_seq4_data2_equals_one_device_and_resumes_on_seq1(tmp_path):
+    """3 steps with ring attention (and full remat, which recomputes the ring's custom-VJP
+    forward) on seq=4 × data=2 equal one device (losses, parameters); the state saved there
+    restores onto one device and its next step equals the single-device run's."""
+    cfg = dataclasses.replace(GPT, remat="full")
+    got, want = _train(cfg, "seq=4,data=2"), _reference(cfg)
+    _assert_same(got, want)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(STEPS, got["state"])
+    restored = restore(tmp_path / "ck", abstract_target(want["state"], want["shardings"]))
+    assert restored.step == STEPS
+    batch = _batches(cfg)[STEPS]
+    _, m_resumed = want["step"](restored.state, batch)
+    _, m_straight = want["step"](want["state"], batch)
+    np.testing.assert_allclose(float(m_resumed["loss"]), float(m_straight["loss"]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_gpt_on_seq2_tensor2_data2_with_ulysses_equals_one_device():
+    _assert_same(_train(GPT, "seq=2,tensor=2,data=2", "fsdp+tp", "ulysses"), _reference(GPT))
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+LM = DataSpec(kind="lm", batch_size=8, seq_len=20, vocab_size=256)
+
+
+GPT32 = dataclasses.replace(GPT, max_seq_len=32)
+
+
+def _problems(sizes, context, cfg=GPT32, data=LM):
+    full = {**dict(pipe=1, data=1, fsdp=1, expert=1, seq=1, tensor=1), **sizes}
+    rules = rules_for("dp", full, context_parallel=context)
+    return [str(p) for p in check_run(model=cfg, data=data, mesh=full, rules=rules)]
+
+
+def test_bad_context_settings_are_clear_errors_before_compiling():
+    cfg = dataclasses.replace(GPT, n_heads=6, n_kv_heads=3, d_model=48, max_seq_len=32)
+    with count_compiles() as compiles:
+        assert _problems(dict(seq=4, data=2), "ring") == [
+            "data.seq_len=20: not divisible by 2 × seq = 8: context parallelism cuts each "
+            "sequence into 2·seq chunks to balance causal work; use --data.seq-len 24 (a "
+            "multiple of 8) or a smaller seq"
+        ]
+        assert _problems(dict(seq=4, data=2), "ulysses", cfg, LM._replace(seq_len=32)) == [
+            "gpt.n_heads=6: context_parallel='ulysses' splits the heads over seq=4, which does "
+            "not divide 6; use a head count divisible by 4, or --context-parallel ring"
+        ]
+        assert _problems(dict(seq=2), "ulysses", cfg, LM._replace(seq_len=32)) == []
+        assert _problems(dict(seq=2, data=4), "spiral") == [
+            "context_parallel='spiral': unknown strategy; choose from ring, allgather, ulysses "
+            "(e.g. --context-parallel ring)"
+        ]
+        assert _problems(dict(seq=2, pipe=2, data=2), "ring")[0].startswith(
+            "mesh.seq=2: context parallelism does not compose with pipelines (pipe=2) yet"
+        )
+        assert _problems(dict(seq=1, data=8), "spiral") == []  # seq=1: nothing to check
+    assert compiles == []
+
+
+def test_cli_refuses_an_unknown_strategy_in_one_line(capsys):
+    assert cli.main(["train", "--context-parallel", "spiral"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "context_parallel='spiral': unknown strategy" in err[0], err

@@ -72,6 +72,11 @@ class Plan:
     def best(self) -> Choice:
         return self.ranked[0]
 
+    @property
+    def confirmed(self) -> list[Choice]:
+        """The ranked choices whose memory was confirmed by compiling."""
+        return [c for c in self.ranked if c.compiled_peak is not None]
+
 
 def _gb(x: float) -> str:
     return f"{x / 1e9:.3g} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
@@ -88,6 +93,7 @@ def plan(
     hosts: int = 1,
     optimizer: str = "adamw",
     confirm: int = 2,
+    max_compiles: int = 4,
     compile_fn: Callable | None = None,
     max_pipe: int | None = 8,
     max_tensor: int | None = None,
@@ -106,6 +112,7 @@ def plan(
         hosts: hosts the devices are spread over (must divide `devices`).
         optimizer: the optimizer's name (its moments count in memory).
         confirm: compile this many of the best candidates (0: none).
+        max_compiles: compile at most this many in all (those over the cap included).
         compile_fn: ``(candidate) -> compiled peak bytes``; None compiles the real train step
             when this process has `devices` devices, and otherwise confirms nothing.
         max_pipe, max_tensor: largest pipe and tensor sizes (tensor defaults to one node).
@@ -198,22 +205,29 @@ def plan(
     fits.sort(key=lambda m: m.estimate.total_s)
     compile_fn = compile_fn or _default_compile(cfg, spec, devices)
     ranked: list[Choice] = []
-    over_compiled = 0
-    confirmed = 0
+    over_compiled = confirmed = tries = 0
+    smallest: tuple[float, str] | None = None
     for m in fits:
         choice = Choice(m)
-        if compile_fn is not None and confirmed < confirm:
+        if compile_fn is not None and confirmed < confirm and tries < max_compiles:
+            tries += 1
             peak = compile_fn(m.candidate)
             choice.compiled_peak = peak
+            if smallest is None or peak < smallest[0]:
+                smallest = (peak, m.candidate.describe())
             if peak > memory_cap:
                 over_compiled += 1
                 continue
             confirmed += 1
+        elif compile_fn is not None and confirm and not confirmed:
+            continue  # no compiled proof left to give: keep only confirmed layouts
         ranked.append(choice)
     if compile_fn is not None and confirm and not confirmed:
+        peak, where = smallest
         raise PlanError(
-            f"device_memory={_gb(memory_cap)}: every layout the model admitted compiled above "
-            "the cap; give more memory"
+            f"device_memory={_gb(memory_cap)}: the {tries} best layouts the model admitted "
+            f"compiled above the cap; the smallest needs {_gb(peak)} per device ({where}); "
+            f"give at least --device-memory {_gb(peak).replace(' ', '')}"
         )
     if compile_fn is not None:
         ranked = [c for c in ranked if c.compiled_peak is not None] + [
@@ -225,7 +239,7 @@ def plan(
         failed_check=failed,
         over_memory=over,
         over_memory_compiled=over_compiled,
-        compiled=compile_fn is not None,
+        compiled=compile_fn is not None and confirm > 0,
         wall_s=time.perf_counter() - t0,
     )
 

@@ -70,19 +70,25 @@ def main() -> None:
         r = mt.inspect(cfg, spec, mesh, mt.rules_for(strategy, mesh))
         expected = sum(r.expectation.bytes.values())
         ideal = r.param_bytes * (1 + 1 + 2) / mesh.devices.size  # params, grads, 2 Adam moments
-        emit({
-            "case": name, "mesh": mesh_str, "strategy": strategy, "model": model, **env,
-            "comm_bytes": r.comm_bytes,
-            "analytic_bytes": round(expected),
-            "ratio_to_analytic": round(r.comm_bytes / expected, 4) if expected else None,
-            "wire_bytes": round(r.wire_bytes),
-            "collectives": [row.as_dict() for row in r.rows],
-            "peak_bytes": r.memory["peak"],
-            "ideal_state_bytes": round(ideal),
-            "memory_over_ideal": round(r.memory["peak"] / ideal, 3),
-            "flags": r.flags,
-            "compile_s": round(r.compile_s, 2),
-        })
+        emit(
+            {
+                "case": name,
+                "mesh": mesh_str,
+                "strategy": strategy,
+                "model": model,
+                **env,
+                "comm_bytes": r.comm_bytes,
+                "analytic_bytes": round(expected),
+                "ratio_to_analytic": round(r.comm_bytes / expected, 4) if expected else None,
+                "wire_bytes": round(r.wire_bytes),
+                "collectives": [row.as_dict() for row in r.rows],
+                "peak_bytes": r.memory["peak"],
+                "ideal_state_bytes": round(ideal),
+                "memory_over_ideal": round(r.memory["peak"] / ideal, 3),
+                "flags": r.flags,
+                "compile_s": round(r.compile_s, 2),
+            }
+        )
     cases = [(64, "1.3b", "h100", 80e9, 0)]
     if not args.quick:
         cases.insert(0, (8, "tiny", "cpu-sim", 8e9, 2))
@@ -90,15 +96,28 @@ def main() -> None:
         seq = 2048 if size == "1.3b" else 64
         cfg = gpt_config(size, seq, "bfloat16" if device == "h100" else "float32")
         t0 = time.perf_counter()
-        p = plan(cfg, devices=devices, batch=max(16, 2 * devices), seq_len=seq,
-                 device=profile(device), memory_cap=cap, confirm=confirm)
-        emit({
-            "case": f"planner-{devices}", "model": size, "device_profile": device, **env,
-            "wall_s": round(time.perf_counter() - t0, 2),
-            "considered": p.considered, "compiled": p.compiled,
-            "best": p.best.candidate.describe(),
-            "modelled_step_s": p.best.modelled.estimate.total_s,
-        })
+        p = plan(
+            cfg,
+            devices=devices,
+            batch=max(16, 2 * devices),
+            seq_len=seq,
+            device=profile(device),
+            memory_cap=cap,
+            confirm=confirm,
+        )
+        emit(
+            {
+                "case": f"planner-{devices}",
+                "model": size,
+                "device_profile": device,
+                **env,
+                "wall_s": round(time.perf_counter() - t0, 2),
+                "considered": p.considered,
+                "compiled": p.compiled,
+                "best": p.best.candidate.describe(),
+                "modelled_step_s": p.best.modelled.estimate.total_s,
+            }
+        )
 
 
 if __name__ == "__main__":

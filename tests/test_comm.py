@@ -59,7 +59,9 @@ def _param_bytes():
         math.prod(x.shape)
         for x in __import__("jax").tree.leaves(
             __import__("flax").nnx.state(
-                __import__("flax").nnx.eval_shape(lambda: CFG.build(rngs=__import__("flax").nnx.Rngs(0))),
+                __import__("flax").nnx.eval_shape(
+                    lambda: CFG.build(rngs=__import__("flax").nnx.Rngs(0))
+                ),
                 __import__("flax").nnx.Param,
             )
         )
@@ -146,13 +148,22 @@ def test_the_planner_picks_a_sharded_layout_when_data_parallel_does_not_fit(repo
             mt.rules_for(cand.strategy),
         )
         ma = compiled.memory_analysis()
-        return ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - (
-            ma.alias_size_in_bytes
+        return (
+            ma.argument_size_in_bytes
+            + ma.output_size_in_bytes
+            + ma.temp_size_in_bytes
+            - (ma.alias_size_in_bytes)
         )
 
     kw = dict(
-        devices=8, batch=16, seq_len=16, device=profile("h100"), remats=("none",), max_pipe=1,
-        max_tensor=1, compile_fn=compile_peak,
+        devices=8,
+        batch=16,
+        seq_len=16,
+        device=profile("h100"),
+        remats=("none",),
+        max_pipe=1,
+        max_tensor=1,
+        compile_fn=compile_peak,
     )
     free = plan(CFG, memory_cap=80e9, confirm=0, **kw)
     dp_time = next(c for c in free.ranked if c.candidate.strategy == "dp").modelled.estimate

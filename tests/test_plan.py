@@ -45,12 +45,28 @@ def test_bad_input_is_one_line_with_exit_code_2(capsys, argv, needle):
 
 
 def test_a_memory_cap_no_layout_fits_names_the_smallest_memory_that_would(capsys):
-    code, err = _err(capsys, ["plan", "--model", "1.3b", "--devices", "64", "--device-memory", "1GB"])
+    code, err = _err(
+        capsys, ["plan", "--model", "1.3b", "--devices", "64", "--device-memory", "1GB"]
+    )
     assert code == 2 and len(err) == 1
     assert "no layout of 64 devices fits; the smallest needs" in err[0]
     need = err[0].split("--device-memory ")[1].split("GB")[0]
     # that much does fit
-    assert main(["plan", "--model", "1.3b", "--devices", "64", "--device-memory", f"{float(need) * 1.01:.3f}GB", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "1.3b",
+                "--devices",
+                "64",
+                "--device-memory",
+                f"{float(need) * 1.01:.3f}GB",
+                "--json",
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.mark.slow
@@ -60,8 +76,26 @@ def test_the_written_plan_trains(tmp_path, capsys):
     assert main([*argv, "--write", str(path)]) == 0
     flags = json.loads(path.read_text())
     capsys.readouterr()
-    assert main(["train", "--config", str(path), "--steps", "2", "--no-save", "--sample-tokens", "0",
-                 "--run-dir", "", "--data.source", "synthetic", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(path),
+                "--steps",
+                "2",
+                "--no-save",
+                "--sample-tokens",
+                "0",
+                "--run-dir",
+                "",
+                "--data.source",
+                "synthetic",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"strategy {flags['strategy']}" in out and "final loss" in out
 

@@ -5,4 +5,12 @@ from meshtrain.comm.compile import compile_step
 from meshtrain.comm.hlo import Collective, collectives
 from meshtrain.comm.inspector import Inspection, as_spec, inspect, inspect_compiled
 
-__all__ = ["Collective", "Inspection", "as_spec", "collectives", "compile_step", "inspect", "inspect_compiled"]
+__all__ = [
+    "Collective",
+    "Inspection",
+    "as_spec",
+    "collectives",
+    "compile_step",
+    "inspect",
+    "inspect_compiled",
+]

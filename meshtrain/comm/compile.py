@@ -114,7 +114,9 @@ def compile_step(
     state = abstract_target(shapes, shardings)
     batch = batch_structs(spec)
     batch_sh = batch_shardings(batch, mesh, rules)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k]) for k, v in batch.items()}
+    batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k]) for k, v in batch.items()
+    }
     step = jit_train_step(
         graphdef,
         tx,

@@ -76,16 +76,18 @@ class ParamLayout:
         return math.prod(sizes[a] for dim in self.axes for a in dim if a in axes)
 
 
-def param_layouts(param_vars: nnx.State, rules: Rules, sizes: Mapping[str, int]) -> list[ParamLayout]:
+def param_layouts(
+    param_vars: nnx.State, rules: Rules, sizes: Mapping[str, int]
+) -> list[ParamLayout]:
     """Every parameter of an (abstract) model with its layout under `rules` on `sizes`."""
     out = []
     for path, var in nnx.to_flat_state(param_vars):
         value = var.get_value() if hasattr(var, "get_value") else var.value
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(value.shape))
 
-        def per_dim(table):
-            spec = resolve(names, table, sizes, shape=value.shape)
-            spec = tuple(spec) + (None,) * (len(value.shape) - len(spec))
+        def per_dim(table, names=names, shape=value.shape):
+            spec = resolve(names, table, sizes, shape=shape)
+            spec = tuple(spec) + (None,) * (len(shape) - len(spec))
             return tuple(tuple(a for a in axes_of(s) if sizes.get(a, 1) > 1) for s in spec)
 
         out.append(
@@ -226,8 +228,11 @@ def judge(
                 flags.append(
                     f"unexpected {row.kind} over {axes_label(row.axes)}: {row.count}× per step, "
                     f"{fmt_bytes(row.bytes)}; no layout rule needs it"
-                    + (" (activations gathered: a constraint or propagation went wrong)"
-                       if row.kind == "all-gather" else "")
+                    + (
+                        " (activations gathered: a constraint or propagation went wrong)"
+                        if row.kind == "all-gather"
+                        else ""
+                    )
                 )
             continue
         measured[bucket] += row.bytes

@@ -47,13 +47,9 @@ DTYPE_BYTES = {
 }
 
 _HEAD = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_OP = re.compile(
-    r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (" + "|".join(KINDS) + r")(-start)?\((.*)$"
-)
+_OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (" + "|".join(KINDS) + r")(-start)?\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]")
-_CALLS = re.compile(
-    r"(?:to_apply|calls|condition|true_computation|false_computation)=%?([\w.\-]+)"
-)
+_CALLS = re.compile(r"(?:to_apply|calls|condition|true_computation|false_computation)=%?([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """`inspect`: what the compiled train step of a layout holds, against what it should.
 
-    import meshtrain as mt
-    mt.simulate_devices(8)
-    mesh = mt.make_mesh("data=2,fsdp=2,tensor=2")
-    report = mt.inspect(mt.GPTConfig(), mt.DataConfig(), mesh, mt.rules_for("fsdp+tp", mesh))
-    report.print()            # a rich table
-    report.as_dict()          # JSON-ready
+import meshtrain as mt
+mt.simulate_devices(8)
+mesh = mt.make_mesh("data=2,fsdp=2,tensor=2")
+report = mt.inspect(mt.GPTConfig(), mt.DataConfig(), mesh, mt.rules_for("fsdp+tp", mesh))
+report.print()            # a rich table
+report.as_dict()          # JSON-ready
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ class Inspection:
 
     def bytes_by(self, kind: str, axes: tuple[str, ...] | None = None) -> int:
         """Summed bytes of one kind (over `axes` only, when given)."""
-        return sum(r.bytes for r in self.rows if r.kind == kind and (axes is None or r.axes == axes))
+        return sum(
+            r.bytes for r in self.rows if r.kind == kind and (axes is None or r.axes == axes)
+        )
 
     def as_dict(self) -> dict:
         """A JSON-ready summary (without the per-instruction list)."""
@@ -129,7 +131,9 @@ class Inspection:
         for b in BUCKETS:
             want, got = self.expectation.bytes[b], self.measured[b]
             if want or got:
-                exp.add_row(b, fmt_bytes(got), fmt_bytes(want), f"{got / want:.2f}" if want else "-")
+                exp.add_row(
+                    b, fmt_bytes(got), fmt_bytes(want), f"{got / want:.2f}" if want else "-"
+                )
         console.print(exp)
         for f in self.flags:
             console.print(f"[yellow]flag[/yellow]: {f}")

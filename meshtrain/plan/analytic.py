@@ -138,7 +138,9 @@ def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list
     sharded = tuple(a for a in batch_axes if any(a in d for p in layouts for d in p.axes))
     if b["gradient reduction"]:
         kind = "reduce-scatter" if sharded else "all-reduce"
-        items.append(CommItem("gradient reduction", kind, tuple(batch_axes), b["gradient reduction"]))
+        items.append(
+            CommItem("gradient reduction", kind, tuple(batch_axes), b["gradient reduction"])
+        )
     if b["parameter gathers"]:
         axes = sharded or tuple(batch_axes)
         count = 2 * max(1, L // cand.pipe) + 2
@@ -148,12 +150,26 @@ def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list
     if b["tensor activations"]:
         count = 7 * max(1, L // cand.pipe) + 2
         items.append(
-            CommItem("tensor activations", "all-reduce", ("tensor",), b["tensor activations"] / count, count)
+            CommItem(
+                "tensor activations",
+                "all-reduce",
+                ("tensor",),
+                b["tensor activations"] / count,
+                count,
+            )
         )
     if b["pipeline permutes"]:
         sends = 4 * (cand.microbatches + cand.pipe - 1)
         items.append(
-            CommItem("pipeline permutes", "collective-permute", ("pipe",), b["pipeline permutes"] / sends, sends)
+            CommItem(
+                "pipeline permutes",
+                "collective-permute",
+                ("pipe",),
+                b["pipeline permutes"] / sends,
+                sends,
+            )
         )
-        items.append(CommItem("pipeline stage sums", "all-reduce", ("pipe",), b["pipeline stage sums"]))
+        items.append(
+            CommItem("pipeline stage sums", "all-reduce", ("pipe",), b["pipeline stage sums"])
+        )
     return items

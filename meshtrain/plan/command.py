@@ -20,8 +20,18 @@ from collections.abc import Sequence
 from meshtrain.plan.search import Plan, PlanError
 
 SEVEN_B = dict(d_model=4096, n_layers=32, n_heads=32, vocab_size=32000, seq_len=2048, batch=8)
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
-          "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def sizes() -> dict[str, dict[str, int]]:
@@ -48,8 +58,13 @@ def gpt_config(name: str, seq_len: int, dtype: str):
     s = sizes()[name]
     extra = {"d_ff": 11008} if name == "7b" else {}
     return GPTConfig(
-        vocab_size=s["vocab_size"], max_seq_len=seq_len, d_model=s["d_model"],
-        n_layers=s["n_layers"], n_heads=s["n_heads"], dtype=dtype, **extra,
+        vocab_size=s["vocab_size"],
+        max_seq_len=seq_len,
+        d_model=s["d_model"],
+        n_layers=s["n_layers"],
+        n_heads=s["n_heads"],
+        dtype=dtype,
+        **extra,
     )
 
 
@@ -62,20 +77,26 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model", default="1.3b", help=f"model size: {', '.join(sizes())}")
     p.add_argument("--devices", type=int, default=8, help="devices to plan for")
     p.add_argument("--hosts", type=int, default=0, help="hosts (0: the profile's node size)")
-    p.add_argument("--device", default="h100", help="device profile: h100, h200, a100, "
-                   "tpu-v5e, cpu-sim")
-    p.add_argument("--device-memory", default="", help="memory per device, e.g. 80GB "
-                   "(default: the profile's)")
+    p.add_argument(
+        "--device", default="h100", help="device profile: h100, h200, a100, tpu-v5e, cpu-sim"
+    )
+    p.add_argument(
+        "--device-memory", default="", help="memory per device, e.g. 80GB (default: the profile's)"
+    )
     p.add_argument("--batch", type=int, default=0, help="global batch (0: 2 per device)")
     p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the size's)")
-    p.add_argument("--dtype", default="", help="compute dtype (default: bfloat16, float32 on "
-                   "cpu-sim)")
+    p.add_argument(
+        "--dtype", default="", help="compute dtype (default: bfloat16, float32 on cpu-sim)"
+    )
     p.add_argument("--top", type=int, default=5, help="candidates to print")
     p.add_argument("--confirm", type=int, default=2, help="best candidates to compile")
     p.add_argument("--write", default="", help="save the winner as a train config (JSON)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--scaling", action="store_true", help="project 8 → 1024 devices for "
-                   "1.3b and 7b (DP, FSDP, the planner's pick)")
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="project 8 → 1024 devices for 1.3b and 7b (DP, FSDP, the planner's pick)",
+    )
     p.add_argument("--plot", default="", help="with --scaling: save the plot here")
     return p.parse_args(argv)
 
@@ -111,9 +132,10 @@ def reasoning(plan: Plan, top: int) -> list[str]:
     ]
     for i, c in enumerate(plan.ranked[:top], 1):
         m, e = c.modelled, c.modelled.estimate
-        comm = ", ".join(
-            f"{b} {t * 1e3:.2f} ms ({e.algorithms[b]})" for b, t in e.comm_s.items() if t
-        ) or "none"
+        comm = (
+            ", ".join(f"{b} {t * 1e3:.2f} ms ({e.algorithms[b]})" for b, t in e.comm_s.items() if t)
+            or "none"
+        )
         mem = f"{_size(m.peak)} modelled"
         if c.compiled_peak is not None:
             mem += f", {_size(c.compiled_peak)} compiled"
@@ -177,27 +199,46 @@ def run(args) -> int:
 
     cfg = gpt_config(args.model, seq_len, dtype)
     result = plan(
-        cfg, devices=args.devices, batch=batch, seq_len=seq_len, device=device,
-        memory_cap=cap, hosts=args.hosts or 1, confirm=args.confirm,
+        cfg,
+        devices=args.devices,
+        batch=batch,
+        seq_len=seq_len,
+        device=device,
+        memory_cap=cap,
+        hosts=args.hosts or 1,
+        confirm=args.confirm,
     )
     flags = train_flags(
-        result, cfg, batch=batch, seq_len=seq_len, devices=args.devices,
+        result,
+        cfg,
+        batch=batch,
+        seq_len=seq_len,
+        devices=args.devices,
         simulate=device.name == "cpu-sim",
     )
     if args.json:
-        print(json.dumps({
-            "best": result.best.candidate.describe(),
-            "train_flags": flags,
-            "modelled_step_s": result.best.modelled.estimate.total_s,
-            "compiled": result.compiled,
-            "considered": result.considered,
-            "wall_s": round(result.wall_s, 2),
-        }))
+        print(
+            json.dumps(
+                {
+                    "best": result.best.candidate.describe(),
+                    "train_flags": flags,
+                    "modelled_step_s": result.best.modelled.estimate.total_s,
+                    "compiled": result.compiled,
+                    "considered": result.considered,
+                    "wall_s": round(result.wall_s, 2),
+                }
+            )
+        )
     else:
-        mem = "compiled on simulated devices" if result.compiled else (
-            f"analytic only: this process has fewer than {args.devices} devices")
-        print(f"meshtrain plan · {args.model} · {args.devices} × {device.name} · "
-              f"{cap / 1e9:.3g} GB per device · batch {batch} × {seq_len} · memory {mem}")
+        mem = (
+            "compiled on simulated devices"
+            if result.compiled
+            else (f"analytic only: this process has fewer than {args.devices} devices")
+        )
+        print(
+            f"meshtrain plan · {args.model} · {args.devices} × {device.name} · "
+            f"{cap / 1e9:.3g} GB per device · batch {batch} × {seq_len} · memory {mem}"
+        )
         print("\n".join(reasoning(result, args.top)))
     if args.write:
         with open(args.write, "w", encoding="utf-8") as f:
@@ -217,14 +258,18 @@ def run_scaling(args) -> int:
         cfg = gpt_config(name, 2048, "bfloat16")
         for r in project(cfg, device=device, seq_len=2048):
             rows.append({"model": name, **r})
-    print(f"modelled on the {device.name} profile (no GPU step time measured: the compute "
-          "term is the model's roofline); weak: 2 sequences of 2048 per device, strong: 1024 "
-          f"sequences per step; {time.perf_counter() - t0:.0f} s")
+    print(
+        f"modelled on the {device.name} profile (no GPU step time measured: the compute "
+        "term is the model's roofline); weak: 2 sequences of 2048 per device, strong: 1024 "
+        f"sequences per step; {time.perf_counter() - t0:.0f} s"
+    )
     for r in rows:
         tps = f"{r['tokens_per_s']:.3g}" if r["tokens_per_s"] else "does not fit"
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] else "-"
-        print(f"{r['model']:5} {r['regime']:6} {r['layout']:8} {r['devices']:5d}  tokens/s "
-              f"{tps:>12}  efficiency {eff:>5}  {r['mesh'] or ''}")
+        print(
+            f"{r['model']:5} {r['regime']:6} {r['layout']:8} {r['devices']:5d}  tokens/s "
+            f"{tps:>12}  efficiency {eff:>5}  {r['mesh'] or ''}"
+        )
     if args.json:
         print(json.dumps(rows))
     if args.plot:

@@ -37,7 +37,11 @@ def _fixed(cfg, param_vars, n, strategy, *, batch, seq_len, device, cap):
         cand = Candidate(1, data, fsdp, 1, strategy, remat)
         layouts = param_layouts(param_vars, rules_for(strategy), cand.sizes)
         m = model_candidate(
-            cand, layouts, dataclasses.replace(cfg, remat=remat), batch=batch, seq_len=seq_len,
+            cand,
+            layouts,
+            dataclasses.replace(cfg, remat=remat),
+            batch=batch,
+            seq_len=seq_len,
             device=device,
         )
         if m.peak <= cap and (best is None or m.estimate.total_s < best.estimate.total_s):
@@ -83,16 +87,30 @@ def project(
                 if name == "planner":
                     try:
                         p = plan(
-                            cfg, devices=n, batch=batch, seq_len=seq_len, device=device,
-                            memory_cap=cap, confirm=0, remats=("none", "full"),
+                            cfg,
+                            devices=n,
+                            batch=batch,
+                            seq_len=seq_len,
+                            device=device,
+                            memory_cap=cap,
+                            confirm=0,
+                            remats=("none", "full"),
                             microbatch_factors=(4,),
                         )
                         m = p.best.modelled
                     except PlanError:
                         m = None
                 else:
-                    m = _fixed(cfg, param_vars, n, name, batch=batch, seq_len=seq_len,
-                               device=device, cap=cap)
+                    m = _fixed(
+                        cfg,
+                        param_vars,
+                        n,
+                        name,
+                        batch=batch,
+                        seq_len=seq_len,
+                        device=device,
+                        cap=cap,
+                    )
                 row = {"regime": regime, "layout": name, "devices": n, "batch": batch}
                 if m is None:
                     row.update(tokens_per_s=None, step_s=None, efficiency=None, mesh=None)
@@ -128,8 +146,10 @@ def plot(rows: list[dict], path: str, title: str = "") -> str | None:
                 pts = [
                     (r["devices"], r["tokens_per_s"])
                     for r in rows
-                    if r["regime"] == regime and r["layout"] == name
-                    and r.get("model", "") == model and r["tokens_per_s"]
+                    if r["regime"] == regime
+                    and r["layout"] == name
+                    and r.get("model", "") == model
+                    and r["tokens_per_s"]
                 ]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker="o", label=name)

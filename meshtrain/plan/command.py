@@ -260,11 +260,11 @@ def run_scaling(args) -> int:
             rows.append({"model": name, **r})
     print(
         f"modelled on the {device.name} profile (no GPU step time measured: the compute "
-        "term is the model's roofline); weak: 2 sequences of 2048 per device, strong: 1024 "
+        "term is the model's roofline); weak: 2 sequences of 2048 per device, strong: 512 "
         f"sequences per step; {time.perf_counter() - t0:.0f} s"
     )
     for r in rows:
-        tps = f"{r['tokens_per_s']:.3g}" if r["tokens_per_s"] else "does not fit"
+        tps = f"{r['tokens_per_s']:.3g}" if r["tokens_per_s"] else "no layout"
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] else "-"
         print(
             f"{r['model']:5} {r['regime']:6} {r['layout']:8} {r['devices']:5d}  tokens/s "

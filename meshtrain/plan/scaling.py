@@ -3,8 +3,10 @@
 Two regimes, the curves the surveys draw: **weak scaling** keeps the batch per device fixed
 (the global batch grows with the devices), **strong scaling** keeps the global batch fixed
 (each device gets less). For each device count three layouts are modelled: DP (``data=N``),
-FSDP (``fsdp=N``) and the planner's pick; each takes the fastest remat policy that fits the
-memory, and a layout that fits under none is left out (None).
+FSDP (``fsdp=N``) and the planner's pick; each takes the faster of no remat and full remat
+that fits the memory; a layout that fits under none, or cannot split the batch (strong scaling past 512
+devices for DP and FSDP), is left out (None). Efficiency is throughput per device relative to
+the smallest device count at which the same layout has a result.
 
 Everything is modelled (`analytic.model_candidate` on a `DeviceProfile`): no GPU step time has
 been measured for this project, so the compute term is the roofline of the model's FLOPs and
@@ -22,18 +24,21 @@ from meshtrain.costmodel import DeviceProfile
 from meshtrain.layout import rules_for
 from meshtrain.plan.analytic import model_candidate
 from meshtrain.plan.search import PlanError, plan
-from meshtrain.plan.space import REMATS, Candidate
+from meshtrain.plan.space import Candidate
 from meshtrain.state import abstract_model
 
 DEVICE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 LAYOUTS = ("dp", "fsdp", "planner")
+SCALING_REMATS = ("none", "full")  # the same policies for every layout (and a faster search)
 
 
 def _fixed(cfg, param_vars, n, strategy, *, batch, seq_len, device, cap):
     """The fastest fitting remat of DP (data=n) or FSDP (fsdp=n); None if none fits."""
     data, fsdp = (n, 1) if strategy == "dp" else (1, n)
+    if batch % n:
+        return None  # the batch does not split over n devices
     best = None
-    for remat in REMATS:
+    for remat in SCALING_REMATS:
         cand = Candidate(1, data, fsdp, 1, strategy, remat)
         layouts = param_layouts(param_vars, rules_for(strategy), cand.sizes)
         m = model_candidate(
@@ -55,7 +60,7 @@ def project(
     device: DeviceProfile,
     seq_len: int,
     per_device_batch: int = 2,
-    global_batch: int = 1024,
+    global_batch: int = 512,
     counts: tuple[int, ...] = DEVICE_COUNTS,
     memory_cap: float | None = None,
 ) -> list[dict]:
@@ -94,7 +99,7 @@ def project(
                             device=device,
                             memory_cap=cap,
                             confirm=0,
-                            remats=("none", "full"),
+                            remats=SCALING_REMATS,
                             microbatch_factors=(4,),
                         )
                         m = p.best.modelled

@@ -5,8 +5,8 @@ Two regimes, the curves the surveys draw: **weak scaling** keeps the batch per d
 (each device gets less). For each device count three layouts are modelled: DP (``data=N``),
 FSDP (``fsdp=N``) and the planner's pick; each takes the faster of no remat and full remat
 that fits the memory; a layout that fits under neither, or cannot split the batch (strong
-scaling past 512 devices for DP and FSDP), is left out (None). Efficiency is throughput per device relative to
-the smallest device count at which the same layout has a result.
+scaling past 512 devices for DP and FSDP), is left out (None). Efficiency is throughput per
+device relative to the smallest device count at which the same layout has a result.
 
 Everything is modelled (`analytic.model_candidate` on a `DeviceProfile`): no GPU step time has
 been measured for this project, so the compute term is the roofline of the model's FLOPs and

@@ -29,6 +29,7 @@ from meshtrain.state import abstract_model
 
 DEVICE_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 LAYOUTS = ("dp", "fsdp", "planner")
+COLORS = {"dp": "C0", "fsdp": "C1", "planner": "C2"}
 SCALING_REMATS = ("none", "full")  # the same policies for every layout (and a faster search)
 
 
@@ -157,7 +158,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> str | None:
                     and r["tokens_per_s"]
                 ]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+                    ax.plot(*zip(*pts, strict=True), marker="o", label=name, color=COLORS[name])
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("devices")

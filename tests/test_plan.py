@@ -107,3 +107,8 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     assert code == 2 and "must hold a JSON object" in err[0]
     code, err = _err(capsys, ["train", "--config", str(tmp_path / "missing.json")])
     assert code == 2 and "cannot read" in err[0]
+
+
+def test_inspect_takes_the_train_flags_and_refuses_a_bad_mesh_before_compiling(capsys):
+    code, err = _err(capsys, ["inspect", "--mesh", "data=3", "--json"])
+    assert code == 2 and len(err) == 1 and "data=3" in err[0], err

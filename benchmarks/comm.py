@@ -49,6 +49,7 @@ LAYOUTS = [
 
 
 def emit(record: dict) -> None:
+    """Prints one JSON line."""
     print(json.dumps(record), flush=True)
 
 

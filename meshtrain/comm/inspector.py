@@ -100,6 +100,7 @@ class Inspection:
         }
 
     def to_json(self) -> str:
+        """`as_dict` as one JSON line."""
         return json.dumps(self.as_dict())
 
     def print(self, console=None) -> None:

@@ -40,6 +40,7 @@ class Row:
     instructions: int
 
     def as_dict(self) -> dict:
+        """The row as JSON-ready values."""
         return {
             "kind": self.kind,
             "axes": axes_label(self.axes),

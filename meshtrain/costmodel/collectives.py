@@ -21,6 +21,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 
 
 def _log2(p: int) -> int:
+    """⌈log₂p⌉ (0 for one device)."""
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 

@@ -46,6 +46,7 @@ class Modelled:
 
     @property
     def peak(self) -> float:
+        """Modelled bytes per device, all parts together."""
         return sum(self.memory.values())
 
 

@@ -69,6 +69,7 @@ def gpt_config(name: str, seq_len: int, dtype: str):
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The planner's flags."""
     p = argparse.ArgumentParser(
         prog="meshtrain plan",
         description="Search pipe × data × fsdp × tensor layouts, strategies, remat and "
@@ -102,6 +103,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _profile(args):
+    """The device profile, with ``--hosts`` setting the devices per node."""
     import dataclasses
 
     from meshtrain.costmodel import profile
@@ -178,6 +180,7 @@ def train_flags(plan: Plan, cfg, *, batch: int, seq_len: int, devices: int, simu
 
 
 def run(args) -> int:
+    """Plans (or projects, with ``--scaling``) and prints; returns the exit code."""
     if args.scaling:
         return run_scaling(args)
     if args.model not in sizes():
@@ -248,6 +251,7 @@ def run(args) -> int:
 
 
 def run_scaling(args) -> int:
+    """Prints (and plots) the scaling projections of a 1.3B and a 7B GPT."""
     from meshtrain.costmodel import profile
     from meshtrain.plan.scaling import plot, project
 

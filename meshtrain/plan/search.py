@@ -43,6 +43,7 @@ class Choice:
 
     @property
     def candidate(self) -> Candidate:
+        """The layout."""
         return self.modelled.candidate
 
 
@@ -70,6 +71,7 @@ class Plan:
 
     @property
     def best(self) -> Choice:
+        """The fastest layout that fits."""
         return self.ranked[0]
 
     @property

@@ -37,6 +37,7 @@ class Candidate:
         return ",".join(parts) or "data=1"
 
     def describe(self) -> str:
+        """``mesh · strategy · remat`` (and the schedule)."""
         extra = f" · {self.schedule} m={self.microbatches}" if self.pipe > 1 else ""
         return f"{self.mesh} · {self.strategy} · remat {self.remat}{extra}"
 

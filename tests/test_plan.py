@@ -112,3 +112,14 @@ def test_config_errors_are_one_line(tmp_path, capsys):
 def test_inspect_takes_the_train_flags_and_refuses_a_bad_mesh_before_compiling(capsys):
     code, err = _err(capsys, ["inspect", "--mesh", "data=3", "--json"])
     assert code == 2 and len(err) == 1 and "data=3" in err[0], err
+
+
+def test_config_flags_come_first_so_the_command_line_wins(tmp_path):
+    from meshtrain.cli import config_flags, parse
+
+    path = tmp_path / "c.json"
+    path.write_text(
+        json.dumps({"mesh": "fsdp=8", "strategy": "fsdp", "gpt.remat": "full", "save": False})
+    )
+    job = parse(config_flags(["train", "--config", str(path), "--mesh", "data=8"]))
+    assert (job.mesh, job.strategy, job.gpt.remat, job.save) == ("data=8", "fsdp", "full", False)

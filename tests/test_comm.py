@@ -4,7 +4,9 @@ planner's choices confirmed by compiling. One compile per layout, shared (module
 import dataclasses
 import math
 
+import jax
 import pytest
+from flax import nnx
 
 import meshtrain as mt
 from meshtrain.check import check_run
@@ -16,7 +18,6 @@ from meshtrain.plan import plan
 
 CFG = mt.GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64)
 SPEC = DataSpec("lm", 16, 16, 64, None)
-PARAM_BYTES = None  # filled from the first inspection
 
 LAYOUTS = {
     "dp": ("data=8", "dp"),
@@ -55,17 +56,9 @@ def reports():
 
 
 def _param_bytes():
-    return 4 * sum(
-        math.prod(x.shape)
-        for x in __import__("jax").tree.leaves(
-            __import__("flax").nnx.state(
-                __import__("flax").nnx.eval_shape(
-                    lambda: CFG.build(rngs=__import__("flax").nnx.Rngs(0))
-                ),
-                __import__("flax").nnx.Param,
-            )
-        )
-    )
+    """Bytes of the model's float32 parameters, counted from its abstract state."""
+    abstract = nnx.eval_shape(lambda: CFG.build(rngs=nnx.Rngs(0)))
+    return 4 * sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
 @pytest.mark.slow
@@ -142,7 +135,7 @@ def test_the_planner_picks_a_sharded_layout_when_data_parallel_does_not_fit(repo
             if (mesh_str, strategy) == (cand.mesh, cand.strategy) and cand.remat == "none":
                 return reports(name).memory["peak"]
         compiled, _ = compile_step(
-            lambda: CFG.build(rngs=__import__("flax").nnx.Rngs(0)),
+            lambda: CFG.build(rngs=nnx.Rngs(0)),
             SPEC,
             mt.make_mesh(cand.mesh),
             mt.rules_for(cand.strategy),

@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from meshtrain import layout as S
+    from meshtrain.comm.hlo import collectives
     from meshtrain.layout import batch_shardings
     from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
     from meshtrain.mesh import describe, make_mesh
@@ -243,10 +244,8 @@ def main(argv=None) -> dict:
     lowerable = {"meshtrain": mt_step, **{k: fns[k] for k in CONTENDERS[1:]}}
     hlo_collectives = {}
     for name, fn in lowerable.items():  # already compiled: these hit jax's caches
-        hlo = fn.lower(states[name], batch).compile().as_text()
-        hlo_collectives[name] = {
-            op: hlo.count(f" {op}(") + hlo.count(f" {op}-start(") for op in ops
-        }
+        found = collectives(fn.lower(states[name], batch).compile().as_text())
+        hlo_collectives[name] = {op: sum(c.kind == op for c in found) for op in ops}
     log(f"collectives in the compiled programs: {hlo_collectives}")
 
     for _ in range(args.warmup):

@@ -23,78 +23,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-from collections import defaultdict
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
+from meshtrain.comm.hlo import collectives
 from meshtrain.layout import activation_rules, rules_for
 from meshtrain.lower import cross_entropy, init_train_state
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss_and_grads
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8}
-
-
-def _shape_bytes(text: str) -> int:
-    """Bytes of an HLO result shape such as ``f32[2,128,64]{2,1,0}`` or a tuple of them."""
-    total = 0
-    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", text):
-        if dtype in DTYPE_BYTES:
-            total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-    return total
-
 
 def collective_permutes(hlo: str) -> tuple[int, int]:
     """(executions per step, bytes sent per device per step) of the collective-permutes in a
-    compiled HLO module, multiplying each by the known trip counts of the loops around it."""
-    comps: dict[str, list[str]] = {}
-    name, entry = None, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head:
-            name = head.group(2)
-            comps[name] = []
-            entry = name if head.group(1) else entry
-        elif name is not None:
-            comps[name].append(line)
-    times: dict[str, int] = defaultdict(int)
-
-    def visit(comp: str, mult: int):
-        times[comp] += mult
-        for line in comps.get(comp, []):
-            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            if body:
-                visit(body.group(1), mult * (int(trip.group(1)) if trip else 1))
-            for ref in re.findall(
-                r"(?:to_apply|calls|condition|true_computation|false_computation)=%?([\w.\-]+)",
-                line,
-            ):
-                visit(ref, mult)
-            branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if branches:
-                for ref in branches.group(1).split(","):
-                    visit(ref.strip().lstrip("%"), mult)
-
-    visit(entry, 1)
-    count = sent = 0
-    for comp, lines in comps.items():
-        for line in lines:
-            m = re.search(r"=\s*(.+?)\s+collective-permute(?:-start)?\(", line)
-            if m and times[comp]:
-                count += times[comp]
-                sent += times[comp] * _shape_bytes(m.group(1).split(" ")[0])
-    return count, sent
+    compiled HLO module, each counted with the trip counts of the loops around it (read by
+    `meshtrain.comm.hlo`, the inspector's parser)."""
+    permutes = [c for c in collectives(hlo) if c.kind == "collective-permute"]
+    return sum(c.count for c in permutes), sum(c.count * c.result_bytes for c in permutes)
 
 
 def compile_pipelined(cfg: GPTConfig, mesh_spec: str, pc: PipelineConfig | None, batch: int):

@@ -17,6 +17,7 @@ checkpoints come from ``checkpoint=mt.CheckpointConfig(...)``. The lower tier,
 
 from meshtrain import distributed, lower
 from meshtrain.checkpoint import CheckpointConfig
+from meshtrain.comm import inspect
 from meshtrain.data import DataConfig, Dataset, make_arrays_dataset, make_dataset
 from meshtrain.distributed import DistributedConfig
 from meshtrain.layout import LOGICAL_AXES, STRATEGIES, Rules, constrain, rules_for
@@ -55,6 +56,7 @@ __all__ = [
     "describe",
     "distributed",
     "families",
+    "inspect",
     "lower",
     "make_arrays_dataset",
     "make_dataset",

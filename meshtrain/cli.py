@@ -8,11 +8,15 @@ meshtrain train --help
 meshtrain train --run-dir runs/a --save-every 50 --resume   # continue from the newest checkpoint
 meshtrain launch --nproc 2 --devices-per-proc 4 -- train   # 2 local processes, 4 devices each
 meshtrain bench --size 125m                                # one JSON line of speed figures
+meshtrain inspect --mesh data=8 --strategy fsdp            # compiled collectives, no step runs
+meshtrain plan --model 1.3b --devices 64 --write plan.json # pick a mesh; then:
+meshtrain train --config plan.json                         # flags from a file (later ones win)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -271,6 +275,31 @@ def parse(argv: list[str]):
         )
 
 
+def config_flags(argv: list[str]) -> list[str]:
+    """Expands ``--config FILE`` (a JSON object of flag name → value, as ``meshtrain plan
+    --write`` saves) into flags placed first, so flags given on the command line win."""
+    if "--config" not in argv:
+        return argv
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise ValueError("--config needs a file: --config plan.json")
+    path = argv[i + 1]
+    try:
+        flags = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot read a JSON object of flags ({e})") from None
+    if not isinstance(flags, dict):
+        raise ValueError(f"--config {path}: must hold a JSON object of flag name → value")
+    expanded = []
+    for name, value in flags.items():
+        if isinstance(value, bool):
+            expanded.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            expanded += [f"--{name}", str(value)]
+    rest = argv[:i] + argv[i + 2 :]
+    return rest[:1] + expanded + rest[1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshtrain`` command."""
     argv = sys.argv[1:] if argv is None else argv
@@ -282,9 +311,20 @@ def main(argv: list[str] | None = None) -> int:
         from meshtrain.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:  # its own argparse flags: see meshtrain/plan/command.py
+        from meshtrain.plan.command import main as plan_main
+
+        return plan_main(argv[1:])
+    inspecting, as_json = argv[:1] == ["inspect"], "--json" in argv
+    if inspecting:  # the train flags; the step is compiled, not run
+        argv = ["train", *(a for a in argv[1:] if a != "--json")]
     try:
-        job = parse(argv)
-        if isinstance(job, TrainJob):
+        job = parse(config_flags(argv))
+        if isinstance(job, TrainJob) and inspecting:
+            from meshtrain.comm.command import run as run_inspect
+
+            run_inspect(job, as_json)
+        elif isinstance(job, TrainJob):
             run_train(job)
     except (ValueError, DistributedError) as e:
         if os.environ.get("MESHTRAIN_DEBUG"):

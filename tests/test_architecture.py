@@ -21,11 +21,20 @@ LAYERS = [
         "meshtrain.data",
         "meshtrain.metrics",
         "meshtrain.distributed",
+        "meshtrain.costmodel",
     ],  # fmt: skip
     ["meshtrain.pipeline", "meshtrain.checkpoint"],
     ["meshtrain.check"],
     ["meshtrain.train"],
-    ["meshtrain.lower", "meshtrain.hf", "meshtrain.launch", "meshtrain.cli", "meshtrain"],
+    [
+        "meshtrain.lower",
+        "meshtrain.hf",
+        "meshtrain.launch",
+        "meshtrain.cli",
+        "meshtrain.comm",
+        "meshtrain.plan",
+        "meshtrain",
+    ],  # fmt: skip
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 

@@ -2,8 +2,9 @@
 "replicate the whole tensor, then partition it again" (its "Involuntary full
 rematerialization" warning), which would move a full copy of an activation or weight.
 
-XLA prints that warning from C++ to stderr, so the compiles run in a subprocess whose stderr
-the test reads. Two models: meshtrain's GPT, and a user's own model written here (an
+XLA prints that warning from C++ to stderr; the inspector's compile (`meshtrain.comm.compile`,
+the real train step on abstract state) captures it, and the compiles run in a subprocess
+whose stderr the test reads. Two models: meshtrain's GPT, and a user's own model written here (an
 `mt.Embed` and two linears, as in the README), which with a plain `nnx.Embed` makes XLA
 print the warning under fsdp+tp and zero1+tp.
 """
@@ -27,27 +28,21 @@ LAYOUTS = [
 SCRIPT = textwrap.dedent(
     """
     import sys
-    import numpy as np
+    from flax import nnx
     import meshtrain as mt
 
     mt.simulate_devices(8)
-    from meshtrain.layout import batch_shardings
+    from meshtrain.comm.compile import compile_step
+    from meshtrain.models.base import DataSpec
 
-    tx = mt.lower.make_optimizer(mt.OptimConfig(), 10)
-    tokens = np.random.default_rng(0).integers(0, 256, (16, 33), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    spec = DataSpec("lm", 16, 32, 256, None)
     for style, mesh_str, strategy in LAYOUTS:
         print(f"LAYOUT {style} {mesh_str} {strategy}", file=sys.stderr, flush=True)
         cfg = mt.GPTConfig(style=style, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
-        graphdef, state, shardings = mt.lower.init_train_state(
-            lambda: mt.lower.build_model(cfg), tx, mesh, rules
-        )
-        step = mt.lower.jit_train_step(
-            graphdef, tx, mesh, rules, shardings, batch_shardings(batch, mesh, rules)
-        )
-        step.lower(state, mt.lower.shard_batch(batch, mesh, rules)).compile()
+        _, info = compile_step(lambda: cfg.build(rngs=nnx.Rngs(0)), spec, mesh, rules)
+        print(info["stderr"], file=sys.stderr, flush=True)  # XLA's warnings, as captured
     print("DONE", file=sys.stderr, flush=True)
     """
 )
@@ -74,7 +69,8 @@ USER_SCRIPT = textwrap.dedent(
     import meshtrain as mt
 
     mt.simulate_devices(8)
-    from meshtrain.layout import batch_shardings
+    from meshtrain.comm.compile import compile_step
+    from meshtrain.models.base import DataSpec
 
 
     class TwoLayer(nnx.Module):
@@ -90,20 +86,13 @@ USER_SCRIPT = textwrap.dedent(
             return self.out(nnx.relu(self.up(x_BTD))).astype(jnp.float32)
 
 
-    tx = mt.lower.make_optimizer(mt.OptimConfig(), 10)
-    tokens = np.random.default_rng(0).integers(0, 256, (16, 17), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    spec = DataSpec("lm", 16, 16, 256, None)
     for mesh_str, strategy in LAYOUTS:
         print(f"LAYOUT {mesh_str} {strategy}", file=sys.stderr, flush=True)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
-        graphdef, state, shardings = mt.lower.init_train_state(
-            lambda: TwoLayer(nnx.Rngs(0)), tx, mesh, rules
-        )
-        step = mt.lower.jit_train_step(
-            graphdef, tx, mesh, rules, shardings, batch_shardings(batch, mesh, rules)
-        )
-        step.lower(state, mt.lower.shard_batch(batch, mesh, rules)).compile()
+        _, info = compile_step(lambda: TwoLayer(nnx.Rngs(0)), spec, mesh, rules)
+        print(info["stderr"], file=sys.stderr, flush=True)  # XLA's warnings, as captured
     print("DONE", file=sys.stderr, flush=True)
     """
 )

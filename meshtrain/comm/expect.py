@@ -1,0 +1,247 @@
+"""The collectives a layout should need, worked out from its parameters, and what does not fit.
+
+Every parameter's layout (its logical names resolved under the rules) says what the step must
+communicate. Sizes are per device, as `Collective.buffer_bytes` counts them (the whole buffer a
+collective works on), with B·T the tokens of one step and N_b the batch ways:
+
+- **gradient reduction** (all-reduce or reduce-scatter over the batch axes): every
+  parameter's gradient once, at its size after the non-batch axes (tensor, pipe) split it.
+  XLA may reduce-scatter or all-reduce then slice; both count the same buffer. A parameter
+  sharded over some batch axes and replicated over others (HSDP) adds an all-reduce of its
+  shard over the replicating axes.
+- **parameter gathers** (all-gather over the batch axes): a parameter sharded over batch axes
+  is gathered before its use in the forward and again in the backward when it lives in the
+  scanned layer stack (XLA does not keep the gathered stack between the two loops); once
+  otherwise. A parameter replicated while its optimizer state is sharded (ZeRO-1) is gathered
+  once after the update.
+- **tensor activations** (all-reduce over ``tensor``): Megatron's pattern per weight matrix
+  split over ``tensor``: a row-parallel matrix (split on its input dimension, and an embedding
+  table split over the vocabulary) all-reduces its output [B·T/N_b, d] in the forward; a
+  column-parallel one (split on its output dimension) all-reduces the gradient of its input
+  in the backward. XLA does not add the partial input gradients of sibling projections
+  (q, k, v; gate, up) before reducing them, so each counts.
+- **pipeline permutes** (collective-permute over ``pipe``): one microbatch activation
+  [B/(m·N_b), T, d] per tick each way: 2(v·m + p − 1) for gpipe and circular, 4(m + p − 1)
+  for 1F1B (it passes an activation and a cotangent every slot);
+- **pipeline stage sums** (all-reduce over ``pipe``): the stage outputs and their cotangent
+  summed across stages in float32, 2·B·T/N_b·d·4 bytes.
+
+Anything else is reported: a collective of another kind or over other axes (an all-gather of
+activations over ``tensor`` after bad propagation, an all-to-all), a bucket more than 10 %
+over its expectation (naming its largest contributor), and XLA's "Involuntary full
+rematerialization" warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from flax import nnx
+
+from meshtrain.comm.report import Row, axes_label, fmt_bytes
+from meshtrain.layout import Rules, axes_of, resolve
+from meshtrain.pipeline import PipelineConfig
+
+BUCKETS = (
+    "gradient reduction",
+    "parameter gathers",
+    "tensor activations",
+    "pipeline permutes",
+    "pipeline stage sums",
+)
+TOLERANCE = 0.10  # a bucket this much over its expectation is flagged
+SMALL_BYTES = 4096  # collectives below this per step (scalars: loss, norms) are not judged
+_NOT_MATRICES = ("bias", "scale")  # parameter names that are vectors, not weight matrices
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """One parameter: its path, shape, logical names and the mesh axes of each dimension."""
+
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+    axes: tuple[tuple[str, ...], ...]  # mesh axes per dimension (parameters)
+    opt_axes: tuple[tuple[str, ...], ...]  # mesh axes per dimension (optimizer state)
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def split(self, axes: set[str] | tuple[str, ...], sizes: Mapping[str, int]) -> int:
+        """How many ways the mesh axes in `axes` split this parameter."""
+        return math.prod(sizes[a] for dim in self.axes for a in dim if a in axes)
+
+
+def param_layouts(
+    param_vars: nnx.State, rules: Rules, sizes: Mapping[str, int]
+) -> list[ParamLayout]:
+    """Every parameter of an (abstract) model with its layout under `rules` on `sizes`."""
+    out = []
+    for path, var in nnx.to_flat_state(param_vars):
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(value.shape))
+
+        def per_dim(table, names=names, shape=value.shape):
+            spec = resolve(names, table, sizes, shape=shape)
+            spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+            return tuple(tuple(a for a in axes_of(s) if sizes.get(a, 1) > 1) for s in spec)
+
+        out.append(
+            ParamLayout(
+                path="/".join(str(p) for p in path),
+                shape=tuple(value.shape),
+                names=names,
+                axes=per_dim(rules.params),
+                opt_axes=per_dim(rules.optimizer_table),
+                itemsize=value.dtype.itemsize,
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Expectation:
+    """Bytes per device per step each bucket should move, and how each was worked out."""
+
+    bytes: dict[str, float]
+    why: dict[str, str]
+
+
+def expected(
+    params: list[ParamLayout],
+    sizes: Mapping[str, int],
+    batch_axes: tuple[str, ...],
+    *,
+    tokens: int,
+    d_model: int | None = None,
+    act_itemsize: int = 4,
+    pipeline: PipelineConfig | None = None,
+    batch: int | None = None,
+) -> Expectation:
+    """The analytic collectives of a layout (see the module docstring).
+
+    Args:
+        params: the parameters' layouts (`param_layouts`).
+        sizes: mesh axis sizes.
+        batch_axes: the axes the batch is split over.
+        tokens: tokens (or examples) per step, B·T.
+        d_model: the width of activations passed between pipeline stages.
+        act_itemsize: bytes per activation element (the compute dtype).
+        pipeline: the pipeline settings, where ``pipe > 1``.
+        batch: the global batch B (for microbatch sizes in a pipeline).
+
+    Returns:
+        An `Expectation`.
+    """
+    ways = math.prod(sizes[a] for a in batch_axes)
+    model_axes = {a for a, s in sizes.items() if s > 1 and a not in batch_axes}
+    b = dict.fromkeys(BUCKETS, 0.0)
+    why: dict[str, str] = {}
+    for p in params:
+        local = p.nbytes / p.split(model_axes, sizes)
+        sharded = {a for dim in p.axes for a in dim if a in batch_axes}
+        opt_sharded = {a for dim in p.opt_axes for a in dim if a in batch_axes}
+        if ways > 1:
+            b["gradient reduction"] += local
+            if sharded and set(batch_axes) - sharded:
+                b["gradient reduction"] += local / p.split(sharded, sizes)
+        if sharded:
+            b["parameter gathers"] += local * (2 if "layers" in p.names else 1)
+        elif opt_sharded:
+            b["parameter gathers"] += local
+        if sizes.get("tensor", 1) > 1 and p.path.rsplit("/", 1)[-1] not in _NOT_MATRICES:
+            b["tensor activations"] += _tensor_bytes(p, tokens / ways, act_itemsize)
+    why["gradient reduction"] = "each gradient once at its model-parallel size (+ HSDP shard)"
+    why["parameter gathers"] = "batch-sharded weights: forward + backward for stacked layers"
+    why["tensor activations"] = "forward AR per row-parallel, backward AR per column-parallel"
+    pipe = sizes.get("pipe", 1)
+    if pipe > 1 and d_model and batch:
+        pc = pipeline or PipelineConfig()
+        m, v = pc.num_microbatches(pipe), (pc.repeats if pc.schedule == "circular" else 1)
+        sends = 4 * (m + pipe - 1) if pc.schedule == "1f1b" else 2 * (v * m + pipe - 1)
+        seq = tokens // batch
+        micro = batch / (m * ways) * seq * d_model * 4
+        b["pipeline permutes"] = sends * micro
+        b["pipeline stage sums"] = 2 * tokens / ways * d_model * 4
+        why["pipeline permutes"] = f"{sends} microbatch activations of {fmt_bytes(micro)}"
+        why["pipeline stage sums"] = "stage outputs and cotangents summed over pipe (f32)"
+    return Expectation(b, why)
+
+
+def _tensor_bytes(p: ParamLayout, tokens_local: float, itemsize: int) -> float:
+    """Activation all-reduce bytes the matrix `p` needs under tensor parallelism."""
+    dims = [i for i, n in enumerate(p.names) if n != "layers"]
+    if len(dims) < 2 or not any("tensor" in p.axes[i] for i in dims):
+        return 0.0
+    layers = math.prod(p.shape[i] for i, n in enumerate(p.names) if n == "layers")
+    first = dims[0]
+    if "tensor" in p.axes[first]:  # row-parallel (or a vocab-split embedding): output reduced
+        width = p.shape[dims[-1]]
+    else:  # column-parallel: input gradient reduced
+        width = p.shape[first]
+    return layers * tokens_local * width * itemsize
+
+
+def bucket_of(row: Row, batch_axes: tuple[str, ...]) -> str | None:
+    """The expected bucket a summary row belongs to, or None when no layout should need it."""
+    axes = row.axes
+    if axes is None:
+        return None
+    on_batch = bool(axes) and set(axes) <= set(batch_axes)
+    if row.kind in ("all-reduce", "reduce-scatter") and on_batch:
+        return "gradient reduction"
+    if row.kind == "all-gather" and on_batch:
+        return "parameter gathers"
+    if row.kind == "all-reduce" and axes == ("tensor",):
+        return "tensor activations"
+    if row.kind == "collective-permute" and axes == ("pipe",):
+        return "pipeline permutes"
+    if row.kind == "all-reduce" and axes == ("pipe",):
+        return "pipeline stage sums"
+    return None
+
+
+def judge(
+    rows: list[Row], expectation: Expectation, batch_axes: tuple[str, ...], largest: Mapping
+) -> tuple[dict[str, float], list[str]]:
+    """Measured bytes per bucket and the flags: unexpected collectives and overshoots.
+
+    Args:
+        rows: the summary rows (`summarize`).
+        expectation: the analytic expectation.
+        batch_axes: the batch axes.
+        largest: per bucket, a description of its largest contributor (for the flag).
+
+    Returns:
+        ``(measured, flags)``.
+    """
+    measured = dict.fromkeys(BUCKETS, 0.0)
+    flags = []
+    for row in rows:
+        bucket = bucket_of(row, batch_axes)
+        if bucket is None:
+            if row.bytes >= SMALL_BYTES:
+                flags.append(
+                    f"unexpected {row.kind} over {axes_label(row.axes)}: {row.count}× per step, "
+                    f"{fmt_bytes(row.bytes)}; no layout rule needs it"
+                    + (
+                        " (activations gathered: a constraint or propagation went wrong)"
+                        if row.kind == "all-gather"
+                        else ""
+                    )
+                )
+            continue
+        measured[bucket] += row.bytes
+    for bucket in BUCKETS:
+        want, got = expectation.bytes[bucket], measured[bucket]
+        if got > want * (1 + TOLERANCE) and got - want >= SMALL_BYTES:
+            ratio = f"{got / want:.2f}× the expected" if want else "none expected, got"
+            flags.append(
+                f"{bucket}: {fmt_bytes(got)}, {ratio} {fmt_bytes(want)}"
+                + (f"; largest: {largest[bucket]}" if bucket in largest else "")
+            )
+    return measured, flags

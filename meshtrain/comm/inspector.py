@@ -1,0 +1,307 @@
+"""`inspect`: what the compiled train step of a layout holds, against what it should.
+
+import meshtrain as mt
+mt.simulate_devices(8)
+mesh = mt.make_mesh("data=2,fsdp=2,tensor=2")
+report = mt.inspect(mt.GPTConfig(), mt.DataConfig(), mesh, mt.rules_for("fsdp+tp", mesh))
+report.print()            # a rich table
+report.as_dict()          # JSON-ready
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshtrain.check import check_run, data_spec
+from meshtrain.comm.compile import compile_step
+from meshtrain.comm.expect import BUCKETS, Expectation, bucket_of, expected, judge, param_layouts
+from meshtrain.comm.hlo import Collective, collectives
+from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
+from meshtrain.layout import Rules
+from meshtrain.mesh import mesh_sizes
+from meshtrain.models.base import DataSpec
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.problem import raise_if
+from meshtrain.state import abstract_model
+from meshtrain.train.optim import OptimConfig
+
+REMAT_WARNING = "Involuntary full rematerialization"
+
+
+@dataclasses.dataclass
+class Inspection:
+    """The compiled step of one layout, per device.
+
+    Attributes:
+        mesh: axis sizes.
+        strategy: the rules' name.
+        memory: bytes: ``argument``, ``output``, ``temp``, ``alias`` and ``peak`` (arguments +
+            outputs + temporaries − aliased: what the step holds at once).
+        flops: XLA's FLOP count of the step (per device).
+        collectives: every collective instruction that runs.
+        rows: the collectives summed by kind and mesh axes.
+        expectation: the analytic expectation per bucket.
+        measured: the compiled bytes per bucket.
+        flags: what does not fit the expectation.
+        param_bytes: parameter bytes of the whole model.
+        compile_s: compile time.
+        batch_axes: the axes the batch is split over.
+    """
+
+    mesh: dict[str, int]
+    strategy: str
+    memory: dict[str, int]
+    flops: float
+    collectives: list[Collective]
+    rows: list[Row]
+    expectation: Expectation
+    measured: dict[str, float]
+    flags: list[str]
+    param_bytes: int
+    compile_s: float
+    batch_axes: tuple[str, ...] = ()
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes of all collectives per device per step (`Collective.buffer_bytes` summed)."""
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Ring-algorithm bytes each device sends per step."""
+        return sum(r.wire_bytes for r in self.rows)
+
+    def bytes_by(self, kind: str, axes: tuple[str, ...] | None = None) -> int:
+        """Summed bytes of one kind (over `axes` only, when given)."""
+        return sum(
+            r.bytes for r in self.rows if r.kind == kind and (axes is None or r.axes == axes)
+        )
+
+    def as_dict(self) -> dict:
+        """A JSON-ready summary (without the per-instruction list)."""
+        return {
+            "mesh": self.mesh,
+            "strategy": self.strategy,
+            "memory_bytes": self.memory,
+            "flops": self.flops,
+            "param_bytes": self.param_bytes,
+            "collectives": [r.as_dict() for r in self.rows],
+            "comm_bytes": self.comm_bytes,
+            "wire_bytes": round(self.wire_bytes),
+            "expected_bytes": {k: round(v) for k, v in self.expectation.bytes.items() if v},
+            "measured_bytes": {k: round(v) for k, v in self.measured.items() if v},
+            "flags": self.flags,
+            "compile_s": round(self.compile_s, 2),
+        }
+
+    def to_json(self) -> str:
+        """`as_dict` as one JSON line."""
+        return json.dumps(self.as_dict())
+
+    def print(self, console=None) -> None:
+        """Prints the memory, the collectives per kind and axes, and the flags (rich)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        mesh = ",".join(f"{a}={s}" for a, s in self.mesh.items() if s > 1) or "1 device"
+        m = self.memory
+        console.print(
+            f"[bold]{mesh} · {self.strategy}[/bold] · per device: arguments "
+            f"{fmt_bytes(m['argument'])}, outputs {fmt_bytes(m['output'])}, temporaries "
+            f"{fmt_bytes(m['temp'])}, peak {fmt_bytes(m['peak'])} · {self.flops / 1e9:.3g} GFLOP"
+        )
+        table = Table("collective", "axes", "per step", "bytes", "sent (ring)", "expected as")
+        for r in self.rows:
+            bucket = bucket_of(r, self.batch_axes)
+            table.add_row(
+                r.kind,
+                axes_label(r.axes),
+                str(r.count),
+                fmt_bytes(r.bytes),
+                fmt_bytes(r.wire_bytes),
+                bucket or "[red]unexpected[/red]",
+            )
+        console.print(table)
+        exp = Table("bucket", "compiled", "expected", "ratio")
+        for b in BUCKETS:
+            want, got = self.expectation.bytes[b], self.measured[b]
+            if want or got:
+                exp.add_row(
+                    b, fmt_bytes(got), fmt_bytes(want), f"{got / want:.2f}" if want else "-"
+                )
+        console.print(exp)
+        for f in self.flags:
+            console.print(f"[yellow]flag[/yellow]: {f}")
+        if not self.flags:
+            console.print("no flags: every collective is one the layout needs")
+
+
+def _largest(cs: list[Collective], sizes, batch_axes) -> dict[str, str]:
+    """Per bucket, the instruction moving the most bytes, described."""
+    from meshtrain.comm.axes import axes_of_groups
+
+    best: dict[str, tuple[int, str]] = {}
+    for c in cs:
+        axes = axes_of_groups(c.groups, sizes, permute=c.kind == "collective-permute")
+        row = Row(c.kind, axes, c.count, c.count * c.buffer_bytes, 0.0, c.group_size, 1)
+        bucket = bucket_of(row, batch_axes)
+        if bucket and row.bytes > best.get(bucket, (0, ""))[0]:
+            where = f" inside a loop, {c.count}× per step" if c.count > 1 else ""
+            best[bucket] = (
+                row.bytes,
+                f"{c.name} ({c.kind} of {fmt_bytes(c.buffer_bytes)}{where}; {c.op_name[-80:]})",
+            )
+    return {k: v[1] for k, v in best.items()}
+
+
+def inspect_compiled(
+    compiled,
+    *,
+    mesh: Mesh,
+    rules: Rules,
+    param_vars: nnx.State,
+    spec: DataSpec,
+    model=None,
+    pipeline: PipelineConfig | None = None,
+    stderr: str = "",
+    compile_s: float = 0.0,
+) -> Inspection:
+    """An `Inspection` of an already compiled step (see `inspect`)."""
+    sizes = mesh_sizes(mesh)
+    ma = compiled.memory_analysis()
+    memory = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+    }
+    memory["peak"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    cs = collectives(compiled.as_text(), mesh.devices.size)
+    rows = summarize(cs, sizes)
+    batch_axes = rules.batch_axes(sizes)
+    params = param_layouts(param_vars, rules, sizes)
+    tokens = spec.batch_size * (spec.seq_len or 1)
+    dtype = getattr(model, "dtype", "float32")
+    exp = expected(
+        params,
+        sizes,
+        batch_axes,
+        tokens=tokens,
+        d_model=getattr(model, "d_model", None),
+        act_itemsize=2 if dtype in ("bfloat16", "float16") else 4,
+        pipeline=pipeline,
+        batch=spec.batch_size,
+    )
+    measured, flags = judge(rows, exp, batch_axes, _largest(cs, sizes, batch_axes))
+    if REMAT_WARNING in stderr:
+        line = next(x for x in stderr.splitlines() if REMAT_WARNING in x)
+        flags.append(f"XLA: {line[line.find(REMAT_WARNING) :][:200]}")
+    return Inspection(
+        mesh=dict(sizes),
+        strategy=rules.name,
+        memory=memory,
+        flops=flops,
+        collectives=cs,
+        rows=rows,
+        expectation=exp,
+        measured=measured,
+        flags=flags,
+        param_bytes=sum(p.nbytes for p in params),
+        compile_s=compile_s,
+        batch_axes=batch_axes,
+    )
+
+
+def inspect(
+    model,
+    data,
+    mesh: Mesh,
+    rules: Rules,
+    *,
+    optim: OptimConfig | None = None,
+    pipeline: PipelineConfig | None = None,
+    accum_steps: int = 1,
+    loss_impl: str = "xla",
+    seed: int = 0,
+) -> Inspection:
+    """Compiles the real train step of a layout ahead of time (nothing runs, nothing is
+    allocated) and reports memory, FLOPs and every collective against the expectation.
+
+    Args:
+        model: a model config (e.g. `GPTConfig`), or a constructor taking an ``nnx.Rngs``.
+        data: a `DataConfig` (byte-level sources: vocabulary 256), a `Dataset` or a `DataSpec`.
+        mesh: the device mesh.
+        rules: the layout rules (`rules_for`).
+        optim: optimizer settings.
+        pipeline: pipeline settings (where ``pipe > 1``).
+        accum_steps: gradient-accumulation microbatches.
+        loss_impl: the cross-entropy implementation.
+        seed: the parameters' seed (it changes nothing compiled).
+
+    Returns:
+        An `Inspection`.
+
+    Raises:
+        RunCheckError: the run check's problems, before anything compiles.
+    """
+    ctor: Callable = (
+        (lambda: model.build(rngs=nnx.Rngs(params=seed)))
+        if callable(getattr(model, "build", None))
+        else (lambda: model(nnx.Rngs(params=seed)))
+    )
+    spec = as_spec(data)
+    config = model if callable(getattr(model, "build", None)) else None
+    graphdef, state = abstract_model(ctor)
+    raise_if(
+        check_run(
+            model=config,
+            data=spec,
+            mesh=mesh,
+            rules=rules,
+            accum_steps=accum_steps,
+            pipeline=pipeline,
+            abstract=(graphdef, state),
+        )
+    )
+    _, param_vars, _ = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
+    compiled, info = compile_step(
+        ctor,
+        spec,
+        mesh,
+        rules,
+        optim=optim,
+        pipeline=pipeline,
+        accum_steps=accum_steps,
+        loss_impl=loss_impl,
+    )
+    return inspect_compiled(
+        compiled,
+        mesh=mesh,
+        rules=rules,
+        param_vars=param_vars,
+        spec=spec,
+        model=config,
+        pipeline=pipeline,
+        stderr=info["stderr"],
+        compile_s=info["compile_s"],
+    )
+
+
+def as_spec(data) -> DataSpec:
+    """A `DataSpec` from a `DataSpec`, a `Dataset` or a `DataConfig` (byte-level: 256 ids)."""
+    if isinstance(data, DataSpec) or hasattr(data, "kind"):
+        return data_spec(data)
+    if getattr(data, "source", None) == "arrays":
+        from meshtrain.data import make_dataset
+
+        return data_spec(make_dataset(data))
+    return DataSpec("lm", data.batch_size, data.seq_len, 256, None)

@@ -1,0 +1,35 @@
+"""The α-β cost model: device and link profiles, collective costs per algorithm, and a
+roofline step-time estimate with a stated overlap assumption."""
+
+from meshtrain.costmodel.collectives import (
+    ALGORITHMS,
+    flat_cost,
+    hierarchical_all_reduce,
+    hierarchical_cost,
+    rabenseifner_all_reduce,
+    recursive_doubling_all_reduce,
+    ring_all_reduce,
+    tree_all_reduce,
+)
+from meshtrain.costmodel.profiles import PROFILES, DeviceProfile, Link, profile
+from meshtrain.costmodel.step import CommItem, StepEstimate, collective_time, placement, step_time
+
+__all__ = [
+    "ALGORITHMS",
+    "PROFILES",
+    "CommItem",
+    "DeviceProfile",
+    "Link",
+    "StepEstimate",
+    "collective_time",
+    "flat_cost",
+    "hierarchical_all_reduce",
+    "hierarchical_cost",
+    "placement",
+    "profile",
+    "rabenseifner_all_reduce",
+    "recursive_doubling_all_reduce",
+    "ring_all_reduce",
+    "step_time",
+    "tree_all_reduce",
+]

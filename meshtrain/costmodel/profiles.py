@@ -1,0 +1,127 @@
+"""Device and link profiles: the numbers the cost model runs on, each with its source.
+
+Bandwidths are per device and per direction. Latencies (α) are not on any datasheet: they are
+stated assumptions of the order NCCL's own tuning model uses, marked as such.
+
+Sources:
+- H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet (2023): 989 TFLOP/s dense BF16 (1,979 with
+  sparsity), 3.35 TB/s HBM3, 80 GB, NVLink 4 at 900 GB/s total (450 GB/s each way).
+- H200 SXM: NVIDIA H200 datasheet (2024): the H100's compute (989 TFLOP/s dense BF16), 4.8 TB/s
+  HBM3e, 141 GB, NVLink 4 at 900 GB/s.
+- A100 SXM4 80 GB: NVIDIA A100 datasheet (2021): 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e,
+  NVLink 3 at 600 GB/s total (300 GB/s each way).
+- Across nodes: DGX H100 / H200 user guide: eight ConnectX-7 InfiniBand NDR ports of 400 Gb/s,
+  one per GPU (50 GB/s each way); DGX A100: eight HDR ports of 200 Gb/s (25 GB/s).
+- TPU v5e: Google Cloud TPU v5e documentation: 197 TFLOP/s BF16, 819 GB/s HBM, 16 GB, ICI.
+- cpu-sim: the simulated CPU devices of the tests. Nominal figures, not measured: simulated
+  devices share one host's cores and memory, so no speed can be read off them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One kind of link: latency α (seconds) and bandwidth per device per direction (bytes/s)."""
+
+    alpha: float
+    bandwidth: float
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte, 1 / bandwidth."""
+        return 1.0 / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """An accelerator and its links.
+
+    Attributes:
+        name: the profile's name.
+        peak_flops: dense bf16 FLOP/s.
+        hbm_bandwidth: device memory bandwidth, bytes/s.
+        memory: device memory, bytes.
+        devices_per_node: devices joined by the fast link.
+        intra: the link within a node.
+        inter: the link between nodes.
+        source: where the numbers come from.
+    """
+
+    name: str
+    peak_flops: float
+    hbm_bandwidth: float
+    memory: float
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    source: str
+
+
+_NVLINK_ALPHA = 3e-6  # assumed: a few µs per NCCL step within a node
+_IB_ALPHA = 8e-6  # assumed: a few more µs per step across nodes
+
+PROFILES: dict[str, DeviceProfile] = {
+    "h100": DeviceProfile(
+        "h100",
+        989e12,
+        3.35e12,
+        80e9,
+        8,
+        Link(_NVLINK_ALPHA, 450e9),
+        Link(_IB_ALPHA, 50e9),
+        "NVIDIA H100 SXM5 datasheet; DGX H100 (8 × ConnectX-7 NDR 400 Gb/s)",
+    ),
+    "h200": DeviceProfile(
+        "h200",
+        989e12,
+        4.8e12,
+        141e9,
+        8,
+        Link(_NVLINK_ALPHA, 450e9),
+        Link(_IB_ALPHA, 50e9),
+        "NVIDIA H200 SXM datasheet; DGX H200 (8 × ConnectX-7 NDR 400 Gb/s)",
+    ),
+    "a100": DeviceProfile(
+        "a100",
+        312e12,
+        2.039e12,
+        80e9,
+        8,
+        Link(_NVLINK_ALPHA, 300e9),
+        Link(_IB_ALPHA, 25e9),
+        "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8 × HDR 200 Gb/s)",
+    ),
+    "tpu-v5e": DeviceProfile(
+        "tpu-v5e",
+        197e12,
+        819e9,
+        16e9,
+        256,
+        Link(2e-6, 100e9),  # ICI: 1,600 Gb/s per chip over 4 links; 100 GB/s each way assumed
+        Link(10e-6, 25e9),  # across slices (data-centre network): assumed
+        "Google Cloud TPU v5e documentation (ICI per-link split assumed)",
+    ),
+    "cpu-sim": DeviceProfile(
+        "cpu-sim",
+        1e11,
+        1e10,
+        8e9,
+        8,
+        Link(1e-5, 5e9),
+        Link(1e-5, 5e9),
+        "nominal: simulated CPU devices share one host; not measured",
+    ),
+}
+
+
+def profile(name: str) -> DeviceProfile:
+    """The profile called `name`; a ValueError naming the known ones otherwise."""
+    try:
+        return PROFILES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"device={name!r}: unknown device profile; choose from {', '.join(PROFILES)}"
+        ) from None

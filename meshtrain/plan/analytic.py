@@ -1,0 +1,176 @@
+"""The analytic model of one candidate: memory per device, communication, modelled step time.
+
+Memory per device, in bytes:
+- parameters, gradients (float32, at the parameter's layout) and optimizer moments (float32,
+  at the optimizer's layout; two for adamw and lamb, one for lars and sgd);
+- activations kept for the backward, per layer and token (Korthikanti et al., "Reducing
+  Activation Recomputation in Large Transformer Models", 2022, §4: 34·D + 5·H·T bytes per
+  token in 16-bit without recomputation, tensor parallelism dividing all but 10·D of it):
+  scaled by the element size / 2; ``full`` remat keeps only each layer's input (2·D per token
+  in 16-bit); ``save-dots`` keeps the matmul outputs, taken as half of no remat;
+- the logits and their gradient in float32 (B·T/N_b · V/tensor · 8);
+- a pipeline stage holds L/p layers; gpipe keeps all m microbatches, 1F1B at most p.
+
+Device-memory traffic: weights read in the forward and backward and written once (3×), the
+optimizer moments read and written (2×), the activations without remat written and read
+once (half again for ``save-dots``, which re-runs the elementwise ops), and the logits.
+Full remat re-runs the forward: 4/3 of the FLOPs.
+
+Communication comes from `meshtrain.comm.expect` (the same expectation the inspector checks
+compiled programs against) and is timed with `meshtrain.costmodel`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from meshtrain.comm.expect import ParamLayout, expected
+from meshtrain.costmodel import CommItem, DeviceProfile, StepEstimate, step_time
+from meshtrain.layout import rules_for
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.plan.space import Candidate
+
+MOMENTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1}
+REMAT_ACTIVATION = {"none": 1.0, "save-dots": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Modelled:
+    """A candidate with its modelled memory (bytes per device) and step."""
+
+    candidate: Candidate
+    memory: dict[str, float]
+    estimate: StepEstimate
+    flops_per_device: float
+
+    @property
+    def peak(self) -> float:
+        """Modelled bytes per device, all parts together."""
+        return sum(self.memory.values())
+
+
+def model_candidate(
+    cand: Candidate,
+    layouts: list[ParamLayout],
+    cfg,
+    *,
+    batch: int,
+    seq_len: int,
+    device: DeviceProfile,
+    optimizer: str = "adamw",
+) -> Modelled:
+    """Models one candidate (see the module docstring).
+
+    Args:
+        cand: the candidate.
+        layouts: its parameters' layouts (`param_layouts` under its rules).
+        cfg: the `GPTConfig` (widths, layers, heads, dtype, vocabulary).
+        batch: global batch (sequences).
+        seq_len: tokens per sequence.
+        device: the device profile.
+        optimizer: the optimizer's name.
+
+    Returns:
+        A `Modelled`.
+    """
+    sizes = cand.sizes
+    rules = rules_for(cand.strategy)
+    batch_axes = rules.batch_axes(sizes)
+    ways = math.prod(sizes[a] for a in batch_axes)
+    n = math.prod(sizes.values())
+    item = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+    all_axes = {a for a, s in sizes.items() if s > 1}
+    params = sum(p.nbytes / p.split(all_axes, sizes) for p in layouts)
+    opt = sum(
+        p.nbytes / math.prod(sizes[a] for dim in p.opt_axes for a in dim) for p in layouts
+    ) * MOMENTS.get(optimizer, 2)
+    tokens_local = batch * seq_len / ways
+    t, p = cand.tensor, cand.pipe
+    D, H, L = cfg.d_model, cfg.n_heads, cfg.n_layers
+    per_token = (10 * D + (24 * D + 5 * H * seq_len) / t) * item / 2
+    traffic = 2 * tokens_local * (L / p) * per_token  # activations written and read once
+    if cand.remat == "full":
+        per_token = 2 * D * item / 2
+    else:
+        per_token *= REMAT_ACTIVATION[cand.remat]
+        traffic *= 1.5 if cand.remat == "save-dots" else 1.0  # elementwise ops re-run
+    layers_here = L / p
+    if p > 1:
+        held = min(cand.microbatches, p) if cand.schedule == "1f1b" else cand.microbatches
+        act_tokens = tokens_local / cand.microbatches * held
+    else:
+        act_tokens = tokens_local
+    activations = act_tokens * layers_here * per_token
+    logits = tokens_local * cfg.padded_vocab / t * 8
+    memory = {
+        "parameters": params,
+        "gradients": params,
+        "optimizer": opt,
+        "activations": activations,
+        "logits": logits,
+    }
+    pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches) if p > 1 else None
+    exp = expected(
+        layouts,
+        sizes,
+        batch_axes,
+        tokens=batch * seq_len,
+        d_model=D,
+        act_itemsize=item,
+        pipeline=pc,
+        batch=batch,
+    )
+    comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes)
+    flops = cfg.flops_per_token(seq_len) * batch * seq_len / n
+    if cand.remat == "full":
+        flops *= 4 / 3  # the forward runs twice
+    hbm = 3 * params + 2 * opt + traffic + logits  # weights read ×2, update r/w
+    bubble = (p - 1) / (cand.microbatches + p - 1) if p > 1 else 0.0
+    est = step_time(
+        flops=flops, hbm_bytes=hbm, comm=comm, sizes=sizes, device=device, bubble=bubble
+    )
+    return Modelled(cand, memory, est, flops)
+
+
+def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list[CommItem]:
+    """The expectation's buckets as collectives with realistic message sizes."""
+    items = []
+    sharded = tuple(a for a in batch_axes if any(a in d for p in layouts for d in p.axes))
+    if b["gradient reduction"]:
+        kind = "reduce-scatter" if sharded else "all-reduce"
+        items.append(
+            CommItem("gradient reduction", kind, tuple(batch_axes), b["gradient reduction"])
+        )
+    if b["parameter gathers"]:
+        axes = sharded or tuple(batch_axes)
+        count = 2 * max(1, L // cand.pipe) + 2
+        items.append(
+            CommItem("parameter gathers", "all-gather", axes, b["parameter gathers"] / count, count)
+        )
+    if b["tensor activations"]:
+        count = 7 * max(1, L // cand.pipe) + 2
+        items.append(
+            CommItem(
+                "tensor activations",
+                "all-reduce",
+                ("tensor",),
+                b["tensor activations"] / count,
+                count,
+            )
+        )
+    if b["pipeline permutes"]:
+        sends = 4 * (cand.microbatches + cand.pipe - 1)
+        items.append(
+            CommItem(
+                "pipeline permutes",
+                "collective-permute",
+                ("pipe",),
+                b["pipeline permutes"] / sends,
+                sends,
+            )
+        )
+        items.append(
+            CommItem("pipeline stage sums", "all-reduce", ("pipe",), b["pipeline stage sums"])
+        )
+    return items

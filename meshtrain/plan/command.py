@@ -1,0 +1,296 @@
+"""``meshtrain plan``: pick a mesh for a GPT, print the reasoning, optionally write it out.
+
+    meshtrain plan --model 1.3b --devices 64 --device h100 --device-memory 80GB
+    meshtrain plan --model tiny --devices 8 --device cpu-sim --device-memory 4MB --write plan.json
+    meshtrain train --config plan.json --steps 2
+    meshtrain plan --scaling --plot docs/scaling.png
+
+Its flags are argparse (like ``meshtrain bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+
+from meshtrain.plan.search import Plan, PlanError
+
+SEVEN_B = dict(d_model=4096, n_layers=32, n_heads=32, vocab_size=32000, seq_len=2048, batch=8)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def sizes() -> dict[str, dict[str, int]]:
+    """The model sizes the planner knows: the bench's and a Llama-2-7B shape."""
+    from meshtrain.bench import SIZES
+
+    return {**SIZES, "7b": SEVEN_B}
+
+
+def parse_bytes(text: str) -> float:
+    """``80GB`` → 8e10; ``512MiB`` → 2**29. A ValueError naming the fix otherwise."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"device_memory={text!r}: not a size; write a number with a unit, e.g. 80GB or 512MiB"
+        )
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def gpt_config(name: str, seq_len: int, dtype: str):
+    """The `GPTConfig` of a named size."""
+    from meshtrain.models import GPTConfig
+
+    s = sizes()[name]
+    extra = {"d_ff": 11008} if name == "7b" else {}
+    return GPTConfig(
+        vocab_size=s["vocab_size"],
+        max_seq_len=seq_len,
+        d_model=s["d_model"],
+        n_layers=s["n_layers"],
+        n_heads=s["n_heads"],
+        dtype=dtype,
+        **extra,
+    )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The planner's flags."""
+    p = argparse.ArgumentParser(
+        prog="meshtrain plan",
+        description="Search pipe × data × fsdp × tensor layouts, strategies, remat and "
+        "microbatches for a GPT; rank by modelled step time; confirm memory by compiling.",
+    )
+    p.add_argument("--model", default="1.3b", help=f"model size: {', '.join(sizes())}")
+    p.add_argument("--devices", type=int, default=8, help="devices to plan for")
+    p.add_argument("--hosts", type=int, default=0, help="hosts (0: the profile's node size)")
+    p.add_argument(
+        "--device", default="h100", help="device profile: h100, h200, a100, tpu-v5e, cpu-sim"
+    )
+    p.add_argument(
+        "--device-memory", default="", help="memory per device, e.g. 80GB (default: the profile's)"
+    )
+    p.add_argument("--batch", type=int, default=0, help="global batch (0: 2 per device)")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the size's)")
+    p.add_argument(
+        "--dtype", default="", help="compute dtype (default: bfloat16, float32 on cpu-sim)"
+    )
+    p.add_argument("--top", type=int, default=5, help="candidates to print")
+    p.add_argument("--confirm", type=int, default=2, help="best candidates to compile")
+    p.add_argument("--write", default="", help="save the winner as a train config (JSON)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="project 8 → 1024 devices for 1.3b and 7b (DP, FSDP, the planner's pick)",
+    )
+    p.add_argument("--plot", default="", help="with --scaling: save the plot here")
+    return p.parse_args(argv)
+
+
+def _profile(args):
+    """The device profile, with ``--hosts`` setting the devices per node."""
+    import dataclasses
+
+    from meshtrain.costmodel import profile
+
+    device = profile(args.device)
+    if args.hosts:
+        if args.hosts < 1 or args.devices % args.hosts:
+            raise PlanError(
+                f"hosts={args.hosts}: does not divide devices={args.devices}; give a host count "
+                "that divides the devices"
+            )
+        device = dataclasses.replace(device, devices_per_node=args.devices // args.hosts)
+    return device
+
+
+def _size(x: float) -> str:
+    """``27.4 GB`` / ``3.1 MB``."""
+    return f"{x / 1e9:.3g} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
+
+
+def reasoning(plan: Plan, top: int) -> list[str]:
+    """Lines explaining the best `top` candidates."""
+    lines = [
+        f"{plan.considered} layouts · {plan.failed_check} fail the run check · "
+        f"{plan.over_memory} over the memory cap (modelled)"
+        + (f" · {plan.over_memory_compiled} over it compiled" if plan.over_memory_compiled else "")
+        + f" · {plan.wall_s:.1f} s"
+    ]
+    for i, c in enumerate(plan.ranked[:top], 1):
+        m, e = c.modelled, c.modelled.estimate
+        comm = (
+            ", ".join(f"{b} {t * 1e3:.2f} ms ({e.algorithms[b]})" for b, t in e.comm_s.items() if t)
+            or "none"
+        )
+        mem = f"{_size(m.peak)} modelled"
+        if c.compiled_peak is not None:
+            mem += f", {_size(c.compiled_peak)} compiled"
+        lines.append(f"{i}. {m.candidate.describe()}: {e.total_s * 1e3:.2f} ms/step modelled")
+        lines.append(
+            f"   compute {e.compute_s * 1e3:.2f} ms · bubble {e.bubble:.0%} · exposed comm "
+            f"{e.exposed_s * 1e3:.2f} ms · {comm}"
+        )
+        state = m.memory["parameters"] + m.memory["gradients"] + m.memory["optimizer"]
+        lines.append(
+            f"   memory {mem} (parameters, gradients and optimizer {_size(state)}, "
+            f"activations {_size(m.memory['activations'])}, logits {_size(m.memory['logits'])})"
+        )
+    return lines
+
+
+def train_flags(plan: Plan, cfg, *, batch: int, seq_len: int, devices: int, simulate: bool):
+    """The winner as `meshtrain train` flags (flag name without ``--`` → value)."""
+    c = plan.best.candidate
+    flags = {
+        "mesh": c.mesh,
+        "strategy": c.strategy,
+        "devices": devices if simulate else 0,
+        "model": "gpt",
+        "gpt.d-model": cfg.d_model,
+        "gpt.n-layers": cfg.n_layers,
+        "gpt.n-heads": cfg.n_heads,
+        "gpt.vocab-size": cfg.vocab_size,
+        "gpt.max-seq-len": cfg.max_seq_len,
+        "gpt.dtype": cfg.dtype,
+        "gpt.remat": c.remat,
+        "data.batch-size": batch,
+        "data.seq-len": seq_len,
+    }
+    if cfg.d_ff:
+        flags["gpt.d-ff"] = cfg.d_ff
+    if c.pipe > 1:
+        flags.update(schedule=c.schedule, microbatches=c.microbatches)
+    return flags
+
+
+def run(args) -> int:
+    """Plans (or projects, with ``--scaling``) and prints; returns the exit code."""
+    if args.scaling:
+        return run_scaling(args)
+    if args.model not in sizes():
+        raise PlanError(f"model={args.model!r}: unknown size; choose from {', '.join(sizes())}")
+    device = _profile(args)
+    cap = parse_bytes(args.device_memory) if args.device_memory else device.memory
+    if args.devices < 1:
+        raise PlanError(f"devices={args.devices}: must be a positive integer")
+    size = sizes()[args.model]
+    seq_len = args.seq_len or size["seq_len"]
+    dtype = args.dtype or ("float32" if device.name == "cpu-sim" else "bfloat16")
+    batch = args.batch or max(size["batch"], 2 * args.devices)
+    simulate = args.devices <= 8 and args.confirm > 0
+    if simulate:
+        from meshtrain.mesh import simulate_devices
+
+        simulate_devices(args.devices)
+    from meshtrain.plan.search import plan
+
+    cfg = gpt_config(args.model, seq_len, dtype)
+    result = plan(
+        cfg,
+        devices=args.devices,
+        batch=batch,
+        seq_len=seq_len,
+        device=device,
+        memory_cap=cap,
+        hosts=args.hosts or 1,
+        confirm=args.confirm,
+    )
+    flags = train_flags(
+        result,
+        cfg,
+        batch=batch,
+        seq_len=seq_len,
+        devices=args.devices,
+        simulate=device.name == "cpu-sim",
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "best": result.best.candidate.describe(),
+                    "train_flags": flags,
+                    "modelled_step_s": result.best.modelled.estimate.total_s,
+                    "compiled": result.compiled,
+                    "considered": result.considered,
+                    "wall_s": round(result.wall_s, 2),
+                }
+            )
+        )
+    else:
+        mem = (
+            "compiled on simulated devices"
+            if result.compiled
+            else (f"analytic only: this process has fewer than {args.devices} devices")
+        )
+        print(
+            f"meshtrain plan · {args.model} · {args.devices} × {device.name} · "
+            f"{cap / 1e9:.3g} GB per device · batch {batch} × {seq_len} · memory {mem}"
+        )
+        print("\n".join(reasoning(result, args.top)))
+    if args.write:
+        with open(args.write, "w", encoding="utf-8") as f:
+            json.dump(flags, f, indent=1)
+        print(f"wrote {args.write}: meshtrain train --config {args.write}", file=sys.stderr)
+    return 0
+
+
+def run_scaling(args) -> int:
+    """Prints (and plots) the scaling projections of a 1.3B and a 7B GPT."""
+    from meshtrain.costmodel import profile
+    from meshtrain.plan.scaling import plot, project
+
+    device = profile(args.device)
+    rows = []
+    t0 = time.perf_counter()
+    for name in ("1.3b", "7b"):
+        cfg = gpt_config(name, 2048, "bfloat16")
+        for r in project(cfg, device=device, seq_len=2048):
+            rows.append({"model": name, **r})
+    print(
+        f"modelled on the {device.name} profile (no GPU step time measured: the compute "
+        "term is the model's roofline); weak: 2 sequences of 2048 per device, strong: 512 "
+        f"sequences per step; {time.perf_counter() - t0:.0f} s"
+    )
+    for r in rows:
+        tps = f"{r['tokens_per_s']:.3g}" if r["tokens_per_s"] else "no layout"
+        eff = f"{r['efficiency']:.2f}" if r["efficiency"] else "-"
+        print(
+            f"{r['model']:5} {r['regime']:6} {r['layout']:8} {r['devices']:5d}  tokens/s "
+            f"{tps:>12}  efficiency {eff:>5}  {r['mesh'] or ''}"
+        )
+    if args.json:
+        print(json.dumps(rows))
+    if args.plot:
+        where = plot(rows, args.plot, f"modelled scaling on {device.name}")
+        print(f"plot: {where}" if where else "plot skipped: matplotlib is not installed")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``meshtrain plan``."""
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return run(args)
+    except ValueError as e:
+        print(f"meshtrain plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The planner: search layouts, prune, model, confirm by compiling, rank.
+
+1. Enumerate candidates (`space.candidates`).
+2. Prune with the run check (`check_run` on the axis sizes and the abstract model: nothing is
+   allocated) and with the analytic memory model against the cap.
+3. Rank the survivors by modelled step time (`analytic.model_candidate`).
+4. Confirm by compiling, best first, until `confirm` candidates compile within the cap. This
+   needs as many devices as the plan: with fewer (say, 64 devices planned on a machine that
+   simulates 8) memory stays analytic, and the plan says so. Compiling a scaled proxy instead
+   was rejected: its memory would not be the plan's.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+
+from flax import nnx
+
+from meshtrain.check import check_run
+from meshtrain.comm.expect import param_layouts
+from meshtrain.costmodel import DeviceProfile
+from meshtrain.layout import rules_for
+from meshtrain.models.base import DataSpec
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.plan.analytic import Modelled, model_candidate
+from meshtrain.plan.space import REMATS, Candidate, candidates
+from meshtrain.state import abstract_model
+
+
+class PlanError(ValueError):
+    """No layout can work; the message says why and what would."""
+
+
+@dataclasses.dataclass
+class Choice:
+    """A ranked candidate: its model and, where compiled, the compiled peak memory."""
+
+    modelled: Modelled
+    compiled_peak: float | None = None
+
+    @property
+    def candidate(self) -> Candidate:
+        """The layout."""
+        return self.modelled.candidate
+
+
+@dataclasses.dataclass
+class Plan:
+    """The planner's answer.
+
+    Attributes:
+        ranked: survivors, best first (compiled ones confirmed within the cap).
+        considered: candidates enumerated.
+        failed_check: how many the run check rejected.
+        over_memory: how many the analytic memory model rejected.
+        over_memory_compiled: how many compiled above the cap.
+        compiled: whether memory was confirmed by compiling.
+        wall_s: planning time.
+    """
+
+    ranked: list[Choice]
+    considered: int
+    failed_check: int
+    over_memory: int
+    over_memory_compiled: int
+    compiled: bool
+    wall_s: float
+
+    @property
+    def best(self) -> Choice:
+        """The fastest layout that fits."""
+        return self.ranked[0]
+
+    @property
+    def confirmed(self) -> list[Choice]:
+        """The ranked choices whose memory was confirmed by compiling."""
+        return [c for c in self.ranked if c.compiled_peak is not None]
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3g} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
+
+
+def plan(
+    cfg,
+    *,
+    devices: int,
+    batch: int,
+    seq_len: int,
+    device: DeviceProfile,
+    memory_cap: float,
+    hosts: int = 1,
+    optimizer: str = "adamw",
+    confirm: int = 2,
+    max_compiles: int = 4,
+    compile_fn: Callable | None = None,
+    max_pipe: int | None = 8,
+    max_tensor: int | None = None,
+    remats: tuple[str, ...] = REMATS,
+    microbatch_factors: tuple[int, ...] = (2, 4),
+) -> Plan:
+    """Searches layouts of a GPT on `devices` devices (see the module docstring).
+
+    Args:
+        cfg: the `GPTConfig`.
+        devices: devices to plan for.
+        batch: global batch (sequences).
+        seq_len: tokens per sequence.
+        device: the device profile.
+        memory_cap: bytes per device.
+        hosts: hosts the devices are spread over (must divide `devices`).
+        optimizer: the optimizer's name (its moments count in memory).
+        confirm: compile this many of the best candidates (0: none).
+        max_compiles: compile at most this many in all (those over the cap included).
+        compile_fn: ``(candidate) -> compiled peak bytes``; None compiles the real train step
+            when this process has `devices` devices, and otherwise confirms nothing.
+        max_pipe, max_tensor: largest pipe and tensor sizes (tensor defaults to one node).
+        remats: remat policies to try.
+        microbatch_factors: pipeline microbatches per stage to try.
+
+    Returns:
+        A `Plan`.
+
+    Raises:
+        PlanError: bad input, no layout passing the run check, or none fitting the cap (the
+            message names the smallest memory that would fit).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"devices={devices!r}: must be a positive integer")
+    if hosts < 1 or devices % hosts:
+        raise PlanError(
+            f"hosts={hosts}: does not divide devices={devices}; give a host count that divides "
+            "the devices (each host holds the same number)"
+        )
+    if memory_cap <= 0:
+        raise PlanError(f"device_memory={memory_cap}: must be positive, e.g. 80GB")
+    if batch < 1 or seq_len < 1:
+        raise PlanError(f"batch={batch}, seq_len={seq_len}: must be positive")
+    max_tensor = max_tensor or device.devices_per_node
+    spec = DataSpec("lm", batch, seq_len, cfg.vocab_size, None)
+    graphdef, abstract = abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))
+    _, param_vars, _ = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)
+    cands = candidates(
+        devices,
+        max_pipe=max_pipe,
+        max_tensor=max_tensor,
+        remats=remats,
+        microbatch_factors=microbatch_factors,
+    )
+    reasons: collections.Counter = collections.Counter()
+    layouts_cache: dict = {}
+    checked: dict = {}
+    modelled: list[Modelled] = []
+    failed = over = 0
+    for cand in cands:
+        rules = rules_for(cand.strategy)
+        sizes = cand.sizes
+        key = (cand.mesh, cand.strategy, cand.microbatches)
+        if key not in checked:
+            pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches)
+            problems = check_run(
+                model=cfg,
+                data=spec,
+                mesh=sizes,
+                rules=rules,
+                pipeline=pc,
+                abstract=(graphdef, abstract),
+            )
+            checked[key] = problems
+        if checked[key]:
+            failed += 1
+            p = checked[key][0]
+            reasons[f"{p.field}={p.value!r}: {p.message}"] += 1
+            continue
+        lk = (cand.mesh, cand.strategy)
+        if lk not in layouts_cache:
+            layouts_cache[lk] = param_layouts(param_vars, rules, sizes)
+        m = model_candidate(
+            dataclasses.replace(cand),
+            layouts_cache[lk],
+            dataclasses.replace(cfg, remat=cand.remat),
+            batch=batch,
+            seq_len=seq_len,
+            device=device,
+            optimizer=optimizer,
+        )
+        modelled.append(m)
+    if not modelled:
+        why, _ = reasons.most_common(1)[0] if reasons else ("no candidates", 0)
+        raise PlanError(
+            f"devices={devices}: none of {len(cands)} layouts passes the run check; the most "
+            f"common problem: {why}"
+        )
+    fits = [m for m in modelled if m.peak <= memory_cap]
+    over = len(modelled) - len(fits)
+    if not fits:
+        small = min(modelled, key=lambda m: m.peak)
+        raise PlanError(
+            f"device_memory={_gb(memory_cap)}: no layout of {devices} devices fits; the smallest "
+            f"needs {_gb(small.peak)} per device ({small.candidate.describe()}); give at least "
+            f"--device-memory {_gb(small.peak).replace(' ', '')} or more devices"
+        )
+    fits.sort(key=lambda m: m.estimate.total_s)
+    compile_fn = compile_fn or _default_compile(cfg, spec, devices)
+    ranked: list[Choice] = []
+    over_compiled = confirmed = tries = 0
+    smallest: tuple[float, str] | None = None
+    for m in fits:
+        choice = Choice(m)
+        if compile_fn is not None and confirmed < confirm and tries < max_compiles:
+            tries += 1
+            peak = compile_fn(m.candidate)
+            choice.compiled_peak = peak
+            if smallest is None or peak < smallest[0]:
+                smallest = (peak, m.candidate.describe())
+            if peak > memory_cap:
+                over_compiled += 1
+                continue
+            confirmed += 1
+        elif compile_fn is not None and confirm and not confirmed:
+            continue  # no compiled proof left to give: keep only confirmed layouts
+        ranked.append(choice)
+    if compile_fn is not None and confirm and not confirmed:
+        peak, where = smallest
+        raise PlanError(
+            f"device_memory={_gb(memory_cap)}: the {tries} best layouts the model admitted "
+            f"compiled above the cap; the smallest needs {_gb(peak)} per device ({where}); "
+            f"give at least --device-memory {_gb(peak).replace(' ', '')}"
+        )
+    if compile_fn is not None:
+        ranked = [c for c in ranked if c.compiled_peak is not None] + [
+            c for c in ranked if c.compiled_peak is None
+        ]
+    return Plan(
+        ranked=ranked,
+        considered=len(cands),
+        failed_check=failed,
+        over_memory=over,
+        over_memory_compiled=over_compiled,
+        compiled=compile_fn is not None and confirm > 0,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+def _default_compile(cfg, spec: DataSpec, devices: int) -> Callable | None:
+    """Compiles a candidate's real train step when this process has exactly `devices`
+    devices; None otherwise (memory then stays analytic)."""
+    import jax
+
+    if jax.device_count() != devices:
+        return None
+
+    def compile_peak(cand: Candidate) -> float:
+        from meshtrain.comm.compile import compile_step
+        from meshtrain.mesh import make_mesh
+
+        mesh = make_mesh(cand.mesh)
+        model = dataclasses.replace(cfg, remat=cand.remat)
+        pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches)
+        compiled, _ = compile_step(
+            lambda: model.build(rngs=nnx.Rngs(0)),
+            spec,
+            mesh,
+            rules_for(cand.strategy, mesh),
+            pipeline=pc,
+        )
+        ma = compiled.memory_analysis()
+        return float(
+            ma.argument_size_in_bytes
+            + ma.output_size_in_bytes
+            + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes
+        )
+
+    return compile_peak

@@ -69,7 +69,7 @@ def check_run(
             f"the Trainer does not run {axis} parallelism yet; set {axis}=1",
         )
         for axis in UNSUPPORTED_AXES
-        if sizes.get(axis, 1) > 1
+        if sizes.get(axis, 1) > 1 and axis not in getattr(model, "supported_axes", ())
     ]
     ways, k = rules.batch_ways(sizes), accum_steps
     if spec.batch_size % (ways * k):

@@ -2,14 +2,26 @@
 
 - `base`: the interface (`ModelConfig`, `PipelineParts`, `DataSpec`);
 - `registry`: the families by name (`register`, `families`, `build_model`);
-- `gpt` (GPT-2 / Llama-style decoder) and `mlp` (residual MLP classifier): the families.
+- `gpt` (GPT-2 / Llama-style decoder), `mlp` (residual MLP classifier) and `moe` (mixture of
+  experts, Mixtral style): the families.
 """
 
 from __future__ import annotations
 
-from meshtrain.models.base import DTYPES, DataSpec, ModelConfig, PipelineParts, pipeline_parts
+from meshtrain.models.base import (
+    DTYPES,
+    DataSpec,
+    ModelConfig,
+    ModelOutput,
+    PipelineParts,
+    logits_of,
+    pipeline_parts,
+)
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.mlp import MLPClassifier, MLPConfig
+from meshtrain.models.moe import MoE
+from meshtrain.models.moe_config import PRESETS as MOE_PRESETS
+from meshtrain.models.moe_config import MoEConfig
 from meshtrain.models.registry import Family, build_model, families, family_of, register
 from meshtrain.models.remat import POLICIES as REMAT_POLICIES
 from meshtrain.models.sampling import sample
@@ -22,6 +34,12 @@ register(
     hf="meshtrain.hf",
 )
 register("mlp", MLPConfig, summary="residual MLP classifier on feature vectors")
+register(
+    "moe",
+    MoEConfig,
+    default=MOE_PRESETS["moe-tiny"],
+    summary="mixture-of-experts decoder, Mixtral style (expert parallel over the expert axis)",
+)
 
 __all__ = [
     "DTYPES",
@@ -31,12 +49,17 @@ __all__ = [
     "GPTConfig",
     "MLPClassifier",
     "MLPConfig",
+    "MOE_PRESETS",
+    "MoE",
+    "MoEConfig",
+    "ModelOutput",
     "ModelConfig",
     "PipelineParts",
     "REMAT_POLICIES",
     "build_model",
     "families",
     "family_of",
+    "logits_of",
     "pipeline_parts",
     "register",
     "sample",

@@ -96,6 +96,27 @@ class PipelineParts:
     head_params: tuple[str, ...]
 
 
+class ModelOutput(NamedTuple):
+    """What a model's ``__call__`` may return instead of bare logits: the logits with loss
+    terms to add to the training loss and metrics to report (an MoE's router losses and
+    expert load, say). `meshtrain.train.loss.loss_and_metrics` reads it.
+
+    Attributes:
+        logits: the logits the task loss is computed on.
+        aux_loss: a float32 scalar added to the task loss (already weighted).
+        metrics: float32 scalars reported beside the loss, by name.
+    """
+
+    logits: jax.Array
+    aux_loss: jax.Array
+    metrics: dict[str, jax.Array]
+
+
+def logits_of(output) -> jax.Array:
+    """The logits of a model's output (bare logits, or a `ModelOutput`)."""
+    return output.logits if isinstance(output, ModelOutput) else output
+
+
 def pipeline_parts(model: nnx.Module) -> PipelineParts | None:
     """The model's `PipelineParts`, or None when it cannot be pipelined."""
     method = getattr(model, "pipeline_parts", None)

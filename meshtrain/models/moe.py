@@ -56,9 +56,18 @@ class Experts(nnx.Module):
         slots = cfg.capacity_slots(T) if cfg.dispatch == "capacity" else None
         routing = route(logits_BTE, cfg.top_k, renormalize=cfg.renormalize, capacity_slots=slots)
         dtype = cfg.backbone.compute_dtype
+        if jax.default_backend() == "cpu":
+            # XLA's CPU compiler aborts on the bfloat16 dispatch's backward ("Invalid binary
+            # instruction opcode copy"), so on CPU the experts run in float32.
+            dtype = jnp.float32
         weights = tuple(w[...].astype(dtype) for w in (self.gate, self.up, self.down))
         y_BTD = dispatch(
-            x_BTD, routing, weights, kind=cfg.dispatch, n_experts=cfg.n_experts, slots=slots or 0
+            x_BTD.astype(dtype),
+            routing,
+            weights,
+            kind=cfg.dispatch,
+            n_experts=cfg.n_experts,
+            slots=slots or 0,
         )
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)

@@ -57,7 +57,7 @@ def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, 
     slot_BTK = jnp.where(keep_BTK, slot_BTK, slots)  # out of range: dropped below
     x_BTKD = jnp.broadcast_to(x_BTD[:, :, None, :], (B, T, K, D))
     buf_BECD = jnp.zeros((B, n_experts, slots, D), x_BTD.dtype)
-    buf_BECD = buf_BECD.at[row_BTK, expert_BTK, slot_BTK].add(x_BTKD, mode="drop")
+    buf_BECD = buf_BECD.at[row_BTK, expert_BTK, slot_BTK].set(x_BTKD, mode="drop")
     if shards > 1:  # [B, E, C, D] → [S·B, L, C, D]: my experts' buffers from every shard
         buf_BECD = jax.lax.all_to_all(buf_BECD, axis, 1, 0, tiled=True)
     G, L = buf_BECD.shape[:2]
@@ -112,7 +112,7 @@ def _padded_exchange(rows_AD, sizes_E, weights, *, axis, shards):
     y_MD = jnp.where((local_M[order_M] < L)[:, None], y_MD, 0)
     y_SAD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(shards, A, D)
     back_SAD = jax.lax.all_to_all(y_SAD, axis, 0, 0, tiled=True)
-    return jnp.zeros((A, D), back_SAD.dtype).at[src_SA].add(back_SAD, mode="drop")
+    return jnp.zeros((A, D), back_SAD.dtype).at[src_SA].set(back_SAD, mode="drop")
 
 
 def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slots: int):

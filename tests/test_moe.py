@@ -4,6 +4,7 @@ unchanged; the router losses match their closed forms; checkpoints reshard bit-e
 settings are one clear line before anything compiles; the CLI trains an MoE over ``expert``."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -46,14 +47,14 @@ def _layer_losses(graphdefs, mesh=None, rules=None):
     """jit(state, x) → per dispatch kind: (loss, grads wrt state and x) of one MoE layer, the
     loss mixing its output with the aux and z losses (so the router gets gradients)."""
 
-    def loss(graphdef, state, x_BTD, r_BTD):
+    def loss(graphdef, state, x_BTD, *, r_BTD):
         y_BTD, stats = nnx.merge(graphdef, state)(x_BTD)
         return jnp.sum(y_BTD * r_BTD) + stats["aux_loss"] + 0.1 * stats["z_loss"], stats
 
     def both(state, x_BTD, r_BTD):
         out = {}
         for kind, graphdef in graphdefs.items():
-            fn = jax.value_and_grad(lambda s, x: loss(graphdef, s, x, r_BTD), (0, 1), True)
+            fn = jax.value_and_grad(functools.partial(loss, graphdef, r_BTD=r_BTD), (0, 1), True)
             if mesh is None:
                 out[kind] = fn(state, x_BTD)
             else:
@@ -132,9 +133,7 @@ def test_model_loss_and_grads_equal_one_device_on_a_hybrid_mesh():
     (want, want_m), want_g = jax.jit(loss)(nnx.to_pure_dict(state))
     mesh, rules = _mesh("expert=2,fsdp=2,tensor=2", "fsdp+tp")
     with jax.set_mesh(mesh):
-        (got, got_m), got_g = jax.jit(lambda s: loss(s, mesh, rules))(
-            _placed(state, mesh, rules)
-        )
+        (got, got_m), got_g = jax.jit(lambda s: loss(s, mesh, rules))(_placed(state, mesh, rules))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert float(got_m["moe_dropped_fraction"]) == 0.0
     for k in want_m:
@@ -198,7 +197,9 @@ def test_router_losses_equal_their_closed_forms():
     # f_e: row 0 sends 8 choices each to experts 0 and 1; row 1 sends 4 to each expert.
     f = np.array([12, 12, 4, 4]) / 32
     P = p.mean(axis=(0, 1))
-    np.testing.assert_allclose(load_balance_loss(logits, routing.expert_BTK), 4 * (f * P).sum(), 1e-6)
+    np.testing.assert_allclose(
+        load_balance_loss(logits, routing.expert_BTK), 4 * (f * P).sum(), 1e-6
+    )
     np.testing.assert_allclose(z_loss(logits), (lse**2).mean(), rtol=1e-6)
     # Balanced, uniform routing gives exactly 1.
     uniform = jnp.zeros((1, 4, 4))
@@ -220,9 +221,11 @@ def test_checkpoint_restores_from_expert_4_onto_expert_2_data_2_bit_equal(tmp_pa
         layouts[spec] = (target, jax.tree.map(lambda x: x.sharding, target))
     target, shardings = layouts["expert=4"]
     state = jax.tree.map(
-        lambda x, s: jax.device_put(rng.standard_normal(x.shape).astype(x.dtype), s)
-        if np.issubdtype(x.dtype, np.floating)
-        else jax.device_put(np.full(x.shape, 3, x.dtype), s),
+        lambda x, s: (
+            jax.device_put(rng.standard_normal(x.shape).astype(x.dtype), s)
+            if np.issubdtype(x.dtype, np.floating)
+            else jax.device_put(np.full(x.shape, 3, x.dtype), s)
+        ),
         target,
         shardings,
     )

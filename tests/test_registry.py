@@ -36,7 +36,9 @@ def test_the_cli_offers_every_family_and_its_flags():
     assert job.gpt.n_layers == 6
     fields = {f.name for f in dataclasses.fields(cli.TrainJob)}
     assert set(families()) <= fields
-    with pytest.raises(ValueError, match=r"model='resnet': unknown model; choose from gpt, mlp, moe"):
+    with pytest.raises(
+        ValueError, match=r"model='resnet': unknown model; choose from gpt, mlp, moe"
+    ):
         cli.parse(["train", "--model", "resnet"])
 
 

@@ -206,9 +206,7 @@ class MoEConfig:
 
     def describe(self) -> str:
         """E.g. ``moe · d_model=64 · 2 layers (2 MoE) · 8 experts, top-2, capacity 1.25``."""
-        how = (
-            f"capacity {self.capacity_factor:g}" if self.dispatch == "capacity" else "dropless"
-        )
+        how = f"capacity {self.capacity_factor:g}" if self.dispatch == "capacity" else "dropless"
         shared = f" + shared {self.shared_expert}" if self.shared_expert else ""
         return (
             f"moe · d_model={self.d_model} · {self.n_layers} layers ({self.n_moe_layers} MoE) · "
@@ -253,4 +251,3 @@ def preset(name: str) -> MoEConfig:
     if name not in PRESETS:
         raise ValueError(f"moe preset {name!r}: unknown; choose from {', '.join(PRESETS)}")
     return PRESETS[name]
-

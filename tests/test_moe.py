@@ -277,6 +277,9 @@ def test_experts_the_mesh_cannot_split_are_found_before_compiling(n_experts, mes
     assert [p.field for p in gpt] == ["mesh.expert"]
     ok = check_run(model=MoEConfig(), data=data, mesh={"expert": 8}, rules=rules_for("dp"))
     assert ok == []
+    # Pipelines: the MoE offers no pipeline parts, so pipe > 1 is one clear problem.
+    piped = check_run(model=MoEConfig(), data=data, mesh={"pipe": 2}, rules=rules_for("dp"))
+    assert [p.field for p in piped] == ["mesh.pipe"] and "cannot be pipelined" in str(piped[0])
 
 
 def test_cli_bad_expert_split_is_one_line_exit_2(capsys, tmp_path):

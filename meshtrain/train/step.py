@@ -107,17 +107,17 @@ def train_step(
             extra_sum = jax.tree.map(lambda a, m: a + m, extra_sum, extra)
             return (loss_sum + loss, grad_sum, rest, extra_sum), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        first = {k: x[: x.shape[0] // accum_steps] for k, x in batch.items()}
-        extra_shape = jax.eval_shape(grad_fn, state.params, state.rest, first)[0][1][1]
-        extra0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), extra_shape)
-        carry = (jnp.zeros((), jnp.float32), zeros, state.rest, extra0)
         for key, x in batch.items():
             if x.shape[0] % accum_steps:
                 raise ValueError(
                     f"batch[{key!r}] has {x.shape[0]} rows, not divisible by accum_steps="
                     f"{accum_steps}; make the batch size a multiple of accum_steps"
                 )
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        first = {k: x[: x.shape[0] // accum_steps] for k, x in batch.items()}
+        extra_shape = jax.eval_shape(grad_fn, state.params, state.rest, first)[0][1][1]
+        extra0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), extra_shape)
+        carry = (jnp.zeros((), jnp.float32), zeros, state.rest, extra0)
         microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
         (loss, grads, rest, extra), _ = jax.lax.scan(accumulate, carry, microbatches)
         loss = loss / accum_steps

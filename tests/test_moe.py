@@ -261,8 +261,8 @@ def test_bad_moe_configs_are_one_clear_error(changes, message):
 @pytest.mark.parametrize(
     ("n_experts", "mesh", "field", "message"),
     [
-        (4, "expert=8", "mesh.expert", "more expert shards than the model's 4 experts"),
-        (6, "expert=4,data=2", "moe.n_experts", "not divisible by the mesh's expert=4"),
+        (4, "expert=8", "moe.n_experts", "fewer experts than the 8 shards of the expert axis"),
+        (6, "expert=4,data=2", "moe.n_experts", "not divisible by the expert axis of size 4"),
     ],
 )
 def test_experts_the_mesh_cannot_split_are_found_before_compiling(n_experts, mesh, field, message):
@@ -290,8 +290,8 @@ def test_cli_bad_expert_split_is_one_line_exit_2(capsys, tmp_path):
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err, err
     assert lines[0] == (
-        "meshtrain: error: mesh.expert=8: more expert shards than the model's 6 experts; set "
-        "expert to a divisor of 6 or raise --moe.n-experts to 8"
+        "meshtrain: error: moe.n_experts=6: fewer experts than the 8 shards of the expert axis; "
+        "raise --moe.n-experts to a multiple of 8 or set expert to a divisor of 6"
     ), err
     assert not (tmp_path / "run").exists()
 

@@ -47,8 +47,8 @@ class ModelConfig(Protocol):
     Optionally, it also has ``check_layout(sizes, rules) -> list[Problem]``: what keeps the
     model from being laid out by `rules` on axes of `sizes`, with the fix in its own fields
     (the GPT's names ``gpt.vocab_multiple``); the run check calls it when present.
-    And optionally ``supported_axes``: mesh axes the run check otherwise refuses that this
-    model runs (the MoE's ``("expert",)``).
+    And optionally ``supported_axes``: axes the run check otherwise refuses that this model
+    runs (the MoE's ``("expert",)``).
 
     Attributes:
         dtype: the compute dtype name (``float32`` or ``bfloat16``), for the peak-FLOPs lookup.

@@ -4,7 +4,7 @@ token to its top-k of E SwiGLU experts (Mixtral), optionally beside a shared exp
 The blocks are created stacked in groups of ``moe_every`` (``moe_every − 1`` dense blocks, then
 one MoE block) and scanned, so the compiled program holds one group whatever the depth. The
 router's softmax, top-k, losses and statistics are computed on global arrays; only the
-dispatch to the experts runs per device (`meshtrain.models.moe_dispatch`). The forward returns
+dispatch to the experts runs per shard (`meshtrain.kernels.moe_dispatch`). The forward returns
 a `ModelOutput`: logits, the weighted router losses, and the per-step statistics.
 """
 

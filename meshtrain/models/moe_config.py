@@ -186,11 +186,11 @@ class MoEConfig:
         if shards > self.n_experts:
             problems.append(
                 Problem(
-                    "mesh.expert",
-                    shards,
-                    f"more expert shards than the model's {self.n_experts} experts; set "
-                    f"expert to a divisor of {self.n_experts} or raise --moe.n-experts to "
-                    f"{shards}",
+                    "moe.n_experts",
+                    self.n_experts,
+                    f"fewer experts than the {shards} shards of the expert axis; raise "
+                    f"--moe.n-experts to a multiple of {shards} or set expert to a divisor of "
+                    f"{self.n_experts}",
                 )
             )
         elif self.n_experts % shards:
@@ -198,8 +198,8 @@ class MoEConfig:
                 Problem(
                     "moe.n_experts",
                     self.n_experts,
-                    f"not divisible by the mesh's expert={shards}; use a multiple of {shards} "
-                    f"experts or an expert axis that divides {self.n_experts}",
+                    f"not divisible by the expert axis of size {shards}; use a multiple of "
+                    f"{shards} experts or an expert axis that divides {self.n_experts}",
                 )
             )
         return problems
@@ -215,7 +215,7 @@ class MoEConfig:
 
     @property
     def supported_axes(self) -> tuple[str, ...]:
-        """Mesh axes beyond the defaults that this model runs (the run check reads it)."""
+        """Axes beyond the defaults that this model runs (the run check reads it)."""
         return ("expert",)
 
 

@@ -1,9 +1,9 @@
 """Sending tokens to their experts and back: capacity (GShard) and dropless dispatch.
 
-Both run per device inside a region manual over ``expert`` and the batch axes
-(`meshtrain.layout.manual_region`); each device holds its rows of the batch and its
+Both run per shard inside a region manual over ``expert`` and the batch axes
+(`meshtrain.layout.manual_in_layout`); each shard holds its rows of the batch and its
 ``E / expert`` experts, and exchanges tokens with the other ``expert`` shards by
-``all_to_all``. Outside any layout they run on one device with no exchange.
+``all_to_all``. Outside any layout they run whole, with no exchange.
 
 - **capacity**: each choice goes to slot ``slot`` of its expert's buffer ``[B, E, C, D]``
   (choices past the capacity C are dropped: they add nothing, so the token passes through
@@ -11,7 +11,7 @@ Both run per device inside a region manual over ``expert`` and the batch axes
   come back in another.
 - **dropless**: the choices are sorted by expert and run through grouped matmuls
   (`jax.lax.ragged_dot`). Across ``expert`` shards they travel in a *padded* exchange: each
-  destination gets a buffer as large as all the device's choices (the most it could be
+  destination gets a buffer as large as all the shard's choices (the most it could be
   sent), since the ragged all-to-all has no CPU implementation; nothing is dropped.
 
 Shape suffixes: B local batch rows, T positions, D model width, F expert hidden width,
@@ -22,16 +22,31 @@ A = N·K local choices, S ``expert`` shards.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import active, axes_of, manual_region
-from meshtrain.mesh import mesh_sizes
-from meshtrain.models.moe_routing import Routing
+from meshtrain.layout import Spec, active, axes_of, axis_size, manual_in_layout
 
 DISPATCH = ("capacity", "dropless")
+
+
+class Routing(NamedTuple):
+    """Where each token goes (`meshtrain.models.moe_routing.route` makes it).
+
+    Attributes:
+        expert_BTK: int32 expert of each of a token's k choices, best first.
+        weight_BTK: float32 combine weight of each choice.
+        slot_BTK: int32 position of the choice in its expert's buffer for its sequence
+            (capacity dispatch; counted top-1 choices first, then top-2, in position order).
+        keep_BTK: bool, the choice fits its expert's capacity (always True when dropless).
+    """
+
+    expert_BTK: jax.Array
+    weight_BTK: jax.Array
+    slot_BTK: jax.Array
+    keep_BTK: jax.Array
 
 
 def swiglu_experts(x_LCD, gate_LDF, up_LDF, down_LFD):
@@ -49,7 +64,7 @@ def _ragged_swiglu(x_MD, sizes_L, gate_LDF, up_LDF, down_LFD):
 
 
 def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, shards):
-    """Capacity dispatch on one device's rows: buffers, exchange, experts, exchange, combine."""
+    """Capacity dispatch on one shard's rows: buffers, exchange, experts, exchange, combine."""
     B, T, D = x_BTD.shape
     expert_BTK, weight_BTK, slot_BTK, keep_BTK = routing
     K = expert_BTK.shape[-1]
@@ -71,7 +86,7 @@ def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, 
 
 
 def dropless_local(x_BTD, routing: Routing, weights, *, n_experts, axis, shards):
-    """Dropless dispatch on one device's rows: sort by expert, grouped matmuls, unsort."""
+    """Dropless dispatch on one shard's rows: sort by expert, grouped matmuls, unsort."""
     B, T, D = x_BTD.shape
     expert_BTK, weight_BTK = routing.expert_BTK, routing.weight_BTK
     K = expert_BTK.shape[-1]
@@ -116,8 +131,8 @@ def _padded_exchange(rows_AD, sizes_E, weights, *, axis, shards):
 
 
 def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slots: int):
-    """Runs the experts on `x_BTD` by `routing`: per device over the active layout's
-    ``expert`` and batch axes, or on one device outside any layout.
+    """Runs the experts on `x_BTD` by `routing`: per shard over the active layout's
+    ``expert`` and batch axes, or whole outside any layout.
 
     Args:
         x_BTD: tokens, in the compute dtype (global array).
@@ -135,19 +150,17 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
     else:
         local = functools.partial(dropless_local, n_experts=n_experts)
     layout = active()
-    sizes = {} if layout is None else mesh_sizes(layout.mesh)
-    shards = sizes.get("expert", 1)
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)
+    shards = axis_size("expert")
     batch = axes_of(layout.activation_spec(("batch", None, None), x_BTD.shape)[0])
     rows = tuple(a for a in batch if a != "expert") + (("expert",) if shards > 1 else ())
     if not rows:
         return local(x_BTD, routing, weights, axis=None, shards=1)
-    row_spec = P(rows)
-    weight_spec = P("expert") if shards > 1 else P()
-    region = manual_region(
+    row_spec = Spec(rows)
+    weight_spec = Spec("expert") if shards > 1 else Spec()
+    region = manual_in_layout(
         functools.partial(local, axis="expert", shards=shards),
-        mesh=layout.mesh,
         axes=rows,
         in_specs=(row_spec, Routing(*(row_spec,) * 4), (weight_spec,) * 3),
         out_specs=row_spec,

@@ -1,34 +1,18 @@
 """Mixture-of-experts routing math: top-k choice, capacity slots, router losses and load stats.
 
-Everything here is plain jnp on global arrays, so it means the same on one device and under
-any layout. Shape suffixes: B batch rows, T positions, E experts, K choices per token (top-k),
-C capacity slots per expert and sequence.
+Everything here is plain jnp on global arrays, so it means the same under every layout.
+Shape suffixes: B batch rows, T positions, E experts, K choices per token (top-k), C capacity
+slots per expert and sequence.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-
-class Routing(NamedTuple):
-    """Where each token goes.
-
-    Attributes:
-        expert_BTK: int32 expert of each of a token's k choices, best first.
-        weight_BTK: float32 combine weight of each choice.
-        slot_BTK: int32 position of the choice in its expert's buffer for its sequence
-            (capacity dispatch; counted top-1 choices first, then top-2, in position order).
-        keep_BTK: bool, the choice fits its expert's capacity (always True when dropless).
-    """
-
-    expert_BTK: jax.Array
-    weight_BTK: jax.Array
-    slot_BTK: jax.Array
-    keep_BTK: jax.Array
+from meshtrain.models.moe_dispatch import Routing
 
 
 def capacity(seq_len: int, n_experts: int, top_k: int, factor: float) -> int:

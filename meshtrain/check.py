@@ -77,7 +77,7 @@ def check_run(
             f"the Trainer does not run {axis} parallelism yet; set {axis}=1",
         )
         for axis in UNSUPPORTED_AXES
-        if sizes.get(axis, 1) > 1
+        if sizes.get(axis, 1) > 1 and axis not in getattr(model, "supported_axes", ())
     ]
     strategy = getattr(rules, "context_parallel", "ring")
     problems += context_problems(sizes, strategy, seq_len=spec.seq_len, kind=spec.kind)

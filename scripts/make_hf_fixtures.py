@@ -27,7 +27,9 @@ For each tiny random model (fixed seeds) it writes
 - ``mistral``: ``MistralForCausalLM`` with ``sliding_window=16`` < T = 40, GQA, untied head,
   float16;
 - ``qwen2``: ``Qwen2ForCausalLM`` with q/k/v biases (made non-zero), tied head, bfloat16
-  (T = 40).
+  (T = 40);
+- ``mixtral``: ``MixtralForCausalLM`` with 4 experts of width 48, top-2, GQA, untied head,
+  float16 (T = 24).
 
 Parameters are rounded to the storage dtype first and the logits computed from the rounded
 weights in float32, so a float32 implementation can match them to float32 rounding. Buffers
@@ -161,6 +163,20 @@ def _qwen2() -> transformers.PreTrainedModel:
     return transformers.Qwen2ForCausalLM(cfg)
 
 
+def _mixtral() -> transformers.PreTrainedModel:
+    """Tiny Mixtral: 4 experts, top-2, GQA, untied head, no sliding window."""
+    cfg = transformers.MixtralConfig(
+        **_small_llama_fields(
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            tie_word_embeddings=False,
+        )
+    )
+    return transformers.MixtralForCausalLM(cfg)
+
+
 def _randomise_norms(model: torch.nn.Module, gen: torch.Generator, biases: bool) -> None:
     """Norm scales and biases start at 1 and 0; perturb them so their mapping is tested too
     (with `biases`, every projection bias as well)."""
@@ -179,6 +195,7 @@ FIXTURES = {
     "llama3": (_llama3, torch.bfloat16, 31, 40, False),
     "mistral": (_mistral, torch.float16, 7, 40, False),
     "qwen2": (_qwen2, torch.bfloat16, 2, 40, True),
+    "mixtral": (_mixtral, torch.float16, 11, 24, False),
 }
 
 

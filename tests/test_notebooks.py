@@ -146,12 +146,29 @@ def _check_long_context(nb) -> None:
     assert "naive work per device: [3, 7, 11, 15, 19, 23, 27, 31]" in text, text
 
 
+def _check_moe(nb) -> None:
+    """Dropless drops nothing, capacity 1.0 drops more than 1.25, the plot drew, and the
+    compiled all-to-all bytes are capacity_factor × the analytic count."""
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    dropped = dict(
+        re.findall(r"^(capacity 1\.0|capacity 1\.25|dropless)\s.*dropped ([\d.]+)%", text, re.M)
+    )
+    assert set(dropped) == {"capacity 1.0", "capacity 1.25", "dropless"}, text
+    assert float(dropped["dropless"]) == 0.0
+    assert float(dropped["capacity 1.0"]) >= float(dropped["capacity 1.25"]) > 0.0, dropped
+    assert "ratio 1.25 = capacity_factor 1.25" in text, text
+    assert any(
+        "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
+    ), "the expert-load plot produced no image"
+
+
 CHECKS = {
     "01_quickstart.ipynb": _check_quickstart,
     "02_pipelines.ipynb": _check_pipelines,
     "03_kernels.ipynb": _check_kernels,
     "04_checkpoints.ipynb": _check_checkpoints,
     "05_multihost.ipynb": _check_multihost,
+    "07_moe.ipynb": _check_moe,
     "08_long_context.ipynb": _check_long_context,
 }
 

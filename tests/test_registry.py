@@ -12,7 +12,7 @@ from meshtrain.problem import Problem
 
 
 def test_every_family_implements_the_model_interface():
-    assert list(families()) == ["gpt", "mlp", "cnn"]
+    assert list(families()) == ["gpt", "mlp", "cnn", "moe"]
     for name, family in families().items():
         config = family.default
         assert isinstance(config, ModelConfig), name
@@ -36,7 +36,9 @@ def test_the_cli_offers_every_family_and_its_flags():
     assert job.gpt.n_layers == 6
     fields = {f.name for f in dataclasses.fields(cli.TrainJob)}
     assert set(families()) <= fields
-    with pytest.raises(ValueError, match=r"model='resnet': unknown model; choose from gpt, mlp"):
+    with pytest.raises(
+        ValueError, match=r"model='resnet': unknown model; choose from gpt, mlp, cnn, moe"
+    ):
         cli.parse(["train", "--model", "resnet"])
 
 

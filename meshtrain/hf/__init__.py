@@ -13,6 +13,8 @@ Modules, one idea each::
     files       safetensors reading (one file or a sharded index) and writing
     pretrained  load_pretrained, load_model, save_pretrained
     gpt2, llama, ...  one file per architecture (see the register lines below)
+    mixtral     MixtralForCausalLM ↔ meshtrain's MoE (load_mixtral, save_mixtral), beside
+                the registry, whose adapters hold GPTConfig architectures
 
 Adding an architecture is one file that builds an `Adapter` (reusing a `Layout` when the
 weights are stored like an existing one) and one `register` line below.

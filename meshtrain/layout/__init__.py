@@ -22,7 +22,7 @@ from meshtrain.layout.context import (
     constrain,
     override_activations,
 )
-from meshtrain.layout.manual import manual_axes, manual_region
+from meshtrain.layout.manual import Spec, axis_size, manual_axes, manual_in_layout, manual_region
 from meshtrain.layout.resolve import named, resolve, state_problems, state_specs
 from meshtrain.layout.rules import (
     BATCH_AXES,
@@ -45,14 +45,17 @@ __all__ = [
     "Layout",
     "MeshAxes",
     "Rules",
+    "Spec",
     "activation_rules",
     "active",
     "alternatives",
     "axes_of",
+    "axis_size",
     "batch_shardings",
     "batch_spec",
     "constrain",
     "manual_axes",
+    "manual_in_layout",
     "manual_region",
     "merge_microbatches",
     "named",

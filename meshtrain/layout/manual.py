@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 
 def manual_axes() -> frozenset[str]:
@@ -57,3 +57,52 @@ def manual_region(
         axis_names=names,
         check_vma=check_vma,
     )
+
+
+def axis_size(axis: str) -> int:
+    """The size of mesh axis `axis` in the active layout (1 outside `activation_rules`)."""
+    from meshtrain.layout.context import active
+
+    layout = active()
+    return 1 if layout is None else int(layout.mesh.shape.get(axis, 1))
+
+
+def manual_in_layout(fn: Callable, *, axes: Iterable[str], in_specs, out_specs) -> Callable:
+    """`manual_region` over `axes` of the active layout's mesh: for model code, which names no
+    mesh. Specs are tuples of mesh-axis entries, one per dimension (``(("data", "expert"),)``
+    splits dimension 0), or None for a replicated argument; `in_specs` mirrors the arguments'
+    tree, its tuples of entries marked by wrapping them in `Spec`.
+
+    Args:
+        fn: per-shard code.
+        axes: the mesh axes to make manual.
+        in_specs: a tree of `Spec` matching the arguments.
+        out_specs: a `Spec` (or tree of them) for the outputs.
+
+    Returns:
+        A function of the same arguments as `fn`.
+    """
+    from meshtrain.layout.context import active
+
+    layout = active()
+    if layout is None:
+        raise ValueError("manual_in_layout: trace it under meshtrain.layout.activation_rules")
+
+    def to_p(tree):
+        return jax.tree.map(lambda s: PartitionSpec(*s.entries), tree, is_leaf=_is_spec)
+
+    return manual_region(
+        fn, mesh=layout.mesh, axes=axes, in_specs=to_p(in_specs), out_specs=to_p(out_specs)
+    )
+
+
+class Spec:
+    """The layout of one argument of `manual_in_layout`: one mesh-axis entry per dimension."""
+
+    def __init__(self, *entries):
+        self.entries = entries
+
+
+def _is_spec(x) -> bool:
+    """A `Spec` leaf."""
+    return isinstance(x, Spec)

@@ -59,6 +59,7 @@ LOGICAL_AXES: dict[str, str] = {
     "pos": "rows of a learned position table",
     "features": "input features of a classifier",
     "layers": "stacked layers",
+    "expert": "experts of a mixture-of-experts block",
 }
 
 STRATEGIES = ("dp", "fsdp", "hsdp", "zero1", "tp")
@@ -159,6 +160,10 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
         activations[name] = alternatives(entry) if isinstance(entry, list) else entry
     # Pipeline stages own contiguous slices of the stacked layers; a no-op while pipe == 1.
     params["layers"] = "pipe"
+    # Experts live on their own shards; the expert axis also splits the batch (as in GShard),
+    # so every device routes its own tokens. Both are no-ops while expert == 1.
+    params["expert"] = activations["expert"] = "expert"
+    activations["batch"] = BATCH_AXES + ("expert",)
     optimizer = None
     if data_strategy == "fsdp":
         params["embed"] = BATCH_AXES

@@ -2,17 +2,29 @@
 
 - `base`: the interface (`ModelConfig`, `PipelineParts`, `DataSpec`);
 - `registry`: the families by name (`register`, `families`, `build_model`);
-- `gpt` (GPT-2 / Llama-style decoder), `mlp` (residual MLP classifier) and `cnn`
-  (LeNet/VGG- and ResNet-style convolutional classifiers on images): the families.
+- `gpt` (GPT-2 / Llama-style decoder), `mlp` (residual MLP classifier), `cnn`
+  (LeNet/VGG- and ResNet-style convolutional classifiers on images) and `moe` (mixture of
+  experts, Mixtral style): the families.
 """
 
 from __future__ import annotations
 
-from meshtrain.models.base import DTYPES, DataSpec, ModelConfig, PipelineParts, pipeline_parts
+from meshtrain.models.base import (
+    DTYPES,
+    DataSpec,
+    ModelConfig,
+    ModelOutput,
+    PipelineParts,
+    logits_of,
+    pipeline_parts,
+)
 from meshtrain.models.cnn import CNN
 from meshtrain.models.cnn_config import CNNConfig
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.models.mlp import MLPClassifier, MLPConfig
+from meshtrain.models.moe import MoE
+from meshtrain.models.moe_config import PRESETS as MOE_PRESETS
+from meshtrain.models.moe_config import MoEConfig
 from meshtrain.models.registry import Family, build_model, families, family_of, register
 from meshtrain.models.remat import POLICIES as REMAT_POLICIES
 from meshtrain.models.sampling import sample
@@ -26,6 +38,12 @@ register(
 )
 register("mlp", MLPConfig, summary="residual MLP classifier on feature vectors")
 register("cnn", CNNConfig, summary="convolutional image classifier, LeNet/VGG or ResNet style")
+register(
+    "moe",
+    MoEConfig,
+    default=MOE_PRESETS["moe-tiny"],
+    summary="mixture-of-experts decoder, Mixtral style (expert parallel over the expert axis)",
+)
 
 __all__ = [
     "CNN",
@@ -37,12 +55,17 @@ __all__ = [
     "GPTConfig",
     "MLPClassifier",
     "MLPConfig",
+    "MOE_PRESETS",
+    "MoE",
+    "MoEConfig",
+    "ModelOutput",
     "ModelConfig",
     "PipelineParts",
     "REMAT_POLICIES",
     "build_model",
     "families",
     "family_of",
+    "logits_of",
     "pipeline_parts",
     "register",
     "sample",

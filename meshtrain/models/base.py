@@ -49,6 +49,8 @@ class ModelConfig(Protocol):
     Optionally, it also has ``check_layout(sizes, rules) -> list[Problem]``: what keeps the
     model from being laid out by `rules` on axes of `sizes`, with the fix in its own fields
     (the GPT's names ``gpt.vocab_multiple``); the run check calls it when present.
+    And optionally ``supported_axes``: axes the run check otherwise refuses that this model
+    runs (the MoE's ``("expert",)``).
 
     Attributes:
         dtype: the compute dtype name (``float32`` or ``bfloat16``), for the peak-FLOPs lookup.
@@ -96,6 +98,27 @@ class PipelineParts:
     run_blocks: Callable[[Any, jax.Array], jax.Array]
     head: Callable[[jax.Array], jax.Array]
     head_params: tuple[str, ...]
+
+
+class ModelOutput(NamedTuple):
+    """What a model's ``__call__`` may return instead of bare logits: the logits with loss
+    terms to add to the training loss and metrics to report (an MoE's router losses and
+    expert load, say). `meshtrain.train.loss.loss_and_metrics` reads it.
+
+    Attributes:
+        logits: the logits the task loss is computed on.
+        aux_loss: a float32 scalar added to the task loss (already weighted).
+        metrics: float32 scalars reported beside the loss, by name.
+    """
+
+    logits: jax.Array
+    aux_loss: jax.Array
+    metrics: dict[str, jax.Array]
+
+
+def logits_of(output) -> jax.Array:
+    """The logits of a model's output (bare logits, or a `ModelOutput`)."""
+    return output.logits if isinstance(output, ModelOutput) else output
 
 
 def pipeline_parts(model: nnx.Module) -> PipelineParts | None:

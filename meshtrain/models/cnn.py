@@ -5,9 +5,9 @@ Images arrive as flattened rows [B, H·W·C] (`meshtrain.data.images`) and are f
 K classes. See `CNNConfig` for the architectures and how channels are named.
 
 Batch norm computes its statistics over the whole global batch: under the `Trainer`'s jit the
-batch is split over the batch axes and XLA all-reduces the per-channel sums, so every device
-normalises with the statistics a single device would compute (synchronised batch norm), with
-no code of its own for it. Running averages (``nnx.BatchStat``) are used after ``.eval()``.
+batch is split over the batch axes and XLA all-reduces the per-channel sums, so every shard
+is normalised with the statistics of the unsplit batch (synchronised batch norm), with no code
+of its own for it. Running averages (``nnx.BatchStat``) are used after ``.eval()``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def batch_statistics(x_BHWC: jax.Array) -> tuple[jax.Array, jax.Array]:
 
     Args:
         x_BHWC: activations; under a sharded jit, a global array (the statistics are then
-            the whole batch's, XLA reducing across the devices).
+            the whole batch's, XLA reducing across the shards).
 
     Returns:
         (mean [C], variance [C]).

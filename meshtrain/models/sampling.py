@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain.models.base import logits_of
+
 
 def sample(
     model: nnx.Module,
@@ -41,7 +43,7 @@ def sample(
 
     @jax.jit
     def next_token(state, buf_T, pos, key):
-        logits_TV = nnx.merge(graphdef, state)(buf_T[None])[0]
+        logits_TV = logits_of(nnx.merge(graphdef, state)(buf_T[None]))[0]
         logits_V = jax.lax.dynamic_index_in_dim(logits_TV, pos, keepdims=False)
         if vocab_size is not None:
             logits_V = jnp.where(jnp.arange(logits_V.shape[-1]) < vocab_size, logits_V, -jnp.inf)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain.models.base import ModelOutput
+
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 LOSS_IMPLS = ("xla", "pallas", "auto")
 LOSSES = ("cross_entropy", "mse")
@@ -70,3 +72,29 @@ def loss_with(name: str, impl: str) -> LossFn:
     if name == "mse":
         return lambda logits, targets: mse(logits, targets, impl=impl)
     return cross_entropy_with(impl)
+
+
+def loss_and_metrics(loss_fn: LossFn, output, targets: jax.Array):
+    """The training loss of a model's `output` on `targets`, and the metrics beside it.
+
+    `output` is bare logits, or a `meshtrain.models.ModelOutput` whose ``aux_loss`` is added
+    to the task loss and whose ``metrics`` are reported; `loss_fn` may return a scalar or
+    ``(scalar, metrics)``. With auxiliary terms the metrics hold ``task_loss`` too.
+
+    Args:
+        loss_fn: ``(logits, targets) -> mean loss`` (or ``(loss, metrics)``).
+        output: the model's output.
+        targets: the batch's targets.
+
+    Returns:
+        ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars.
+    """
+    logits = output.logits if isinstance(output, ModelOutput) else output
+    loss = loss_fn(logits, targets)
+    metrics = {}
+    if isinstance(loss, tuple):
+        loss, metrics = loss[0], dict(loss[1])
+    if isinstance(output, ModelOutput):
+        metrics = {**metrics, **output.metrics, "task_loss": loss}
+        loss = loss + output.aux_loss
+    return loss, metrics

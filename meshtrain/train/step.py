@@ -17,7 +17,7 @@ from meshtrain.layout import Rules, activation_rules, split_microbatches
 from meshtrain.mesh import mesh_sizes
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.state import TrainState
-from meshtrain.train.loss import LossFn, cross_entropy
+from meshtrain.train.loss import LossFn, cross_entropy, loss_and_metrics
 
 
 def _pipeline_mesh(pipeline: PipelineConfig | None) -> Mesh | None:
@@ -71,15 +71,17 @@ def train_step(
         skip_nonfinite: skip updates whose loss or gradient is not finite.
 
     Returns:
-        The new state and metrics: ``loss``, ``grad_norm``, ``skipped`` (1 when the update was
+        The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
+        `meshtrain.train.loss.loss_and_metrics`, whose metrics are included), ``grad_norm``,
+        ``skipped`` (1 when the update was
         skipped, else 0) and (with `schedule`) ``lr``, the rate of this step (``schedule`` at
         the old ``state.step``), which is the one the update used.
     """
 
     def loss_of(params, rest, mb):
         model = nnx.merge(graphdef, params, rest)
-        loss = loss_fn(model(mb["inputs"]), mb["targets"])
-        return loss, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+        loss, extra = loss_and_metrics(loss_fn, model(mb["inputs"]), mb["targets"])
+        return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
     if not isinstance(accum_steps, int) or accum_steps < 1:
         raise ValueError(f"accum_steps={accum_steps!r}: must be a positive integer")
@@ -92,29 +94,34 @@ def train_step(
             loss, grads = pipeline_loss_and_grads(
                 graphdef, params, rest, mb, config=pipeline, mesh=mesh, loss_fn=loss_fn
             )
-            return (loss, rest), grads
+            return (loss, (rest, {})), grads
 
     if accum_steps == 1:
-        (loss, rest), grads = grad_fn(state.params, state.rest, batch)
+        (loss, (rest, extra)), grads = grad_fn(state.params, state.rest, batch)
     else:
 
         def accumulate(carry, mb):
-            loss_sum, grad_sum, rest = carry
-            (loss, rest), grads = grad_fn(state.params, rest, mb)
+            loss_sum, grad_sum, rest, extra_sum = carry
+            (loss, (rest, extra)), grads = grad_fn(state.params, rest, mb)
             grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-            return (loss_sum + loss, grad_sum, rest), None
+            extra_sum = jax.tree.map(lambda a, m: a + m, extra_sum, extra)
+            return (loss_sum + loss, grad_sum, rest, extra_sum), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        carry = (jnp.zeros((), jnp.float32), zeros, state.rest)
         for key, x in batch.items():
             if x.shape[0] % accum_steps:
                 raise ValueError(
                     f"batch[{key!r}] has {x.shape[0]} rows, not divisible by accum_steps="
                     f"{accum_steps}; make the batch size a multiple of accum_steps"
                 )
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        first = {k: x[: x.shape[0] // accum_steps] for k, x in batch.items()}
+        extra_shape = jax.eval_shape(grad_fn, state.params, state.rest, first)[0][1][1]
+        extra0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), extra_shape)
+        carry = (jnp.zeros((), jnp.float32), zeros, state.rest, extra0)
         microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
-        (loss, grads, rest), _ = jax.lax.scan(accumulate, carry, microbatches)
+        (loss, grads, rest, extra), _ = jax.lax.scan(accumulate, carry, microbatches)
         loss = loss / accum_steps
+        extra = jax.tree.map(lambda m: m / accum_steps, extra)
         grads = jax.tree.map(lambda g, p: (g / accum_steps).astype(p.dtype), grads, state.params)
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -123,7 +130,8 @@ def train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:
         params, opt_state, rest = _keep_if_not(finite, (params, opt_state, rest), state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~finite).astype(jnp.int32)}
+    metrics = {**extra, "loss": loss, "grad_norm": grad_norm}
+    metrics["skipped"] = (~finite).astype(jnp.int32)
     if schedule is not None:
         metrics["lr"] = schedule(state.step)
     return TrainState(state.step + 1, params, opt_state, rest), metrics
@@ -166,7 +174,8 @@ def eval_loss(
             graphdef, state.params, state.rest, batch, config=pipeline, mesh=mesh, loss_fn=loss_fn
         )
     model = nnx.merge(graphdef, state.params, state.rest)
-    return loss_fn(model(batch["inputs"]), batch["targets"])
+    loss, metrics = loss_and_metrics(loss_fn, model(batch["inputs"]), batch["targets"])
+    return metrics.get("task_loss", loss)
 
 
 def _check_batch(batch: Mapping, batch_sharding: Mapping[str, NamedSharding]) -> None:

@@ -1,0 +1,157 @@
+"""MoE dispatch, read from compiled programs (nothing is timed): one JSON line per case.
+
+- ``all_to_all``: for ``expert`` = 2, 4, 8, the bytes the compiled forward + backward of one
+  MoE layer moves in ``all-to-all`` ops, per device (operand sizes; the (S−1)/S of each that
+  leaves the device), next to the analytic count for a perfectly balanced routing:
+  ``tokens × k × d_model × bytes × (E−1)/E`` per direction (dispatch and combine), twice for
+  the backward. Capacity buffers are padded to ``capacity_factor``, so capacity dispatch moves
+  about ``capacity_factor`` × the analytic count; dropless' padded exchange moves ``S ×``
+  (each destination is sized for every choice).
+- ``memory``: per-device argument and temporary bytes of the layer's forward + backward for
+  ``expert`` ∈ {1, 2, 4, 8} (the experts' weights and their gradients split over ``expert``).
+- ``flops``: compiled FLOPs per device of capacity vs dropless dispatch (XLA's cost analysis)
+  next to the experts' active FLOPs (k experts per token, forward + backward).
+
+GPU tokens/s for both paths: unmeasured (no GPU was available).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/moe.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+if "jax" not in sys.modules:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshtrain.layout import activation_rules, named, rules_for, state_specs
+from meshtrain.mesh import make_mesh
+from meshtrain.models import MoEConfig
+from meshtrain.models.moe import Experts
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
+_SHAPE = re.compile(r"(f32|bf16|f16|s32)\[([\d,]*)\]")
+
+
+def _a2a_bytes(hlo: str) -> tuple[int, int]:
+    """(number of all-to-all ops, bytes of their results) in an HLO module's text."""
+    ops, total = 0, 0
+    for line in hlo.splitlines():
+        if " all-to-all(" not in line or " = " not in line:
+            continue
+        ops += 1
+        result = line.split(" all-to-all(")[0].split(" = ", 1)[1]
+        for dtype, dims in _SHAPE.findall(result):
+            total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return ops, total
+
+
+def _compiled(cfg: MoEConfig, expert: int, batch: int, seq: int):
+    """The compiled forward + backward of one MoE layer on a mesh ``expert=E, data=8/E``."""
+    mesh = make_mesh(f"expert={expert},data={8 // expert}")
+    rules = rules_for("dp", mesh)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Experts(cfg, rngs=nnx.Rngs(0))))
+    specs = named(state_specs(state, rules.params, mesh, warn=False), mesh)
+    params = jax.tree.map(
+        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+        nnx.to_pure_dict(state),
+        specs,
+    )
+    x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), jnp.float32)
+
+    def loss(p, x_BTD):
+        with activation_rules(mesh, rules):
+            y, stats = nnx.merge(graphdef, p)(x_BTD)
+        return jnp.mean(y**2) + stats["aux_loss"]
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(loss, (0, 1))).lower(params, x).compile()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints the cases' JSON lines."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="expert=2 and 8 only, small sizes")
+    args = parser.parse_args(argv)
+    d_model, batch, seq = (32, 8, 16) if args.quick else (256, 16, 128)
+    base = MoEConfig(d_model=d_model, n_heads=4, n_experts=8, top_k=2, d_expert=2 * d_model)
+    device = {"platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind}
+    experts = (2, 8) if args.quick else (2, 4, 8)
+    for dispatch in ("capacity", "dropless"):
+        cfg = MoEConfig(**{**base.__dict__, "dispatch": dispatch})
+        for e in experts:
+            compiled = _compiled(cfg, e, batch, seq)
+            ops, result_bytes = _a2a_bytes(compiled.as_text())
+            tokens = batch * seq // 8  # per device: the batch splits over all 8 devices
+            one_way = tokens * cfg.top_k * d_model * 4 * (e - 1) / e
+            print(
+                json.dumps(
+                    {
+                        "case": "all_to_all",
+                        "dispatch": dispatch,
+                        "expert": e,
+                        "capacity_factor": cfg.capacity_factor,
+                        "tokens_per_device": tokens,
+                        "all_to_all_ops": ops,
+                        "hlo_all_to_all_bytes": result_bytes,
+                        "sent_bytes": round(result_bytes * (e - 1) / e),
+                        "analytic_bytes_fwd_bwd": round(4 * one_way),
+                        "ratio": round(result_bytes * (e - 1) / e / (4 * one_way), 3),
+                        **device,
+                    }
+                ),
+                flush=True,
+            )
+    for e in (1, 2, 4, 8):
+        mem = _compiled(base, e, batch, seq).memory_analysis()
+        print(
+            json.dumps(
+                {
+                    "case": "memory",
+                    "dispatch": base.dispatch,
+                    "expert": e,
+                    "argument_bytes": mem.argument_size_in_bytes,
+                    "temp_bytes": mem.temp_size_in_bytes,
+                    "output_bytes": mem.output_size_in_bytes,
+                    **device,
+                }
+            ),
+            flush=True,
+        )
+    flops = {}
+    active = 3 * 2 * 3 * batch * seq * base.top_k * d_model * base.expert_dim
+    for dispatch in ("capacity", "dropless"):
+        cfg = MoEConfig(**{**base.__dict__, "dispatch": dispatch})
+        cost = _compiled(cfg, 1, batch, seq).cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        flops[dispatch] = float(cost.get("flops", 0.0))
+    print(
+        json.dumps(
+            {
+                "case": "flops",
+                "expert": 1,
+                "capacity_flops": flops["capacity"],
+                "dropless_flops": flops["dropless"],
+                # The experts' matmuls a token's k choices need, forward + backward, per device
+                # (the batch splits over all 8 devices).
+                "active_expert_flops_per_device": active // 8,
+                "gpu_tokens_per_s": "unmeasured",
+                **device,
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

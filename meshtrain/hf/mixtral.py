@@ -1,0 +1,223 @@
+"""Mixtral (``MixtralForCausalLM``) ↔ meshtrain's `MoEConfig` / `MoE`.
+
+Mixtral stores attention and norms as Llama does (`meshtrain.hf.llama`) and, per layer, a
+router and one SwiGLU MLP per expert::
+
+    meshtrain (per layer, stacked)    Mixtral (layer i)
+    moe.router  [D, E]                block_sparse_moe.gate.weight [E, D]
+    moe.gate[e] [D, F]                block_sparse_moe.experts.e.w1.weight [F, D]
+    moe.up[e]   [D, F]                block_sparse_moe.experts.e.w3.weight [F, D]
+    moe.down[e] [F, D]                block_sparse_moe.experts.e.w2.weight [D, F]
+
+Mixtral routes as `meshtrain.models.moe_routing.route` with ``renormalize=True``: softmax over
+the experts, top-k, the k weights divided by their sum. Imported models use dropless dispatch,
+so nothing is dropped and the logits equal transformers'. This adapter stands beside the GPT
+registry (`meshtrain.hf.registry` holds `GPTConfig` architectures): `load_mixtral` and
+`save_mixtral` are its two entry points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from meshtrain.hf import llama
+from meshtrain.hf.adapter import refuse
+from meshtrain.hf.files import tensor_files
+from meshtrain.models.moe import MoE
+from meshtrain.models.moe_config import MoEConfig
+
+ARCHITECTURE = "MixtralForCausalLM"
+
+
+def config_from_hf(hf: Mapping) -> MoEConfig:
+    """The `MoEConfig` of a Mixtral ``config.json`` (dropless dispatch)."""
+    fields = llama.fields_from_hf(hf)
+    if fields.get("rope_scaling", "none") != "none":
+        raise refuse("rope_parameters", fields["rope_scaling"], "MoEConfig has default RoPE only")
+    window = hf.get("sliding_window")
+    return MoEConfig(
+        vocab_size=fields["vocab_size"],
+        max_seq_len=fields["max_seq_len"],
+        d_model=fields["d_model"],
+        n_layers=fields["n_layers"],
+        n_heads=fields["n_heads"],
+        n_kv_heads=fields["n_kv_heads"],
+        d_ff=fields["d_ff"],
+        d_expert=fields["d_ff"],
+        n_experts=hf.get("num_local_experts", 8),
+        top_k=hf.get("num_experts_per_tok", 2),
+        rope_theta=fields["rope_theta"],
+        norm_eps=fields["norm_eps"],
+        tie_embeddings=fields["tie_embeddings"],
+        sliding_window=window or 0,
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        dispatch="dropless",
+    )
+
+
+def config_to_hf(cfg: MoEConfig) -> dict:
+    """Mixtral's ``config.json`` for `cfg`."""
+    if cfg.moe_every != 1 or cfg.shared_expert or not cfg.renormalize:
+        raise ValueError(
+            f"Mixtral holds MoE blocks in every layer, no shared expert and renormalised top-k; "
+            f"this config has moe_every={cfg.moe_every}, shared_expert={cfg.shared_expert}, "
+            f"renormalize={cfg.renormalize}"
+        )
+    g = cfg.backbone
+    out = llama.fields_to_hf(dataclasses.replace(g, d_ff=cfg.expert_dim))
+    return out | dict(
+        architectures=[ARCHITECTURE],
+        model_type="mixtral",
+        vocab_size=cfg.vocab_size,
+        tie_word_embeddings=cfg.tie_embeddings,
+        num_local_experts=cfg.n_experts,
+        num_experts_per_tok=cfg.top_k,
+        router_aux_loss_coef=cfg.aux_loss_coef,
+        sliding_window=cfg.sliding_window or None,
+        dtype="float32",
+    )
+
+
+def _layer_to_meshtrain(get, cfg: MoEConfig) -> dict:
+    """One Mixtral layer's tensors → the MoE block's params (numpy)."""
+    g = cfg.backbone
+    D, H, G, K = g.d_model, g.n_heads, g.kv_heads, g.head_dim
+    moe = "block_sparse_moe."
+    expert = [f"{moe}experts.{e}." for e in range(cfg.n_experts)]
+    return {
+        "norm1": {"scale": get("input_layernorm.weight")},
+        "norm2": {"scale": get("post_attention_layernorm.weight")},
+        "attn": {
+            "q": {"kernel": get("self_attn.q_proj.weight").T.reshape(D, H, K)},
+            "k": {"kernel": get("self_attn.k_proj.weight").T.reshape(D, G, K)},
+            "v": {"kernel": get("self_attn.v_proj.weight").T.reshape(D, G, K)},
+            "o": {"kernel": get("self_attn.o_proj.weight").T.reshape(H, K, D)},
+        },
+        "moe": {
+            "router": get(f"{moe}gate.weight").T,
+            "gate": np.stack([get(p + "w1.weight").T for p in expert]),
+            "up": np.stack([get(p + "w3.weight").T for p in expert]),
+            "down": np.stack([get(p + "w2.weight").T for p in expert]),
+        },
+    }
+
+
+def _layer_to_hf(p: Mapping, cfg: MoEConfig) -> dict[str, np.ndarray]:
+    """The MoE block's params (numpy, one layer) → Mixtral's tensors of that layer."""
+    D = cfg.d_model
+    attn, moe = p["attn"], p["moe"]
+    out = {
+        "input_layernorm.weight": p["norm1"]["scale"],
+        "post_attention_layernorm.weight": p["norm2"]["scale"],
+        "self_attn.q_proj.weight": attn["q"]["kernel"].reshape(D, -1).T,
+        "self_attn.k_proj.weight": attn["k"]["kernel"].reshape(D, -1).T,
+        "self_attn.v_proj.weight": attn["v"]["kernel"].reshape(D, -1).T,
+        "self_attn.o_proj.weight": attn["o"]["kernel"].reshape(-1, D).T,
+        "block_sparse_moe.gate.weight": moe["router"].T,
+    }
+    for e in range(cfg.n_experts):
+        pre = f"block_sparse_moe.experts.{e}."
+        out[pre + "w1.weight"] = moe["gate"][e].T
+        out[pre + "w3.weight"] = moe["up"][e].T
+        out[pre + "w2.weight"] = moe["down"][e].T
+    return out
+
+
+def load_mixtral(path: str | Path, *, dispatch: str = "dropless") -> MoE:
+    """A Mixtral directory (``config.json`` + safetensors) as a meshtrain `MoE`.
+
+    Args:
+        path: the directory ``save_pretrained`` wrote.
+        dispatch: the dispatch of the model (``dropless`` reproduces transformers exactly).
+
+    Returns:
+        The model (unsharded, float32 parameters).
+    """
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    if ARCHITECTURE not in (hf.get("architectures") or [ARCHITECTURE]):
+        raise ValueError(f"{path}: architectures={hf.get('architectures')}; not {ARCHITECTURE}")
+    try:
+        cfg = config_from_hf(hf)
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from None
+    cfg = dataclasses.replace(cfg, dispatch=dispatch)
+    files = tensor_files(path)
+
+    def get(name: str) -> np.ndarray:
+        key = name if name == "lm_head.weight" else "model." + name
+        if key not in files:
+            raise ValueError(f"{path}: tensor {key!r} is missing")
+        with safe_open(files[key], framework="np") as f:
+            return np.asarray(f.get_tensor(key), np.float32)
+
+    layers = [
+        _layer_to_meshtrain(lambda n, i=i: get(f"layers.{i}.{n}"), cfg) for i in range(cfg.n_layers)
+    ]
+    extra = cfg.backbone.padded_vocab - cfg.vocab_size
+    params = {
+        "embed": {"embedding": np.pad(get("embed_tokens.weight"), ((0, extra), (0, 0)))},
+        "groups": {"moe_block": jax.tree.map(lambda *xs: np.stack(xs), *layers)},
+        "norm": {"scale": get("norm.weight")},
+    }
+    if not cfg.tie_embeddings:
+        params["head"] = {"kernel": np.pad(get("lm_head.weight").T, ((0, 0), (0, extra)))}
+    model = nnx.eval_shape(lambda: cfg.build(rngs=nnx.Rngs(params=0)))
+    state = nnx.state(model, nnx.Param)
+    want = jax.tree.map(np.shape, nnx.to_pure_dict(state))
+    got = jax.tree.map(np.shape, params)
+    if want != got:
+        raise ValueError(f"{path}: tensor shapes do not match the config: {got} vs {want}")
+    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, params))
+    nnx.update(model, state)
+    if jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param))):
+        raise ValueError(f"{path}: the model has state besides its parameters")
+    return model
+
+
+def save_mixtral(model: MoE, path: str | Path) -> Path:
+    """Writes `model` as a Mixtral directory (``config.json`` + float32 ``model.safetensors``).
+
+    Args:
+        model: an `MoE` whose config Mixtral can hold (MoE in every layer, no shared expert).
+        path: the directory to create.
+
+    Returns:
+        The directory.
+    """
+    cfg = model.cfg
+    hf = config_to_hf(cfg)
+    params = jax.tree.map(
+        lambda x: np.asarray(jax.device_get(x), np.float32),
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    )
+    V = cfg.vocab_size
+    tensors = {
+        "model.embed_tokens.weight": params["embed"]["embedding"][:V],
+        "model.norm.weight": params["norm"]["scale"],
+    }
+    blocks = params["groups"]["moe_block"]
+    for i in range(cfg.n_layers):
+        layer = jax.tree.map(lambda x, i=i: x[i], blocks)
+        for name, t in _layer_to_hf(layer, cfg).items():
+            tensors[f"model.layers.{i}.{name}"] = t
+    if not cfg.tie_embeddings:
+        tensors["lm_head.weight"] = params["head"]["kernel"][:, :V].T
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    return path

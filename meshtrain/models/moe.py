@@ -1,0 +1,173 @@
+"""A mixture-of-experts decoder: Llama-style attention, and feed-forward blocks that route each
+token to its top-k of E SwiGLU experts (Mixtral), optionally beside a shared expert.
+
+The blocks are created stacked in groups of ``moe_every`` (``moe_every − 1`` dense blocks, then
+one MoE block) and scanned, so the compiled program holds one group whatever the depth. The
+router's softmax, top-k, losses and statistics are computed on global arrays; only the
+dispatch to the experts runs per shard (`meshtrain.kernels.moe_dispatch`). The forward returns
+a `ModelOutput`: logits, the weighted router losses, and the per-step statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshtrain.layout import constrain
+from meshtrain.models import layers
+from meshtrain.models.base import ModelOutput
+from meshtrain.models.gpt import MLP, Attention, Block
+from meshtrain.models.moe_config import MoEConfig
+from meshtrain.models.moe_dispatch import dispatch
+from meshtrain.models.moe_routing import load_balance_loss, load_stats, route, z_loss
+from meshtrain.models.remat import POLICIES
+
+
+def _param(rngs: nnx.Rngs, names, shape, std=0.02) -> nnx.Param:
+    """A float32 parameter of `shape`, normal(std), carrying logical `names`."""
+    return nnx.Param(layers.init(names, std)(rngs.params(), shape))
+
+
+class Experts(nnx.Module):
+    """Router, E SwiGLU experts (weights [E, ...] named ``expert``) and an optional shared one."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        E, D, F = cfg.n_experts, cfg.d_model, cfg.expert_dim
+        self.cfg = cfg
+        self.router = _param(rngs, ("embed", None), (D, E))
+        self.gate = _param(rngs, ("expert", "embed", "mlp"), (E, D, F))
+        self.up = _param(rngs, ("expert", "embed", "mlp"), (E, D, F))
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.down = _param(rngs, ("expert", "mlp", "embed"), (E, F, D), out_std)
+        if cfg.shared_expert:
+            shared = dataclasses.replace(cfg.backbone, d_ff=cfg.shared_expert)
+            self.shared = MLP(shared, rngs=rngs)
+        else:
+            self.shared = None
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.cfg
+        T = x_BTD.shape[1]
+        logits_BTE = jnp.dot(x_BTD.astype(jnp.float32), self.router[...])
+        slots = cfg.capacity_slots(T) if cfg.dispatch == "capacity" else None
+        routing = route(logits_BTE, cfg.top_k, renormalize=cfg.renormalize, capacity_slots=slots)
+        dtype = cfg.backbone.compute_dtype
+        if jax.default_backend() == "cpu":
+            # XLA's CPU compiler aborts on the bfloat16 dispatch's backward ("Invalid binary
+            # instruction opcode copy"), so on CPU the experts run in float32.
+            dtype = jnp.float32
+        weights = tuple(w[...].astype(dtype) for w in (self.gate, self.up, self.down))
+        y_BTD = dispatch(
+            x_BTD.astype(dtype),
+            routing,
+            weights,
+            kind=cfg.dispatch,
+            n_experts=cfg.n_experts,
+            slots=slots or 0,
+        )
+        if self.shared is not None:
+            y_BTD = y_BTD + self.shared(x_BTD)
+        stats = {
+            "aux_loss": load_balance_loss(logits_BTE, routing.expert_BTK),
+            "z_loss": z_loss(logits_BTE),
+            **load_stats(routing, cfg.n_experts),
+        }
+        return y_BTD.astype(x_BTD.dtype), stats
+
+
+class MoEBlock(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + experts(norm(x)); also the router stats."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        g = cfg.backbone
+        norm = dict(eps=g.norm_eps, dtype=g.compute_dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.norm1 = layers.make_norm("rmsnorm", g.d_model, **norm)
+        self.attn = Attention(g, rngs=rngs)
+        self.norm2 = layers.make_norm("rmsnorm", g.d_model, **norm)
+        self.moe = Experts(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        x_BTD = x_BTD + self.attn(self.norm1(x_BTD))
+        y_BTD, stats = self.moe(self.norm2(x_BTD))
+        return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), stats
+
+
+class Group(nnx.Module):
+    """``moe_every − 1`` dense blocks, then one MoE block."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(cfg.backbone, rngs=rngs) for _ in range(cfg.moe_every - 1)])
+        self.moe_block = MoEBlock(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        for block in self.dense:
+            x_BTD = block(x_BTD)
+        return self.moe_block(x_BTD)
+
+
+class MoE(nnx.Module):
+    """Token ids [B, T] → `ModelOutput` (float32 logits [B, T, padded_vocab], the weighted
+    router losses, and ``moe_*`` metrics averaged over the MoE blocks)."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        g = cfg.backbone
+        D, V, Vp = g.d_model, g.vocab_size, g.padded_vocab
+        self.embed = layers.Embed(
+            Vp,
+            D,
+            dtype=g.compute_dtype,
+            embedding_init=layers.init_rows(("vocab", "embed"), V, axis=0),
+            rngs=rngs,
+        )
+
+        @nnx.split_rngs(splits=cfg.n_moe_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_groups(rngs: nnx.Rngs) -> Group:
+            return Group(cfg, rngs=rngs)
+
+        self.groups = make_groups(rngs)
+        self.norm = layers.make_norm(
+            "rmsnorm", D, eps=g.norm_eps, dtype=g.compute_dtype, param_dtype=jnp.float32, rngs=rngs
+        )
+        if g.tie_embeddings:
+            self.head = None
+        else:
+            self.head = nnx.Linear(
+                D,
+                Vp,
+                use_bias=False,
+                dtype=g.compute_dtype,
+                kernel_init=layers.init_rows(("embed", "vocab"), V, axis=1),
+                rngs=rngs,
+            )
+
+    def __call__(self, tokens_BT: jax.Array) -> ModelOutput:
+        g = self.cfg.backbone
+        T = tokens_BT.shape[1]
+        if T > g.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={g.max_seq_len}")
+        x_BTD = constrain(self.embed(tokens_BT), ("batch", "seq", "embed"))
+
+        def body(group: Group, x_BTD: jax.Array):
+            return group(x_BTD)
+
+        if g.remat != "none":
+            body = nnx.remat(body, policy=POLICIES[g.remat], prevent_cse=False)
+        x_BTD, stats = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))(
+            self.groups, x_BTD
+        )
+        x_BTD = self.norm(x_BTD)
+        logits_BTV = self.embed.attend(x_BTD) if self.head is None else self.head(x_BTD)
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if g.padded_vocab > g.vocab_size:
+            logits_BTV = layers.mask_padded_vocab(logits_BTV, g.vocab_size)
+        logits_BTV = constrain(logits_BTV, ("batch", "seq", "vocab"))
+        aux = self.cfg.aux_loss_coef * jnp.sum(stats["aux_loss"])
+        aux = aux + self.cfg.z_loss_coef * jnp.sum(stats["z_loss"])
+        metrics = {f"moe_{k}": jnp.mean(v) for k, v in stats.items()}
+        return ModelOutput(logits_BTV, aux, metrics)

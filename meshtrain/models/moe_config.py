@@ -1,0 +1,253 @@
+"""`MoEConfig`: a Llama-style decoder whose feed-forward blocks are mixtures of experts (all of
+them, or every n-th), with the model interface's FLOP count, checks and summary line."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from flax import nnx
+
+from meshtrain.layout import Rules
+from meshtrain.models.base import DataSpec
+from meshtrain.models.gpt_config import GPTConfig
+from meshtrain.models.moe_dispatch import DISPATCH
+from meshtrain.models.moe_routing import capacity
+from meshtrain.problem import Problem
+
+if TYPE_CHECKING:
+    from meshtrain.models.moe import MoE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Shape of the mixture-of-experts decoder (attention, norms and embeddings as
+    `GPTConfig` with ``style="llama"``; each MoE block's feed-forward is a router and
+    ``n_experts`` SwiGLU experts, of which each token uses ``top_k``).
+
+    Args:
+        vocab_size, max_seq_len, d_model, n_layers, n_heads, n_kv_heads, rope_theta, norm_eps,
+            tie_embeddings, remat, dtype, attention_impl, sliding_window, vocab_multiple: as
+            in `GPTConfig`.
+        d_ff: hidden width of the dense feed-forward blocks (0: Llama's default).
+        n_experts: experts per MoE block.
+        top_k: experts each token is sent to (1 or 2, or any ≤ ``n_experts``).
+        d_expert: hidden width of one expert (0: ``d_ff`` after its default).
+        moe_every: every n-th block is an MoE block (1: all of them); must divide n_layers.
+        shared_expert: hidden width of a dense expert every token also goes through
+            (DeepSeek style); 0 for none.
+        dispatch: ``"capacity"`` (GShard buffers, overflow dropped) or ``"dropless"``
+            (grouped matmuls, nothing dropped).
+        capacity_factor: capacity dispatch: slots per expert and sequence are
+            ⌈factor · T · top_k / n_experts⌉.
+        renormalize: divide the top-k probabilities by their sum (Mixtral); with top_k=1 this
+            makes every weight 1, so Switch-style k=1 routers set it False.
+        aux_loss_coef: weight of the load-balancing loss (summed over MoE blocks).
+        z_loss_coef: weight of the router z-loss (summed over MoE blocks).
+    """
+
+    vocab_size: int = 256
+    max_seq_len: int = 128
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 0
+    d_ff: int = 0
+    n_experts: int = 8
+    top_k: int = 2
+    d_expert: int = 0
+    moe_every: int = 1
+    shared_expert: int = 0
+    dispatch: str = "capacity"
+    capacity_factor: float = 1.25
+    renormalize: bool = True
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: str = "none"
+    dtype: str = "float32"
+    attention_impl: str = "xla"
+    sliding_window: int = 0
+    vocab_multiple: int = 128
+
+    def __post_init__(self):
+        try:
+            self.backbone  # noqa: B018  (validates the shared fields)
+        except ValueError as e:
+            raise ValueError(str(e).replace("gpt ", "moe ", 1)) from None
+        for name in ("n_experts", "top_k", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"moe {name}={value!r}: must be a positive integer")
+        for name in ("d_expert", "shared_expert"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"moe {name}={getattr(self, name)!r}: must be an integer ≥ 0")
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"moe top_k={self.top_k}: more than n_experts={self.n_experts}; set top_k to "
+                f"at most {self.n_experts}"
+            )
+        if self.n_layers % self.moe_every:
+            raise ValueError(
+                f"moe moe_every={self.moe_every} does not divide n_layers={self.n_layers}; "
+                "pick a divisor (every moe_every-th block is an MoE block)"
+            )
+        if self.dispatch not in DISPATCH:
+            raise ValueError(f"moe dispatch={self.dispatch!r}: choose from {', '.join(DISPATCH)}")
+        if not self.capacity_factor > 0:
+            raise ValueError(
+                f"moe capacity_factor={self.capacity_factor!r}: must be > 0 (1.0 is an even "
+                "share; 1.25 leaves headroom; or use dispatch='dropless')"
+            )
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"moe {name}={getattr(self, name)!r}: must be ≥ 0")
+
+    @property
+    def backbone(self) -> GPTConfig:
+        """The attention, norm and embedding settings as a Llama-style `GPTConfig`."""
+        return GPTConfig(
+            style="llama",
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            d_ff=self.d_ff,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            tie_embeddings=self.tie_embeddings,
+            remat=self.remat,
+            dtype=self.dtype,
+            attention_impl=self.attention_impl,
+            sliding_window=self.sliding_window,
+            vocab_multiple=self.vocab_multiple,
+        )
+
+    @property
+    def expert_dim(self) -> int:
+        """One expert's hidden width after defaults."""
+        return self.d_expert or self.backbone.ff_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        """How many blocks are MoE blocks."""
+        return self.n_layers // self.moe_every
+
+    def capacity_slots(self, seq_len: int) -> int:
+        """Capacity dispatch: slots per expert and sequence of `seq_len` tokens."""
+        return capacity(seq_len, self.n_experts, self.top_k, self.capacity_factor)
+
+    def matmul_params(self, *, active: bool = True) -> int:
+        """Matmul parameters per token: the experts a token uses (``active``) or all of them."""
+        g = self.backbone
+        D, H, G, K = g.d_model, g.n_heads, g.kv_heads, g.head_dim
+        attn = D * H * K + 2 * D * G * K + H * K * D
+        experts = self.top_k if active else self.n_experts
+        moe = 3 * D * self.expert_dim * experts + D * self.n_experts + 3 * D * self.shared_expert
+        dense = 3 * D * g.ff_dim
+        n_moe = self.n_moe_layers
+        return (
+            self.n_layers * attn + n_moe * moe + (self.n_layers - n_moe) * dense
+        ) + D * g.padded_vocab
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: ``6·N_active`` plus attention, as `GPTConfig` counts."""
+        g = self.backbone
+        keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+        return 6 * self.matmul_params() + 12 * self.n_layers * g.n_heads * g.head_dim * keys
+
+    # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
+
+    def build(self, *, rngs: nnx.Rngs) -> MoE:
+        """The decoder, unsharded."""
+        from meshtrain.models.moe import MoE
+
+        return MoE(self, rngs=rngs)
+
+    def check(self, data: DataSpec) -> list[Problem]:
+        """Token data whose sequences and vocabulary fit this model."""
+        return [
+            dataclasses.replace(p, field=p.field.replace("gpt.", "moe."), message=_moe(p.message))
+            for p in self.backbone.check(data)
+        ]
+
+    def check_layout(self, sizes: Mapping[str, int], rules: Rules) -> list[Problem]:
+        """Experts that the ``expert`` axis cannot split, and the padded vocabulary's split."""
+        problems = [
+            dataclasses.replace(p, field=p.field.replace("gpt.", "moe."), message=_moe(p.message))
+            for p in self.backbone.check_layout(sizes, rules)
+        ]
+        shards = sizes.get("expert", 1)
+        if shards > self.n_experts:
+            problems.append(
+                Problem(
+                    "moe.n_experts",
+                    self.n_experts,
+                    f"fewer experts than the {shards} shards of the expert axis; raise "
+                    f"--moe.n-experts to a multiple of {shards} or set expert to a divisor of "
+                    f"{self.n_experts}",
+                )
+            )
+        elif self.n_experts % shards:
+            problems.append(
+                Problem(
+                    "moe.n_experts",
+                    self.n_experts,
+                    f"not divisible by the expert axis of size {shards}; use a multiple of "
+                    f"{shards} experts or an expert axis that divides {self.n_experts}",
+                )
+            )
+        return problems
+
+    def describe(self) -> str:
+        """E.g. ``moe · d_model=64 · 2 layers (2 MoE) · 8 experts, top-2, capacity 1.25``."""
+        how = f"capacity {self.capacity_factor:g}" if self.dispatch == "capacity" else "dropless"
+        shared = f" + shared {self.shared_expert}" if self.shared_expert else ""
+        return (
+            f"moe · d_model={self.d_model} · {self.n_layers} layers ({self.n_moe_layers} MoE) · "
+            f"{self.n_experts} experts{shared}, top-{self.top_k}, {how}"
+        )
+
+    @property
+    def supported_axes(self) -> tuple[str, ...]:
+        """Axes beyond the defaults that this model runs (the run check reads it)."""
+        return ("expert",)
+
+
+def _moe(fix: str) -> str:
+    """A `GPTConfig` fix, reworded for the moe flags."""
+    return fix.replace("--gpt.", "--moe.")
+
+
+PRESETS: dict[str, MoEConfig] = {
+    # A CPU-sized model for tests, notebooks and `meshtrain train --model moe`.
+    "moe-tiny": MoEConfig(),
+    # Mixtral-8x7B's shape (for planning and memory estimates; ~46.7B parameters, 12.9B active).
+    "mixtral-8x7b": MoEConfig(
+        vocab_size=32000,
+        max_seq_len=32768,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        n_experts=8,
+        top_k=2,
+        d_expert=14336,
+        rope_theta=1e6,
+        dtype="bfloat16",
+        dispatch="dropless",
+    ),
+}
+
+
+def preset(name: str) -> MoEConfig:
+    """An MoE preset by name (``moe-tiny``, ``mixtral-8x7b``)."""
+    if name not in PRESETS:
+        raise ValueError(f"moe preset {name!r}: unknown; choose from {', '.join(PRESETS)}")
+    return PRESETS[name]

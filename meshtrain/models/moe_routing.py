@@ -1,0 +1,84 @@
+"""Mixture-of-experts routing math: top-k choice, capacity slots, router losses and load stats.
+
+Everything here is plain jnp on global arrays, so it means the same under every layout.
+Shape suffixes: B batch rows, T positions, E experts, K choices per token (top-k), C capacity
+slots per expert and sequence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from meshtrain.models.moe_dispatch import Routing
+
+
+def capacity(seq_len: int, n_experts: int, top_k: int, factor: float) -> int:
+    """Slots per expert and sequence: ⌈factor · T · k / E⌉ (GShard's per-group capacity, with one
+    sequence as the group, so what drops does not depend on the layout)."""
+    return max(1, math.ceil(factor * seq_len * top_k / n_experts))
+
+
+def route(
+    logits_BTE: jax.Array, top_k: int, *, renormalize: bool, capacity_slots: int | None
+) -> Routing:
+    """Softmax over the experts, then the top `top_k` (renormalised to sum to one when
+    `renormalize`, as Mixtral does); slots in each expert's buffer per sequence.
+
+    Args:
+        logits_BTE: router logits, float32.
+        top_k: choices per token.
+        renormalize: divide the chosen probabilities by their sum.
+        capacity_slots: slots per expert and sequence; None for dropless (everything kept).
+
+    Returns:
+        The `Routing`.
+    """
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+    weight_BTK, expert_BTK = jax.lax.top_k(probs_BTE, top_k)
+    if renormalize:
+        weight_BTK = weight_BTK / jnp.sum(weight_BTK, axis=-1, keepdims=True)
+    expert_BTK = expert_BTK.astype(jnp.int32)
+    slot_BTK = _slots(expert_BTK, logits_BTE.shape[-1])
+    if capacity_slots is None:
+        keep_BTK = jnp.ones(expert_BTK.shape, bool)
+    else:
+        keep_BTK = slot_BTK < capacity_slots
+    return Routing(expert_BTK, weight_BTK, slot_BTK, keep_BTK)
+
+
+def _slots(expert_BTK: jax.Array, n_experts: int) -> jax.Array:
+    """Each choice's rank among the choices for its expert in its sequence (k-major order)."""
+    B, T, K = expert_BTK.shape
+    onehot_BKTE = jax.nn.one_hot(expert_BTK.transpose(0, 2, 1), n_experts, dtype=jnp.int32)
+    onehot_BNE = onehot_BKTE.reshape(B, K * T, n_experts)
+    rank_BN = jnp.sum((jnp.cumsum(onehot_BNE, axis=1) - 1) * onehot_BNE, axis=-1)
+    return rank_BN.reshape(B, K, T).transpose(0, 2, 1).astype(jnp.int32)
+
+
+def load_balance_loss(logits_BTE: jax.Array, expert_BTK: jax.Array) -> jax.Array:
+    """Switch / GShard load-balancing loss ``E · Σ_e f_e · P_e``: f_e the fraction of the k·N
+    choices that picked expert e, P_e its mean router probability over the N tokens; 1 when
+    balanced."""
+    E = logits_BTE.shape[-1]
+    probs_E = jnp.mean(jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1), axis=(0, 1))
+    frac_E = jnp.mean(jax.nn.one_hot(expert_BTK, E, dtype=jnp.float32), axis=(0, 1, 2))
+    return E * jnp.sum(frac_E * probs_E)
+
+
+def z_loss(logits_BTE: jax.Array) -> jax.Array:
+    """Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)²``."""
+    return jnp.mean(jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1) ** 2)
+
+
+def load_stats(routing: Routing, n_experts: int) -> dict[str, jax.Array]:
+    """Choices per expert (min / mean / max over experts) and the fraction of choices dropped."""
+    counts_E = jnp.sum(jax.nn.one_hot(routing.expert_BTK, n_experts, dtype=jnp.float32), (0, 1, 2))
+    return {
+        "tokens_per_expert_min": jnp.min(counts_E),
+        "tokens_per_expert_mean": jnp.mean(counts_E),
+        "tokens_per_expert_max": jnp.max(counts_E),
+        "dropped_fraction": 1.0 - jnp.mean(routing.keep_BTK.astype(jnp.float32)),
+    }

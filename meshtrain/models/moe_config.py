@@ -202,6 +202,14 @@ class MoEConfig:
                     f"{shards} experts or an expert axis that divides {self.n_experts}",
                 )
             )
+        if sizes.get("seq", 1) > 1:  # its routing and capacity see whole sequences
+            problems.append(
+                Problem(
+                    "mesh.seq",
+                    sizes["seq"],
+                    "the moe family does not run context parallelism yet; set seq=1",
+                )
+            )
         return problems
 
     def describe(self) -> str:

@@ -41,7 +41,8 @@ own standard library, on 8 simulated CPU devices, as a data × fsdp × tensor = 
 Args:
     mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
     strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
-        tensor > 1).
+        tensor > 1); auto picks from the mesh: hsdp when data and fsdp are both > 1, fsdp
+        when only fsdp is, else dp, with +tp when tensor > 1.
     context_parallel: attention over a sequence split over seq > 1: ring (default; memory
         falls as 1/seq), allgather (short sequences, GQA) or ulysses (heads divisible by seq).
     devices: CPU devices to simulate (per process); 0 uses the real devices (e.g. GPUs).
@@ -57,7 +58,7 @@ def _job_class() -> type:
     names = list(families())
     fields = [
         ("mesh", str, "data=2,fsdp=2,tensor=2"),
-        ("strategy", str, "hsdp+tp"),
+        ("strategy", str, "auto"),
         ("context_parallel", str, "ring"),
         ("devices", int, 8),
         ("model", str, names[0]),
@@ -165,7 +166,7 @@ def build_trainer(job: TrainJob, say=print):
     rules = rules_for(job.strategy, mesh, context_parallel=job.context_parallel)
     data = make_dataset(job.data)
     cp = f" · context parallel {job.context_parallel}" if mesh.shape["seq"] > 1 else ""
-    say(f"meshtrain · mesh {describe(mesh)} · strategy {job.strategy}{cp}")
+    say(f"meshtrain · mesh {describe(mesh)} · strategy {rules.name}{cp}")
     if mesh.shape["pipe"] > 1:
         pc = job.pipeline
         say(

@@ -499,3 +499,24 @@ def test_a_manual_region_nests_inside_another():
         got = jax.jit(region)(x)
     want = kernels.reference.rms_norm(x.reshape(-1, 16), scale).reshape(x.shape)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "want"),
+    [
+        ({"data": 2, "fsdp": 2, "tensor": 2}, "hsdp+tp"),
+        ({"fsdp": 8}, "fsdp"),
+        ({"data": 4, "tensor": 2}, "dp+tp"),
+        ({"expert": 4, "data": 2}, "dp"),
+        ({"pipe": 2, "fsdp": 2, "tensor": 2}, "fsdp+tp"),
+    ],
+)
+def test_auto_strategy_picks_from_the_mesh(sizes, want):
+    rules = S.rules_for("auto", sizes)
+    assert rules.name == want
+    assert rules == S.rules_for(want, sizes)
+
+
+def test_auto_strategy_needs_a_mesh():
+    with pytest.raises(ValueError, match="'auto' picks from the mesh"):
+        S.rules_for("auto")

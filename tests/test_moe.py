@@ -300,10 +300,10 @@ def test_cli_bad_expert_split_is_one_line_exit_2(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_trains_an_moe_over_expert_and_data_with_accumulation_bf16_and_remat(tmp_path):
+def test_cli_trains_an_moe_over_expert_and_data_with_accumulation_bf16_and_remat(tmp_path, capsys):
     run = tmp_path / "run"
-    argv = [
-        "train", "--model", "moe", "--mesh", "expert=4,data=2", "--strategy", "fsdp",
+    argv = [  # no --strategy: the default, auto, picks dp for this mesh
+        "train", "--model", "moe", "--mesh", "expert=4,data=2",
         "--steps", "1", "--accum-steps", "2", "--log-every", "1", "--eval-every", "0",
         "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "16",
         "--moe.d-model", "32", "--moe.n-heads", "2", "--moe.d-expert", "32",
@@ -312,6 +312,7 @@ def test_cli_trains_an_moe_over_expert_and_data_with_accumulation_bf16_and_remat
         "--run-dir", str(run), "--no-progress",
     ]  # fmt: skip
     assert cli.main(argv) == 0
+    assert "expert=4 (8 cpu devices) · strategy dp\n" in capsys.readouterr().out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "moe_aux_loss" in r][-1]
     assert last["moe_dropped_fraction"] == 0.0  # dropless

@@ -134,21 +134,34 @@ class Rules:
         return ways
 
 
+def auto_strategy(mesh) -> str:
+    """The strategy ``"auto"`` stands for on `mesh` (a `Mesh` or a dict of axis sizes):
+    ``hsdp`` when both ``data`` and ``fsdp`` are split, ``fsdp`` when only ``fsdp`` is, else
+    ``dp``; with ``+tp`` when ``tensor > 1``."""
+    sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
+    fsdp, data = sizes.get("fsdp", 1) > 1, sizes.get("data", 1) > 1
+    strategy = "hsdp" if fsdp and data else "fsdp" if fsdp else "dp"
+    return strategy + ("+tp" if sizes.get("tensor", 1) > 1 else "")
+
+
 def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Rules:
     """The preset `Rules` for a strategy such as ``"fsdp"`` or ``"hsdp+tp"``.
 
     Args:
-        strategy: one data strategy from ``dp, fsdp, hsdp, zero1`` and/or ``tp``, joined by ``+``.
+        strategy: one data strategy from ``dp, fsdp, hsdp, zero1`` and/or ``tp``, joined by
+            ``+``; or ``"auto"`` (needs `mesh`), the strategy `auto_strategy` picks for it.
         mesh: when given (a `Mesh` or a dict of axis sizes), the strategy is checked against it
             (e.g. ``hsdp`` needs ``fsdp > 1``).
         context_parallel: the attention strategy over ``seq`` (`Rules.context_parallel`).
 
     Returns:
-        The `Rules` for the strategy.
+        The `Rules` for the strategy (named by the preset ``"auto"`` chose).
     """
     problem = strategy_problem(strategy, mesh)
     if problem:
         raise ValueError(problem)
+    if strategy == "auto":
+        strategy = auto_strategy(mesh)
     parts = [p.strip() for p in strategy.split("+") if p.strip()]
     data_strategy = next((p for p in parts if p != "tp"), "dp")
     params: dict[str, Entry] = {name: None for name in LOGICAL_AXES}
@@ -184,6 +197,8 @@ def strategy_problem(strategy: str, mesh=None) -> str | None:
     """Why `strategy` is not a valid preset (on `mesh`, when given), or None."""
     if not isinstance(strategy, str):
         return f"strategy={strategy!r}: must be a string such as 'fsdp+tp'"
+    if strategy == "auto":
+        return None if mesh is not None else "strategy 'auto' picks from the mesh: pass mesh="
     parts = [p.strip() for p in strategy.split("+") if p.strip()]
     unknown = [p for p in parts if p not in STRATEGIES]
     if unknown or not parts:

@@ -8,9 +8,10 @@ skipped) and the per-device throughput relative to one device. On CPU every simu
 and process shares the same cores, so these figures show what the collectives and the
 processes cost, not a speed-up.
 
-Projected: the α-β ring all-reduce estimate of `alpha_beta.py` (H100 NVLink / InfiniBand
-figures, labelled there) of the efficiency of data parallelism for the full ResNet-18 preset
-on 32×32×3 images, 1 to 64 GPUs; one JSON line per GPU count, ``"kind": "projected"``.
+Projected: meshtrain's α-β cost model through `alpha_beta.py` (the H100 profile's NVLink /
+InfiniBand figures, with their sources in `meshtrain.costmodel`) of the efficiency of data
+parallelism for the full ResNet-18 preset on 32×32×3 images, 1 to 64 GPUs; one JSON line per
+GPU count, ``"kind": "projected"``.
 
     python benchmarks/scaling.py --quick     # 1, 2 devices; 2 processes; 3 steps
     python benchmarks/scaling.py             # 1, 2, 4, 8 devices; 2 and 4 processes
@@ -115,7 +116,7 @@ def projections(args) -> list[dict]:
                 "per_gpu_batch": args.gpu_batch,
                 "utilisation_assumed": args.utilisation,
                 **est,
-                "device": "H100 SXM (projected: α-β ring all-reduce, see alpha_beta.py)",
+                "device": "H100 SXM (projected: meshtrain.costmodel, see alpha_beta.py)",
             }
         )
     return out

@@ -78,7 +78,7 @@ def _assert_same(run, reference, tol=2e-5):
 # Each case below proves something the others do not (suite time is the budget): zero1 is data
 # parallelism with the optimizer state sharded; dp+tp splits the LeNet's channels over tensor
 # with the Pallas kernels; fsdp+tp shards the ResNet's parameters over data × fsdp and its
-# blocks' inner channels over tensor; hsdp differs from fsdp only in the parameters' table.
+# blocks' inner channels over tensor; hsdp shards them over fsdp alone, replicated over data.
 
 
 @pytest.mark.slow
@@ -96,12 +96,14 @@ def test_pallas_relu_and_mse_under_tensor_parallelism_train_like_xla_on_one_devi
 
 
 @pytest.mark.slow
-def test_resnet_under_fsdp_and_tp_equals_one_device(resnet_single):
-    """FSDP shards the convolution kernels' stream channels over data × fsdp; +tp splits the
-    residual blocks' inner channels over tensor (channel-parallel pairs); batch norm's
-    statistics span the whole batch."""
-    mesh = mt.make_mesh("data=2,fsdp=2,tensor=2")
-    _assert_same(_train(RESNET, mesh, "fsdp+tp"), resnet_single)
+@pytest.mark.parametrize(
+    ("mesh", "strategy"), [("data=2,fsdp=2,tensor=2", "fsdp+tp"), ("data=2,fsdp=4", "hsdp")]
+)
+def test_resnet_under_sharded_parameters_equals_one_device(resnet_single, mesh, strategy):
+    """FSDP shards the convolution kernels' stream channels over data × fsdp (hsdp: over fsdp
+    only, replicated over data); +tp splits the residual blocks' inner channels over tensor
+    (channel-parallel pairs); batch norm's statistics span the whole batch."""
+    _assert_same(_train(RESNET, mt.make_mesh(mesh), strategy), resnet_single)
 
 
 def test_channel_names_split_the_kernels_over_tensor():

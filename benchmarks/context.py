@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -30,63 +29,26 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from meshtrain import context_parallel as cp
+from meshtrain.comm import hlo as comm_hlo
 from meshtrain.context_parallel import ring as ring_mod
 from meshtrain.layout import activation_rules, manual_region, rules_for
 from meshtrain.lower import cross_entropy
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
 
-DTYPE_BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "pred": 1}
 OPS = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")
-
-
-def _loop_multiplicity(hlo: str) -> tuple[dict[str, list[str]], dict[str, int]]:
-    """The HLO's computations (name → lines) and how many times each runs per call: the
-    known trip counts of the while loops around it multiplied together."""
-    comps: dict[str, list[str]] = {}
-    name = entry = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head:
-            name = head.group(2)
-            comps[name] = []
-            entry = name if head.group(1) else entry
-        elif name is not None:
-            comps[name].append(line)
-    times: dict[str, int] = dict.fromkeys(comps, 0)
-
-    def visit(comp: str, mult: int) -> None:
-        times[comp] = times.get(comp, 0) + mult
-        for line in comps.get(comp, []):
-            body = re.search(r"body=%?([\w.\-]+)", line)
-            if body:
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                visit(body.group(1), mult * (int(trip.group(1)) if trip else 1))
-            for ref in re.findall(r"(?:to_apply|calls)=%?([\w.\-]+)", line):
-                visit(ref, mult)
-
-    visit(entry, 1)
-    return comps, times
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:
     """Result bytes per device per call of each collective kind in a compiled HLO module,
-    counting each op as often as the loops around it run."""
+    counting each op as often as the loops around it run (`meshtrain.comm.hlo`)."""
     out = dict.fromkeys(OPS, 0)
-    comps, times = _loop_multiplicity(hlo)
-    pattern = re.compile(r"=\s*(.+?)\s+(" + "|".join(OPS) + r")(-start)?\(")
-    for comp, lines in comps.items():
-        for line in lines:
-            m = pattern.search(line)
-            if not m or m.group(3) or not times.get(comp):
-                continue
-            for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-                size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-                out[m.group(2)] += times[comp] * DTYPE_BYTES.get(dtype, 4) * size
+    for c in comm_hlo.collectives(hlo):
+        if c.kind in out:
+            out[c.kind] += c.count * c.result_bytes
     return out
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 if "jax" not in sys.modules:
@@ -30,29 +29,20 @@ if "jax" not in sys.modules:
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from meshtrain.comm import hlo as comm_hlo
 from meshtrain.layout import activation_rules, named, rules_for, state_specs
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MoEConfig
 from meshtrain.models.moe import Experts
 
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4}
-_SHAPE = re.compile(r"(f32|bf16|f16|s32)\[([\d,]*)\]")
-
 
 def _a2a_bytes(hlo: str) -> tuple[int, int]:
-    """(number of all-to-all ops, bytes of their results) in an HLO module's text."""
-    ops, total = 0, 0
-    for line in hlo.splitlines():
-        if " all-to-all(" not in line or " = " not in line:
-            continue
-        ops += 1
-        result = line.split(" all-to-all(")[0].split(" = ", 1)[1]
-        for dtype, dims in _SHAPE.findall(result):
-            total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    return ops, total
+    """(all-to-all executions, bytes of their results) in an HLO module's text, read by the
+    inspector's parser (`meshtrain.comm.hlo`)."""
+    a2a = [c for c in comm_hlo.collectives(hlo) if c.kind == "all-to-all"]
+    return sum(c.count for c in a2a), sum(c.count * c.result_bytes for c in a2a)
 
 
 def _compiled(cfg: MoEConfig, expert: int, batch: int, seq: int):

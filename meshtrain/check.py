@@ -79,6 +79,14 @@ def check_run(
         for axis in UNSUPPORTED_AXES
         if sizes.get(axis, 1) > 1 and axis not in getattr(model, "supported_axes", ())
     ]
+    if sizes.get("seq", 1) > 1 and getattr(model, "context_parallel", True) is False:
+        problems.append(
+            Problem(
+                "mesh.seq",
+                sizes["seq"],
+                f"{type(model).__name__} does not run context parallelism yet; set seq=1",
+            )
+        )
     strategy = getattr(rules, "context_parallel", "ring")
     problems += context_problems(sizes, strategy, seq_len=spec.seq_len, kind=spec.kind)
     ways, k = rules.batch_ways(sizes), accum_steps

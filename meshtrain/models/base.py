@@ -50,7 +50,8 @@ class ModelConfig(Protocol):
     model from being laid out by `rules` on axes of `sizes`, with the fix in its own fields
     (the GPT's names ``gpt.vocab_multiple``); the run check calls it when present.
     And optionally ``supported_axes``: axes the run check otherwise refuses that this model
-    runs (the MoE's ``("expert",)``).
+    runs (the MoE's ``("expert",)``); and ``context_parallel = False`` for a token model whose
+    sequences cannot be split over ``seq`` (the run check then refuses ``seq > 1``).
 
     Attributes:
         dtype: the compute dtype name (``float32`` or ``bfloat16``), for the peak-FLOPs lookup.

@@ -202,14 +202,6 @@ class MoEConfig:
                     f"{shards} experts or an expert axis that divides {self.n_experts}",
                 )
             )
-        if sizes.get("seq", 1) > 1:  # its routing and capacity see whole sequences
-            problems.append(
-                Problem(
-                    "mesh.seq",
-                    sizes["seq"],
-                    "the moe family does not run context parallelism yet; set seq=1",
-                )
-            )
         return problems
 
     def describe(self) -> str:
@@ -225,6 +217,12 @@ class MoEConfig:
     def supported_axes(self) -> tuple[str, ...]:
         """Axes beyond the defaults that this model runs (the run check reads it)."""
         return ("expert",)
+
+    @property
+    def context_parallel(self) -> bool:
+        """False: its tokens keep the plain order (the GPT's attention under ``seq > 1``
+        expects the balanced one), so the run check refuses ``seq > 1``."""
+        return False
 
 
 def _moe(fix: str) -> str:

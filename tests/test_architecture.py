@@ -85,3 +85,20 @@ def test_no_module_imports_from_a_layer_above_its_own():
             if theirs > mine:
                 wrong.append(f"{name} (layer {mine}) imports {target} (layer {theirs})")
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists packages by hand: a new one left out installs everywhere but from
+    the editable checkout (the GPU bundle and the lowest-versions venv import a wheel)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
+    found = {
+        ".".join(("meshtrain", *p.parent.relative_to(ROOT).parts))
+        for p in ROOT.rglob("__init__.py")
+    }
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"

@@ -183,7 +183,8 @@ def test_second_signal_exits_at_once(tmp_path):
     assert time.monotonic() - start < 25
 
 
-SOAK_TRIALS = 10
+# 6 in the suite (3 killed mid-save); MESHTRAIN_SOAK_TRIALS=10 gives the README's figure.
+SOAK_TRIALS = int(os.environ.get("MESHTRAIN_SOAK_TRIALS", "6"))
 SOAK_MODEL = {"d_model": 128, "d_hidden": 512}  # about 3 MB a checkpoint
 
 

@@ -99,24 +99,6 @@ def test_zigzag_balances_causal_blocks_and_the_plain_split_does_not(n):
     assert sum(balanced) == sum(plain)  # the same work, redistributed
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_ring_computes_half_of_every_exchanged_block_under_zigzag(n):
-    """Under the zig-zag order every hop of the causal ring needs only half of its block (the
-    skipped half is all masked), on every device; in the plain order the devices differ."""
-    from meshtrain.context_parallel.ring import FULL, _part
-
-    def halves(order):  # per device: half-blocks computed over the n − 1 hops
-        pos = jnp.asarray(order, jnp.int32).reshape(n, -1)
-        part = [
-            [int(_part(pos[d], pos[j], True, None)) for j in range(n) if j != d] for d in range(n)
-        ]
-        return [sum(2 if p == FULL else 1 for p in row) for row in part]
-
-    assert halves(cp.order(8 * n, n)) == [n - 1] * n
-    plain = halves(np.arange(8 * n))  # a device computes all of each earlier device's block
-    assert plain == [(n - 1) + d for d in range(n)]
-
-
 def test_zigzag_order_is_a_permutation_and_inverse_undoes_it():
     idx = cp.order(24, 3)
     assert sorted(idx) == list(range(24))

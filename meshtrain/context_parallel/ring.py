@@ -6,12 +6,6 @@ partial results merge by their log-sum-exp (`blocks.merge`). The backward runs t
 the key/value blocks travel with their gradient accumulators, each device adds the
 contribution of its queries, and after n hops the accumulators are home.
 
-**Skipping masked work.** A causal step whose keys' second half no query sees attends to the
-first half only; one whose queries' first half sees no key attends with the second half only.
-Under the zig-zag order (`zigzag`) every step after the first is one of the two, so each
-device computes half of each exchanged block, the same amount on every device. The choice is a
-``lax.switch`` on the blocks' positions, so any order stays correct (it just skips less).
-
 Why a custom VJP rather than autodiff of the ring: autodiff keeps every step's probabilities
 (n blocks of [T/n, T/n] scores per layer, the same [T/n, T] as gathering all keys), while the
 custom backward keeps only q, k, v, the output and the log-sum-exp, and recomputes each
@@ -38,52 +32,6 @@ def _shift(x, axis: str, n: int):
     return lax.ppermute(x, axis, [(j, (j + 1) % n) for j in range(n)])
 
 
-FULL, KEYS_FIRST, QUERIES_SECOND = 0, 1, 2  # the work a step needs (see the docstring)
-
-
-def _part(q_pos, k_pos, causal, window):
-    """Which part of a (queries × keys) block the mask leaves any work in: `FULL`,
-    `KEYS_FIRST` (no query sees the keys' second half) or `QUERIES_SECOND` (the queries' first
-    half sees no key). Always `FULL` without a mask or with odd halves."""
-    T, S = q_pos.shape[0], k_pos.shape[0]
-    if not causal or T % 2 or S % 2:
-        return jnp.int32(FULL)
-
-    def seen(qp, kp):
-        return jnp.any(blocks.visible(qp, kp, causal=causal, window=window))
-
-    return jnp.where(
-        ~seen(q_pos, k_pos[S // 2 :]),
-        KEYS_FIRST,
-        jnp.where(~seen(q_pos[: T // 2], k_pos), QUERIES_SECOND, FULL),
-    ).astype(jnp.int32)
-
-
-def _attend(q, k, v, q_pos, k_pos, causal, window):
-    """`blocks.attend` of one step, computing only the part the mask leaves (`_part`)."""
-    T, S = q.shape[1], k.shape[1]
-
-    def full(q, k, v, q_pos, k_pos):
-        return blocks.attend(q, k, v, q_pos, k_pos, causal=causal, window=window)
-
-    if not causal or T % 2 or S % 2:
-        return full(q, k, v, q_pos, k_pos)
-
-    def keys_first(q, k, v, q_pos, k_pos):
-        h = S // 2
-        return full(q, k[:, :h], v[:, :h], q_pos, k_pos[:h])
-
-    def queries_second(q, k, v, q_pos, k_pos):
-        h = T // 2
-        o, lse = full(q[:, h:], k, v, q_pos[h:], k_pos)
-        o = jnp.concatenate([jnp.zeros_like(o), o], axis=1)  # weighed 0 by the NEG lse
-        lse = jnp.concatenate([jnp.full_like(lse, blocks.NEG), lse], axis=-1)
-        return o, lse
-
-    branches = [full, keys_first, queries_second]
-    return lax.switch(_part(q_pos, k_pos, causal, window), branches, q, k, v, q_pos, k_pos)
-
-
 def _forward(q, k, v, q_pos, k_pos, axis, causal, window):
     """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
     positions, one step at a time (a scan, so one step's scores are live at once)."""
@@ -93,7 +41,7 @@ def _forward(q, k, v, q_pos, k_pos, axis, causal, window):
     def hop(carry, _):
         k, v, k_pos, o, lse = carry
         k, v, k_pos = (_shift(x, axis, n) for x in (k, v, k_pos))
-        o_s, lse_s = _attend(q, k, v, q_pos, k_pos, causal, window)
+        o_s, lse_s = blocks.attend(q, k, v, q_pos, k_pos, causal=causal, window=window)
         o, lse = blocks.merge(o, lse, o_s, lse_s)
         return (k, v, k_pos, o, lse), None
 
@@ -139,8 +87,8 @@ def _ring_bwd(axis, causal, window, res, do_BTHK):
     delta_BGRT = jnp.einsum("btgrk,btgrk->bgrt", do_BTGRK, o_BTGRK)
     scale = 1.0 / jnp.sqrt(jnp.asarray(K, _F32))
 
-    def block_grads(q, q_BTGRK, do_BTGRK, lse_BGRT, delta_BGRT, q_pos, k, v, k_pos):
-        """(dq, dk, dv) of some queries against some keys (float32)."""
+    def grads(k, v, k_pos):
+        """This device's queries' contributions (dq, dk, dv) against one k/v block."""
         ok = blocks.visible(q_pos, k_pos, causal=causal, window=window)
         p_BGRTS = jnp.exp(blocks.scores(q, k, ok) - lse_BGRT[..., None])
         if ok is not None:
@@ -152,33 +100,7 @@ def _ring_bwd(axis, causal, window, res, do_BTHK):
         dk = jnp.einsum("bgrts,btgrk->bsgk", ds_BGRTS, q_BTGRK)
         return dq, dk, dv
 
-    mine = (q, q_BTGRK, do_BTGRK, lse_BGRT, delta_BGRT, q_pos)
-
-    def full(k, v, k_pos):
-        return block_grads(*mine, k, v, k_pos)
-
-    def keys_first(k, v, k_pos):
-        h = k.shape[1] // 2
-        dq, dk, dv = block_grads(*mine, k[:, :h], v[:, :h], k_pos[:h])
-        pad = ((0, 0), (0, h), (0, 0), (0, 0))
-        return dq, jnp.pad(dk, pad), jnp.pad(dv, pad)
-
-    def queries_second(k, v, k_pos):
-        h = T // 2
-        q2, qg2, do2 = (x[:, h:] for x in (q, q_BTGRK, do_BTGRK))
-        lse2, delta2 = lse_BGRT[..., h:], delta_BGRT[..., h:]
-        dq, dk, dv = block_grads(q2, qg2, do2, lse2, delta2, q_pos[h:], k, v, k_pos)
-        return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
-
-    def grads(k, v, k_pos):
-        """This device's queries' contributions (dq, dk, dv) against one k/v block, computing
-        only the part the mask leaves (`_part`)."""
-        if not causal or T % 2 or k.shape[1] % 2:
-            return full(k, v, k_pos)
-        part = _part(q_pos, k_pos, causal, window)
-        return lax.switch(part, [full, keys_first, queries_second], k, v, k_pos)
-
-    dq, dk, dv = full(k, v, k_pos)
+    dq, dk, dv = grads(k, v, k_pos)
 
     def hop(carry, _):
         # The k/v block moves on with its gradient accumulators.

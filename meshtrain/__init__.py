@@ -33,6 +33,7 @@ from meshtrain.models import CNN, GPT, CNNConfig, GPTConfig, MLPClassifier, MLPC
 from meshtrain.models.layers import Embed
 from meshtrain.pipeline import PipelineConfig, schedule_table
 from meshtrain.problem import RunCheckError
+from meshtrain.replicas import SyncConfig
 from meshtrain.train import OptimConfig, TrainConfig, Trainer
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "Rules",
     "RunCheckError",
     "STRATEGIES",
+    "SyncConfig",
     "TrainConfig",
     "Trainer",
     "constrain",

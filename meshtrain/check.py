@@ -22,6 +22,7 @@ from meshtrain.models import families
 from meshtrain.models.base import DataSpec, pipeline_parts, takes_packed
 from meshtrain.pipeline import PipelineConfig, pipeline_problems
 from meshtrain.problem import Problem
+from meshtrain.replicas import SyncConfig, sync_problems
 
 UNSUPPORTED_AXES = ("expert",)  # axes the Trainer does not run yet
 
@@ -52,6 +53,7 @@ def check_run(
     checkpoint: CheckpointConfig | None = None,
     run_dir: str = "",
     abstract: tuple[nnx.GraphDef, nnx.State] | None = None,
+    sync: SyncConfig | None = None,
 ) -> list[Problem]:
     """Every problem with a run's settings, each naming the field, the value and the fix.
 
@@ -66,6 +68,7 @@ def check_run(
         run_dir: where the run writes metrics (and, by default, checkpoints); "" for nowhere.
         abstract: the abstract model (``state.abstract_model(ctor)``): with it, every
             parameter's layout and the model's pipeline parts are checked too.
+        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`); None: the default.
 
     Returns:
         The problems; an empty list when the run can start.
@@ -120,6 +123,8 @@ def check_run(
         problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
     if spec.packed:
         problems += _packing_problems(sizes, abstract)
+    if sync is not None:
+        problems += sync_problems(sync, sizes, rules.replica_axes(sizes), rules.name)
     problems += directory_problems(run_dir=run_dir, checkpoint=checkpoint)
     return problems
 

@@ -35,6 +35,7 @@ from meshtrain.distributed import DistributedConfig, DistributedError
 from meshtrain.models import families
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import Problem, RunCheckError
+from meshtrain.replicas import SyncConfig
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.optim import OptimConfig
 
@@ -79,6 +80,7 @@ def _job_class() -> type:
         ("pipeline", Annotated[PipelineConfig, tyro.conf.OmitArgPrefixes], PipelineConfig()),
         ("checkpoint", Annotated[CheckpointConfig, tyro.conf.OmitArgPrefixes], CheckpointConfig()),
         ("optim", Annotated[OptimConfig, tyro.conf.OmitArgPrefixes], OptimConfig()),
+        ("sync", Annotated[SyncConfig, tyro.conf.OmitArgPrefixes], SyncConfig()),
         ("data", DataConfig, DataConfig()),
     ]
     fields += [(f.name, f.config, f.default) for f in families().values()]
@@ -187,6 +189,8 @@ def build_trainer(job: TrainJob, say=print, argv=()):
             f"{pc.num_microbatches(mesh.shape['pipe'])} microbatches"
             + (f" · {pc.repeats} chunks per stage" if pc.schedule == "circular" else "")
         )
+    if job.sync != SyncConfig():
+        say(describe_sync(job.sync, mesh, rules))
     return Trainer(
         job.model_config(),
         data,
@@ -195,10 +199,33 @@ def build_trainer(job: TrainJob, say=print, argv=()):
         optim=job.optim,
         config=job.train,
         pipeline=job.pipeline,
+        sync=job.sync,
         checkpoint=job.checkpoint if checkpointing else None,
         run_meta={"job": dataclasses.asdict(job)},
         params=finetune.initial_params(job, mesh, rules),
     )
+
+
+def describe_sync(sync: SyncConfig, mesh, rules) -> str:
+    """One line saying how the replicas synchronise, e.g. "replicas: 4 over data · gradients
+    int8 with error feedback"."""
+    from meshtrain.replicas import replicas
+
+    axes, n = replicas(mesh, rules)
+    parts = [f"replicas: {n} over {' × '.join(axes) or 'no axis'}"]
+    if sync.compresses:
+        feedback = "with" if sync.error_feedback else "without"
+        parts.append(f"gradients {sync.grad_compression} {feedback} error feedback")
+    if sync.local:
+        outer = (
+            f"DiLoCo (Nesterov, lr {sync.outer_lr}, momentum {sync.outer_momentum})"
+            if sync.outer_optimizer == "nesterov"
+            else "averaging"
+        )
+        parts.append(f"local SGD: {sync.sync_every} local steps, then {outer}")
+    if sync.staleness:
+        parts.append(f"staleness {sync.staleness} (updates apply gradients that many steps old)")
+    return " · ".join(parts)
 
 
 def run_train(job: TrainJob, argv: list[str] | None = None) -> dict:

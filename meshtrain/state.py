@@ -1,7 +1,9 @@
 """The train state: its type, where each part lives on a mesh, and how it is created.
 
 A `TrainState` is a plain pytree: the step count, the model's parameters as a nested dict
-(float32 master weights), the optax state, and any other model variables. The NNX graph is
+(float32 master weights), the optax state, any other model variables, and what the replicas
+keep to synchronise less (``comm``: error-feedback residuals, local SGD's per-replica copies,
+gradients in flight; see `meshtrain.replicas`). The NNX graph is
 kept aside (`nnx.GraphDef`) and merged back inside the step, so the state can go straight to
 `jax.jit` shardings, optax and orbax.
 
@@ -31,6 +33,7 @@ class TrainState(NamedTuple):
     params: dict  # nnx.Param variables, nested dict of float32 arrays
     opt_state: Any  # optax state
     rest: dict  # other model variables (usually empty)
+    comm: dict = {}  # noqa: RUF012  per-replica synchronisation state (meshtrain.replicas)
 
 
 def abstract_model(ctor: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:

@@ -158,7 +158,7 @@ class CheckpointManager:
                 "overwrite it"
             )
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state._asdict()),
+            state=ocp.args.StandardSave(_items(state)),
             data=ocp.args.JsonSave(dict(data or {})),
             meta=ocp.args.JsonSave({"step": int(step), **(meta or {})}),
         )
@@ -230,7 +230,7 @@ class CheckpointManager:
         if problem:
             raise _Mismatch(problem)
         args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(target._asdict()),
+            state=ocp.args.StandardRestore(_items(target)),
             data=ocp.args.JsonRestore(),
             meta=ocp.args.JsonRestore(),
         )
@@ -290,3 +290,12 @@ def restore(directory: str | Path, target: TrainState, step: int | None = None) 
     if restored is None:
         raise ValueError(f"no checkpoint found in {Path(directory).absolute()}")
     return restored
+
+
+def _items(state: TrainState) -> dict:
+    """The state as the checkpoint stores it: its fields, without an empty ``comm`` (so runs
+    that keep no synchronisation state write, and read, the same tree as before it existed)."""
+    items = state._asdict()
+    if not jax.tree.leaves(items["comm"]):
+        del items["comm"]
+    return items

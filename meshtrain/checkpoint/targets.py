@@ -33,7 +33,7 @@ def layout_mismatch(saved: Any, target: TrainState) -> str | None:
             for p, x in jax.tree_util.tree_leaves_with_path(tree)
         }
 
-    have, want = leaves(saved), leaves(target._asdict())
+    have, want = leaves(saved), leaves(target._asdict())  # an empty comm has no leaves
     names = have.keys() | want.keys()
     differ = [k for k in names if have.get(k) != want.get(k)]
     if not differ:
@@ -42,6 +42,12 @@ def layout_mismatch(saved: Any, target: TrainState) -> str | None:
     if params:
         total = sum(k.startswith("params/") for k in names)
         head, shown = f"a different model: {len(params)} of {total} parameters differ", params
+    elif any(k.startswith("comm/") for k in differ):
+        head, shown = (
+            "other synchronisation settings (--grad-compression with error feedback, "
+            f"--sync-every, --staleness): {len(differ)} arrays differ",
+            differ,
+        )
     elif any(k.startswith("opt_state/") for k in differ):
         head, shown = f"a different optimizer: {len(differ)} optimizer-state arrays differ", differ
     else:

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from meshtrain.layout import Rules, batch_shardings
 from meshtrain.models.base import DataSpec, batch_structs
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.replicas import SyncConfig, with_sync
 from meshtrain.state import TrainState, abstract_model, abstract_target, state_layout
 from meshtrain.train.loss import cross_entropy_with
 from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
@@ -74,6 +75,7 @@ def compile_step(
     loss_impl: str = "xla",
     steps: int = 100,
     fast_codegen: bool = True,
+    sync: SyncConfig | None = None,
 ):
     """Compiles the train step of a model on `mesh` without allocating its state.
 
@@ -88,6 +90,7 @@ def compile_step(
         loss_impl: the cross-entropy implementation.
         steps: the run length the schedule is built for.
         fast_codegen: skip the backend's LLVM optimisations (see the module docstring).
+        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`).
 
     Returns:
         ``(compiled, info)``: the compiled step and a dict with ``compile_s``, ``stderr`` (what
@@ -99,7 +102,9 @@ def compile_step(
     graphdef, param_vars, rest_vars = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)
     params, rest, opt_state, shardings = state_layout(param_vars, rest_vars, tx, mesh, rules)
     shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, rest)
-    state = abstract_target(shapes, shardings)
+    state, shardings = with_sync(
+        sync, tx, abstract_target(shapes, shardings), shardings, mesh, rules
+    )
     batch = batch_structs(spec)
     batch_sh = batch_shardings(batch, mesh, rules)
     batch = {
@@ -116,6 +121,7 @@ def compile_step(
         loss_fn=cross_entropy_with(loss_impl),
         schedule=schedule,
         pipeline=pipeline,
+        sync=sync,
     )
     t0 = time.perf_counter()
     with captured_stderr() as err:

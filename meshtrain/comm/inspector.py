@@ -27,6 +27,7 @@ from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import DataSpec
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import raise_if
+from meshtrain.replicas import SyncConfig
 from meshtrain.state import abstract_model
 from meshtrain.train.optim import OptimConfig
 
@@ -232,6 +233,7 @@ def inspect(
     accum_steps: int = 1,
     loss_impl: str = "xla",
     seed: int = 0,
+    sync: SyncConfig | None = None,
 ) -> Inspection:
     """Compiles the real train step of a layout ahead of time (nothing runs, nothing is
     allocated) and reports memory, FLOPs and every collective against the expectation.
@@ -246,6 +248,8 @@ def inspect(
         accum_steps: gradient-accumulation microbatches.
         loss_impl: the cross-entropy implementation.
         seed: the parameters' seed (it changes nothing compiled).
+        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`): compressed
+            gradients show up as the codec's own collectives.
 
     Returns:
         An `Inspection`.
@@ -270,6 +274,7 @@ def inspect(
             accum_steps=accum_steps,
             pipeline=pipeline,
             abstract=(graphdef, state),
+            sync=sync,
         )
     )
     _, param_vars, _ = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
@@ -282,6 +287,7 @@ def inspect(
         pipeline=pipeline,
         accum_steps=accum_steps,
         loss_impl=loss_impl,
+        sync=sync,
     )
     return inspect_compiled(
         compiled,

@@ -12,11 +12,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import layout
+from meshtrain import layout, replicas
 from meshtrain.layout import Rules, activation_rules, split_microbatches
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
+from meshtrain.replicas import SyncConfig
 from meshtrain.state import TrainState
 from meshtrain.train.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
 
@@ -45,6 +46,7 @@ def train_step(
     schedule: optax.Schedule | None = None,
     pipeline: PipelineConfig | None = None,
     skip_nonfinite: bool = True,
+    sync: SyncConfig | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; a pure function of its inputs.
 
@@ -72,6 +74,10 @@ def train_step(
         schedule: the learning-rate schedule, to report ``lr``.
         pipeline: the pipeline settings (used only where the mesh has ``pipe > 1``).
         skip_nonfinite: skip updates whose loss or gradient is not finite.
+        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`): compressed
+            gradient reduction with error feedback, local SGD / DiLoCo, or bounded staleness.
+            Its state is ``state.comm`` (`meshtrain.replicas.with_sync` builds it). None: the
+            compiler's all-reduce, every step.
 
     Returns:
         The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
@@ -100,45 +106,102 @@ def train_step(
             )
             return (loss, (rest, {})), grads
 
-    if accum_steps == 1:
-        (loss, (rest, extra)), grads = grad_fn(state.params, state.rest, batch)
+    def compute(params, rest, batch):
+        """Loss, new variables, metrics and gradient of `batch` (accumulated over microbatches)."""
+        return _accumulated(grad_fn, params, rest, batch, accum_steps)
+
+    sync = sync or SyncConfig()
+    if sync.local:
+        return replicas.local_step(
+            compute,
+            tx,
+            replicas.outer_optimizer(sync.outer_optimizer, sync.outer_lr, sync.outer_momentum),
+            state,
+            batch,
+            **_replica_layout("sync_every"),
+            sync_every=sync.sync_every,
+            schedule=schedule,
+            skip_nonfinite=skip_nonfinite,
+        )
+    comm = dict(state.comm)
+    if sync.compresses:
+        (loss, (rest, extra)), grads, residual = replicas.reduced_grads(
+            compute,
+            state.params,
+            state.rest,
+            batch,
+            comm.get("residual"),
+            **_replica_layout("grad_compression"),
+            codec=replicas.parse_compression(sync.grad_compression),
+            error_feedback=sync.error_feedback,
+        )
+        if residual is not None:
+            comm["residual"] = residual
     else:
-
-        def accumulate(carry, mb):
-            loss_sum, grad_sum, rest, extra_sum = carry
-            (loss, (rest, extra)), grads = grad_fn(state.params, rest, mb)
-            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-            extra_sum = jax.tree.map(lambda a, m: a + m, extra_sum, extra)
-            return (loss_sum + loss, grad_sum, rest, extra_sum), None
-
-        for key, x in batch.items():
-            if x.shape[0] % accum_steps:
-                raise ValueError(
-                    f"batch[{key!r}] has {x.shape[0]} rows, not divisible by accum_steps="
-                    f"{accum_steps}; make the batch size a multiple of accum_steps"
-                )
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        first = {k: x[: x.shape[0] // accum_steps] for k, x in batch.items()}
-        extra_shape = jax.eval_shape(grad_fn, state.params, state.rest, first)[0][1][1]
-        extra0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), extra_shape)
-        carry = (jnp.zeros((), jnp.float32), zeros, state.rest, extra0)
-        microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
-        (loss, grads, rest, extra), _ = jax.lax.scan(accumulate, carry, microbatches)
-        loss = loss / accum_steps
-        extra = jax.tree.map(lambda m: m / accum_steps, extra)
-        grads = jax.tree.map(lambda g, p: (g / accum_steps).astype(p.dtype), grads, state.params)
+        (loss, (rest, extra)), grads = compute(state.params, state.rest, batch)
+    ready = True
+    if sync.staleness:
+        grads, comm["stale"], ready = replicas.delay(grads, comm["stale"], state.step)
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if skip_nonfinite:
-        params, opt_state, rest = _keep_if_not(finite, (params, opt_state, rest), state)
+    if skip_nonfinite or sync.staleness:
+        apply = (finite if skip_nonfinite else True) & ready
+        params, opt_state, rest = _keep_if_not(apply, (params, opt_state, rest), state)
     metrics = {**extra, "loss": loss, "grad_norm": grad_norm}
     metrics["skipped"] = (~finite).astype(jnp.int32)
     if schedule is not None:
         metrics["lr"] = schedule(state.step)
-    return TrainState(state.step + 1, params, opt_state, rest), metrics
+    return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
+
+
+def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
+    """`grad_fn` on `batch`, or the mean over its `accum_steps` microbatches (in float32)."""
+    if accum_steps == 1:
+        return grad_fn(params, rest, batch)
+
+    def accumulate(carry, mb):
+        loss_sum, grad_sum, rest, extra_sum = carry
+        (loss, (rest, extra)), grads = grad_fn(params, rest, mb)
+        grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+        extra_sum = jax.tree.map(lambda a, m: a + m, extra_sum, extra)
+        return (loss_sum + loss, grad_sum, rest, extra_sum), None
+
+    for key, x in batch.items():
+        if x.shape[0] % accum_steps:
+            raise ValueError(
+                f"batch[{key!r}] has {x.shape[0]} rows, not divisible by accum_steps="
+                f"{accum_steps}; make the batch size a multiple of accum_steps"
+            )
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    first = {k: x[: x.shape[0] // accum_steps] for k, x in batch.items()}
+    extra_shape = jax.eval_shape(grad_fn, params, rest, first)[0][1][1]
+    extra0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), extra_shape)
+    carry = (jnp.zeros((), jnp.float32), zeros, rest, extra0)
+    microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
+    (loss, grads, rest, extra), _ = jax.lax.scan(accumulate, carry, microbatches)
+    extra = jax.tree.map(lambda m: m / accum_steps, extra)
+    grads = jax.tree.map(lambda g, p: (g / accum_steps).astype(p.dtype), grads, params)
+    return (loss / accum_steps, (rest, extra)), grads
+
+
+def _replica_layout(field: str) -> dict:
+    """The mesh and replica axes of the active layout, for a step manual over the replicas."""
+    active = layout.active()
+    if active is None:
+        raise ValueError(
+            f"{field}: a step that synchronises the replicas itself must be traced under "
+            "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
+        )
+    axes = active.rules.replica_axes(mesh_sizes(active.mesh))
+    if not axes:
+        raise ValueError(
+            f"{field}: rules {active.rules.name!r} have no replica axes on this mesh (every "
+            "batch axis splits the parameters); use dp, zero1 or hsdp"
+        )
+    return {"mesh": active.mesh, "axes": axes}
 
 
 def _refuse_packed_pipeline(mesh, batch) -> None:
@@ -245,6 +308,7 @@ def jit_train_step(
     schedule: optax.Schedule | None = None,
     pipeline: PipelineConfig | None = None,
     skip_nonfinite: bool = True,
+    sync: SyncConfig | None = None,
 ):
     """`train_step` jitted with explicit in/out shardings; the input state is donated.
 
@@ -254,7 +318,8 @@ def jit_train_step(
         rules: the layout rules; activations follow ``rules.activations`` while it traces.
         state_shardings: a `TrainState` of `NamedSharding`s (from `init_train_state`).
         batch_sharding: one `NamedSharding` per batch entry (`batch_shardings`).
-        accum_steps, loss_fn, schedule, skip_nonfinite: as for `train_step`.
+        accum_steps, loss_fn, schedule, skip_nonfinite, sync: as for `train_step`
+            (`state_shardings` must then include ``comm``'s, from `meshtrain.replicas.with_sync`).
         pipeline: the pipeline settings; they take effect on meshes with ``pipe > 1``.
 
     Returns:
@@ -275,6 +340,7 @@ def jit_train_step(
                 schedule=schedule,
                 pipeline=pipeline or PipelineConfig(),
                 skip_nonfinite=skip_nonfinite,
+                sync=sync,
             )
 
     replicated = NamedSharding(mesh, P())

@@ -24,6 +24,7 @@ from meshtrain.models.base import batch_structs
 from meshtrain.models.sampling import sample
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import Problem, raise_if
+from meshtrain.replicas import SyncConfig, with_sync
 from meshtrain.state import abstract_model, abstract_target, init_train_state
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
@@ -99,6 +100,9 @@ class Trainer:
         run_meta: extra JSON facts stored in every checkpoint (the CLI stores its whole job).
         params: parameters to start from instead of the initialisers' (e.g. a Hugging Face
             checkpoint's, `meshtrain.hf.load_pretrained`); a resumed checkpoint replaces them.
+        sync: how the data-parallel replicas synchronise (`meshtrain.replicas.SyncConfig`):
+            gradient compression with error feedback, local SGD / DiLoCo, bounded staleness;
+            None: synchronous, through the compiler's all-reduce.
 
     Raises:
         RunCheckError: the settings cannot work (`meshtrain.check.check_run`); every problem
@@ -120,10 +124,12 @@ class Trainer:
         checkpoint: ckpt.CheckpointConfig | None = None,
         run_meta: dict | None = None,
         params: dict | None = None,
+        sync: SyncConfig | None = None,
     ):
         self.config = config or TrainConfig()
         self.pipeline = pipeline or PipelineConfig()
         self.optim = optim or OptimConfig()
+        self.sync = sync or SyncConfig()
         self.data, self.mesh, self.rules = data, mesh, rules
         self.model_config = model if callable(getattr(model, "build", None)) else None
         ctor, problems = _constructor(model, self.config.seed)
@@ -154,6 +160,7 @@ class Trainer:
             checkpoint=checkpoint,
             run_dir=self.config.run_dir,
             abstract=abstract_model(ctor),
+            sync=self.sync,
         )
         raise_if(problems)
         self.loss_fn = loss_fn or loss_with(self.config.loss, self.config.loss_impl)
@@ -171,6 +178,9 @@ class Trainer:
         self.graphdef, self.state, self.shardings = init_train_state(
             ctor, self.tx, mesh, rules, params
         )
+        self.state, self.shardings = with_sync(
+            self.sync, self.tx, self.state, self.shardings, mesh, rules
+        )
         self._rows = process_rows(mesh, rules, data.batch_size)  # this process's batch rows
         self._iter = data.train_iter(self._rows)
         self._batch_sharding = batch_shardings(batch_structs(data), mesh, rules)
@@ -185,6 +195,7 @@ class Trainer:
             loss_fn=self.loss_fn,
             schedule=self.schedule,
             pipeline=self.pipeline,
+            sync=self.sync,
         )
         self._eval = jit_eval_step(
             self.graphdef,
@@ -222,6 +233,7 @@ class Trainer:
                 "model": {"kind": type(model).__name__, **as_dict(model)} if model else None,
                 "train": as_dict(self.config),
                 "optim": as_dict(self.optim),
+                "sync": as_dict(self.sync),
                 "checkpoint": as_dict(self.checkpoints.config) if self.checkpoints else None,
                 **self._run_meta,
             },

@@ -1,0 +1,39 @@
+"""The data-parallel replicas and how they synchronise: communicating less.
+
+The replicas are the devices along the replica axes (`Rules.replica_axes`: the batch axes no
+parameter is split over). By default the compiler all-reduces their gradients inside the
+backward pass. `SyncConfig` replaces that with a step manual over the replica axes:
+
+- `config`: `SyncConfig` and `sync_problems` (the run check's part);
+- `codecs`: gradient compression (bf16, block-wise int8, top-k, 1-bit sign) as collectives;
+- `manual`: the gradient step manual over the replica axes, with error feedback;
+- `local_sgd`: local SGD and DiLoCo (replicas step alone, then synchronise parameters);
+- `staleness`: bounded staleness (updates apply gradients `s` steps old);
+- `state`: the train state's ``comm`` part and its layout (`with_sync`).
+"""
+
+from meshtrain.replicas.codecs import Codec, parse_compression
+from meshtrain.replicas.config import COMPRESSIONS, OUTER_OPTIMIZERS, SyncConfig, sync_problems
+from meshtrain.replicas.local_sgd import local_init, local_step, outer_optimizer
+from meshtrain.replicas.manual import reduced_grads
+from meshtrain.replicas.staleness import delay, stale_init
+from meshtrain.replicas.state import replicas, stacked, stacked_shardings, with_sync
+
+__all__ = [
+    "COMPRESSIONS",
+    "OUTER_OPTIMIZERS",
+    "Codec",
+    "SyncConfig",
+    "delay",
+    "local_init",
+    "local_step",
+    "outer_optimizer",
+    "parse_compression",
+    "reduced_grads",
+    "replicas",
+    "stacked",
+    "stacked_shardings",
+    "stale_init",
+    "sync_problems",
+    "with_sync",
+]

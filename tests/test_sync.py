@@ -1,0 +1,203 @@
+"""Synchronising less, the parts every scheme shares: `SyncConfig` and the run check's
+refusals, bounded staleness against a hand-run reference, and the ``comm`` state carried
+through a checkpoint. The codecs and local SGD have their own files (test_compression.py,
+test_local_sgd.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from meshtrain import layout as S
+from meshtrain.check import check_run
+from meshtrain.checkpoint import CheckpointConfig
+from meshtrain.data import make_arrays_dataset
+from meshtrain.layout import batch_shardings, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step
+from meshtrain.mesh import make_mesh
+from meshtrain.models import MLPConfig, build_model
+from meshtrain.replicas import SyncConfig, with_sync
+from meshtrain.train import TrainConfig, Trainer
+
+MLP = MLPConfig(num_features=8, num_classes=4, d_model=16, d_hidden=32, n_layers=2)
+B, STEPS, LR = 16, 6, 0.1
+TX = optax.sgd(LR)
+
+
+def _batches(n=STEPS, seed=0):
+    """`n` fresh random classification batches."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "inputs": rng.normal(size=(B, MLP.num_features)).astype(np.float32),
+            "targets": rng.integers(0, MLP.num_classes, B).astype(np.int32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _train(mesh_str, strategy, sync, batches):
+    """Runs `jit_train_step` with `sync` over `batches`; returns each step's parameters."""
+    mesh = make_mesh(mesh_str)
+    rules = S.rules_for(strategy, mesh)
+    ctor = lambda: build_model(MLP)  # noqa: E731 - seed 0 initialisers
+    graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
+    state, shardings = with_sync(sync, TX, state, shardings, mesh, rules)
+    batch_sh = batch_shardings(batches[0], mesh, rules)
+    step = jit_train_step(graphdef, TX, mesh, rules, shardings, batch_sh, sync=sync)
+    history = [jax.device_get(state.params)]
+    for b in batches:
+        state, metrics = step(state, shard_batch(b, mesh, rules))
+        assert int(metrics["skipped"]) == 0
+        history.append(jax.device_get(state.params))
+    return history, state
+
+
+def _reference_stale(s, batches):
+    """Single-device SGD whose update at step t applies the gradient taken at step t - s."""
+    graphdef, params, rest = nnx.split(build_model(MLP), nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+
+    def loss(p, b):
+        logits = nnx.merge(graphdef, p, rest)(b["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    history, grads = [params], []
+    for t, b in enumerate(batches):
+        grads.append(jax.grad(loss)(history[t], b))
+        if t >= s:
+            params = jax.tree.map(lambda p, g: p - LR * g, params, grads[t - s])
+        history.append(params)
+    return history
+
+
+@pytest.mark.parametrize(
+    ("mesh_str", "strategy"), [("data=8", "dp"), ("data=2,fsdp=2,tensor=2", "fsdp+tp")]
+)
+def test_staleness_applies_the_gradient_of_s_steps_before(mesh_str, strategy):
+    batches = _batches()
+    want = _reference_stale(2, batches)
+    got, state = _train(mesh_str, strategy, SyncConfig(staleness=2), batches)
+    for t, (g, w) in enumerate(zip(got, want, strict=True)):
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w), strict=True):
+            np.testing.assert_allclose(a, b, atol=2e-6, err_msg=f"step {t}")
+    # The first two steps only filled the ring.
+    for t in (1, 2):
+        for a, b in zip(jax.tree.leaves(got[t]), jax.tree.leaves(got[0]), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert jax.tree.leaves(state.comm["stale"])[0].shape[0] == 2
+
+
+def test_staleness_zero_is_the_normal_step():
+    batches = _batches(3)
+    plain, _ = _train("data=8", "dp", None, batches)
+    zero, state = _train("data=8", "dp", SyncConfig(staleness=0), batches)
+    assert state.comm == {}
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(zero), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # and the stale run really differs from it
+    stale, _ = _train("data=8", "dp", SyncConfig(staleness=1), batches)
+    assert not np.allclose(jax.tree.leaves(stale[-1])[0], jax.tree.leaves(plain[-1])[0])
+
+
+def _trainer(tmp_path, sync, steps, resume=False):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(256, MLP.num_features)).astype(np.float32)
+    y = rng.integers(0, MLP.num_classes, 256).astype(np.int32)
+    data = make_arrays_dataset(x, y, batch_size=B)
+    mesh = make_mesh("data=8")
+    config = TrainConfig(steps=steps, run_dir=str(tmp_path), progress=False, eval_every=0)
+    return Trainer(
+        MLP,
+        data,
+        mesh=mesh,
+        rules=S.rules_for("dp", mesh),
+        config=config,
+        sync=sync,
+        checkpoint=CheckpointConfig(save_every=3, resume=resume, async_save=False),
+    )
+
+
+def test_comm_state_survives_a_checkpoint_and_other_settings_are_refused(tmp_path):
+    sync = SyncConfig(staleness=2)
+    whole = _trainer(tmp_path / "whole", sync, 6)
+    whole.fit()
+    first = _trainer(tmp_path / "cut", sync, 6)
+    first.fit(until=3)
+    first.save(wait=True)
+    ring = jax.device_get(first.state.comm["stale"])
+    first.checkpoints.close()
+    again = _trainer(tmp_path / "cut", sync, 6, resume=True)
+    assert int(again.state.step) == 3
+    for a, b in zip(jax.tree.leaves(ring), jax.tree.leaves(again.state.comm["stale"]), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert np.abs(jax.tree.leaves(ring)[0]).max() > 0  # the gradients in flight were saved
+    again.fit()
+    for a, b in zip(
+        jax.tree.leaves(whole.state.params), jax.tree.leaves(again.state.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    again.checkpoints.close()
+    with pytest.raises(ValueError, match="other synchronisation settings"):
+        _trainer(tmp_path / "cut", SyncConfig(), 6, resume=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sync_every": 0}, "sync_every=0: local SGD synchronises every H ≥ 1"),
+        ({"staleness": -1}, "staleness=-1: must be a whole number"),
+        ({"grad_compression": "topk:0"}, "(0, 1], e.g. --grad-compression topk:0.01"),
+        ({"grad_compression": "topk:x"}, "top-k fraction must be a number"),
+        ({"grad_compression": "int4"}, "choose from none, bf16, int8, topk:FRACTION, sign"),
+        ({"outer_optimizer": "adam"}, "choose from average, nesterov"),
+        ({"outer_lr": 0.0}, "outer_lr=0.0"),
+        ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
+    ],
+)
+def test_bad_settings_are_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=None) as err:
+        SyncConfig(**kwargs)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "strategy", "sync", "field", "words"),
+    [
+        ({"fsdp": 8}, "fsdp", SyncConfig(grad_compression="int8"), "grad_compression", "dp, zero1"),
+        ({"fsdp": 8}, "fsdp", SyncConfig(sync_every=4), "sync_every", "have none"),
+        ({"pipe": 2, "data": 4}, "dp", SyncConfig(grad_compression="sign"), "grad_compression",
+         "pipelines"),
+        ({"data": 8}, "dp", SyncConfig(sync_every=4, grad_compression="bf16"),
+         "grad_compression", "drop one"),
+        ({"data": 8}, "dp", SyncConfig(sync_every=4, staleness=1), "staleness", "drop one"),
+        ({"data": 8}, "dp", SyncConfig(outer_optimizer="nesterov"), "outer_optimizer",
+         "add --sync-every"),
+    ],
+)  # fmt: skip
+def test_the_run_check_refuses_what_cannot_run(mesh, strategy, sync, field, words):
+    sizes = {"pipe": 1, "data": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 1, **mesh}
+    data = make_arrays_dataset(np.zeros((64, 8), np.float32), np.zeros(64, np.int32), batch_size=16)
+    problems = check_run(
+        model=MLP, data=data, mesh=sizes, rules=S.rules_for(strategy, sizes), sync=sync
+    )
+    mine = [p for p in problems if p.field == field]
+    assert mine and words in str(mine[0]), problems
+
+
+def test_hsdp_keeps_replicas_over_data_and_a_residual_per_replica():
+    mesh = make_mesh("data=4,fsdp=2")
+    rules = S.rules_for("hsdp", mesh)
+    sync = SyncConfig(grad_compression="int8")
+    graphdef, state, shardings = init_train_state(lambda: build_model(MLP), TX, mesh, rules)
+    state, shardings = with_sync(sync, TX, state, shardings, mesh, rules)
+    for p, r, sh in zip(
+        jax.tree.leaves(state.params),
+        jax.tree.leaves(state.comm["residual"]),
+        jax.tree.leaves(shardings.comm["residual"]),
+        strict=True,
+    ):
+        assert r.shape == (4, *p.shape) and sh.spec[0] == "data"
+        assert r.sharding == sh and float(jnp.abs(r).max()) == 0.0

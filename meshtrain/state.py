@@ -31,6 +31,7 @@ class TrainState(NamedTuple):
     params: dict  # nnx.Param variables, nested dict of float32 arrays
     opt_state: Any  # optax state
     rest: dict  # other model variables (usually empty)
+    comm: dict = {}  # replica-sync state (meshtrain.replicas): residuals, local SGD; usually empty
 
 
 def abstract_model(ctor: Callable[[], nnx.Module]) -> tuple[nnx.GraphDef, nnx.State]:

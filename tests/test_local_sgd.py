@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.comm.hlo import collectives
 from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import MLPConfig, build_model
@@ -41,6 +42,7 @@ class Setup:
     rules: object
     axes: tuple
     n: int
+    jitted: object
 
 
 def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=None) -> Setup:
@@ -85,7 +87,9 @@ def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=
     jitted = jax.jit(
         step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated)
     )
-    return Setup(state, lambda s, b: jitted(s, shard_batch(b, mesh, rules)), mesh, rules, axes, n)
+    return Setup(
+        state, lambda s, b: jitted(s, shard_batch(b, mesh, rules)), mesh, rules, axes, n, jitted
+    )
 
 
 def host(tree):
@@ -138,7 +142,9 @@ LOSS_ATOL = 1e-6
 
 
 @pytest.mark.parametrize(
-    "mesh_str, strategy", [("data=4,fsdp=2", "dp"), ("data=4,tensor=2", "dp+tp")]
+    "mesh_str, strategy",
+    # zero1: the inner momentum is split over the replica axes, which comm["local"] moves to dim 0
+    [("data=4,fsdp=2", "dp"), ("data=4,tensor=2", "dp+tp"), ("data=8", "zero1")],
 )
 def test_sync_every_1_with_averaging_equals_synchronous_dp(mesh_str, strategy):
     compute = mlp_compute(GRAPHDEF)
@@ -289,6 +295,21 @@ def test_a_nonfinite_replica_skips_alone(diloco):
     np.testing.assert_array_equal(opt[1].count, 1)  # every replica's step counter advances
     for k in state.params:  # step 1 is no sync
         np.testing.assert_array_equal(np.asarray(state.params[k]), start.params[k])
+
+
+def test_parameters_cross_the_wire_only_on_a_sync_step(diloco):
+    run, start, _ = diloco
+    batch = shard_batch(batch_of(Linear, 0), run.mesh, run.rules)
+    hlo = run.jitted.lower(jax.tree.map(jnp.asarray, start), batch).compile().as_text()
+    found = collectives(hlo, 8)
+    in_sync = [c for c in found if "/cond/" in c.op_name]
+    every_step = [c for c in found if c not in in_sync]
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(start.params))
+    # The outer step's mean of θ_r: one all-reduce of the parameters, inside the conditional.
+    assert {c.kind for c in in_sync} == {"all-reduce"}
+    assert sum(c.result_bytes for c in in_sync) == param_bytes
+    # Every step: the scalar metrics only (loss, grad norm, skipped).
+    assert every_step and all(c.result_bytes <= 8 for c in every_step), every_step
 
 
 # --- bad input ------------------------------------------------------------------------------

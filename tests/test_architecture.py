@@ -23,7 +23,7 @@ LAYERS = [
         "meshtrain.distributed",
         "meshtrain.costmodel",
     ],  # fmt: skip
-    ["meshtrain.pipeline", "meshtrain.checkpoint"],
+    ["meshtrain.pipeline", "meshtrain.checkpoint", "meshtrain.replicas"],
     ["meshtrain.check"],
     ["meshtrain.train"],
     [

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain._compat import varies_over
-from meshtrain.layout import manual_region
+from meshtrain.layout import axes_of, manual_region
 from meshtrain.replicas.codecs import Codec
 
 # compute(params, rest, batch) -> ((loss, (rest, extra)), grads)
@@ -55,6 +55,7 @@ def reduced_grads(
     axes: tuple[str, ...],
     codec: Codec,
     error_feedback: bool,
+    param_specs=None,
 ):
     """The loss and mean gradient over the replicas, each replica's gradient sent by `codec`.
 
@@ -74,6 +75,11 @@ def reduced_grads(
         codec: how each replica's gradient is sent.
         error_feedback: add the residual before encoding and keep what was dropped (used only
             when the codec is lossy; otherwise `residual` passes through unchanged).
+        param_specs: optional, the parameters' `PartitionSpec`s (a tree like `params`). A
+            gradient split over model axes (``tensor``, ``fsdp`` under hsdp) is then encoded shard
+            by shard, in a region manual over those axes too: no shard gathers the others first
+            (top-k and sign then work per shard, int8's blocks lie within a shard). Without
+            them every leaf is encoded whole, and XLA gathers split leaves over their axes.
 
     Returns:
         ``((loss, (rest, extra)), grads, residual)``: the loss and float `extra` metrics
@@ -98,18 +104,24 @@ def reduced_grads(
         params, rest = _varying((params, rest), axes)
         (loss, (rest, extra)), grads = compute(params, rest, batch)
 
-        def one(g, res):
-            x = g.astype(jnp.float32)
-            if feedback:
-                x = x + res[0]
-            mean, sent = codec.reduce(x, axes)
-            return mean.astype(g.dtype), (x - sent)[None] if feedback else res
+        def step(x, r):
+            mean, sent = codec.reduce(x + r, axes)
+            return mean, x + r - sent
 
+        def one(g, res, spec):
+            x = g.astype(jnp.float32)
+            if not feedback:
+                mean = _per_shard(lambda x: codec.reduce(x, axes)[0], spec, mesh, axes, 1)(x)
+                return mean.astype(g.dtype), res
+            mean, kept = _per_shard(step, spec, mesh, axes, 2)(x, res[0])
+            return mean.astype(g.dtype), kept[None]
+
+        specs = jax.tree.map(lambda _: None, grads) if param_specs is None else param_specs
         if residual is None:
-            mean = jax.tree.map(lambda g: one(g, None)[0], grads)
+            mean = jax.tree.map(lambda g, s: one(g, None, s)[0], grads, specs)
             new = None
         else:
-            pairs = jax.tree.map(one, grads, residual)
+            pairs = jax.tree.map(one, grads, residual, specs)
             outer = jax.tree.structure(grads)
             mean, new = jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
         return (
@@ -128,6 +140,18 @@ def reduced_grads(
         out_specs=((P(), (P(), P())), P(), res_spec),
     )
     return run(params, rest, batch, residual)
+
+
+def _per_shard(fn, spec, mesh: Mesh, replica_axes: tuple[str, ...], n: int):
+    """`fn` (`n` arrays shaped like one parameter in, as many out) run shard by shard over the
+    model axes `spec` splits the parameter over; `fn` itself where it names none."""
+    entries = [tuple(a for a in axes_of(e) if a not in replica_axes) for e in (spec or ())]
+    model = tuple(a for e in entries for a in e)
+    if not model:
+        return fn
+    local = P(*(e or None for e in entries))
+    out = local if n == 1 else (local,) * n
+    return manual_region(fn, mesh=mesh, axes=model, in_specs=(local,) * n, out_specs=out)
 
 
 def _varying(tree, axes: tuple[str, ...]):

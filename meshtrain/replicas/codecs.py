@@ -11,7 +11,8 @@ What an encoder drops (``x - sent``) is the error-feedback residual.
   bfloat16 again, and an all-gather: half the bytes of float32 on the wire, summed in float32.
 - ``int8``: the same two phases with block-wise scaled int8 (one float32 scale per block of
   `Codec.block` values, ``max |x| / 127``, round to nearest): about a quarter of the bytes.
-- ``topk:F``: each replica keeps its largest ``ceil(F·n)`` entries by magnitude (per tensor);
+- ``topk:F``: each replica keeps its largest ``ceil(F·n)`` entries by magnitude (per tensor, or
+  per shard of a tensor split over model axes, see `reduced_grads`);
   values and int32 indices are all-gathered and scatter-added.
 - ``sign``: one bit per entry (packed 8 to a byte) and one float32 scale per tensor, the mean
   magnitude (scaled sign: ``mean|x| · sign(x)``, zero counting as positive); all-gathered.
@@ -22,7 +23,8 @@ a bfloat16 all-reduce (jax 0.12).
 
 The all-gather schemes (top-k, sign) receive every replica's payload, so their bytes grow with
 the number of replicas R: an all-gather moves (R−1)/R of R payloads, where a ring all-reduce
-moves 2(R−1)/R of one float32 array. Sign costs R/64 of float32's bytes, top-k R·F·2.
+moves 2(R−1)/R of one float32 array. Sign costs R/64 of float32's bytes; top-k R·F (a value and
+an index, 8 bytes, per kept entry).
 """
 
 from __future__ import annotations

@@ -274,6 +274,37 @@ def test_topk_and_sign_mean_and_residual_equal_the_numpy_reference(codec_runs, s
             np.testing.assert_allclose(res[call][k].reshape(R, -1), x_RN - sent, atol=1e-6)
 
 
+def test_topk_with_param_specs_keeps_the_top_entries_of_each_tensor_shard():
+    # data=4 replicas, the tensor split in two halves over tensor=2: k = ceil(F·n/2) per half.
+    mesh = mt.make_mesh("data=4,tensor=2")
+    n, codec = 64, parse_compression("topk:0.05")
+    x = np.random.default_rng(3).normal(size=(4, n)).astype(np.float32)
+    params = {"w": jnp.zeros(n)}
+
+    def compute(params, rest, batch):
+        return (jnp.zeros(()), (rest, {})), {"w": batch["w"][0]}
+
+    def f(residual, batch):
+        return reduced_grads(
+            compute,
+            params,
+            {},
+            batch,
+            residual,
+            mesh=mesh,
+            axes=("data",),
+            codec=codec,
+            error_feedback=True,
+            param_specs={"w": P("tensor")},
+        )
+
+    _, mean, res = jax.jit(f)(residual_init(params, 4), {"w": x})
+    k = codec.kept(n // 2)
+    sent = np.concatenate([_np_topk(half, k) for half in np.split(x, 2, axis=1)], axis=1)
+    np.testing.assert_allclose(mean["w"], sent.mean(0), atol=1e-6)
+    np.testing.assert_allclose(res["w"], x - sent, atol=1e-6)
+
+
 def test_topk_keeps_ceil_of_the_fraction_and_at_least_one():
     c = parse_compression("topk:0.01")
     assert [c.kept(n) for n in (1, 99, 100, 101, 4096)] == [1, 1, 1, 2, 41]

@@ -16,7 +16,7 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 from meshtrain.replicas.codecs import Codec, parse_compression
 from meshtrain.replicas.config import COMPRESSIONS, OUTER_OPTIMIZERS, SyncConfig, sync_problems
 from meshtrain.replicas.local_sgd import local_init, local_shardings, local_step, outer_optimizer
-from meshtrain.replicas.manual import reduced_grads
+from meshtrain.replicas.manual import reduced_grads, residual_init
 from meshtrain.replicas.stack import stacked, stacked_shardings
 from meshtrain.replicas.staleness import delay, stale_init
 from meshtrain.replicas.state import replicas, with_sync
@@ -34,6 +34,7 @@ __all__ = [
     "parse_compression",
     "reduced_grads",
     "replicas",
+    "residual_init",
     "stacked",
     "stacked_shardings",
     "stale_init",

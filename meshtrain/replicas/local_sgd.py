@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.layout import manual_region
 from meshtrain.replicas.config import OUTER_OPTIMIZERS
-from meshtrain.replicas.stack import entry, own, stacked, stacked_shardings
+from meshtrain.replicas.stack import entry, own, replica_mean, stacked, stacked_shardings
 from meshtrain.state import TrainState
 
 # (params, rest, batch) -> ((loss, (rest, extra metrics)), grads): one replica's loss and gradient.
@@ -167,12 +167,12 @@ def local_step(
             new_opt = _keep_if_not(finite, new_opt, opt_r)
             new_rest = _keep_if_not(finite, new_rest, rest)
         metrics = {
-            **_replica_mean(extra, axes),
+            **replica_mean(extra, axes),
             "loss": lax.pmean(loss, axes),
             "grad_norm": lax.pmean(grad_norm, axes),
             "skipped": lax.pmax((~finite).astype(jnp.int32), axes),
         }
-        return stacked(new_params, 1), stacked(new_opt, 1), _replica_mean(new_rest, axes), metrics
+        return stacked(new_params, 1), stacked(new_opt, 1), replica_mean(new_rest, axes), metrics
 
     run = manual_region(
         inner,
@@ -210,19 +210,6 @@ def _keep_if_not(ok: jax.Array, new, old):
         return n if jnp.issubdtype(n.dtype, jnp.integer) else jnp.where(ok, n, o)
 
     return jax.tree.map(keep, new, old)
-
-
-def _replica_mean(tree, axes):
-    """Float leaves averaged over the replicas; integer and bool leaves their maximum."""
-
-    def one(x):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return lax.pmean(x, axes)
-        if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
-            return lax.pmax(x, axes)
-        return x
-
-    return jax.tree.map(one, tree)
 
 
 def _mean_over(stacked, mesh: Mesh, axes):

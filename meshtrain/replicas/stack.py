@@ -1,13 +1,15 @@
-"""Per-replica leaves: a tree stacked on a new dimension 0 split over the replica axes."""
+"""Per-replica values: trees stacked on a new dimension 0 split over the replica axes, and
+replica-wide means inside regions manual over those axes."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import axes_of
+from meshtrain.layout import axes_of, varying
 
 
 def entry(axes: tuple[str, ...]):
@@ -39,3 +41,16 @@ def stacked_shardings(shardings, axes):
         return NamedSharding(s.mesh, P(entry(axes), *(strip(e) for e in s.spec)))
 
     return jax.tree.map(one, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def replica_mean(tree, axes: tuple[str, ...]):
+    """Float leaves averaged over the replicas; other leaves their maximum (the same value on
+    every replica, made so)."""
+
+    def mean(x):
+        x = varying(x, axes)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return lax.pmean(x, axes)
+        return lax.pmax(x, axes)
+
+    return jax.tree.map(mean, tree)

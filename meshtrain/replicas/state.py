@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -22,7 +21,8 @@ from meshtrain.layout import Rules
 from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.config import SyncConfig
 from meshtrain.replicas.local_sgd import local_init, local_shardings, outer_optimizer
-from meshtrain.replicas.stack import stacked, stacked_shardings
+from meshtrain.replicas.manual import residual_init
+from meshtrain.replicas.stack import stacked_shardings
 from meshtrain.replicas.staleness import stale_init
 from meshtrain.state import TrainState, abstract_target
 
@@ -67,7 +67,7 @@ def with_sync(
     def build(params, opt_state):
         comm = {}
         if sync.keeps_residual:
-            comm["residual"] = stacked(jax.tree.map(jnp.zeros_like, params), n)
+            comm["residual"] = residual_init(params, n)
         if sync.staleness:
             comm["stale"] = stale_init(params, sync.staleness)
         if sync.local:

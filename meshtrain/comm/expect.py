@@ -45,6 +45,7 @@ from flax import nnx
 from meshtrain.comm.report import Row, axes_label, fmt_bytes
 from meshtrain.layout import Rules, axes_of, resolve
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.replicas import Codec
 
 BUCKETS = (
     "gradient reduction",
@@ -123,6 +124,8 @@ def expected(
     act_itemsize: int = 4,
     pipeline: PipelineConfig | None = None,
     batch: int | None = None,
+    codec: Codec | None = None,
+    replica_axes: tuple[str, ...] = (),
 ) -> Expectation:
     """The analytic collectives of a layout (see the module docstring).
 
@@ -135,6 +138,9 @@ def expected(
         act_itemsize: bytes per activation element (the compute dtype).
         pipeline: the pipeline settings, where ``pipe > 1``.
         batch: the global batch B (for microbatch sizes in a pipeline).
+        codec: the gradient compression (``--grad-compression``), when not ``none``: the
+            reduction over `replica_axes` is then the codec's exchange, shard by shard.
+        replica_axes: the replica axes the codec reduces over.
 
     Returns:
         An `Expectation`.
@@ -147,17 +153,32 @@ def expected(
         local = p.nbytes / p.split(model_axes, sizes)
         sharded = {a for dim in p.axes for a in dim if a in batch_axes}
         opt_sharded = {a for dim in p.opt_axes for a in dim if a in batch_axes}
-        if ways > 1:
+        if codec is not None:
+            # Compressed: the codec's exchange of each shard over the replica axes, and the
+            # compiler's reduction over any batch axis that splits the parameter (hsdp's fsdp).
+            rest = {a for a, n in sizes.items() if n > 1 and a not in replica_axes}
+            shard = math.prod(p.shape) // p.split(rest, sizes)
+            replicas = math.prod(sizes[a] for a in replica_axes)
+            b["gradient reduction"] += codec.buffer_bytes(shard, replicas)
+            if sharded:
+                b["gradient reduction"] += local
+        elif ways > 1:
             b["gradient reduction"] += local
             if sharded and set(batch_axes) - sharded:
                 b["gradient reduction"] += local / p.split(sharded, sizes)
         if sharded:
             b["parameter gathers"] += local * (2 if "layers" in p.names else 1)
         elif opt_sharded:
-            b["parameter gathers"] += local
+            # ZeRO-1's gather after the update; with a codec it runs over the replica axes
+            # like the codec's own gathers, and is counted with them.
+            b["gradient reduction" if codec is not None else "parameter gathers"] += local
         if sizes.get("tensor", 1) > 1 and p.path.rsplit("/", 1)[-1] not in _NOT_MATRICES:
             b["tensor activations"] += _tensor_bytes(p, tokens / ways, act_itemsize)
-    why["gradient reduction"] = "each gradient once at its model-parallel size (+ HSDP shard)"
+    why["gradient reduction"] = (
+        f"each gradient shard through the {codec.spec} codec over the replica axes"
+        if codec is not None
+        else "each gradient once at its model-parallel size (+ HSDP shard)"
+    )
     why["parameter gathers"] = "batch-sharded weights: forward + backward for stacked layers"
     why["tensor activations"] = "forward AR per row-parallel, backward AR per column-parallel"
     pipe = sizes.get("pipe", 1)
@@ -195,12 +216,19 @@ def _tensor_bytes(p: ParamLayout, tokens_local: float, itemsize: int) -> float:
     return layers * tokens_local * width * itemsize
 
 
-def bucket_of(row: Row, batch_axes: tuple[str, ...]) -> str | None:
-    """The expected bucket a summary row belongs to, or None when no layout should need it."""
+def bucket_of(
+    row: Row, batch_axes: tuple[str, ...], compressed_axes: tuple[str, ...] = ()
+) -> str | None:
+    """The expected bucket a summary row belongs to, or None when no layout should need it.
+    With gradient compression over `compressed_axes`, the codec's all-to-alls and all-gathers
+    over those axes are the gradient reduction."""
     axes = row.axes
     if axes is None:
         return None
     on_batch = bool(axes) and set(axes) <= set(batch_axes)
+    if compressed_axes and row.kind in ("all-to-all", "all-gather") and axes:
+        if set(axes) <= set(compressed_axes):
+            return "gradient reduction"
     if row.kind in ("all-reduce", "reduce-scatter") and on_batch:
         return "gradient reduction"
     if row.kind == "all-gather" and on_batch:
@@ -217,7 +245,11 @@ def bucket_of(row: Row, batch_axes: tuple[str, ...]) -> str | None:
 
 
 def judge(
-    rows: list[Row], expectation: Expectation, batch_axes: tuple[str, ...], largest: Mapping
+    rows: list[Row],
+    expectation: Expectation,
+    batch_axes: tuple[str, ...],
+    largest: Mapping,
+    compressed_axes: tuple[str, ...] = (),
 ) -> tuple[dict[str, float], list[str]]:
     """Measured bytes per bucket and the flags: unexpected collectives and overshoots.
 
@@ -226,6 +258,7 @@ def judge(
         expectation: the analytic expectation.
         batch_axes: the batch axes.
         largest: per bucket, a description of its largest contributor (for the flag).
+        compressed_axes: the replica axes a gradient codec reduces over (see `bucket_of`).
 
     Returns:
         ``(measured, flags)``.
@@ -233,7 +266,7 @@ def judge(
     measured = dict.fromkeys(BUCKETS, 0.0)
     flags = []
     for row in rows:
-        bucket = bucket_of(row, batch_axes)
+        bucket = bucket_of(row, batch_axes, compressed_axes)
         if bucket is None:
             if row.bytes >= SMALL_BYTES:
                 flags.append(

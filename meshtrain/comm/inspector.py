@@ -27,7 +27,7 @@ from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import DataSpec
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import raise_if
-from meshtrain.replicas import SyncConfig
+from meshtrain.replicas import SyncConfig, parse_compression
 from meshtrain.state import abstract_model
 from meshtrain.train.optim import OptimConfig
 
@@ -66,6 +66,7 @@ class Inspection:
     param_bytes: int
     compile_s: float
     batch_axes: tuple[str, ...] = ()
+    compressed_axes: tuple[str, ...] = ()  # the replica axes a gradient codec reduces over
 
     @property
     def comm_bytes(self) -> int:
@@ -119,7 +120,7 @@ class Inspection:
         )
         table = Table("collective", "axes", "per step", "bytes", "sent (ring)", "expected as")
         for r in self.rows:
-            bucket = bucket_of(r, self.batch_axes)
+            bucket = bucket_of(r, self.batch_axes, self.compressed_axes)
             table.add_row(
                 r.kind,
                 axes_label(r.axes),
@@ -143,7 +144,7 @@ class Inspection:
             console.print("no flags: every collective is one the layout needs")
 
 
-def _largest(cs: list[Collective], sizes, batch_axes) -> dict[str, str]:
+def _largest(cs: list[Collective], sizes, batch_axes, compressed_axes=()) -> dict[str, str]:
     """Per bucket, the instruction moving the most bytes, described."""
     from meshtrain.comm.axes import axes_of_groups
 
@@ -151,7 +152,7 @@ def _largest(cs: list[Collective], sizes, batch_axes) -> dict[str, str]:
     for c in cs:
         axes = axes_of_groups(c.groups, sizes, permute=c.kind == "collective-permute")
         row = Row(c.kind, axes, c.count, c.count * c.buffer_bytes, 0.0, c.group_size, 1)
-        bucket = bucket_of(row, batch_axes)
+        bucket = bucket_of(row, batch_axes, compressed_axes)
         if bucket and row.bytes > best.get(bucket, (0, ""))[0]:
             where = f" inside a loop, {c.count}× per step" if c.count > 1 else ""
             best[bucket] = (
@@ -172,9 +173,12 @@ def inspect_compiled(
     pipeline: PipelineConfig | None = None,
     stderr: str = "",
     compile_s: float = 0.0,
+    sync: SyncConfig | None = None,
 ) -> Inspection:
     """An `Inspection` of an already compiled step (see `inspect`)."""
     sizes = mesh_sizes(mesh)
+    codec = parse_compression(sync.grad_compression) if sync and sync.compresses else None
+    compressed = rules.replica_axes(sizes) if codec is not None else ()
     ma = compiled.memory_analysis()
     memory = {
         "argument": int(ma.argument_size_in_bytes),
@@ -201,8 +205,11 @@ def inspect_compiled(
         act_itemsize=2 if dtype in ("bfloat16", "float16") else 4,
         pipeline=pipeline,
         batch=spec.batch_size,
+        codec=codec,
+        replica_axes=compressed,
     )
-    measured, flags = judge(rows, exp, batch_axes, _largest(cs, sizes, batch_axes))
+    largest = _largest(cs, sizes, batch_axes, compressed)
+    measured, flags = judge(rows, exp, batch_axes, largest, compressed)
     if REMAT_WARNING in stderr:
         line = next(x for x in stderr.splitlines() if REMAT_WARNING in x)
         flags.append(f"XLA: {line[line.find(REMAT_WARNING) :][:200]}")
@@ -219,6 +226,7 @@ def inspect_compiled(
         param_bytes=sum(p.nbytes for p in params),
         compile_s=compile_s,
         batch_axes=batch_axes,
+        compressed_axes=compressed,
     )
 
 
@@ -299,6 +307,7 @@ def inspect(
         pipeline=pipeline,
         stderr=info["stderr"],
         compile_s=info["compile_s"],
+        sync=sync,
     )
 
 

@@ -95,6 +95,23 @@ class Codec:
         """Values per int8 scale for a tensor of `n` entries over `replicas`."""
         return max(1, min(self.block, -(-n // replicas)))
 
+    def buffer_bytes(self, n: int, replicas: int) -> int:
+        """The bytes of the collective buffers one tensor of `n` entries goes through over
+        `replicas`, counted as the inspector counts them (`Collective.buffer_bytes`: each
+        all-gather's whole output, each all-to-all's and all-reduce's whole buffer)."""
+        r = replicas
+        if self.name == "none":
+            return 4 * n
+        if self.name == "topk":
+            return r * self.kept(n) * (4 + 4)
+        if self.name == "sign":
+            return r * (-(-n // 8) + 4)
+        multiple = self.int8_block(n, r) if self.name == "int8" else 1
+        m = -(-n // (r * multiple)) * multiple  # each replica's chunk
+        if self.name == "bf16":
+            return 2 * r * m * 2  # an all-to-all and an all-gather of R chunks of uint16
+        return 2 * r * (m + 4 * (m // multiple))  # the same in int8, with a scale per block
+
     def reduce(self, x: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
         """The mean over the replicas of what each sends of `x`.
 

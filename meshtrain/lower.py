@@ -5,8 +5,9 @@ The `Trainer` (`import meshtrain as mt; mt.Trainer`) is built from exactly these
     from meshtrain import lower
     tx = lower.make_optimizer(mt.OptimConfig(), total_steps=100)
     graphdef, state, shardings = lower.init_train_state(ctor, tx, mesh, rules)
+    state, shardings = lower.with_sync(sync, tx, state, shardings, mesh, rules)  # optional
     step = lower.jit_train_step(graphdef, tx, mesh, rules, shardings,
-                                lower.batch_shardings(batch, mesh, rules))
+                                lower.batch_shardings(batch, mesh, rules), sync=sync)
     rows = lower.process_rows(mesh, rules, batch_size)      # what this process reads
     state, metrics = step(state, lower.shard_batch(batch, mesh, rules))
 
@@ -30,6 +31,7 @@ from meshtrain.layout import (
 from meshtrain.models import build_model, sample
 from meshtrain.pipeline import pipeline_loss, pipeline_loss_and_grads
 from meshtrain.problem import Problem, RunCheckError
+from meshtrain.replicas import with_sync
 from meshtrain.state import (
     TrainState,
     abstract_model,
@@ -80,4 +82,5 @@ __all__ = [
     "shard_batch",
     "split_microbatches",
     "train_step",
+    "with_sync",
 ]

@@ -25,6 +25,7 @@ def run(job, as_json: bool = False) -> int:
         accum_steps=job.train.accum_steps,
         loss_impl=job.train.loss_impl,
         seed=job.train.seed,
+        sync=job.sync,
     )
     if as_json:
         print(report.to_json())

@@ -22,7 +22,14 @@ from meshtrain.layout.context import (
     constrain,
     override_activations,
 )
-from meshtrain.layout.manual import Spec, axis_size, manual_axes, manual_in_layout, manual_region
+from meshtrain.layout.manual import (
+    Spec,
+    axis_size,
+    manual_axes,
+    manual_in_layout,
+    manual_region,
+    varying,
+)
 from meshtrain.layout.resolve import named, resolve, state_problems, state_specs
 from meshtrain.layout.rules import (
     BATCH_AXES,
@@ -69,5 +76,6 @@ __all__ = [
     "split_microbatches",
     "state_problems",
     "state_specs",
+    "varying",
     "strategy_problem",
 ]

@@ -12,12 +12,32 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import jax
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec
+
+from meshtrain._compat import varies_over
 
 
 def manual_axes() -> frozenset[str]:
     """The mesh axes that are manual where this is traced (empty outside any region)."""
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def varying(tree, axes: Iterable[str] | None = None):
+    """`tree` marked as varying over `axes` (default: every manual axis where this is traced).
+
+    Inside a region, a value that starts the same on every device (a zero, a parameter passed
+    in whole) must be marked before it meets per-device values in a loop carry, and a
+    gradient taken with respect to a marked value stays per device instead of being summed
+    there. Outside any region this changes nothing.
+    """
+    names = manual_axes() if axes is None else tuple(axes)
+
+    def mark(x):
+        missing = tuple(a for a in names if not varies_over(x, a))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(mark, tree)
 
 
 def manual_region(

@@ -26,6 +26,7 @@ from meshtrain.layout import (
     merge_microbatches,
     override_activations,
     split_microbatches,
+    varying,
 )
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import PipelineParts, pipeline_parts
@@ -119,9 +120,9 @@ def pipeline_loss(
 
     def body(blocks, x_MbTD):
         chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), blocks)
-        chunks = spmd.varying(chunks)  # their gradient is summed over replicas after the loop
+        chunks = varying(chunks)  # their gradient is summed over replicas after the loop
         # Cast after marking it per-stage, so its gradient's sum over stages is in float32.
-        x_MbTD = spmd.varying(x_MbTD).astype(dtype)
+        x_MbTD = varying(x_MbTD).astype(dtype)
         return spmd.forward_loop(cut.stage, chunks, x_MbTD, stages=p, repeats=v, poison=poison)
 
     # The embedded batch crosses into the loop in float32: its gradient is summed over the

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshtrain._compat import varies_over
+from meshtrain.layout import varying
 from meshtrain.pipeline.schedules import BWD, FWD, ScheduleTable, buffer_depth, forward_ticks
 
 AXIS = "pipe"
@@ -48,21 +48,6 @@ def _fill(x: jax.Array, poison: bool) -> jax.Array:
         if poison and jnp.issubdtype(x.dtype, jnp.floating)
         else (jnp.zeros_like(x))
     )
-
-
-def varying(tree):
-    """Marks stage-local values as varying over every manual axis (scan carries must start so).
-
-    For parameters this places the gradient's sum over the replicas where the mark is: outside
-    the loop that uses them.
-    """
-    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-
-    def mark(x):
-        axes = tuple(a for a in manual if not varies_over(x, a))
-        return lax.pcast(x, axes, to="varying") if axes else x
-
-    return jax.tree.map(mark, tree)
 
 
 def _put(buf: jax.Array, value: jax.Array, index, when) -> jax.Array:

@@ -9,15 +9,17 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 - `manual`: the gradient step manual over the replica axes, with error feedback;
 - `local_sgd`: local SGD and DiLoCo (replicas step alone, then synchronise parameters);
 - `staleness`: bounded staleness (updates apply gradients `s` steps old);
-- `state`: the train state's ``comm`` part and its layout (`with_sync`).
+- `state`: the train state's ``comm`` part and its layout (`with_sync`);
+- `stack`: per-replica leaves, stacked on a dimension split over the replica axes.
 """
 
 from meshtrain.replicas.codecs import Codec, parse_compression
 from meshtrain.replicas.config import COMPRESSIONS, OUTER_OPTIMIZERS, SyncConfig, sync_problems
-from meshtrain.replicas.local_sgd import local_init, local_step, outer_optimizer
-from meshtrain.replicas.manual import reduced_grads
+from meshtrain.replicas.local_sgd import local_init, local_shardings, local_step, outer_optimizer
+from meshtrain.replicas.manual import reduced_grads, residual_init
+from meshtrain.replicas.stack import stacked, stacked_shardings
 from meshtrain.replicas.staleness import delay, stale_init
-from meshtrain.replicas.state import replicas, stacked, stacked_shardings, with_sync
+from meshtrain.replicas.state import replicas, with_sync
 
 __all__ = [
     "COMPRESSIONS",
@@ -26,11 +28,13 @@ __all__ = [
     "SyncConfig",
     "delay",
     "local_init",
+    "local_shardings",
     "local_step",
     "outer_optimizer",
     "parse_compression",
     "reduced_grads",
     "replicas",
+    "residual_init",
     "stacked",
     "stacked_shardings",
     "stale_init",

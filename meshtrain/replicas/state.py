@@ -13,15 +13,16 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import Rules, axes_of
+from meshtrain.layout import Rules
 from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.config import SyncConfig
-from meshtrain.replicas.local_sgd import local_init, outer_optimizer
+from meshtrain.replicas.local_sgd import local_init, local_shardings, outer_optimizer
+from meshtrain.replicas.manual import residual_init
+from meshtrain.replicas.stack import stacked_shardings
 from meshtrain.replicas.staleness import stale_init
 from meshtrain.state import TrainState, abstract_target
 
@@ -31,27 +32,6 @@ def replicas(mesh: Mesh, rules: Rules) -> tuple[tuple[str, ...], int]:
     sizes = mesh_sizes(mesh)
     axes = rules.replica_axes(sizes)
     return axes, math.prod(sizes[a] for a in axes)
-
-
-def stacked(tree, n: int):
-    """Each leaf repeated `n` times along a new dimension 0."""
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
-
-
-def stacked_sharding(sharding: NamedSharding, axes: tuple[str, ...]) -> NamedSharding:
-    """`sharding` for a leaf stacked on dimension 0 over `axes` (taken out of its other dims)."""
-
-    def without(entry):
-        kept = tuple(a for a in axes_of(entry) if a not in axes)
-        return kept if len(kept) > 1 else (kept[0] if kept else None)
-
-    rest = tuple(without(e) for e in sharding.spec)
-    return NamedSharding(sharding.mesh, P(axes if len(axes) > 1 else axes[0], *rest))
-
-
-def stacked_shardings(shardings, axes: tuple[str, ...]):
-    """`stacked_sharding` of every leaf."""
-    return jax.tree.map(lambda s: stacked_sharding(s, axes), shardings)
 
 
 def with_sync(
@@ -87,7 +67,7 @@ def with_sync(
     def build(params, opt_state):
         comm = {}
         if sync.keeps_residual:
-            comm["residual"] = stacked(jax.tree.map(jnp.zeros_like, params), n)
+            comm["residual"] = residual_init(params, n)
         if sync.staleness:
             comm["stale"] = stale_init(params, sync.staleness)
         if sync.local:
@@ -104,10 +84,7 @@ def with_sync(
         )
     opt_sh = shardings.opt_state
     if sync.local:
-        comm_sh["local"] = {
-            "params": stacked_shardings(shardings.params, axes),
-            "opt_state": stacked_shardings(shardings.opt_state, axes),
-        }
+        comm_sh["local"] = local_shardings(shardings.params, shardings.opt_state, axes)
         abstract_outer = jax.eval_shape(outer_tx.init, state.params)
         opt_sh = optax.tree_map_params(
             outer_tx,

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import layout, replicas
-from meshtrain.layout import Rules, activation_rules, split_microbatches
+from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
@@ -47,6 +47,7 @@ def train_step(
     pipeline: PipelineConfig | None = None,
     skip_nonfinite: bool = True,
     sync: SyncConfig | None = None,
+    param_specs: dict | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; a pure function of its inputs.
 
@@ -78,6 +79,8 @@ def train_step(
             gradient reduction with error feedback, local SGD / DiLoCo, or bounded staleness.
             Its state is ``state.comm`` (`meshtrain.replicas.with_sync` builds it). None: the
             compiler's all-reduce, every step.
+        param_specs: the parameters' `PartitionSpec`s (`jit_train_step` passes them): with
+            gradient compression, a gradient split over model axes is encoded shard by shard.
 
     Returns:
         The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
@@ -134,6 +137,7 @@ def train_step(
             **_replica_layout("grad_compression"),
             codec=replicas.parse_compression(sync.grad_compression),
             error_feedback=sync.error_feedback,
+            param_specs=param_specs,
         )
         if residual is not None:
             comm["residual"] = residual
@@ -179,7 +183,8 @@ def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
     first = {k: x[: x.shape[0] // accum_steps] for k, x in batch.items()}
     extra_shape = jax.eval_shape(grad_fn, params, rest, first)[0][1][1]
     extra0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), extra_shape)
-    carry = (jnp.zeros((), jnp.float32), zeros, rest, extra0)
+    # Inside a region manual over the replica axes the carry must start per replica.
+    carry = varying((jnp.zeros((), jnp.float32), zeros, rest, extra0))
     microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
     (loss, grads, rest, extra), _ = jax.lax.scan(accumulate, carry, microbatches)
     extra = jax.tree.map(lambda m: m / accum_steps, extra)
@@ -341,8 +346,10 @@ def jit_train_step(
                 pipeline=pipeline or PipelineConfig(),
                 skip_nonfinite=skip_nonfinite,
                 sync=sync,
+                param_specs=param_specs,
             )
 
+    param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
     replicated = NamedSharding(mesh, P())
     jitted = jax.jit(
         step,

@@ -1,0 +1,153 @@
+"""The gradient step manual over the replica axes, where the gradient reduction is ours.
+
+Under automatic sharding XLA reduces the gradient inside the backward pass, so no
+per-replica gradient ever exists to compress. Here the loss and gradient run in a region
+manual over the replica axes (the batch axes no parameter is split over); each replica sees
+its own rows of the batch and the parameters whole over those axes, while the model axes
+(``tensor``, ``fsdp`` under hsdp) stay with the compiler. The parameters are marked varying
+over the replica axes before the gradient is taken, so the gradient stays per replica until
+a `Codec` reduces it, leaf by leaf.
+
+With error feedback each replica adds what it failed to send last time (its residual) to
+its gradient before encoding, and keeps what it fails to send now.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.layout import axes_of, manual_region, varying
+from meshtrain.replicas.codecs import Codec
+from meshtrain.replicas.stack import replica_mean
+
+# compute(params, rest, batch) -> ((loss, (rest, extra)), grads)
+Compute = Callable[[dict, dict, Mapping[str, jax.Array]], tuple]
+
+
+def residual_init(params, n: int):
+    """Zero error-feedback residuals: each leaf of `params` as float32 zeros ``(n, *shape)``.
+
+    Args:
+        params: the parameters (arrays or shape structs).
+        n: R, the number of replicas.
+
+    Returns:
+        A tree like `params`.
+    """
+    return jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params)
+
+
+def reduced_grads(
+    compute: Compute,
+    params: dict,
+    rest: dict,
+    batch: Mapping[str, jax.Array],
+    residual,
+    *,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    codec: Codec,
+    error_feedback: bool,
+    param_specs=None,
+):
+    """The loss and mean gradient over the replicas, each replica's gradient sent by `codec`.
+
+    Call it inside `jax.jit` (under `meshtrain.layout.activation_rules` for models that
+    constrain their activations).
+
+    Args:
+        compute: ``(params, rest, batch) -> ((loss, (rest, extra)), grads)``, one replica's
+            loss (a mean over its rows) and gradient.
+        params: the parameters (replicated over `axes`).
+        rest: the model's other variables (replicated over `axes`).
+        batch: the global batch; dim 0 is split over `axes`, each replica taking its rows.
+        residual: error-feedback residuals, leaves ``(R, *p.shape)`` float32 split on dim 0
+            over `axes` (`residual_init`); None without error feedback.
+        mesh: the device mesh.
+        axes: the replica axes (`Rules.replica_axes`), at least one.
+        codec: how each replica's gradient is sent.
+        error_feedback: add the residual before encoding and keep what was dropped (used only
+            when the codec is lossy; otherwise `residual` passes through unchanged).
+        param_specs: optional, the parameters' `PartitionSpec`s (a tree like `params`). A
+            gradient split over model axes (``tensor``, ``fsdp`` under hsdp) is then encoded shard
+            by shard, in a region manual over those axes too: no shard gathers the others first
+            (top-k and sign then work per shard, int8's blocks lie within a shard). Without
+            them every leaf is encoded whole, and XLA gathers split leaves over their axes.
+
+    Returns:
+        ``((loss, (rest, extra)), grads, residual)``: the loss and float `extra` metrics
+        averaged over the replicas, `rest` averaged over them (float leaves), the mean
+        gradient (replicated over `axes`, each leaf in its parameter's dtype), and the new
+        residual (None when `residual` is None).
+    """
+    axes = tuple(axes)
+    if not axes:
+        raise ValueError(
+            "reduced_grads: no replica axis (R = 1), nothing to reduce; use the plain step"
+        )
+    feedback = error_feedback and codec.lossy
+    if feedback and residual is None:
+        r = math.prod(mesh.shape[a] for a in axes)
+        raise ValueError(
+            f"reduced_grads: error feedback with grad_compression={codec.spec!r} needs the "
+            f"residual; pass residual_init(params, {r}) (or error_feedback=False)"
+        )
+
+    def body(params, rest, batch, residual):
+        params, rest = varying((params, rest), axes)
+        (loss, (rest, extra)), grads = compute(params, rest, batch)
+
+        def step(x, r):
+            mean, sent = codec.reduce(x + r, axes)
+            return mean, x + r - sent
+
+        def one(g, res, spec):
+            x = g.astype(jnp.float32)
+            if not feedback:
+                mean = _per_shard(lambda x: codec.reduce(x, axes)[0], spec, mesh, axes, 1)(x)
+                return mean.astype(g.dtype), res
+            mean, kept = _per_shard(step, spec, mesh, axes, 2)(x, res[0])
+            return mean.astype(g.dtype), kept[None]
+
+        specs = jax.tree.map(lambda _: None, grads) if param_specs is None else param_specs
+        if residual is None:
+            mean = jax.tree.map(lambda g, s: one(g, None, s)[0], grads, specs)
+            new = None
+        else:
+            pairs = jax.tree.map(one, grads, residual, specs)
+            outer = jax.tree.structure(grads)
+            mean, new = jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
+        return (
+            (replica_mean(loss, axes), (replica_mean(rest, axes), replica_mean(extra, axes))),
+            mean,
+            new,
+        )
+
+    rows = P(axes)
+    res_spec = None if residual is None else rows
+    run = manual_region(
+        body,
+        mesh=mesh,
+        axes=axes,
+        in_specs=(P(), P(), rows, res_spec),
+        out_specs=((P(), (P(), P())), P(), res_spec),
+    )
+    return run(params, rest, batch, residual)
+
+
+def _per_shard(fn, spec, mesh: Mesh, replica_axes: tuple[str, ...], n: int):
+    """`fn` (`n` arrays shaped like one parameter in, as many out) run shard by shard over the
+    model axes `spec` splits the parameter over; `fn` itself where it names none."""
+    entries = [tuple(a for a in axes_of(e) if a not in replica_axes) for e in (spec or ())]
+    model = tuple(a for e in entries for a in e)
+    if not model:
+        return fn
+    local = P(*(e or None for e in entries))
+    out = local if n == 1 else (local,) * n
+    return manual_region(fn, mesh=mesh, axes=model, in_specs=(local,) * n, out_specs=out)

@@ -63,6 +63,13 @@ def train_step(
     function of batches consumed, so the update after a skip runs at the learning rate of its
     own step, and the optimizer's counters always equal ``state.step``.
 
+    With `sync`, the data-parallel replicas synchronise as `meshtrain.replicas` describes: a
+    compressed gradient exchange in a region manual over the replica axes (error-feedback
+    residuals in ``state.comm``); local SGD / DiLoCo (the whole step is
+    `meshtrain.replicas.local_step`); or bounded staleness s, where the update applies the
+    gradient computed s steps before (``grad_norm`` and the non-finite check are that
+    gradient's) and the first s steps update nothing.
+
     Args:
         graphdef: the model's graph (from `init_train_state`).
         tx: the optax transformation.

@@ -36,7 +36,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import sys
 import time
 
@@ -50,7 +49,6 @@ from flax import nnx  # noqa: E402
 import meshtrain as mt  # noqa: E402
 from meshtrain.check import data_spec  # noqa: E402
 from meshtrain.comm.compile import FAST_CODEGEN  # noqa: E402
-from meshtrain.comm.hlo import computations  # noqa: E402
 from meshtrain.comm.inspector import inspect_compiled  # noqa: E402
 from meshtrain.layout import batch_shardings, process_rows, shard_batch  # noqa: E402
 from meshtrain.replicas import replicas, with_sync  # noqa: E402
@@ -151,7 +149,7 @@ def setup(
     )
 
 
-def replica_bytes(inspection, hlo: str, axes: tuple[str, ...], sync_every: int) -> dict:
+def replica_bytes(inspection, axes: tuple[str, ...], sync_every: int) -> dict:
     """Bytes per device of the collectives over the replica `axes`, per step.
 
     ``bytes_per_step`` counts what each device sends with a bandwidth-optimal algorithm
@@ -159,17 +157,16 @@ def replica_bytes(inspection, hlo: str, axes: tuple[str, ...], sync_every: int) 
     all-gather or all-to-all), so an int8 all-to-all + all-gather compares with an fp32
     all-reduce as the bytes on the wire do; ``buffer_bytes_per_step`` sums the buffers
     (`Collective.buffer_bytes`, the inspector's ``comm_bytes``). Collectives inside a
-    conditional's branches run only on the steps that take the branch (local SGD's
-    synchronisation, every `sync_every` steps): they count 1/`sync_every` per step, and
-    ``sync_bytes`` is one synchronisation's (sent).
+    conditional's branches (`Collective.conditional`) run only on the steps that take the
+    branch (local SGD's synchronisation, every `sync_every` steps): they count 1/`sync_every`
+    per step, and ``sync_bytes`` is one synchronisation's (sent).
     """
-    in_branch = _branch_instructions(hlo)
     sent = {"every": 0.0, "sync": 0.0}
     buffers = {"every": 0.0, "sync": 0.0}
     for c in inspection.collectives:
         if _axes_of(c, inspection.mesh) != axes:
             continue
-        where = "sync" if c.name in in_branch else "every"
+        where = "sync" if c.conditional else "every"
         sent[where] += c.count * c.wire_bytes
         buffers[where] += c.count * c.buffer_bytes
     return {
@@ -184,42 +181,6 @@ def _axes_of(c, sizes) -> tuple[str, ...]:
     from meshtrain.comm.axes import axes_of_groups
 
     return tuple(axes_of_groups(c.groups, sizes, permute=c.kind == "collective-permute"))
-
-
-def _branch_instructions(hlo: str) -> set[str]:
-    """Names of the instructions in computations reached through a conditional's branches."""
-    comps, _ = computations(hlo)
-    calls = re.compile(
-        r"(?:to_apply|calls|condition|body|true_computation|false_computation)=%?([\w.\-]+)"
-    )
-    branch_roots = set()
-    for lines in comps.values():
-        for line in lines:
-            for key in ("true_computation", "false_computation"):
-                m = re.search(key + r"=%?([\w.\-]+)", line)
-                if m:
-                    branch_roots.add(m.group(1))
-            m = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if m:
-                branch_roots |= {r.strip().lstrip("%") for r in m.group(1).split(",")}
-    seen, todo = set(), list(branch_roots)
-    while todo:
-        comp = todo.pop()
-        if comp in seen:
-            continue
-        seen.add(comp)
-        for line in comps.get(comp, []):
-            todo += calls.findall(line)
-            m = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if m:
-                todo += [r.strip().lstrip("%") for r in m.group(1).split(",")]
-    names = set()
-    for comp in seen:
-        for line in comps.get(comp, []):
-            m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line)
-            if m:
-                names.add(m.group(1))
-    return names
 
 
 def run_scheme(s: Setup, sync: mt.SyncConfig | None, fast_compile: bool = False) -> dict:
@@ -263,7 +224,7 @@ def run_scheme(s: Setup, sync: mt.SyncConfig | None, fast_compile: bool = False)
     )
     axes, _ = replicas(mesh, rules)
     h = sync.sync_every if sync is not None and sync.local else 1
-    counts = replica_bytes(inspection, compiled.as_text(), axes, h)
+    counts = replica_bytes(inspection, axes, h)
     metrics, times = [], []
     for b in s.batches:
         batch = shard_batch(b, mesh, rules)

@@ -310,6 +310,10 @@ def test_parameters_cross_the_wire_only_on_a_sync_step(diloco):
     assert sum(c.result_bytes for c in in_sync) == param_bytes
     # Every step: the scalar metrics only (loss, grad norm, skipped).
     assert every_step and all(c.result_bytes <= 8 for c in every_step), every_step
+    # The HLO reader marks what runs only in a conditional's branch (benchmarks/sync.py
+    # counts those 1/H per step).
+    assert all(c.conditional for c in in_sync)
+    assert not any(c.conditional for c in every_step)
 
 
 # --- bad input ------------------------------------------------------------------------------

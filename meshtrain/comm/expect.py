@@ -9,7 +9,10 @@ collective works on), with B·T the tokens of one step and N_b the batch ways:
   XLA may reduce-scatter or all-reduce then slice; both count the same buffer. A parameter
   sharded over some batch axes and replicated over others (HSDP) adds an all-reduce of its
   shard over the replicating axes. In a 1F1B pipeline the head's gradients are summed over
-  ``pipe`` and the replica axes together.
+  ``pipe`` and the replica axes together. With gradient compression (``--grad-compression``)
+  the reduction over the replica axes is the codec's own all-to-alls and all-gathers, each
+  gradient shard counted as `Codec.buffer_bytes` says (a ZeRO-1 parameter gather over the
+  same axes is counted with them).
 - **parameter gathers** (all-gather over the batch axes): a parameter sharded over batch axes
   is gathered before its use in the forward and again in the backward when it lives in the
   scanned layer stack (XLA does not keep the gathered stack between the two loops); once

@@ -49,7 +49,8 @@ DTYPE_BYTES = {
 _HEAD = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _OP = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) (" + "|".join(KINDS) + r")(-start)?\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]")
-_CALLS = re.compile(r"(?:to_apply|calls|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLS = re.compile(r"(?:to_apply|calls|condition)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"(?:true_computation|false_computation)=%?([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,9 @@ class Collective:
             assignment); for a collective-permute, the (source, target) pairs.
         dtypes: the element types of the result.
         op_name: the jax operation it came from (the HLO metadata), or "".
+        conditional: it sits in a conditional's branch (reached only through one), so it runs
+            on the calls that take that branch, not on every one (local SGD's
+            synchronisation); `count` is per call that takes it.
     """
 
     name: str
@@ -74,6 +78,7 @@ class Collective:
     groups: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     op_name: str = ""
+    conditional: bool = False
 
     @property
     def group_size(self) -> int:
@@ -200,30 +205,40 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def executions(comps: dict[str, list[str]], entry: str | None) -> dict[str, int]:
+def executions(comps: dict[str, list[str]], entry: str | None) -> tuple[dict[str, int], set[str]]:
     """How many times each computation runs per call of `entry`: while bodies count their
-    known trip count (1 where XLA recorded none), conditional branches count once each."""
-    times: dict[str, int] = defaultdict(int)
+    known trip count (1 where XLA recorded none), conditional branches count once each.
 
-    def visit(comp: str, mult: int, depth: int = 0):
+    Returns:
+        ``(times, branched)``: the counts, and the computations reached only through a
+        conditional's branches.
+    """
+    times: dict[str, int] = defaultdict(int)
+    unconditional: set[str] = set()
+
+    def visit(comp: str, mult: int, branch: bool, depth: int = 0):
         if depth > 64:
             return
         times[comp] += mult
+        if not branch:
+            unconditional.add(comp)
         for line in comps.get(comp, []):
             body = re.search(r"body=%?([\w.\-]+)", line)
             if body:
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                visit(body.group(1), mult * (int(trip.group(1)) if trip else 1), depth + 1)
+                visit(body.group(1), mult * (int(trip.group(1)) if trip else 1), branch, depth + 1)
             for ref in _CALLS.findall(line):
-                visit(ref, mult, depth + 1)
+                visit(ref, mult, branch, depth + 1)
             branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+            refs = _BRANCHES.findall(line)
             if branches:
-                for ref in branches.group(1).split(","):
-                    visit(ref.strip().lstrip("%"), mult, depth + 1)
+                refs += [r.strip().lstrip("%") for r in branches.group(1).split(",")]
+            for ref in refs:
+                visit(ref, mult, True, depth + 1)
 
     if entry is not None:
-        visit(entry, 1)
-    return times
+        visit(entry, 1, False)
+    return times, set(times) - unconditional
 
 
 def collectives(hlo: str, n_devices: int | None = None) -> list[Collective]:
@@ -237,7 +252,7 @@ def collectives(hlo: str, n_devices: int | None = None) -> list[Collective]:
         The collectives that run (count > 0), in the order of the text.
     """
     comps, entry = computations(hlo)
-    times = executions(comps, entry)
+    times, branched = executions(comps, entry)
     out = []
     for comp, lines in comps.items():
         if not times.get(comp):
@@ -260,6 +275,7 @@ def collectives(hlo: str, n_devices: int | None = None) -> list[Collective]:
                     groups=parse_replica_groups(line, n_devices),
                     dtypes=dtypes,
                     op_name=op.group(1) if op else "",
+                    conditional=comp in branched,
                 )
             )
     return out

@@ -76,6 +76,6 @@ __all__ = [
     "split_microbatches",
     "state_problems",
     "state_specs",
-    "varying",
     "strategy_problem",
+    "varying",
 ]

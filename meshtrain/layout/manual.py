@@ -31,7 +31,7 @@ def varying(tree, axes: Iterable[str] | None = None):
     gradient taken with respect to a marked value stays per device instead of being summed
     there. Outside any region this changes nothing.
     """
-    names = manual_axes() if axes is None else tuple(axes)
+    names = tuple(jax.sharding.get_abstract_mesh().manual_axes) if axes is None else tuple(axes)
 
     def mark(x):
         missing = tuple(a for a in names if not varies_over(x, a))

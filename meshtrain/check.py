@@ -7,14 +7,15 @@ many candidate meshes to reject those that cannot work.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 
-import jax
 from flax import nnx
 from jax.sharding import Mesh
 
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.checkpoint.dirs import directory_problems
+from meshtrain.composition import pair_problems
 from meshtrain.context_parallel import context_problems
 from meshtrain.layout import Rules, state_problems
 from meshtrain.mesh import mesh_sizes
@@ -22,9 +23,7 @@ from meshtrain.models import families
 from meshtrain.models.base import DataSpec, pipeline_parts, takes_packed
 from meshtrain.pipeline import PipelineConfig, pipeline_problems
 from meshtrain.problem import Problem
-from meshtrain.replicas import SyncConfig, sync_problems
-
-UNSUPPORTED_AXES = ("expert",)  # axes the Trainer does not run yet
+from meshtrain.replicas import SyncConfig
 
 
 def data_spec(data) -> DataSpec:
@@ -76,23 +75,10 @@ def check_run(
     sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
     pipeline = pipeline or PipelineConfig()
     spec = data_spec(data)
-    problems = [
-        Problem(
-            f"mesh.{axis}",
-            sizes[axis],
-            f"the Trainer does not run {axis} parallelism yet; set {axis}=1",
-        )
-        for axis in UNSUPPORTED_AXES
-        if sizes.get(axis, 1) > 1 and axis not in getattr(model, "supported_axes", ())
-    ]
-    if sizes.get("seq", 1) > 1 and getattr(model, "context_parallel", True) is False:
-        problems.append(
-            Problem(
-                "mesh.seq",
-                sizes["seq"],
-                f"{type(model).__name__} does not run context parallelism yet; set seq=1",
-            )
-        )
+    run = types.SimpleNamespace(
+        model=model, data=spec, mesh=sizes, sizes=sizes, rules=rules, pipeline=pipeline, sync=sync
+    )
+    problems = pair_problems(run)  # features that do not run together (meshtrain.composition)
     strategy = getattr(rules, "context_parallel", "ring")
     problems += context_problems(sizes, strategy, seq_len=spec.seq_len, kind=spec.kind)
     ways, k = rules.batch_ways(sizes), accum_steps
@@ -122,9 +108,7 @@ def check_run(
         axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
         problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
     if spec.packed:
-        problems += _packing_problems(sizes, abstract)
-    if sync is not None:
-        problems += sync_problems(sync, sizes, rules.replica_axes(sizes), rules.name)
+        problems += _packing_problems(abstract)
     problems += directory_problems(run_dir=run_dir, checkpoint=checkpoint)
     return problems
 
@@ -146,29 +130,19 @@ def _tokenizer_problems(model, data) -> list[Problem]:
     ]
 
 
-def _packing_problems(sizes, abstract) -> list[Problem]:
-    """What keeps packed batches (segment ids and positions) from this run."""
-    problems = [
+def _packing_problems(abstract) -> list[Problem]:
+    """A model that cannot take packed batches (segment ids and positions)."""
+    if abstract is None or takes_packed(module := nnx.merge(*abstract)):
+        return []
+    return [
         Problem(
             "data.packing",
             True,
-            f"packed batches do not run {what} yet ({axis}={sizes[axis]}); set {axis}=1 or "
-            "train on plain windows (--data.no-packing)",
+            f"model {type(module).__name__}'s __call__ does not take the segment_ids= and "
+            "positions= keywords a packed batch passes; add them (see "
+            "meshtrain.models.GPT.__call__) or train on plain windows (--data.no-packing)",
         )
-        for axis, what in (("pipe", "pipelined"), ("seq", "under context parallelism"))
-        if sizes.get(axis, 1) > 1
     ]
-    if abstract is not None and not takes_packed(module := nnx.merge(*abstract)):
-        problems.append(
-            Problem(
-                "data.packing",
-                True,
-                f"model {type(module).__name__}'s __call__ does not take the segment_ids= and "
-                "positions= keywords a packed batch passes; add them (see "
-                "meshtrain.models.GPT.__call__) or train on plain windows (--data.no-packing)",
-            )
-        )
-    return problems
 
 
 def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
@@ -209,7 +183,7 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) ->
                 "to cut into stages); set pipe=1",
             )
         ]
-    return _kernel_problems(model, pipe) + pipeline_problems(
+    return pipeline_problems(
         pipeline,
         pipe=pipe,
         batch_size=spec.batch_size // k,
@@ -217,23 +191,3 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) ->
         batch_axes=axes,
         layers=layers,
     )
-
-
-def _kernel_problems(model, pipe: int) -> list[Problem]:
-    """Pallas kernels chosen for a pipelined model: inside a stage's manual region their
-    hand-written backward loses the stage's varying-axes type (jax refuses it)."""
-    name = next((n for n, f in families().items() if isinstance(model, f.config)), "gpt")
-    problems = []
-    for field in ("attention_impl", "norm_impl"):
-        impl = getattr(model, field, "xla")
-        if impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu"):
-            flag = f"--{name}.{field.replace('_', '-')}"
-            problems.append(
-                Problem(
-                    f"{name}.{field}",
-                    impl,
-                    f"the Pallas kernels do not run inside pipeline stages yet (pipe={pipe}); "
-                    f"set {flag} xla, or pipe=1",
-                )
-            )
-    return problems

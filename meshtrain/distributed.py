@@ -27,7 +27,9 @@ import sys
 
 import jax
 
+from meshtrain import validate
 from meshtrain._compat import jax_distributed_client
+from meshtrain.problem import Problem
 
 # Fields that the environment may set, and their variables.
 ENV_VARS = {
@@ -75,27 +77,39 @@ class DistributedConfig:
     shutdown_timeout_s: int = 60
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"dist mode={self.mode!r}: choose one of {', '.join(MODES)}")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        problems = v.one_of("dist.mode", self.mode, MODES, example="on")
         if self.coordinator:
-            _split_address(self.coordinator, "dist coordinator")
-        if not isinstance(self.num_processes, int) or self.num_processes < 0:
-            raise ValueError(
-                f"dist num_processes={self.num_processes!r}: must be ≥ 1 (0 = from environment)"
+            problems += v.check(
+                "dist.coordinator",
+                self.coordinator,
+                _split_address,
+                self.coordinator,
+                "dist coordinator",
             )
-        if not isinstance(self.process_id, int) or self.process_id < -1:
-            raise ValueError(
-                f"dist process_id={self.process_id!r}: must be ≥ 0 (-1 = from environment)"
-            )
-        if self.num_processes and self.process_id >= self.num_processes:
-            raise ValueError(
-                f"dist process_id={self.process_id} with num_processes={self.num_processes}: "
-                f"process ids run from 0 to {self.num_processes - 1}"
+        problems += v.non_negative(
+            "dist.num_processes", self.num_processes, example=2, note="0 = from environment"
+        )
+        problems += v.at_least(
+            "dist.process_id", self.process_id, -1, example=0, note="-1 = from environment"
+        )
+        if v.is_int(self.num_processes) and v.is_int(self.process_id) and self.num_processes:
+            problems += v.require(
+                self.process_id < self.num_processes,
+                "dist.process_id",
+                self.process_id,
+                f"with num_processes={self.num_processes}: process ids run from 0 to "
+                f"{self.num_processes - 1}",
             )
         for name in ("heartbeat_timeout_s", "init_timeout_s", "shutdown_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"dist {name}={value!r}: must be a whole number of seconds ≥ 1")
+            problems += v.positive(
+                f"dist.{name}", getattr(self, name), example=60, note="whole seconds"
+            )
+        return problems
 
     @classmethod
     def from_env(cls, base: DistributedConfig | None = None) -> DistributedConfig:

@@ -23,7 +23,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from meshtrain import validate
 from meshtrain._compat import jax_backends_started
+from meshtrain.problem import Problem
 
 AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
 
@@ -49,19 +51,28 @@ class MeshConfig:
     tensor: int = 1
 
     def __post_init__(self):
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these sizes; an empty list when nothing."""
+        problems = []
         for name in AXES:
             size = getattr(self, name)
-            if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-                raise ValueError(
-                    f"mesh {name}={size!r}: an axis size must be a positive integer, "
-                    f"or -1 to fill the remaining devices"
+            if size != -1 or not validate.is_int(size):
+                problems += validate.positive(
+                    f"mesh.{name}",
+                    size,
+                    flag="--mesh",
+                    example=f"{name}=2",
+                    note="or -1 to fill the remaining devices",
                 )
         fills = [name for name in AXES if getattr(self, name) == -1]
-        if len(fills) > 1:
-            raise ValueError(
-                f"mesh {', '.join(f'{n}=-1' for n in fills)}: only one axis may be -1 (fill); "
-                "give the others explicit sizes"
-            )
+        return problems + validate.require(
+            len(fills) < 2,
+            "mesh",
+            ",".join(f"{n}=-1" for n in fills),
+            "only one axis may be -1 (fill); give the others explicit sizes",
+        )
 
     @classmethod
     def parse(cls, text: str) -> MeshConfig:

@@ -12,7 +12,13 @@ KERNELS = ROOT.parent / "kernels"
 
 # Lowest first; the README's "Architecture" picture, bottom to top.
 LAYERS = [
-    ["meshtrain._compat", "meshtrain._tree", "meshtrain.problem", "meshtrain.mesh"],
+    [
+        "meshtrain._compat",
+        "meshtrain._tree",
+        "meshtrain.problem",
+        "meshtrain.validate",
+        "meshtrain.mesh",
+    ],
     ["meshtrain.layout"],
     ["meshtrain.kernels", "meshtrain.context_parallel"],
     [
@@ -24,7 +30,7 @@ LAYERS = [
         "meshtrain.costmodel",
     ],  # fmt: skip
     ["meshtrain.pipeline", "meshtrain.checkpoint", "meshtrain.replicas"],
-    ["meshtrain.check"],
+    ["meshtrain.check", "meshtrain.composition"],
     ["meshtrain.train"],
     [
         "meshtrain.lower",

@@ -84,7 +84,7 @@ def test_compile_counter_sees_compiles():
 
 
 def test_two_fill_axes_is_an_error():
-    with pytest.raises(ValueError, match=r"data=-1, tensor=-1: only one axis may be -1"):
+    with pytest.raises(ValueError, match=r"mesh='data=-1,tensor=-1': only one axis may be -1"):
         MeshConfig(data=-1, tensor=-1)
     with pytest.raises(ValueError, match=r"only one axis may be -1"):
         MeshConfig.parse("fsdp=-1,seq=-1")
@@ -98,10 +98,10 @@ def test_unknown_mesh_axis_is_an_error():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(data=0), r"mesh data=0: an axis size must be a positive integer"),
-        (dict(tensor=-2), r"mesh tensor=-2: an axis size must be a positive integer"),
-        (dict(fsdp=2.0), r"mesh fsdp=2.0: an axis size must be a positive integer"),
-        (dict(seq=True), r"mesh seq=True: an axis size must be a positive integer"),
+        (dict(data=0), r"mesh\.data=0: must be a positive integer"),
+        (dict(tensor=-2), r"mesh\.tensor=-2: must be a positive integer"),
+        (dict(fsdp=2.0), r"mesh\.fsdp=2.0: must be a positive integer"),
+        (dict(seq=True), r"mesh\.seq=True: must be a positive integer"),
     ],
 )
 def test_non_positive_or_non_integer_sizes_are_errors(kwargs, match):
@@ -112,7 +112,7 @@ def test_non_positive_or_non_integer_sizes_are_errors(kwargs, match):
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("data=0", r"data=0: an axis size must be a positive integer"),
+        ("data=0", r"mesh\.data=0: must be a positive integer"),
         ("data=four", r"mesh data='four': size must be an integer"),
         ("data4", r"expected axis=size"),
     ],

@@ -12,8 +12,10 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from meshtrain import validate
 from meshtrain._compat import orbax_finish_tmp_cleanup
 from meshtrain.checkpoint.targets import layout_mismatch
+from meshtrain.problem import Problem
 from meshtrain.state import TrainState
 
 UNREADABLE_SUFFIX = ".unreadable"
@@ -49,10 +51,16 @@ class CheckpointConfig:
     resume: bool = False
 
     def __post_init__(self):
-        for name, low in (("save_every", 0), ("keep_last", 1), ("keep_every", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"checkpoint {name}={value!r}: must be an integer ≥ {low}")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        return (
+            v.non_negative("save_every", self.save_every, example=100, note="0: only at the end")
+            + v.positive("keep_last", self.keep_last, example=3)
+            + v.non_negative("keep_every", self.keep_every, example=1000, note="0: none")
+        )
 
 
 class Restored(NamedTuple):

@@ -5,7 +5,7 @@
 - `gather`: all-gather of keys/values, and Ulysses (all-to-all to a head split);
 - `zigzag`: head-tail load balancing of causal work;
 - `attention`: `context_attention` on global arrays, and the active context of a step;
-- `checks`: the run check's questions (sequence length, heads, pipelines).
+- `checks`: the run check's questions (the algorithm, sequence length, heads).
 """
 
 from meshtrain.context_parallel.attention import (
@@ -13,12 +13,13 @@ from meshtrain.context_parallel.attention import (
     STRATEGIES,
     Context,
     active_context,
+    algorithm_problems,
     attend_active,
     balanced_order,
     context_attention,
     strategy_problem,
 )
-from meshtrain.context_parallel.checks import context_problems, heads_problem
+from meshtrain.context_parallel.checks import context_problems, heads_problems
 from meshtrain.context_parallel.zigzag import causal_chunk_pairs, inverse, naive_counts, order
 
 __all__ = [
@@ -26,12 +27,13 @@ __all__ = [
     "STRATEGIES",
     "Context",
     "active_context",
+    "algorithm_problems",
     "attend_active",
     "balanced_order",
     "causal_chunk_pairs",
     "context_attention",
     "context_problems",
-    "heads_problem",
+    "heads_problems",
     "inverse",
     "naive_counts",
     "order",

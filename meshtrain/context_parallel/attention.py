@@ -11,8 +11,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshtrain import validate
 from meshtrain.context_parallel import gather, ring, zigzag
 from meshtrain.layout import active, manual_axes, manual_region
+from meshtrain.problem import Problem, raise_if
 
 STRATEGIES = ("ring", "allgather", "ulysses")
 DEFAULT = "ring"
@@ -20,14 +22,14 @@ AXIS = "seq"
 _FNS = {"ring": ring.ring, "allgather": gather.allgather, "ulysses": gather.ulysses}
 
 
+def algorithm_problems(algorithm) -> list[Problem]:
+    """An unknown context-parallel algorithm, as a `Problem`; empty when it is known."""
+    return validate.one_of("context_parallel", algorithm, STRATEGIES, example="ring")
+
+
 def strategy_problem(strategy) -> str | None:
-    """Why `strategy` is not a context-parallel strategy, or None."""
-    if strategy in STRATEGIES:
-        return None
-    return (
-        f"context_parallel={strategy!r}: unknown strategy; choose from {', '.join(STRATEGIES)} "
-        "(e.g. --context-parallel ring)"
-    )
+    """`algorithm_problems` as one line, or None: the spelling older callers use."""
+    return "\n".join(map(str, algorithm_problems(strategy))) or None
 
 
 def context_attention(
@@ -58,9 +60,7 @@ def context_attention(
     Returns:
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
     """
-    problem = strategy_problem(strategy)
-    if problem:
-        raise ValueError(problem)
+    raise_if(algorithm_problems(strategy))
     n = mesh.shape[axis]
     T, H = q_BTHK.shape[1], q_BTHK.shape[2]
     if T % n:

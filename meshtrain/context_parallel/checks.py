@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from meshtrain.context_parallel.attention import AXIS, strategy_problem
+from meshtrain.context_parallel.attention import AXIS, algorithm_problems
 from meshtrain.problem import Problem
 
 
@@ -20,29 +20,14 @@ def context_problems(
         kind: the data's kind (``"lm"`` for token sequences).
 
     Returns:
-        The problems; none when ``seq = 1``.
+        The problems; none when ``seq = 1``. (Context parallelism beside pipelines or data
+        without sequences is refused by `meshtrain.composition`.)
     """
     n = sizes.get(AXIS, 1)
     if n == 1:
         return []
-    problems = []
-    message = strategy_problem(strategy)
-    if message:
-        problems.append(Problem("context_parallel", strategy, message.split(": ", 1)[1]))
-    if sizes.get("pipe", 1) > 1:
-        problems.append(
-            Problem(
-                "mesh.seq",
-                n,
-                f"context parallelism does not compose with pipelines (pipe={sizes['pipe']}) "
-                "yet; set seq=1 or pipe=1",
-            )
-        )
-    if kind != "lm":
-        problems.append(
-            Problem("mesh.seq", n, f"{kind!r} data has no sequence to split; set seq=1")
-        )
-    elif seq_len is not None and seq_len % (2 * n):
+    problems = algorithm_problems(strategy)
+    if kind == "lm" and seq_len is not None and seq_len % (2 * n):
         fix = -(-seq_len // (2 * n)) * 2 * n
         problems.append(
             Problem(
@@ -56,14 +41,16 @@ def context_problems(
     return problems
 
 
-def heads_problem(sizes: Mapping[str, int], strategy: str, heads: int) -> Problem | None:
-    """Ulysses splits the query heads over ``seq``: a count it does not divide, or None."""
+def heads_problems(sizes: Mapping[str, int], strategy: str, heads: int) -> list[Problem]:
+    """Ulysses splits the query heads over ``seq``: a count it does not divide."""
     n = sizes.get(AXIS, 1)
     if n == 1 or strategy != "ulysses" or heads % n == 0:
-        return None
-    return Problem(
-        "gpt.n_heads",
-        heads,
-        f"context_parallel='ulysses' splits the heads over seq={n}, which does not divide "
-        f"{heads}; use a head count divisible by {n}, or --context-parallel ring",
-    )
+        return []
+    return [
+        Problem(
+            "gpt.n_heads",
+            heads,
+            f"context_parallel='ulysses' splits the heads over seq={n}, which does not divide "
+            f"{heads}; use a head count divisible by {n}, or --context-parallel ring",
+        )
+    ]

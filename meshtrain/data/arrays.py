@@ -7,7 +7,9 @@ import zipfile
 import numpy as np
 
 from meshtrain.data.batches import Dataset, Rows
-from meshtrain.data.config import check_common, is_int, min_size
+from meshtrain.data.config import common_problems, min_size
+from meshtrain.problem import raise_if
+from meshtrain.validate import is_int
 
 
 def read_npz(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +102,7 @@ def arrays_dataset(
     inputs, targets, what: str, *, batch_size, seed, val_fraction, seq_len=None, vocab_size=None
 ) -> Dataset:
     """`make_arrays_dataset`, its errors starting with `what` (where the arrays came from)."""
-    check_common(batch_size=batch_size, seed=seed, val_fraction=val_fraction)
+    raise_if(common_problems(batch_size=batch_size, seed=seed, val_fraction=val_fraction))
     inputs, targets = np.asarray(inputs), np.asarray(targets)
     if len(inputs) != len(targets):
         raise ValueError(

@@ -7,8 +7,8 @@ import grain
 import jax
 import numpy as np
 
-from meshtrain.data.config import is_int
 from meshtrain.data.tokenizer import ByteTokenizer, Tokenizer
+from meshtrain.validate import is_int
 
 
 def process_shard() -> tuple[int, int]:

@@ -7,7 +7,8 @@ import dataclasses
 import math
 import os
 
-import numpy as np
+from meshtrain import validate
+from meshtrain.problem import Problem
 
 SOURCES: tuple[str, ...] = (
     "stdlib",
@@ -23,28 +24,22 @@ SOURCES: tuple[str, ...] = (
 FILE_SOURCES: tuple[str, ...] = ("text", "arrays", "images", "tokens")
 
 
-def is_int(value) -> bool:
-    """True for Python/numpy integers, but not bools."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def positive(name: str, value) -> None:
-    """Raises unless `value` (of config field `name`) is a positive integer."""
-    if not is_int(value) or value < 1:
-        raise ValueError(f"data {name}={value!r}: must be a positive integer")
-
-
-def check_common(*, batch_size, seed, val_fraction) -> None:
-    """Validates the fields shared by `DataConfig` and `make_arrays_dataset`."""
-    positive("batch_size", batch_size)
-    if not is_int(seed) or not 0 <= seed < 2**32:
-        raise ValueError(f"data seed={seed!r}: must be an integer in [0, 2**32)")
-    number = isinstance(val_fraction, int | float | np.floating | np.integer)
-    if isinstance(val_fraction, bool) or not number or not 0.0 <= val_fraction < 1.0:
-        raise ValueError(
-            f"data val_fraction={val_fraction!r}: must be a number in [0, 1), "
-            "e.g. 0.05; use 0 to hold nothing out"
+def common_problems(*, batch_size, seed, val_fraction) -> list[Problem]:
+    """What is wrong with the fields `DataConfig` and `make_arrays_dataset` share."""
+    v = validate
+    return (
+        v.positive("data.batch_size", batch_size, example=32)
+        + v.in_range("data.seed", seed, 0, 2**32, closed="[)", integer=True, example=0)
+        + v.in_range(
+            "data.val_fraction",
+            val_fraction,
+            0,
+            1,
+            closed="[)",
+            example=0.05,
+            note="0 holds nothing out",
         )
+    )
 
 
 def min_size(train: int, held_out: int, val_fraction: float) -> int:
@@ -101,12 +96,15 @@ class DataConfig:
     eval_path: str = ""
 
     def __post_init__(self):
-        if self.source not in SOURCES:
-            raise ValueError(
-                f"data source={self.source!r}: unknown source; choose one of {', '.join(SOURCES)}"
-            )
-        if not isinstance(self.path, str):
-            raise ValueError(f"data path={self.path!r}: must be a string")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        problems = v.one_of("data.source", self.source, SOURCES, example="text")
+        problems += v.require(
+            isinstance(self.path, str), "data.path", self.path, "must be a string"
+        )
         if self.source in FILE_SOURCES and not self.path:
             what = {
                 "text": "a text file",
@@ -114,34 +112,51 @@ class DataConfig:
                 "images": "an .npz of images and labels",
                 "tokens": "the directory `meshtrain prepare` wrote",
             }[self.source]
-            raise ValueError(f"data source={self.source!r} needs path=...: give {what}")
-        if self.path and self.source not in FILE_SOURCES:
+            problems += [Problem("data.source", self.source, f"needs --data.path: give {what}")]
+        if isinstance(self.path, str) and self.path and self.source not in FILE_SOURCES:
             reader = "arrays" if self.path.endswith(".npz") else "text"
             reader = "tokens" if os.path.isdir(self.path) else reader
-            raise ValueError(
-                f"data.path={self.path!r} is given but source={self.source!r} reads no file; "
-                f"add --data.source {reader} (source={reader!r}) to train on it, or drop the path"
-            )
-        if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ValueError(
-                f"data tokenizer={self.tokenizer!r}: give 'bytes' or a path to a tokenizer.json"
-            )
-        if not isinstance(self.eval_path, str):
-            raise ValueError(f"data eval_path={self.eval_path!r}: must be a string")
-        if self.eval_path and self.source not in ("stdlib", "synthetic", "text", "tokens"):
-            raise ValueError(
-                f"data.eval_path={self.eval_path!r}: source={self.source!r} holds out its last "
-                "rows (val_fraction) instead; drop --data.eval-path"
-            )
-        check_common(**self._common())
-        positive("seq_len", self.seq_len)
-        positive("max_bytes", self.max_bytes)
+            problems += [
+                Problem(
+                    "data.path",
+                    self.path,
+                    f"is given but source={self.source!r} reads no file; add --data.source "
+                    f"{reader} (source={reader!r}) to train on it, or drop the path",
+                )
+            ]
+        problems += v.require(
+            isinstance(self.tokenizer, str) and bool(self.tokenizer),
+            "data.tokenizer",
+            self.tokenizer,
+            "give 'bytes' or a path to a tokenizer.json",
+        )
+        problems += v.require(
+            isinstance(self.eval_path, str), "data.eval_path", self.eval_path, "must be a string"
+        )
+        if (
+            isinstance(self.eval_path, str)
+            and self.eval_path
+            and self.source not in ("stdlib", "synthetic", "text", "tokens")
+        ):
+            problems += [
+                Problem(
+                    "data.eval_path",
+                    self.eval_path,
+                    f"source={self.source!r} holds out its last rows (val_fraction) instead; "
+                    "drop --data.eval-path",
+                )
+            ]
+        problems += common_problems(**self._common())
+        problems += v.positive("data.seq_len", self.seq_len, example=128)
+        problems += v.positive("data.max_bytes", self.max_bytes, example=4_000_000)
         shape = tuple(self.image_shape)
-        if len(shape) != 3 or not all(is_int(d) and d > 0 for d in shape):
-            raise ValueError(
-                f"data image_shape={self.image_shape!r}: must be three positive integers "
-                "H W C, e.g. --data.image-shape 32 32 3"
-            )
+        problems += v.require(
+            len(shape) == 3 and all(v.is_int(d) and d > 0 for d in shape),
+            "data.image_shape",
+            self.image_shape,
+            "must be three positive integers H W C; e.g. --data.image-shape 32 32 3",
+        )
+        return problems
 
     def _common(self) -> dict:
         """The fields `make_arrays_dataset` shares."""

@@ -42,7 +42,7 @@ from meshtrain.layout.rules import (
     auto_strategy,
     axes_of,
     rules_for,
-    strategy_problem,
+    strategy_problems,
 )
 
 __all__ = [
@@ -76,6 +76,6 @@ __all__ = [
     "split_microbatches",
     "state_problems",
     "state_specs",
-    "strategy_problem",
+    "strategy_problems",
     "varying",
 ]

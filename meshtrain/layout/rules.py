@@ -41,7 +41,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from meshtrain import validate
 from meshtrain.mesh import AXES, mesh_sizes
+from meshtrain.problem import Problem, raise_if
 
 MeshAxes = str | tuple[str, ...] | None
 Entry = MeshAxes | list[MeshAxes]  # one layout, or alternatives tried in order
@@ -106,15 +108,20 @@ class Rules:
     context_parallel: str = "ring"
 
     def __post_init__(self):
-        for table_name in ("params", "activations", "optimizer"):
-            for logical, entry in (getattr(self, table_name) or {}).items():
-                for option in alternatives(entry):
-                    for axis in axes_of(option):
-                        if axis not in AXES:
-                            raise ValueError(
-                                f"rules.{table_name}[{logical!r}] = {entry!r}: unknown mesh "
-                                f"axis {axis!r}; mesh axes are {', '.join(AXES)}"
-                            )
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """Entries that name an unknown mesh axis; an empty list when none."""
+        return [
+            problem
+            for table_name in ("params", "activations", "optimizer")
+            for logical, entry in (getattr(self, table_name) or {}).items()
+            for option in alternatives(entry)
+            for axis in axes_of(option)
+            for problem in validate.one_of(
+                f"rules.{table_name}[{logical!r}]", axis, AXES, note=f"in entry {entry!r}"
+            )
+        ]
 
     @property
     def optimizer_table(self) -> Mapping[str, Entry]:
@@ -164,9 +171,7 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
     Returns:
         The `Rules` for the strategy (named by the preset ``"auto"`` chose).
     """
-    problem = strategy_problem(strategy, mesh)
-    if problem:
-        raise ValueError(problem)
+    raise_if(strategy_problems(strategy, mesh))
     if strategy == "auto":
         strategy = auto_strategy(mesh)
     parts = [p.strip() for p in strategy.split("+") if p.strip()]
@@ -200,36 +205,56 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
     )
 
 
-def strategy_problem(strategy: str, mesh=None) -> str | None:
-    """Why `strategy` is not a valid preset (on `mesh`, when given), or None."""
+def strategy_problems(strategy: str, mesh=None) -> list[Problem]:
+    """Why `strategy` is not a valid preset (on `mesh`, when given); empty when it is."""
     if not isinstance(strategy, str):
-        return f"strategy={strategy!r}: must be a string such as 'fsdp+tp'"
+        return [Problem("strategy", strategy, "must be a string such as 'fsdp+tp'")]
     if strategy == "auto":
-        return None if mesh is not None else "strategy 'auto' picks from the mesh: pass mesh="
+        return (
+            []
+            if mesh is not None
+            else [Problem("strategy", "auto", "picks from the mesh: pass mesh=")]
+        )
     parts = [p.strip() for p in strategy.split("+") if p.strip()]
     unknown = [p for p in parts if p not in STRATEGIES]
     if unknown or not parts:
-        return (
-            f"strategy {strategy!r}: unknown strategy {unknown[0] if unknown else ''!r}; "
-            f"choose from {', '.join(STRATEGIES)}, combined with '+' (e.g. 'fsdp+tp')"
-        )
+        return [
+            Problem(
+                "strategy",
+                strategy,
+                f"unknown strategy {unknown[0] if unknown else ''!r}; choose from "
+                f"{', '.join(STRATEGIES)}, combined with '+' (e.g. --strategy fsdp+tp)",
+            )
+        ]
     data_parts = [p for p in parts if p != "tp"]
     if len(data_parts) > 1:
-        return (
-            f"strategy {strategy!r}: {' and '.join(data_parts)} both decide how parameters use "
-            "the data axes; pick one of dp, fsdp, hsdp, zero1 (optionally + tp)"
-        )
+        return [
+            Problem(
+                "strategy",
+                strategy,
+                f"{' and '.join(data_parts)} both decide how parameters use the data axes; "
+                "pick one of dp, fsdp, hsdp, zero1 (optionally + tp)",
+            )
+        ]
     if mesh is None:
-        return None
+        return []
     sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
     if "tp" in parts and sizes.get("tensor", 1) == 1:
-        return (
-            f"strategy {strategy!r} uses tensor parallelism but the mesh has tensor=1; "
-            "add tensor=N to the mesh (e.g. --mesh data=4,tensor=2)"
-        )
+        return [
+            Problem(
+                "strategy",
+                strategy,
+                "uses tensor parallelism but the mesh has tensor=1; add tensor=N to the mesh "
+                "(e.g. --mesh data=4,tensor=2)",
+            )
+        ]
     if data_parts == ["hsdp"] and sizes.get("fsdp", 1) == 1:
-        return (
-            f"strategy {strategy!r} shards parameters over the fsdp axis but the mesh has "
-            "fsdp=1; add fsdp=N to the mesh (e.g. --mesh data=2,fsdp=4)"
-        )
-    return None
+        return [
+            Problem(
+                "strategy",
+                strategy,
+                "shards parameters over the fsdp axis but the mesh has fsdp=1; add fsdp=N to "
+                "the mesh (e.g. --mesh data=2,fsdp=4)",
+            )
+        ]
+    return []

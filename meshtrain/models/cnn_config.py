@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain import validate
 from meshtrain.models.base import DTYPES, DataSpec
 from meshtrain.problem import Problem
 
@@ -62,35 +63,52 @@ class CNNConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.preset not in PRESETS:
-            raise ValueError(f"cnn preset={self.preset!r}: choose from {', '.join(PRESETS)}")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        problems = v.one_of("cnn.preset", self.preset, PRESETS, example="resnet18")
         for name in ("image_size", "in_channels", "num_classes", "hidden", "groups"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"cnn {name}={value!r}: must be a positive integer")
-        if not isinstance(self.depth, int) or self.depth < 0:
-            raise ValueError(f"cnn depth={self.depth!r}: must be ≥ 0 (0: the preset's)")
-        if any(not isinstance(w, int) or w < 1 for w in self.widths):
-            raise ValueError(f"cnn widths={self.widths!r}: must be positive integers")
+            problems += v.positive(
+                f"cnn.{name}", getattr(self, name), example=getattr(type(self), name)
+            )
+        problems += v.non_negative("cnn.depth", self.depth, note="0: the preset's")
+        problems += v.require(
+            all(v.is_int(w) and w >= 1 for w in self.widths),
+            "cnn.widths",
+            self.widths,
+            "must be positive integers; e.g. --cnn.widths 16 32",
+        )
         for name, value, allowed in (
             ("norm", self.norm, NORMS),
             ("act_impl", self.act_impl, ACT_IMPLS),
             ("dtype", self.dtype, tuple(DTYPES)),
         ):
-            if value not in allowed:
-                raise ValueError(f"cnn {name}={value!r}: choose from {', '.join(allowed)}")
+            problems += v.one_of(f"cnn.{name}", value, allowed)
+        if problems:  # the shape walk below needs a known preset and whole sizes
+            return problems
         if self.norm == "group" and any(w % self.groups for w in self.stage_widths):
-            raise ValueError(
-                f"cnn groups={self.groups}: must divide every width {self.stage_widths} for "
-                "norm='group'; pick a divisor, or norm='batch'"
+            problems.append(
+                Problem(
+                    "cnn.groups",
+                    self.groups,
+                    f"must divide every width {self.stage_widths} for norm='group'; pick a "
+                    "divisor, or --cnn.norm batch",
+                )
             )
         if self.final_size < 1:
             halvings = self.halvings
-            raise ValueError(
-                f"cnn image_size={self.image_size}: the {self.preset} network halves the image "
-                f"{halvings} times and needs at least {2**halvings}×{2**halvings} pixels; "
-                "give larger images, or fewer widths (--cnn.widths)"
+            problems.append(
+                Problem(
+                    "cnn.image_size",
+                    self.image_size,
+                    f"the {self.preset} network halves the image {halvings} times and needs at "
+                    f"least {2**halvings}×{2**halvings} pixels; give larger images, or fewer "
+                    "widths (--cnn.widths)",
+                )
             )
+        return problems
 
     # --- the shape walk --------------------------------------------------------------------
 

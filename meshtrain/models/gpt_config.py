@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 from flax import nnx
 
-from meshtrain import context_parallel, kernels
+from meshtrain import context_parallel, kernels, validate
 from meshtrain.layout import Rules, alternatives, axes_of, resolve
 from meshtrain.models import layers
 from meshtrain.models.base import DTYPES, DataSpec
-from meshtrain.models.remat import check_policy
+from meshtrain.models.remat import policy_problems
 from meshtrain.problem import Problem
 
 if TYPE_CHECKING:
@@ -90,37 +90,49 @@ class GPTConfig:
     restart_positions: bool = True
 
     def __post_init__(self):
-        if self.style not in ("gpt2", "llama"):
-            raise ValueError(f"gpt style={self.style!r}: choose 'gpt2' or 'llama'")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        problems = v.one_of("gpt.style", self.style, ("gpt2", "llama"), example="llama")
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"gpt {name}={value!r}: must be a positive integer")
+            problems += v.positive(
+                f"gpt.{name}", getattr(self, name), example=getattr(type(self), name)
+            )
         for name in ("n_kv_heads", "d_ff"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"gpt {name}={getattr(self, name)}: must be ≥ 0 (0 = default)")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"gpt d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                "pick d_model as a multiple of n_heads"
+            problems += v.non_negative(f"gpt.{name}", getattr(self, name), note="0 = default")
+        problems += v.positive("gpt.vocab_multiple", self.vocab_multiple, note="1: no padding")
+        problems += v.non_negative(
+            "gpt.sliding_window", self.sliding_window, note="0 = every earlier position is seen"
+        )
+        if problems:  # the shape checks below need whole, positive sizes
+            return problems
+        problems += v.divides("gpt.d_model", self.d_model, self.n_heads, what="n_heads")
+        problems += v.require(
+            self.n_heads % self.kv_heads == 0,
+            "gpt.n_kv_heads",
+            self.n_kv_heads,
+            f"does not divide n_heads={self.n_heads}; each key/value head must serve a whole "
+            "group of query heads",
+        )
+        if not problems and self.style == "llama":
+            problems += v.require(
+                self.head_dim % 2 == 0,
+                "gpt.d_model",
+                self.d_model,
+                f"gives a head width of {self.head_dim} (d_model / n_heads), which must be even "
+                "for RoPE",
             )
-        if self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"gpt n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; "
-                "each key/value head must serve a whole group of query heads"
-            )
-        if self.style == "llama" and self.head_dim % 2:
-            raise ValueError(f"gpt head width {self.head_dim} must be even for RoPE")
-        if not isinstance(self.vocab_multiple, int) or self.vocab_multiple < 1:
-            raise ValueError(
-                f"gpt vocab_multiple={self.vocab_multiple!r}: must be a positive integer "
-                "(1: no padding)"
-            )
-        check_policy(self.remat)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"gpt dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
-        kernels.check_impls(self.attention_impl, self.norm_impl, self.head_dim)
-        layers.check_rope_scaling(
+        problems += policy_problems(self.remat)
+        problems += v.one_of("gpt.dtype", self.dtype, DTYPES, example="bfloat16")
+        # one field at a time, so each line is filed under its own field
+        attention, norm = self.attention_impl, self.norm_impl
+        problems += v.check(
+            "gpt.attention_impl", attention, kernels.check_impls, attention, "xla", self.head_dim
+        )
+        problems += v.check("gpt.norm_impl", norm, kernels.check_impls, "xla", norm, self.head_dim)
+        problems += layers.rope_scaling_problems(
             self.rope_scaling,
             style=self.style,
             rope_factor=self.rope_factor,
@@ -128,16 +140,13 @@ class GPTConfig:
             rope_high_freq_factor=self.rope_high_freq_factor,
             rope_original_max_seq_len=self.rope_original_max_seq_len,
         )
-        if self.qkv_bias and self.style == "gpt2":
-            raise ValueError(
-                "gpt qkv_bias=True: style 'gpt2' already biases every projection; qkv_bias is "
-                "for style='llama' (leave it False for gpt2)"
-            )
-        if not isinstance(self.sliding_window, int) or self.sliding_window < 0:
-            raise ValueError(
-                f"gpt sliding_window={self.sliding_window!r}: must be an integer ≥ 0 "
-                "(0 = every earlier position is seen)"
-            )
+        return problems + v.require(
+            not (self.qkv_bias and self.style == "gpt2"),
+            "gpt.qkv_bias",
+            self.qkv_bias,
+            "style 'gpt2' already biases every projection; qkv_bias is for style='llama' "
+            "(leave it False for gpt2)",
+        )
 
     @property
     def kv_heads(self) -> int:
@@ -228,25 +237,16 @@ class GPTConfig:
                     f"least {data.vocab_size}",
                 )
             )
-        if getattr(data, "packed", False) and self.attention_impl == "cudnn":
-            problems.append(
-                Problem(
-                    "gpt.attention_impl",
-                    "cudnn",
-                    "the cuDNN path takes no document masks (packed batches); use pallas, "
-                    "auto or xla, or train on plain windows (--data.no-packing)",
-                )
-            )
-        return problems
+        return problems  # cuDNN attention on packed batches: meshtrain.composition
 
     def check_layout(self, sizes: Mapping[str, int], rules: Rules) -> list[Problem]:
         """A padded vocabulary that the rules' ``vocab`` split does not divide, with the
         ``vocab_multiple`` that fixes it (`sizes`: axis name → size); heads that Ulysses
         context parallelism cannot split over ``seq``."""
         strategy = getattr(rules, "context_parallel", context_parallel.DEFAULT)
-        heads = context_parallel.heads_problem(sizes, strategy, self.n_heads)
-        if heads is not None:
-            return [heads]
+        heads = context_parallel.heads_problems(sizes, strategy, self.n_heads)
+        if heads:
+            return heads
         for table in (rules.params, rules.activations):
             if table.get("vocab") is None:
                 continue

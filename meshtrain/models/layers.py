@@ -10,8 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain import validate
 from meshtrain.kernels import reference
 from meshtrain.layout import constrain
+from meshtrain.problem import Problem
 
 
 def init(names: tuple[str | None, ...], std: float = 0.02):
@@ -183,38 +185,38 @@ LLAMA3_DEFAULTS = {
 }
 
 
-def check_rope_scaling(kind: str, *, style: str, **params) -> None:
-    """Raises a ValueError naming the field for a RoPE scaling `kind` (``"none"`` or
-    ``"llama3"``) whose `params` (`LLAMA3_DEFAULTS`' names) `llama3_frequencies` cannot take."""
+def rope_scaling_problems(kind: str, *, style: str, prefix: str = "gpt", **params) -> list:
+    """What keeps RoPE scaling `kind` (``"none"`` or ``"llama3"``) from taking `params`
+    (`LLAMA3_DEFAULTS`' names), as `Problem` lines whose fields start with `prefix`."""
     if kind == "none":
-        for name, value in params.items():
-            if value != LLAMA3_DEFAULTS[name]:
-                raise ValueError(
-                    f"gpt {name}={value!r} has no effect with rope_scaling='none'; set "
-                    f"rope_scaling='llama3' or leave {name} at {LLAMA3_DEFAULTS[name]}"
-                )
-        return
+        return [
+            Problem(
+                f"{prefix}.{name}",
+                value,
+                f"has no effect with rope_scaling='none'; set --{prefix}.rope-scaling llama3 "
+                f"or leave {name} at {LLAMA3_DEFAULTS[name]}",
+            )
+            for name, value in params.items()
+            if value != LLAMA3_DEFAULTS[name]
+        ]
+    field = f"{prefix}.rope_scaling"
     if kind != "llama3":
-        raise ValueError(f"gpt rope_scaling={kind!r}: choose 'none' or 'llama3'")
+        return validate.one_of(field, kind, ("none", "llama3"))
     if style != "llama":
-        raise ValueError(
-            "gpt rope_scaling='llama3' needs style='llama' (gpt2 has learned positions)"
-        )
+        return [Problem(field, kind, "needs style='llama' (gpt2 has learned positions)")]
     low, high = params["rope_low_freq_factor"], params["rope_high_freq_factor"]
-    problems = []
-    if params["rope_factor"] < 1:
-        problems.append(f"rope_factor={params['rope_factor']} must be ≥ 1")
-    if not 0 < low < high:
+    problems = validate.at_least(f"{prefix}.rope_factor", params["rope_factor"], 1, integer=False)
+    if not (validate.is_number(low) and validate.is_number(high) and 0 < low < high):
         problems.append(
-            f"rope_low_freq_factor={low} and rope_high_freq_factor={high} must satisfy "
-            "0 < low < high"
+            Problem(
+                f"{prefix}.rope_low_freq_factor",
+                low,
+                f"and rope_high_freq_factor={high} must satisfy 0 < low < high",
+            )
         )
-    if params["rope_original_max_seq_len"] < 1:
-        problems.append(
-            f"rope_original_max_seq_len={params['rope_original_max_seq_len']} must be ≥ 1"
-        )
-    if problems:
-        raise ValueError(f"gpt rope_scaling='llama3': {'; '.join(problems)}")
+    return problems + validate.positive(
+        f"{prefix}.rope_original_max_seq_len", params["rope_original_max_seq_len"], example=8192
+    )
 
 
 def apply_rope(x_BTHK: jax.Array, cos_TK: jax.Array, sin_TK: jax.Array) -> jax.Array:

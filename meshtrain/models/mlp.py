@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain import validate
 from meshtrain.layout import constrain
 from meshtrain.models import layers
 from meshtrain.models.base import DTYPES, DataSpec
@@ -35,12 +36,18 @@ class MLPConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        for name in ("num_features", "num_classes", "d_model", "d_hidden", "n_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"mlp {name}={value!r}: must be a positive integer")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"mlp dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        problems = [
+            p
+            for name in ("num_features", "num_classes", "d_model", "d_hidden", "n_layers")
+            for p in validate.positive(
+                f"mlp.{name}", getattr(self, name), example=getattr(type(self), name)
+            )
+        ]
+        return problems + validate.one_of("mlp.dtype", self.dtype, DTYPES, example="bfloat16")
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per example."""

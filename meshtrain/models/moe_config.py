@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 
 from flax import nnx
 
+from meshtrain import validate
 from meshtrain.layout import Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_dispatch import DISPATCH
 from meshtrain.models.moe_routing import capacity
-from meshtrain.problem import Problem
+from meshtrain.problem import Problem, RunCheckError
 
 if TYPE_CHECKING:
     from meshtrain.models.moe import MoE
@@ -74,37 +75,55 @@ class MoEConfig:
     vocab_multiple: int = 128
 
     def __post_init__(self):
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
         try:
             self.backbone  # noqa: B018  (validates the shared fields)
-        except ValueError as e:
-            raise ValueError(str(e).replace("gpt ", "moe ", 1)) from None
+            problems = []
+        except RunCheckError as e:
+            problems = [
+                dataclasses.replace(
+                    p, field=p.field.replace("gpt.", "moe.", 1), message=_moe(p.message)
+                )
+                for p in e.problems
+            ]
         for name in ("n_experts", "top_k", "moe_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"moe {name}={value!r}: must be a positive integer")
+            problems += v.positive(
+                f"moe.{name}", getattr(self, name), example=getattr(type(self), name)
+            )
         for name in ("d_expert", "shared_expert"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"moe {name}={getattr(self, name)!r}: must be an integer ≥ 0")
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"moe top_k={self.top_k}: more than n_experts={self.n_experts}; set top_k to "
-                f"at most {self.n_experts}"
+            problems += v.non_negative(
+                f"moe.{name}", getattr(self, name), note="0: none or default"
             )
-        if self.n_layers % self.moe_every:
-            raise ValueError(
-                f"moe moe_every={self.moe_every} does not divide n_layers={self.n_layers}; "
-                "pick a divisor (every moe_every-th block is an MoE block)"
-            )
-        if self.dispatch not in DISPATCH:
-            raise ValueError(f"moe dispatch={self.dispatch!r}: choose from {', '.join(DISPATCH)}")
-        if not self.capacity_factor > 0:
-            raise ValueError(
-                f"moe capacity_factor={self.capacity_factor!r}: must be > 0 (1.0 is an even "
-                "share; 1.25 leaves headroom; or use dispatch='dropless')"
-            )
+        if problems:  # the checks below compare whole, positive sizes
+            return problems
+        problems += v.require(
+            self.top_k <= self.n_experts,
+            "moe.top_k",
+            self.top_k,
+            f"more than n_experts={self.n_experts}; set top_k to at most {self.n_experts}",
+        )
+        problems += v.require(
+            self.n_layers % self.moe_every == 0,
+            "moe.moe_every",
+            self.moe_every,
+            f"does not divide n_layers={self.n_layers}; pick a divisor (every moe_every-th "
+            "block is an MoE block)",
+        )
+        problems += v.one_of("moe.dispatch", self.dispatch, DISPATCH, example="dropless")
+        problems += v.above(
+            "moe.capacity_factor",
+            self.capacity_factor,
+            0,
+            example=1.25,
+            note="1.0 is an even share; 1.25 leaves headroom; or use --moe.dispatch dropless",
+        )
         for name in ("aux_loss_coef", "z_loss_coef"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"moe {name}={getattr(self, name)!r}: must be ≥ 0")
+            problems += v.non_negative(f"moe.{name}", getattr(self, name), integer=False)
+        return problems
 
     @property
     def backbone(self) -> GPTConfig:

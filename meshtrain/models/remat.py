@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import jax
 
+from meshtrain import validate
+from meshtrain.problem import Problem
+
 ATTN_OUT = "attn_out"  # checkpoint_name of the attention output inside a block
 
 # name -> jax.checkpoint policy; None means "do not remat at all".
@@ -15,10 +18,6 @@ POLICIES = {
 }
 
 
-def check_policy(name: str) -> str:
-    """Returns `name` if it is a known policy, else raises a ValueError listing them."""
-    if name not in POLICIES:
-        raise ValueError(
-            f"gpt remat={name!r}: unknown remat policy; choose from {', '.join(POLICIES)}"
-        )
-    return name
+def policy_problems(name: str, field: str = "gpt.remat") -> list[Problem]:
+    """An unknown policy name, as a `Problem` listing the known ones."""
+    return validate.one_of(field, name, POLICIES, example="full", note="unknown remat policy")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain import validate
 from meshtrain.pipeline.schedules import SCHEDULES, check_schedule
 from meshtrain.problem import Problem
 
@@ -23,15 +24,16 @@ class PipelineConfig:
     repeats: int = 1
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule={self.schedule!r}: unknown pipeline schedule; choose from "
-                f"{', '.join(SCHEDULES)}"
-            )
-        if not isinstance(self.microbatches, int) or self.microbatches < 0:
-            raise ValueError(f"microbatches={self.microbatches!r}: must be ≥ 1 (or 0 for 2 × pipe)")
-        if not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"repeats={self.repeats!r}: must be ≥ 1")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        return (
+            v.one_of("schedule", self.schedule, SCHEDULES, example="1f1b")
+            + v.non_negative("microbatches", self.microbatches, example=8, note="0 = 2 × pipe")
+            + v.positive("repeats", self.repeats, example=2)
+        )
 
     def num_microbatches(self, pipe: int) -> int:
         """Microbatches per step on a mesh with `pipe` stages."""

@@ -4,7 +4,7 @@ The replicas are the devices along the replica axes (`Rules.replica_axes`: the b
 parameter is split over). By default the compiler all-reduces their gradients inside the
 backward pass. `SyncConfig` replaces that with a step manual over the replica axes:
 
-- `config`: `SyncConfig` and `sync_problems` (the run check's part);
+- `config`: `SyncConfig` (its pairs with other features: `meshtrain.composition`);
 - `codecs`: gradient compression (bf16, block-wise int8, top-k, 1-bit sign) as collectives;
 - `manual`: the gradient step manual over the replica axes, with error feedback;
 - `local_sgd`: local SGD and DiLoCo (replicas step alone, then synchronise parameters);
@@ -14,7 +14,7 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 """
 
 from meshtrain.replicas.codecs import Codec, parse_compression
-from meshtrain.replicas.config import COMPRESSIONS, OUTER_OPTIMIZERS, SyncConfig, sync_problems
+from meshtrain.replicas.config import COMPRESSIONS, OUTER_OPTIMIZERS, SyncConfig
 from meshtrain.replicas.local_sgd import local_init, local_shardings, local_step, outer_optimizer
 from meshtrain.replicas.manual import reduced_grads, residual_init
 from meshtrain.replicas.stack import stacked, stacked_shardings
@@ -38,6 +38,5 @@ __all__ = [
     "stacked",
     "stacked_shardings",
     "stale_init",
-    "sync_problems",
     "with_sync",
 ]

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from meshtrain import validate
+from meshtrain.problem import Problem
 from meshtrain.replicas.config import parse_compression_spec
 
 
@@ -72,9 +74,14 @@ class Codec:
     block: int = 256
 
     def __post_init__(self):
-        parse_compression_spec(f"topk:{self.fraction}" if self.name == "topk" else self.name)
-        if not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"Codec block={self.block!r}: must be a positive integer, e.g. 256")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with this codec; an empty list when nothing."""
+        spec = f"topk:{self.fraction}" if self.name == "topk" else self.name
+        return validate.check(
+            "grad_compression", spec, parse_compression_spec, spec
+        ) + validate.positive("block", self.block, example=256)
 
     @property
     def lossy(self) -> bool:

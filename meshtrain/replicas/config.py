@@ -1,11 +1,15 @@
-"""`SyncConfig`: how the data-parallel replicas synchronise, and what keeps it from running."""
+"""`SyncConfig`: how the data-parallel replicas synchronise.
+
+What it refuses beside other features (pipelines, MoE, strategies without replicas, ...) is
+in `meshtrain.composition.REFUSALS`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 
+from meshtrain import validate
 from meshtrain.problem import Problem
 
 COMPRESSIONS = ("none", "bf16", "int8", "topk:FRACTION", "sign")
@@ -72,30 +76,31 @@ class SyncConfig:
     staleness: int = 0
 
     def __post_init__(self):
-        parse_compression_spec(self.grad_compression)
-        if self.sync_every is not None and (
-            not isinstance(self.sync_every, int) or self.sync_every < 1
-        ):
-            raise ValueError(
-                f"sync_every={self.sync_every!r}: local SGD synchronises every H ≥ 1 steps "
-                "(e.g. --sync-every 16); leave it out for synchronous training"
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        problems = v.check(
+            "grad_compression", self.grad_compression, parse_compression_spec, self.grad_compression
+        )
+        if self.sync_every is not None:
+            problems += v.positive(
+                "sync_every",
+                self.sync_every,
+                example=16,
+                note="local SGD synchronises every H steps; leave it out for synchronous training",
             )
-        if self.outer_optimizer not in OUTER_OPTIMIZERS:
-            raise ValueError(
-                f"outer_optimizer={self.outer_optimizer!r}: choose from "
-                f"{', '.join(OUTER_OPTIMIZERS)} (e.g. --outer-optimizer nesterov)"
-            )
-        if not self.outer_lr > 0:
-            raise ValueError(f"outer_lr={self.outer_lr!r}: must be > 0 (DiLoCo uses 0.7)")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(
-                f"outer_momentum={self.outer_momentum!r}: must be in [0, 1) (DiLoCo uses 0.9)"
-            )
-        if not isinstance(self.staleness, int) or self.staleness < 0:
-            raise ValueError(
-                f"staleness={self.staleness!r}: must be a whole number of steps ≥ 0 "
-                "(0 is synchronous; e.g. --staleness 4)"
-            )
+        problems += v.one_of(
+            "outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS, example="nesterov"
+        )
+        problems += v.above("outer_lr", self.outer_lr, 0, example=0.7, note="DiLoCo uses 0.7")
+        problems += v.in_range(
+            "outer_momentum", self.outer_momentum, 0, 1, closed="[)", example=0.9
+        )
+        return problems + v.non_negative(
+            "staleness", self.staleness, example=4, note="0 is synchronous"
+        )
 
     @property
     def compression(self) -> str:
@@ -116,75 +121,3 @@ class SyncConfig:
     def keeps_residual(self) -> bool:
         """A residual is kept: a lossy scheme (every one but ``none``) with error feedback."""
         return self.compresses and self.error_feedback
-
-
-def sync_problems(
-    sync: SyncConfig, sizes: Mapping[str, int], replica_axes: tuple[str, ...], rules_name: str
-) -> list[Problem]:
-    """What keeps `sync` from running on a mesh of `sizes`, before anything compiles.
-
-    Args:
-        sync: the settings.
-        sizes: the mesh's axis sizes.
-        replica_axes: the rules' replica axes on that mesh (`Rules.replica_axes`).
-        rules_name: the rules' name, for messages.
-
-    Returns:
-        One `Problem` per thing wrong.
-    """
-    problems = []
-    if sync.local and sync.compresses:
-        problems.append(
-            Problem(
-                "grad_compression",
-                sync.grad_compression,
-                "local SGD (--sync-every) exchanges parameters, not gradients; drop one of "
-                "--grad-compression and --sync-every",
-            )
-        )
-    if sync.local and sync.staleness:
-        problems.append(
-            Problem(
-                "staleness",
-                sync.staleness,
-                "bounded staleness models a parameter server with synchronous replicas; drop "
-                "one of --staleness and --sync-every",
-            )
-        )
-    if not sync.local and sync.outer_optimizer != "average":
-        problems.append(
-            Problem(
-                "outer_optimizer",
-                sync.outer_optimizer,
-                "the outer optimizer runs at local SGD's synchronisations; add --sync-every H",
-            )
-        )
-    if not (sync.compresses or sync.local):
-        return problems
-    what = "--grad-compression" if sync.compresses else "--sync-every"
-    field, value = (
-        ("grad_compression", sync.grad_compression)
-        if sync.compresses
-        else ("sync_every", sync.sync_every)
-    )
-    if not replica_axes:
-        mesh = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "one device"
-        problems.append(
-            Problem(
-                field,
-                value,
-                f"{what} works across replicas (batch axes no parameter is split over), and "
-                f"rules {rules_name!r} on {mesh} have none: every batch axis splits the "
-                "parameters. Use --strategy dp, zero1 or hsdp (hsdp: replicas over data)",
-            )
-        )
-    for axis, why in (("pipe", "pipelines"), ("seq", "context parallelism"), ("expert", "MoE")):
-        if sizes.get(axis, 1) > 1:
-            problems.append(
-                Problem(
-                    field,
-                    value,
-                    f"{what} does not run with {why} yet (mesh {axis}={sizes[axis]}); set {axis}=1",
-                )
-            )
-    return problems

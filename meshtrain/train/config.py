@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain import validate
+from meshtrain.problem import Problem
 from meshtrain.train.loss import LOSS_IMPLS, LOSSES
 
 
@@ -44,19 +46,14 @@ class TrainConfig:
     loss: str = "cross_entropy"
 
     def __post_init__(self):
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"steps={self.steps!r}: the step count must be ≥ 1 (e.g. --steps 300)")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        problems = v.positive("steps", self.steps, example=300)
         for name in ("accum_steps", "eval_batches", "log_every", "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be ≥ 1")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every={self.eval_every}: must be ≥ 0 (0 = only at the end)")
-        if self.loss_impl not in LOSS_IMPLS:
-            raise ValueError(
-                f"loss_impl={self.loss_impl!r}: choose from {', '.join(LOSS_IMPLS)} "
-                "(e.g. --loss-impl pallas)"
-            )
-        if self.loss not in LOSSES:
-            raise ValueError(
-                f"loss={self.loss!r}: choose from {', '.join(LOSSES)} (e.g. --loss mse)"
-            )
+            problems += v.positive(name, getattr(self, name), example=getattr(TrainConfig, name))
+        problems += v.non_negative("eval_every", self.eval_every, note="0 = only at the end")
+        problems += v.one_of("loss_impl", self.loss_impl, LOSS_IMPLS, example="pallas")
+        return problems + v.one_of("loss", self.loss, LOSSES, example="mse")

@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from meshtrain import validate
+from meshtrain.problem import Problem
+
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 _NO_DECAY = ("bias", "scale")  # variable names that never get weight decay
 
@@ -51,25 +54,20 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"optimizer={self.optimizer!r}: unknown optimizer; "
-                f"choose from {', '.join(OPTIMIZERS)}"
-            )
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr}: the learning rate must be > 0 (e.g. --lr 3e-3)")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps}: must be ≥ 0")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio={self.min_lr_ratio}: must lie in [0, 1]")
-        if self.weight_decay < 0 or self.clip_norm < 0 or self.eps < 0:
-            raise ValueError(
-                f"weight_decay={self.weight_decay}, clip_norm={self.clip_norm}, eps={self.eps}: "
-                "none may be negative"
-            )
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        v = validate
+        problems = v.one_of("optimizer", self.optimizer, OPTIMIZERS, example="lamb")
+        problems += v.above("lr", self.lr, 0, example="3e-3", note="the learning rate")
+        problems += v.non_negative("warmup_steps", self.warmup_steps, example=20)
+        problems += v.in_range("min_lr_ratio", self.min_lr_ratio, 0, 1, example=0.1)
+        for name in ("weight_decay", "clip_norm", "eps"):
+            problems += v.non_negative(name, getattr(self, name), integer=False)
         for name in ("b1", "b2", "momentum"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must lie in [0, 1)")
+            problems += v.in_range(name, getattr(self, name), 0, 1, closed="[)", example=0.9)
+        return problems
 
 
 def make_schedule(config: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -1,0 +1,406 @@
+"""The pairs of features that do not run together yet, as one table.
+
+Each `Refusal` names two features, why they do not compose, the setting to change and the
+fix. `pair_problems` reads the table, so the run check refuses a pair only through it, and
+adding a feature means adding its rows here, not a branch somewhere else::
+
+    Problem  mesh.seq=2: context parallelism with pipelines: ...; set seq=1 or pipe=1
+
+A run is read by attribute, as `meshtrain.RunSpec` spells them (``model``, ``data``, ``mesh``,
+``rules``, ``train``, ``pipeline``, ``sync``, ``checkpoint``); ``mesh`` may be a `Mesh` or a
+mapping of axis sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+
+from meshtrain.layout import rules_for
+from meshtrain.mesh import mesh_sizes
+from meshtrain.models import families
+from meshtrain.problem import Problem
+
+__all__ = ["REFUSALS", "Refusal", "pair_problems"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Two features that do not run together.
+
+    Args:
+        first: the feature whose setting is named (``"gradient compression"``).
+        second: the feature it does not run with (``"pipelines"``).
+        reason: why, in a few words.
+        applies: ``run → bool``: whether `run` has both features.
+        field: the setting the problem is filed under, as the CLI names it without dashes;
+            ``{model}`` stands for the model family (``gpt.attention_impl``).
+        fix: what to change, naming the flags (``{model}`` as in `field`).
+        value: ``run → value`` of `field`, shown in the line.
+        example: ``() → (with_pair, without_pair)``: two dicts of run attributes, the first
+            refused for this pair, the second the same run with one of the two features
+            removed (the table's test builds runs from them).
+    """
+
+    first: str
+    second: str
+    reason: str
+    applies: Callable[[object], bool]
+    field: str
+    fix: str
+    value: Callable[[object], object] = lambda run: None
+    example: Callable[[], tuple[dict, dict]] | None = None
+
+    def problem(self, run) -> Problem:
+        """The one-line `Problem` for `run` (which `applies`)."""
+        name = model_name(getattr(run, "model", None))
+        fix = self.fix.format(model=name)
+        message = f"{self.first} with {self.second}: {self.reason}; {fix}"
+        return Problem(self.field.format(model=name), self.value(run), message)
+
+
+def sizes(run) -> dict[str, int]:
+    """The run's mesh axis sizes (``run.sizes`` when it has them)."""
+    if hasattr(run, "sizes"):
+        return dict(run.sizes)
+    mesh = run.mesh
+    return dict(mesh) if isinstance(mesh, Mapping) else mesh_sizes(mesh)
+
+
+def model_name(model) -> str:
+    """The family name of a model config (``gpt`` for anything else)."""
+    return next((n for n, f in families().items() if isinstance(model, f.config)), "gpt")
+
+
+def _axis(run, name: str) -> int:
+    return sizes(run).get(name, 1)
+
+
+def _data(run):
+    """The run's data, as a `DataSpec` when the run offers one."""
+    return getattr(run, "data_spec", None) or run.data
+
+
+def _packed(run) -> bool:
+    data = _data(run)
+    if hasattr(data, "packed"):
+        return bool(data.packed)
+    return "segment_ids" in getattr(data, "batch_keys", ())
+
+
+def _kind(run) -> str:
+    return getattr(_data(run), "kind", "lm")
+
+
+def _pallas(field: str) -> Callable[[object], bool]:
+    """Whether the run's model picks a Pallas kernel for `field` (``auto`` does on a GPU)."""
+
+    def chosen(run) -> bool:
+        impl = getattr(run.model, field, "xla")
+        return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
+
+    return chosen
+
+
+def _sync(run):
+    return getattr(run, "sync", None)
+
+
+def _compresses(run) -> bool:
+    return _sync(run) is not None and _sync(run).compresses
+
+
+def _local(run) -> bool:
+    return _sync(run) is not None and _sync(run).local
+
+
+def _no_replicas(run) -> bool:
+    """The rules split the parameters over every batch axis (e.g. fsdp): no replicas."""
+    rules = getattr(run, "rules", None) or rules_for("auto", sizes(run))
+    return not rules.replica_axes(sizes(run))
+
+
+def _mesh_value(axis: str) -> Callable[[object], int]:
+    return lambda run: _axis(run, axis)
+
+
+def _grad_compression(run):
+    return _sync(run).grad_compression
+
+
+def _sync_every(run):
+    return _sync(run).sync_every
+
+
+def _examples():
+    """The settings each row's `example` builds from (imported late: configs sit above)."""
+    from meshtrain.layout import rules_for as rules
+    from meshtrain.models.base import DataSpec
+    from meshtrain.models.gpt_config import GPTConfig
+    from meshtrain.replicas import SyncConfig
+
+    lm = DataSpec("lm", 16, 32, 256)
+    return rules, DataSpec, GPTConfig, SyncConfig, lm
+
+
+def _run(mesh: Mapping[str, int], **kw) -> dict:
+    """Run attributes: a small GPT on byte windows, over `mesh`, unless `kw` says otherwise."""
+    rules, _, gpt, _, lm = _examples()
+    full = {"pipe": 1, "data": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 1, **mesh}
+    return {
+        "model": gpt(n_layers=4),
+        "data": lm,
+        "mesh": full,
+        "rules": rules("dp", full),
+        **kw,
+    }
+
+
+def _pair(with_mesh: Mapping[str, int], without_mesh: Mapping[str, int], **kw):
+    """An example: the same settings on a mesh that has the pair and one that has not."""
+    return lambda: (_run(with_mesh, **_build(kw)), _run(without_mesh, **_build(kw)))
+
+
+def _build(kw: dict) -> dict:
+    """Calls the zero-argument builders among `kw`'s values (configs are built late)."""
+    return {k: v() if callable(v) else v for k, v in kw.items()}
+
+
+def _sync_example(sync: dict, other: dict, mesh=None, rules=None):
+    """An example for a sync pair: `sync` (SyncConfig fields) refused, `other` accepted."""
+
+    def build():
+        rules_of, _, _, sync_config, _ = _examples()
+        base = mesh or {"data": 8}
+        made = {"rules": rules_of(rules, _run(base)["mesh"])} if rules else {}
+        return (
+            _run(base, sync=sync_config(**sync), **made),
+            _run(base, sync=sync_config(**other), **made),
+        )
+
+    return build
+
+
+def _moe():
+    from meshtrain.models.moe_config import MoEConfig
+
+    return MoEConfig()
+
+
+def _gpt(**kw):
+    return lambda: _examples()[2](**kw)
+
+
+def _lm(**kw):
+    return lambda: dataclasses.replace(_examples()[4], **kw)
+
+
+def _cnn_data():
+    return _examples()[1]("image", 16, None, 10, image_shape=(8, 8, 1))
+
+
+def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refusal, ...]:
+    """A sync feature with pipelines, context parallelism, MoE and a strategy without replicas."""
+    rows = []
+    for axis, second, mesh in (
+        ("pipe", "pipelines", {"pipe": 2, "data": 4}),
+        ("seq", "context parallelism", {"seq": 2, "data": 4}),
+        ("expert", "expert parallelism (MoE)", {"expert": 2, "data": 4}),
+    ):
+        rows.append(
+            Refusal(
+                first,
+                second,
+                f"{flags} does not run with {axis} > 1 yet",
+                lambda run, a=axis: on(run) and _axis(run, a) > 1,
+                field,
+                f"set {axis}=1 in --mesh, or drop {flags}",
+                value,
+                _sync_example(example, {}, mesh=mesh),
+            )
+        )
+    rows.append(
+        Refusal(
+            first,
+            "a strategy without replicas",
+            f"{flags} works across replicas (batch axes no parameter is split over), and these "
+            "rules split the parameters over every batch axis",
+            lambda run: on(run) and _no_replicas(run),
+            field,
+            "use --strategy dp, zero1 or hsdp (hsdp: replicas over data)",
+            value,
+            _sync_example(example, {}, mesh={"data": 8}, rules="fsdp"),
+        )
+    )
+    return tuple(rows)
+
+
+def _no_context_model():
+    """A GPT config that declares it cannot split sequences (``context_parallel = False``)."""
+    return type("NoContextGPT", (_examples()[2],), {"context_parallel": False})()
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "expert parallelism",
+        "a model without experts",
+        "only a mixture-of-experts model has experts to split over expert > 1",
+        lambda run: (
+            _axis(run, "expert") > 1 and "expert" not in getattr(run.model, "supported_axes", ())
+        ),
+        "mesh.expert",
+        "set expert=1 in --mesh, or use --model moe",
+        _mesh_value("expert"),
+        lambda: (
+            _run({"expert": 2, "data": 4}),
+            _run({"expert": 2, "data": 4}, model=_moe()),
+        ),
+    ),
+    Refusal(
+        "context parallelism",
+        "a model that cannot split its sequences",
+        "the model declares context_parallel = False",
+        lambda run: _axis(run, "seq") > 1 and getattr(run.model, "context_parallel", True) is False,
+        "mesh.seq",
+        "set seq=1 in --mesh",
+        _mesh_value("seq"),
+        lambda: (
+            _run({"seq": 2, "data": 4}, model=_no_context_model()),
+            _run({"data": 8}, model=_no_context_model()),
+        ),
+    ),
+    Refusal(
+        "context parallelism",
+        "pipelines",
+        "the ring and the pipeline stages do not compose yet",
+        lambda run: _axis(run, "seq") > 1 and _axis(run, "pipe") > 1,
+        "mesh.seq",
+        "set seq=1 or pipe=1 in --mesh",
+        _mesh_value("seq"),
+        _pair({"seq": 2, "pipe": 2, "data": 2}, {"seq": 2, "data": 4}),
+    ),
+    Refusal(
+        "context parallelism",
+        "data without sequences",
+        "only token sequences (lm data) can be split over seq",
+        lambda run: _axis(run, "seq") > 1 and _kind(run) != "lm",
+        "mesh.seq",
+        "set seq=1 in --mesh",
+        _mesh_value("seq"),
+        lambda: (
+            _run({"seq": 2, "data": 4}, model=None, data=_cnn_data()),
+            _run({"data": 8}, model=None, data=_cnn_data()),
+        ),
+    ),
+    Refusal(
+        "packed batches",
+        "pipelines",
+        "segment ids and positions are not passed through pipeline stages yet",
+        lambda run: _packed(run) and _axis(run, "pipe") > 1,
+        "data.packing",
+        "set pipe=1, or train on plain windows (--data.no-packing)",
+        lambda run: True,
+        _pair({"pipe": 2, "data": 4}, {"data": 8}, data=_lm(packed=True)),
+    ),
+    Refusal(
+        "packed batches",
+        "context parallelism",
+        "document masks are not split over seq yet",
+        lambda run: _packed(run) and _axis(run, "seq") > 1,
+        "data.packing",
+        "set seq=1, or train on plain windows (--data.no-packing)",
+        lambda run: True,
+        _pair({"seq": 2, "data": 4}, {"data": 8}, data=_lm(packed=True)),
+    ),
+    Refusal(
+        "cuDNN attention",
+        "packed batches",
+        "the cuDNN path takes no document masks",
+        lambda run: _packed(run) and getattr(run.model, "attention_impl", None) == "cudnn",
+        "{model}.attention_impl",
+        "use pallas, auto or xla, or train on plain windows (--data.no-packing)",
+        lambda run: "cudnn",
+        lambda: (
+            _run(
+                {"data": 8},
+                model=_gpt(attention_impl="cudnn", d_model=256)(),
+                data=_lm(packed=True)(),
+            ),
+            _run({"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)()),
+        ),
+    ),
+    *(
+        Refusal(
+            f"Pallas {what}",
+            "pipelines",
+            "a kernel's hand-written backward loses a stage's varying-axes type (jax refuses it)",
+            lambda run, f=field: _axis(run, "pipe") > 1 and _pallas(f)(run),
+            "{model}." + field,
+            "set --{model}." + field.replace("_", "-") + " xla, or pipe=1",
+            lambda run, f=field: getattr(run.model, f),
+            _pair(
+                {"pipe": 2, "data": 4}, {"data": 8}, model=_gpt(d_model=256, **{field: "pallas"})
+            ),
+        )
+        for what, field in (("attention", "attention_impl"), ("norms", "norm_impl"))
+    ),
+    Refusal(
+        "local SGD",
+        "gradient compression",
+        "local SGD exchanges parameters, not gradients",
+        lambda run: _local(run) and _compresses(run),
+        "grad_compression",
+        "drop one of --grad-compression and --sync-every",
+        _grad_compression,
+        _sync_example({"sync_every": 4, "grad_compression": "int8"}, {"sync_every": 4}),
+    ),
+    Refusal(
+        "bounded staleness",
+        "local SGD",
+        "staleness models a parameter server with synchronous replicas",
+        lambda run: _local(run) and bool(_sync(run).staleness),
+        "staleness",
+        "drop one of --staleness and --sync-every",
+        lambda run: _sync(run).staleness,
+        _sync_example({"sync_every": 4, "staleness": 2}, {"staleness": 2}),
+    ),
+    Refusal(
+        "an outer optimizer",
+        "synchronous training",
+        "the outer optimizer runs at local SGD's synchronisations",
+        lambda run: (
+            _sync(run) is not None and not _local(run) and _sync(run).outer_optimizer != "average"
+        ),
+        "outer_optimizer",
+        "add --sync-every H, or drop --outer-optimizer",
+        lambda run: _sync(run).outer_optimizer,
+        _sync_example(
+            {"outer_optimizer": "nesterov"}, {"outer_optimizer": "nesterov", "sync_every": 4}
+        ),
+    ),
+    *_sync_axis_rows(
+        "gradient compression",
+        "grad_compression",
+        _grad_compression,
+        "--grad-compression",
+        _compresses,
+        {"grad_compression": "int8"},
+    ),
+    *_sync_axis_rows(
+        "local SGD", "sync_every", _sync_every, "--sync-every", _local, {"sync_every": 4}
+    ),
+)
+
+
+def pair_problems(run) -> list[Problem]:
+    """Every pair of features in `run` that `REFUSALS` refuses, one `Problem` each.
+
+    Args:
+        run: a `meshtrain.RunSpec`, or any object with its attributes.
+
+    Returns:
+        The problems, in the table's order; an empty list when no refused pair is present.
+    """
+    return [refusal.problem(run) for refusal in REFUSALS if refusal.applies(run)]

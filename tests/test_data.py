@@ -260,8 +260,8 @@ def test_process_slices_form_the_global_batch(monkeypatch, count):
     ("kwargs", "match"),
     [
         (dict(source="bogus"), "source='bogus'.*stdlib, synthetic, text, arrays"),
-        (dict(source="text"), "source='text' needs path"),
-        (dict(source="arrays"), "source='arrays' needs path"),
+        (dict(source="text"), "source='text': needs --data.path"),
+        (dict(source="arrays"), "source='arrays': needs --data.path"),
         (dict(batch_size=0), "batch_size=0: must be a positive integer"),
         (dict(batch_size=True), "batch_size=True"),
         (dict(seq_len=0), "seq_len=0: must be a positive integer"),

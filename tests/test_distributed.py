@@ -401,11 +401,11 @@ def test_distributed_config_reads_environment_and_validates(monkeypatch):
     monkeypatch.setenv("MESHTRAIN_HEARTBEAT_TIMEOUT", "7")
     cfg = DistributedConfig.from_env(DistributedConfig(num_processes=2))
     assert (cfg.num_processes, cfg.heartbeat_timeout_s) == (2, 7)  # explicit beats environment
-    with pytest.raises(ValueError, match="dist process_id=2 with num_processes=2"):
+    with pytest.raises(ValueError, match="dist.process_id=2: with num_processes=2"):
         DistributedConfig(num_processes=2, process_id=2)
-    with pytest.raises(ValueError, match=r"dist coordinator='nohost': expected host:port"):
+    with pytest.raises(ValueError, match=r"dist.coordinator='nohost': expected host:port"):
         DistributedConfig(coordinator="nohost")
-    with pytest.raises(ValueError, match="dist heartbeat_timeout_s=0"):
+    with pytest.raises(ValueError, match="dist.heartbeat_timeout_s=0: must be a positive integer"):
         DistributedConfig(heartbeat_timeout_s=0)
     monkeypatch.setenv("MESHTRAIN_PROCESS_ID", "one")
     with pytest.raises(ValueError, match="MESHTRAIN_PROCESS_ID='one': must be an integer"):

@@ -322,7 +322,7 @@ def test_unknown_logical_axis_names_the_parameter_before_compiling():
 
 def test_unknown_mesh_axis_in_user_rules():
     with pytest.raises(
-        ValueError, match=r"rules.params\['embed'\] = 'model': unknown mesh axis 'model'"
+        ValueError, match=r"rules.params\['embed'\]='model': unknown mesh axis 'model'"
     ):
         S.Rules(params={"embed": "model"}, activations={})
     with pytest.raises(ValueError, match=r"rules.optimizer\['mlp'\].*unknown mesh axis 'dp'"):
@@ -374,13 +374,13 @@ def test_user_rules_map_mlp_to_fsdp():
 @pytest.mark.parametrize(
     "strategy, mesh_str, match",
     [
-        ("fsdp2", None, r"strategy 'fsdp2': unknown strategy 'fsdp2'; choose from dp, fsdp"),
+        ("fsdp2", None, r"strategy='fsdp2': unknown strategy 'fsdp2'; choose from dp, fsdp"),
         ("dp+fsdp", None, r"dp and fsdp both decide how parameters use the data axes"),
         ("zero1+hsdp+tp", None, r"zero1 and hsdp both decide"),
         ("", None, r"unknown strategy"),
-        ("tp", "data=8", r"'tp' uses tensor parallelism but the mesh has tensor=1"),
-        ("fsdp+tp", "fsdp=8", r"'fsdp\+tp' uses tensor parallelism but the mesh has tensor=1"),
-        ("hsdp", "data=8", r"'hsdp' shards parameters over the fsdp axis but the mesh has fsdp=1"),
+        ("tp", "data=8", r"strategy='tp': uses tensor parallelism but the mesh has tensor=1"),
+        ("fsdp+tp", "fsdp=8", r"strategy='fsdp\+tp': uses tensor parallelism but the mesh has tensor=1"),
+        ("hsdp", "data=8", r"strategy='hsdp': shards parameters over the fsdp axis but the mesh has fsdp=1"),
     ],
 )
 def test_bad_strategies(strategy, mesh_str, match):
@@ -518,5 +518,5 @@ def test_auto_strategy_picks_from_the_mesh(sizes, want):
 
 
 def test_auto_strategy_needs_a_mesh():
-    with pytest.raises(ValueError, match="'auto' picks from the mesh"):
+    with pytest.raises(ValueError, match="strategy='auto': picks from the mesh"):
         S.rules_for("auto")

@@ -158,9 +158,9 @@ def test_gqa_equals_mha_with_shared_key_value_heads(kv):
 
 
 def test_bad_head_counts_are_rejected():
-    with pytest.raises(ValueError, match=r"n_kv_heads=3 does not divide n_heads=4"):
+    with pytest.raises(ValueError, match=r"n_kv_heads=3: does not divide n_heads=4"):
         gpt_config("llama", 3)
-    with pytest.raises(ValueError, match=r"d_model=60 is not divisible by n_heads=8"):
+    with pytest.raises(ValueError, match=r"d_model=60: not divisible by n_heads = 8"):
         gpt_config("gpt2", d_model=60, n_heads=8)
 
 
@@ -254,8 +254,8 @@ def test_remat_policy_gives_the_same_loss_and_grads(remat):
 def test_unknown_remat_policy_is_rejected():
     with pytest.raises(
         ValueError,
-        match=r"remat='everything': unknown remat policy; choose from none, full, save-dots, "
-        r"save-attention-out",
+        match=r"remat='everything': choose from none, full, save-dots, save-attention-out "
+        r"\(unknown remat policy\)",
     ):
         gpt_config(remat="everything")
 
@@ -447,10 +447,10 @@ def test_build_model_rejects_an_unknown_config():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(style="bert"), r"gpt style='bert': choose 'gpt2' or 'llama'"),
-        (dict(dtype="float16"), r"gpt dtype='float16': choose from float32, bfloat16"),
-        (dict(n_layers=0), r"gpt n_layers=0: must be a positive integer"),
-        (dict(d_ff=-1), r"gpt d_ff=-1: must be ≥ 0"),
+        (dict(style="bert"), r"gpt.style='bert': choose from gpt2, llama"),
+        (dict(dtype="float16"), r"gpt.dtype='float16': choose from float32, bfloat16"),
+        (dict(n_layers=0), r"gpt.n_layers=0: must be a positive integer"),
+        (dict(d_ff=-1), r"gpt.d_ff=-1: must be an integer ≥ 0"),
     ],
 )
 def test_bad_gpt_config_is_rejected(kw, match):
@@ -565,14 +565,14 @@ def test_sliding_window_limits_how_far_a_token_reaches(style):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(rope_factor=4.0), r"rope_factor=4.0 has no effect with rope_scaling='none'"),
-        (dict(rope_scaling="yarn"), r"rope_scaling='yarn': choose 'none' or 'llama3'"),
-        (dict(style="gpt2", rope_scaling="llama3"), r"'llama3' needs style='llama'"),
+        (dict(rope_factor=4.0), r"rope_factor=4.0: has no effect with rope_scaling='none'"),
+        (dict(rope_scaling="yarn"), r"rope_scaling='yarn': choose from none, llama3"),
+        (dict(style="gpt2", rope_scaling="llama3"), r"rope_scaling='llama3': needs style='llama'"),
         (
             dict(rope_scaling="llama3", rope_low_freq_factor=4.0),
-            r"rope_low_freq_factor=4.0 and rope_high_freq_factor=4.0 must satisfy 0 < low",
+            r"rope_low_freq_factor=4.0: and rope_high_freq_factor=4.0 must satisfy 0 < low",
         ),
-        (dict(rope_scaling="llama3", rope_factor=0.5), r"rope_factor=0.5 must be ≥ 1"),
+        (dict(rope_scaling="llama3", rope_factor=0.5), r"rope_factor=0.5: must be a number ≥ 1"),
         (dict(style="gpt2", qkv_bias=True), r"qkv_bias=True: style 'gpt2' already biases"),
         (dict(sliding_window=-1), r"sliding_window=-1: must be an integer ≥ 0"),
     ],

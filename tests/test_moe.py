@@ -250,10 +250,10 @@ def test_checkpoint_restores_from_expert_4_onto_expert_2_data_2_bit_equal(tmp_pa
     ("changes", "message"),
     [
         ({"top_k": 9}, "top_k=9: more than n_experts=8"),
-        ({"capacity_factor": 0.0}, "capacity_factor=0.0: must be > 0"),
-        ({"capacity_factor": -1.0}, "capacity_factor=-1.0: must be > 0"),
+        ({"capacity_factor": 0.0}, "moe.capacity_factor=0.0: must be a number > 0"),
+        ({"capacity_factor": -1.0}, "moe.capacity_factor=-1.0: must be a number > 0"),
         ({"dispatch": "ragged"}, "dispatch='ragged'"),
-        ({"moe_every": 3}, "moe_every=3 does not divide n_layers=2"),
+        ({"moe_every": 3}, "moe.moe_every=3: does not divide n_layers=2"),
     ],
 )
 def test_bad_moe_configs_are_one_clear_error(changes, message):

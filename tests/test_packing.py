@@ -309,8 +309,8 @@ def test_models_that_cannot_take_packed_batches_are_refused_before_compiling():
         map(str, check_run(model=GPTS["llama"], data=data, mesh=sizes,
                            rules=S.rules_for("tp", sizes)))
     )  # fmt: skip
-    assert "data.packing=True: packed batches do not run pipelined yet (pipe=2)" in text
-    assert "packed batches do not run under context parallelism yet (seq=2)" in text
+    assert "data.packing=True: packed batches with pipelines: " in text
+    assert "data.packing=True: packed batches with context parallelism: " in text
     sizes = dict(pipe=1, data=8, fsdp=1, expert=1, seq=1, tensor=1)
     rules = S.rules_for("dp", sizes)
     assert check_run(model=GPTS["llama"], data=data, mesh=sizes, rules=rules) == []
@@ -319,7 +319,9 @@ def test_models_that_cannot_take_packed_batches_are_refused_before_compiling():
     assert [p.field for p in problems] == ["data.packing"]
     assert "model Plain's __call__ does not take the segment_ids=" in problems[0].message
     cudnn = dataclasses.replace(GPTS["llama"], d_model=128, attention_impl="cudnn")
-    assert [p.field for p in cudnn.check(data)] == ["gpt.attention_impl"]
+    refused = check_run(model=cudnn, data=data, mesh=sizes, rules=rules)
+    assert [p.field for p in refused] == ["gpt.attention_impl"]
+    assert "cuDNN attention with packed batches: " in refused[0].message
 
 
 def packed_batch(rng, rows: int, vocab: int) -> dict:

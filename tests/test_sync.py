@@ -176,8 +176,8 @@ def test_comm_state_survives_a_checkpoint_and_other_settings_are_refused(tmp_pat
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"sync_every": 0}, "sync_every=0: local SGD synchronises every H ≥ 1"),
-        ({"staleness": -1}, "staleness=-1: must be a whole number"),
+        ({"sync_every": 0}, "sync_every=0: must be a positive integer"),
+        ({"staleness": -1}, "staleness=-1: must be an integer ≥ 0"),
         ({"grad_compression": "topk:0"}, "(0, 1], e.g. --grad-compression topk:0.01"),
         ({"grad_compression": "topk:x"}, "top-k fraction must be a number"),
         ({"grad_compression": "int4"}, "choose from none, bf16, int8, topk:FRACTION, sign"),
@@ -196,7 +196,7 @@ def test_bad_settings_are_one_line(kwargs, message):
     ("mesh", "strategy", "sync", "field", "words"),
     [
         ({"fsdp": 8}, "fsdp", SyncConfig(grad_compression="int8"), "grad_compression", "dp, zero1"),
-        ({"fsdp": 8}, "fsdp", SyncConfig(sync_every=4), "sync_every", "have none"),
+        ({"fsdp": 8}, "fsdp", SyncConfig(sync_every=4), "sync_every", "every batch axis"),
         ({"pipe": 2, "data": 4}, "dp", SyncConfig(grad_compression="sign"), "grad_compression",
          "pipelines"),
         ({"data": 8}, "dp", SyncConfig(sync_every=4, grad_compression="bf16"),

@@ -398,13 +398,13 @@ def test_bf16_trains_like_fp32():
 
 @pytest.mark.parametrize("lr", [0, 0.0, -1e-3])
 def test_non_positive_lr_is_rejected(lr):
-    with pytest.raises(ValueError, match=rf"lr={lr}: the learning rate must be > 0"):
+    with pytest.raises(ValueError, match=rf"lr={lr}: must be a number > 0 \(the learning rate\)"):
         OptimConfig(lr=lr)
 
 
 def test_unknown_optimizer_is_rejected():
     with pytest.raises(
-        ValueError, match=r"optimizer='adam': unknown optimizer; choose from adamw, lamb"
+        ValueError, match=r"optimizer='adam': choose from adamw, lamb"
     ):
         OptimConfig(optimizer="adam")
 

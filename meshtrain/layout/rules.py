@@ -118,8 +118,11 @@ class Rules:
             for logical, entry in (getattr(self, table_name) or {}).items()
             for option in alternatives(entry)
             for axis in axes_of(option)
-            for problem in validate.one_of(
-                f"rules.{table_name}[{logical!r}]", axis, AXES, note=f"in entry {entry!r}"
+            for problem in validate.require(
+                axis in AXES,
+                f"rules.{table_name}[{logical!r}]",
+                entry,
+                f"unknown mesh axis {axis!r}; mesh axes are {', '.join(AXES)}",
             )
         ]
 

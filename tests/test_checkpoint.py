@@ -310,7 +310,8 @@ def test_nothing_readable_is_one_clear_error(layouts, two_steps, tmp_path):
 
 def test_config_values_are_checked():
     for field, value in (("save_every", -1), ("keep_last", 0), ("keep_every", 1.5)):
-        with pytest.raises(ValueError, match=f"^{field}={value!r}: must be (an integer ≥|a positive integer)"):
+        wording = "must be (an integer ≥|a positive integer)"
+        with pytest.raises(ValueError, match=f"^{field}={value!r}: {wording}"):
             CheckpointConfig(**{field: value})
 
 

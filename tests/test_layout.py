@@ -379,8 +379,18 @@ def test_user_rules_map_mlp_to_fsdp():
         ("zero1+hsdp+tp", None, r"zero1 and hsdp both decide"),
         ("", None, r"unknown strategy"),
         ("tp", "data=8", r"strategy='tp': uses tensor parallelism but the mesh has tensor=1"),
-        ("fsdp+tp", "fsdp=8", r"strategy='fsdp\+tp': uses tensor parallelism but the mesh has tensor=1"),
-        ("hsdp", "data=8", r"strategy='hsdp': shards parameters over the fsdp axis but the mesh has fsdp=1"),
+        (
+            "fsdp+tp",
+            "fsdp=8",
+            r"strategy='fsdp\+tp': uses tensor parallelism but the mesh has "
+            r"tensor=1",
+        ),
+        (
+            "hsdp",
+            "data=8",
+            r"strategy='hsdp': shards parameters over the fsdp axis but the mesh "
+            r"has fsdp=1",
+        ),
     ],
 )
 def test_bad_strategies(strategy, mesh_str, match):

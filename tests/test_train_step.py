@@ -403,9 +403,7 @@ def test_non_positive_lr_is_rejected(lr):
 
 
 def test_unknown_optimizer_is_rejected():
-    with pytest.raises(
-        ValueError, match=r"optimizer='adam': choose from adamw, lamb"
-    ):
+    with pytest.raises(ValueError, match=r"optimizer='adam': choose from adamw, lamb"):
         OptimConfig(optimizer="adam")
 
 

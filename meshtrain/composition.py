@@ -194,7 +194,7 @@ def _gpt(**kw):
 
 
 def _lm(**kw):
-    return lambda: dataclasses.replace(_examples()[4], **kw)
+    return lambda: _examples()[4]._replace(**kw)
 
 
 def _cnn_data():

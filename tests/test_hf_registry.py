@@ -13,7 +13,7 @@ import pytest
 from _hf_helpers import random_params
 
 import meshtrain.hf
-from meshtrain import hf
+from meshtrain import hf, validate
 from meshtrain.hf import llama, registry
 from meshtrain.models import GPTConfig
 
@@ -74,7 +74,9 @@ TINY = hf.Adapter(
     layout=llama.LAYOUT,
     config_from_hf=_tiny_from_hf,
     config_to_hf=_tiny_to_hf,
-    export_problem=lambda cfg: "qkv_bias=True: Tiny has no biases" if cfg.qkv_bias else None,
+    export_problems=lambda cfg: validate.require(
+        not cfg.qkv_bias, "gpt.qkv_bias", cfg.qkv_bias, "Tiny has no biases"
+    ),
 )
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.problem import Problem
 
 Shape = tuple[int, ...]
 # A tensor by its name inside the scope being converted (one layer, or the top level).
@@ -77,8 +78,8 @@ class Adapter:
         config_to_hf: `GPTConfig` → this architecture's own ``config.json`` fields. The generic
             code adds ``architectures``, ``model_type``, ``vocab_size``, ``tie_word_embeddings``,
             ``dtype`` and the token ids.
-        export_problem: `GPTConfig` (of the layout's style) → None if this architecture holds
-            the config, else why not, in a few words that name the field.
+        export_problems: `GPTConfig` (of the layout's style) → why this architecture cannot
+            hold the config, as `Problem` lines naming the field; empty when it can.
     """
 
     model_type: str
@@ -86,7 +87,7 @@ class Adapter:
     layout: Layout
     config_from_hf: Callable[[Mapping], GPTConfig]
     config_to_hf: Callable[[GPTConfig], dict]
-    export_problem: Callable[[GPTConfig], str | None]
+    export_problems: Callable[[GPTConfig], list[Problem]]
 
     @property
     def name(self) -> str:

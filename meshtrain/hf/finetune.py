@@ -139,11 +139,11 @@ def resolve(job, argv=()):
             data = dataclasses.replace(data, tokenizer=str(tokenizer.absolute()))
         job = dataclasses.replace(job, data=data, **{job.model: cfg})
     if job.export_hf:
-        export_problem(job.export_hf, job.model_config())
+        check_export(job.export_hf, job.model_config())
     return job
 
 
-def export_problem(directory: str | Path, config: GPTConfig) -> None:
+def check_export(directory: str | Path, config: GPTConfig) -> None:
     """Raises a one-line ValueError when `config` cannot be exported to `directory` (it already
     holds a model, or no Hugging Face architecture holds the config); checked before training."""
     path = Path(directory)

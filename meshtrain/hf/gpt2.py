@@ -21,8 +21,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from meshtrain import validate
 from meshtrain.hf.adapter import Adapter, Getter, Layout, expect, need
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.problem import Problem
 
 
 def config_from_hf(hf: Mapping) -> GPTConfig:
@@ -63,16 +65,20 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     )
 
 
-def export_problem(cfg: GPTConfig) -> str | None:
-    """Why GPT-2 cannot hold `cfg`, or None."""
-    if cfg.kv_heads != cfg.n_heads:
-        return (
-            f"n_kv_heads={cfg.n_kv_heads}: GPT-2 has no grouped-query attention; use "
-            "style='llama' or n_kv_heads=0"
-        )
-    if cfg.sliding_window:
-        return f"sliding_window={cfg.sliding_window}: GPT-2 has no sliding-window attention"
-    return None
+def export_problems(cfg: GPTConfig) -> list[Problem]:
+    """Why GPT-2 cannot hold `cfg`; empty when it can."""
+    problems = validate.require(
+        cfg.kv_heads == cfg.n_heads,
+        "gpt.n_kv_heads",
+        cfg.n_kv_heads,
+        "GPT-2 has no grouped-query attention; use style='llama' or n_kv_heads=0",
+    )
+    return problems + validate.require(
+        not cfg.sliding_window,
+        "gpt.sliding_window",
+        cfg.sliding_window,
+        "GPT-2 has no sliding-window attention",
+    )
 
 
 # --- tensors ---------------------------------------------------------------------------------
@@ -189,5 +195,5 @@ ADAPTER = Adapter(
     layout=LAYOUT,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
-    export_problem=export_problem,
+    export_problems=export_problems,
 )

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshtrain import validate
 from meshtrain.hf.adapter import Adapter, Getter, Layout, expect, need, refuse
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.problem import Problem
 
 # --- config.json -----------------------------------------------------------------------------
 
@@ -135,13 +137,20 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     return fields_to_hf(cfg) | dict(attention_bias=False, mlp_bias=False)
 
 
-def export_problem(cfg: GPTConfig) -> str | None:
-    """Why Llama cannot hold `cfg`, or None."""
-    if cfg.qkv_bias:
-        return "qkv_bias=True: Llama's attention_bias also biases o_proj (Qwen2 holds q/k/v biases)"
-    if cfg.sliding_window:
-        return f"sliding_window={cfg.sliding_window}: Llama has no sliding-window attention"
-    return None
+def export_problems(cfg: GPTConfig) -> list[Problem]:
+    """Why Llama cannot hold `cfg`; empty when it can."""
+    problems = validate.require(
+        not cfg.qkv_bias,
+        "gpt.qkv_bias",
+        cfg.qkv_bias,
+        "Llama's attention_bias also biases o_proj (Qwen2 holds q/k/v biases)",
+    )
+    return problems + validate.require(
+        not cfg.sliding_window,
+        "gpt.sliding_window",
+        cfg.sliding_window,
+        "Llama has no sliding-window attention",
+    )
 
 
 # --- tensors ---------------------------------------------------------------------------------
@@ -236,5 +245,5 @@ ADAPTER = Adapter(
     layout=LAYOUT,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
-    export_problem=export_problem,
+    export_problems=export_problems,
 )

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshtrain import validate
 from meshtrain.hf import llama
 from meshtrain.hf.adapter import Adapter, refuse
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.problem import Problem
 
 DEFAULT_WINDOW = 4096  # MistralConfig's default, used when config.json has no sliding_window
 
@@ -30,11 +32,14 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     return llama.fields_to_hf(cfg) | dict(sliding_window=cfg.sliding_window or None)
 
 
-def export_problem(cfg: GPTConfig) -> str | None:
-    """Why Mistral cannot hold `cfg`, or None."""
-    if cfg.qkv_bias:
-        return "qkv_bias=True: Mistral's projections have no biases (Qwen2's have)"
-    return None
+def export_problems(cfg: GPTConfig) -> list[Problem]:
+    """Why Mistral cannot hold `cfg`; empty when it can."""
+    return validate.require(
+        not cfg.qkv_bias,
+        "gpt.qkv_bias",
+        cfg.qkv_bias,
+        "Mistral's projections have no biases (Qwen2's have)",
+    )
 
 
 ADAPTER = Adapter(
@@ -43,5 +48,5 @@ ADAPTER = Adapter(
     layout=llama.LAYOUT,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
-    export_problem=export_problem,
+    export_problems=export_problems,
 )

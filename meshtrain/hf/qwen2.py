@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from meshtrain import validate
 from meshtrain.hf import llama
 from meshtrain.hf.adapter import Adapter, need, refuse
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.problem import Problem
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 DEFAULT_WINDOW, DEFAULT_WINDOW_LAYERS = 4096, 28  # Qwen2Config's defaults
@@ -71,11 +73,11 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     )
 
 
-def export_problem(cfg: GPTConfig) -> str | None:
-    """Why Qwen2 cannot hold `cfg`, or None."""
-    if not cfg.qkv_bias:
-        return "qkv_bias=False: Qwen2's q/k/v projections always have biases"
-    return None
+def export_problems(cfg: GPTConfig) -> list[Problem]:
+    """Why Qwen2 cannot hold `cfg`; empty when it can."""
+    return validate.require(
+        cfg.qkv_bias, "gpt.qkv_bias", cfg.qkv_bias, "Qwen2's q/k/v projections always have biases"
+    )
 
 
 ADAPTER = Adapter(
@@ -84,5 +86,5 @@ ADAPTER = Adapter(
     layout=llama.LAYOUT,
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
-    export_problem=export_problem,
+    export_problems=export_problems,
 )

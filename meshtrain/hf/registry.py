@@ -73,13 +73,13 @@ def adapter_for(cfg: GPTConfig, architecture: str | None = None) -> Adapter:
     reasons = []
     for adapter in candidates:
         if adapter.layout.style != cfg.style:
-            problem = f"holds style={adapter.layout.style!r} models, not {cfg.style!r}"
+            problems = [f"holds style={adapter.layout.style!r} models, not {cfg.style!r}"]
         else:
-            problem = adapter.export_problem(cfg)
-        if problem is None:
+            problems = [str(p).removeprefix("gpt.") for p in adapter.export_problems(cfg)]
+        if not problems:
             return adapter
         if architecture is not None or adapter.layout.style == cfg.style:
-            reasons.append(f"{adapter.name}: {problem}")
+            reasons.append(f"{adapter.name}: {problems[0]}")
     raise ValueError(
         f"no Hugging Face architecture holds this {cfg.style} config: {'; '.join(reasons)}"
     )

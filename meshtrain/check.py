@@ -150,10 +150,10 @@ def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
     if abstract is None:
         return []
     _, state = abstract
-    messages = state_problems(state, rules.params, sizes)
+    problems = state_problems(state, rules.params, sizes, strategy=rules.name)
     if rules.optimizer is not None:
-        messages += state_problems(state, rules.optimizer, sizes)
-    return [Problem("strategy", rules.name, m) for m in dict.fromkeys(messages)]
+        problems += state_problems(state, rules.optimizer, sizes, strategy=rules.name)
+    return list(dict.fromkeys(problems))  # the optimizer's table often repeats the parameters'
 
 
 def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) -> list[Problem]:

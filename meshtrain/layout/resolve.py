@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain._tree import path_str
 from meshtrain.layout.rules import Entry, alternatives, axes_of
 from meshtrain.mesh import mesh_sizes
+from meshtrain.problem import Problem
 
 Names = Sequence[str | None]
 
@@ -129,8 +130,11 @@ def state_specs(abstract_state: nnx.State, table: Mapping[str, Entry], mesh, *, 
     return specs
 
 
-def state_problems(abstract_state: nnx.State, table: Mapping[str, Entry], sizes) -> list[str]:
-    """Every variable that cannot be laid out under `table` on a mesh of `sizes` (no raise)."""
+def state_problems(
+    abstract_state: nnx.State, table: Mapping[str, Entry], sizes, *, strategy: str = "custom"
+) -> list[Problem]:
+    """Every variable that cannot be laid out under `table` on a mesh of `sizes` (no raise),
+    each a `Problem` filed under ``strategy`` (the rules' name)."""
     problems = []
     for path, var in nnx.to_flat_state(abstract_state):
         names = var.get_metadata().get("out_sharding")
@@ -140,7 +144,7 @@ def state_problems(abstract_state: nnx.State, table: Mapping[str, Entry], sizes)
         try:
             resolve(tuple(names), table, sizes, shape=shape, where=f"parameter {path_str(path)!r}")
         except ValueError as e:
-            problems.append(str(e))
+            problems.append(Problem("strategy", strategy, str(e)))
     return problems
 
 

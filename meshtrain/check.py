@@ -15,11 +15,10 @@ from jax.sharding import Mesh
 
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.checkpoint.dirs import directory_problems
-from meshtrain.composition import pair_problems
+from meshtrain.composition import model_name, pair_problems
 from meshtrain.context_parallel import context_problems
 from meshtrain.layout import Rules, state_problems
 from meshtrain.mesh import mesh_sizes
-from meshtrain.models import families
 from meshtrain.models.base import DataSpec, pipeline_parts, takes_packed
 from meshtrain.pipeline import PipelineConfig, pipeline_problems
 from meshtrain.problem import Problem
@@ -118,7 +117,7 @@ def _tokenizer_problems(model, data) -> list[Problem]:
     tok, vocab = getattr(data, "tokenizer", None), getattr(model, "vocab_size", None)
     if tok is None or tok.name == "bytes" or not isinstance(vocab, int) or tok.vocab_size <= vocab:
         return []  # bytes: the model's own line says it
-    name = next((n for n, f in families().items() if isinstance(model, f.config)), "gpt")
+    name = model_name(model)
     return [
         Problem(
             "data.tokenizer",

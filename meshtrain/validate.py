@@ -56,13 +56,17 @@ def _fix(field: str, flag: str | None, example) -> str:
     return f"; e.g. {flag} {example}"
 
 
-def _one(field: str, value, message: str, flag: str | None, example, note: str | None) -> list:
+def _one(
+    field: str, value, message: str, flag: str | None, example, note: str | None
+) -> list[Problem]:
     """One `Problem` with the shared ending: the note, then an example."""
     tail = f" ({note})" if note else ""
     return [Problem(field, value, message + tail + _fix(field, flag, example))]
 
 
-def positive(field: str, value, *, flag: str | None = None, example=None, note=None) -> list:
+def positive(
+    field: str, value, *, flag: str | None = None, example=None, note=None
+) -> list[Problem]:
     """Integers ≥ 1.
 
     Args:
@@ -80,12 +84,16 @@ def positive(field: str, value, *, flag: str | None = None, example=None, note=N
     return _one(field, value, "must be a positive integer", flag, example, note)
 
 
-def non_negative(field: str, value, *, integer: bool = True, flag=None, example=None, note=None):
+def non_negative(
+    field: str, value, *, integer: bool = True, flag=None, example=None, note=None
+) -> list[Problem]:
     """Integers ≥ 0 (numbers ≥ 0 with ``integer=False``); same arguments as `positive`."""
     return at_least(field, value, 0, integer=integer, flag=flag, example=example, note=note)
 
 
-def at_least(field: str, value, low, *, integer=True, flag=None, example=None, note=None) -> list:
+def at_least(
+    field: str, value, low, *, integer=True, flag=None, example=None, note=None
+) -> list[Problem]:
     """Integers ≥ `low` (numbers ≥ `low` with ``integer=False``); arguments as `positive`."""
     kind = "an integer" if integer else "a number"
     ok = is_int(value) if integer else is_number(value)
@@ -94,7 +102,7 @@ def at_least(field: str, value, low, *, integer=True, flag=None, example=None, n
     return _one(field, value, f"must be {kind} ≥ {low}", flag, example, note)
 
 
-def above(field: str, value, low, *, flag=None, example=None, note=None) -> list:
+def above(field: str, value, low, *, flag=None, example=None, note=None) -> list[Problem]:
     """Numbers > `low`; arguments as `positive`."""
     if is_number(value) and value > low:
         return []
@@ -112,7 +120,7 @@ def in_range(
     flag=None,
     example=None,
     note=None,
-) -> list:
+) -> list[Problem]:
     """Numbers in an interval, ``[low, high]`` by default.
 
     Args:
@@ -135,7 +143,9 @@ def in_range(
     return _one(field, value, f"must be {kind} in {interval}", flag, example, note)
 
 
-def one_of(field: str, value, choices: Iterable, *, flag=None, example=None, note=None) -> list:
+def one_of(
+    field: str, value, choices: Iterable, *, flag=None, example=None, note=None
+) -> list[Problem]:
     """A value among `choices`; arguments as `positive` (the example defaults to the first)."""
     choices = tuple(choices)
     if value in choices:
@@ -145,7 +155,9 @@ def one_of(field: str, value, choices: Iterable, *, flag=None, example=None, not
     return _one(field, value, message, flag, example, note)
 
 
-def divides(field: str, value, by: int, *, what: str = "", flag=None, example=None, note=None):
+def divides(
+    field: str, value, by: int, *, what: str = "", flag=None, example=None, note=None
+) -> list[Problem]:
     """An integer that `by` divides (a multiple of `by`); `what` names `by` in the message.
 
     Returns:
@@ -159,12 +171,12 @@ def divides(field: str, value, by: int, *, what: str = "", flag=None, example=No
     return _one(field, value, message, flag, example, note)
 
 
-def require(ok: bool, field: str, value, message: str) -> list:
+def require(ok: bool, field: str, value, message: str) -> list[Problem]:
     """A free-form check: ``[Problem(field, value, message)]`` unless `ok`."""
     return [] if ok else [Problem(field, value, message)]
 
 
-def check(field: str, value, fn: Callable, *args, **kwargs) -> list:
+def check(field: str, value, fn: Callable, *args, **kwargs) -> list[Problem]:
     """A function that raises ValueError (a parser, another module's check) as Problems.
 
     A message that starts by naming the field and the value (``gpt remat='x': ...``) keeps

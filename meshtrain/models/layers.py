@@ -185,7 +185,7 @@ LLAMA3_DEFAULTS = {
 }
 
 
-def rope_scaling_problems(kind: str, *, style: str, prefix: str = "gpt", **params) -> list:
+def rope_scaling_problems(kind: str, *, style: str, prefix: str = "gpt", **params) -> list[Problem]:
     """What keeps RoPE scaling `kind` (``"none"`` or ``"llama3"``) from taking `params`
     (`LLAMA3_DEFAULTS`' names), as `Problem` lines whose fields start with `prefix`."""
     if kind == "none":

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain import validate
 from meshtrain._compat import jax_backends_started
-from meshtrain.problem import Problem
+from meshtrain.problem import Problem, raise_if
 
 AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
 
@@ -258,8 +258,7 @@ def simulate_devices(n: int) -> None:
     Args:
         n: the number of CPU devices to simulate.
     """
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"simulate_devices(n={n!r}): n must be a positive integer")
+    raise_if(validate.positive("n", n, note="CPU devices to simulate"))
     if jax_backends_started():
         have = jax.device_count()
         if have >= n:

@@ -172,5 +172,5 @@ def test_simulate_devices_more_than_started_is_a_clear_error():
 
 @pytest.mark.parametrize("n", [0, -3, 2.5])
 def test_simulate_devices_rejects_non_positive(n):
-    with pytest.raises(ValueError, match=r"n must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"n={n!r}: must be a positive integer"):
         simulate_devices(n)

@@ -322,7 +322,7 @@ def test_trainer_losses_match_unpipelined_step_for_step():
         (
             PipelineConfig(schedule="1f1b", microbatches=2),
             dict(pipe=4),
-            r"microbatches=2 < pipe=4.*--microbatches 4",
+            r"microbatches=2: fewer than pipe=4.*--microbatches 4",
         ),
         (PipelineConfig(microbatches=3), dict(batch_size=32), r"batch_size=32: .*microbatches=3"),
         (
@@ -330,11 +330,11 @@ def test_trainer_losses_match_unpipelined_step_for_step():
             dict(batch_size=32, batch_ways=8),
             r"4 rows per microbatch, not divisible by data × fsdp = 8",
         ),
-        (PipelineConfig(schedule="gpipe", repeats=2), dict(), r"repeats=2 .*only the circular"),
+        (PipelineConfig(schedule="gpipe", repeats=2), dict(), r"repeats=2: .*only the circular"),
         (
             PipelineConfig(schedule="circular", repeats=2, microbatches=1),
             dict(),
-            r"microbatches=1 < pipe=2",
+            r"microbatches=1: fewer than pipe=2",
         ),
     ],
 )

@@ -7,7 +7,9 @@ import grain
 import jax
 import numpy as np
 
+from meshtrain import validate
 from meshtrain.data.tokenizer import ByteTokenizer, Tokenizer
+from meshtrain.problem import raise_if
 from meshtrain.validate import is_int
 
 
@@ -169,8 +171,7 @@ class Dataset:
         Returns:
             `n` batch dicts shaped like training batches.
         """
-        if not is_int(n) or n < 1:
-            raise ValueError(f"eval_batches n={n!r}: must be a positive integer")
+        raise_if(validate.positive("eval_batches", n, example=4))
         if self._val.count == 0:
             raise ValueError("data: no held-out examples (val_fraction=0); set val_fraction > 0")
         lo, hi = self._rows(rows)

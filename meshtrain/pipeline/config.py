@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain import validate
-from meshtrain.pipeline.schedules import SCHEDULES, check_schedule
+from meshtrain.pipeline.schedules import SCHEDULES, schedule_problems
 from meshtrain.problem import Problem
 
 
@@ -68,11 +68,9 @@ def pipeline_problems(
         One `Problem` per thing wrong, each naming the field, the value and the fix.
     """
     m, v = config.num_microbatches(pipe), config.repeats
-    try:
-        check_schedule(config.schedule, pipe, m, v)
-    except ValueError as e:
-        return [Problem("pipeline", config.schedule, str(e).removeprefix("pipeline "))]
-    problems = []
+    problems = schedule_problems(config.schedule, pipe, m, v)
+    if problems:
+        return problems
     if layers is not None and layers % (pipe * v):
         problems.append(
             Problem(

@@ -20,6 +20,9 @@ import dataclasses
 
 import numpy as np
 
+from meshtrain import validate
+from meshtrain.problem import Problem, raise_if
+
 SCHEDULES = ("gpipe", "circular", "1f1b")
 IDLE, FWD, BWD = 0, 1, 2
 
@@ -122,31 +125,55 @@ class ScheduleTable:
         return ax
 
 
-def check_schedule(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> None:
-    """Raises a ValueError naming the field, value and fix when the combination can't run."""
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"pipeline schedule={schedule!r}: unknown schedule; choose from {', '.join(SCHEDULES)}"
-        )
-    for name, value in (("stages", stages), ("microbatches", microbatches), ("repeats", repeats)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"pipeline {name}={value!r}: must be a positive integer")
+def schedule_problems(
+    schedule: str, stages: int, microbatches: int, repeats: int = 1
+) -> list[Problem]:
+    """What keeps `schedule` from running `microbatches` over `stages` with `repeats` chunks
+    per stage, each a `Problem` naming the field, the value and the fix."""
+    v = validate
+    problems = v.one_of("schedule", schedule, SCHEDULES, example="1f1b")
+    for name, value in (
+        ("mesh.pipe", stages),
+        ("microbatches", microbatches),
+        ("repeats", repeats),
+    ):
+        problems += v.positive(name, value)
+    if problems:
+        return problems
     if repeats > 1 and schedule != "circular":
-        raise ValueError(
-            f"pipeline repeats={repeats} with schedule={schedule!r}: only the circular schedule "
-            "holds several chunks per stage; use --schedule circular or --repeats 1"
+        problems.append(
+            Problem(
+                "repeats",
+                repeats,
+                f"with schedule={schedule!r}: only the circular schedule holds several chunks "
+                "per stage; use --schedule circular or --repeats 1",
+            )
         )
     if schedule == "1f1b" and microbatches < stages:
-        raise ValueError(
-            f"pipeline microbatches={microbatches} < pipe={stages}: 1f1b needs at least one "
-            f"microbatch per stage to fill the pipeline; use --microbatches {stages} or more"
+        problems.append(
+            Problem(
+                "microbatches",
+                microbatches,
+                f"fewer than pipe={stages} stages: 1f1b needs at least one microbatch per "
+                f"stage to fill the pipeline; use --microbatches {stages} or more",
+            )
         )
     if schedule == "circular" and repeats > 1 and microbatches < stages:
-        raise ValueError(
-            f"pipeline microbatches={microbatches} < pipe={stages}: the circular schedule sends "
-            f"each microbatch round the stages {repeats} times and needs m ≥ p so a microbatch "
-            f"is back at stage 0 before its next round; use --microbatches {stages} or more"
+        problems.append(
+            Problem(
+                "microbatches",
+                microbatches,
+                f"fewer than pipe={stages} stages: the circular schedule sends each microbatch "
+                f"round the stages {repeats} times and needs m ≥ p so a microbatch is back at "
+                f"stage 0 before its next round; use --microbatches {stages} or more",
+            )
         )
+    return problems
+
+
+def check_schedule(schedule: str, stages: int, microbatches: int, repeats: int = 1) -> None:
+    """Raises `RunCheckError` (a ValueError) listing `schedule_problems`, when any."""
+    raise_if(schedule_problems(schedule, stages, microbatches, repeats))
 
 
 def forward_ticks(stages: int, microbatches: int, repeats: int = 1):

@@ -12,11 +12,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import layout, replicas
+from meshtrain import layout, replicas, validate
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
+from meshtrain.problem import raise_if
 from meshtrain.replicas import SyncConfig
 from meshtrain.state import TrainState
 from meshtrain.train.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
@@ -102,8 +103,7 @@ def train_step(
         loss, extra = loss_and_metrics(loss_fn, call_model(model, mb), mb["targets"], loss_mask(mb))
         return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
-    if not isinstance(accum_steps, int) or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r}: must be a positive integer")
+    raise_if(validate.positive("accum_steps", accum_steps, example=4))
     mesh = _pipeline_mesh(pipeline)
     _refuse_packed_pipeline(mesh, batch)
     if mesh is None:

@@ -21,9 +21,13 @@ import jax
 from meshtrain.layout import rules_for
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models import families
+from meshtrain.models.base import DataSpec
+from meshtrain.models.gpt_config import GPTConfig
+from meshtrain.models.moe_config import MoEConfig
 from meshtrain.problem import Problem
+from meshtrain.replicas import SyncConfig
 
-__all__ = ["REFUSALS", "Refusal", "pair_problems"]
+__all__ = ["REFUSALS", "Refusal", "model_name", "pair_problems", "sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,7 @@ def model_name(model) -> str:
 
 
 def _axis(run, name: str) -> int:
+    """The size of mesh axis `name` (1 when the mesh lacks it)."""
     return sizes(run).get(name, 1)
 
 
@@ -84,6 +89,7 @@ def _data(run):
 
 
 def _packed(run) -> bool:
+    """Whether the batches carry segment ids (packed documents)."""
     data = _data(run)
     if hasattr(data, "packed"):
         return bool(data.packed)
@@ -91,6 +97,7 @@ def _packed(run) -> bool:
 
 
 def _kind(run) -> str:
+    """The data's kind (``lm``, ``classify``, ``image``)."""
     return getattr(_data(run), "kind", "lm")
 
 
@@ -105,14 +112,17 @@ def _pallas(field: str) -> Callable[[object], bool]:
 
 
 def _sync(run):
+    """The run's `SyncConfig`, or None."""
     return getattr(run, "sync", None)
 
 
 def _compresses(run) -> bool:
+    """Gradient compression is on."""
     return _sync(run) is not None and _sync(run).compresses
 
 
 def _local(run) -> bool:
+    """Local SGD is on."""
     return _sync(run) is not None and _sync(run).local
 
 
@@ -123,38 +133,28 @@ def _no_replicas(run) -> bool:
 
 
 def _mesh_value(axis: str) -> Callable[[object], int]:
+    """``run → size of axis``, the value a mesh row shows."""
     return lambda run: _axis(run, axis)
 
 
 def _grad_compression(run):
+    """The ``--grad-compression`` value."""
     return _sync(run).grad_compression
 
 
 def _sync_every(run):
+    """The ``--sync-every`` value."""
     return _sync(run).sync_every
 
 
-def _examples():
-    """The settings each row's `example` builds from (imported late: configs sit above)."""
-    from meshtrain.layout import rules_for as rules
-    from meshtrain.models.base import DataSpec
-    from meshtrain.models.gpt_config import GPTConfig
-    from meshtrain.replicas import SyncConfig
-
-    lm = DataSpec("lm", 16, 32, 256)
-    return rules, DataSpec, GPTConfig, SyncConfig, lm
+_LM = DataSpec("lm", 16, 32, 256)  # the examples' data: 16 windows of 32 bytes
 
 
 def _run(mesh: Mapping[str, int], **kw) -> dict:
     """Run attributes: a small GPT on byte windows, over `mesh`, unless `kw` says otherwise."""
-    rules, _, gpt, _, lm = _examples()
     full = {"pipe": 1, "data": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 1, **mesh}
-    return {
-        "model": gpt(n_layers=4),
-        "data": lm,
-        "mesh": full,
-        "rules": rules("dp", full),
-        **kw,
+    return {"model": GPTConfig(n_layers=4), "data": _LM, "mesh": full, **kw} | {
+        "rules": kw.get("rules") or rules_for("dp", full)
     }
 
 
@@ -172,33 +172,34 @@ def _sync_example(sync: dict, other: dict, mesh=None, rules=None):
     """An example for a sync pair: `sync` (SyncConfig fields) refused, `other` accepted."""
 
     def build():
-        rules_of, _, _, sync_config, _ = _examples()
         base = mesh or {"data": 8}
-        made = {"rules": rules_of(rules, _run(base)["mesh"])} if rules else {}
+        made = {"rules": rules_for(rules, _run(base)["mesh"])} if rules else {}
         return (
-            _run(base, sync=sync_config(**sync), **made),
-            _run(base, sync=sync_config(**other), **made),
+            _run(base, sync=SyncConfig(**sync), **made),
+            _run(base, sync=SyncConfig(**other), **made),
         )
 
     return build
 
 
-def _moe():
-    from meshtrain.models.moe_config import MoEConfig
-
-    return MoEConfig()
-
-
 def _gpt(**kw):
-    return lambda: _examples()[2](**kw)
+    """A builder of a `GPTConfig` with `kw` (built when the example runs)."""
+    return lambda: GPTConfig(**kw)
 
 
 def _lm(**kw):
-    return lambda: _examples()[4]._replace(**kw)
+    """A builder of the examples' data with `kw` changed."""
+    return lambda: _LM._replace(**kw)
 
 
-def _cnn_data():
-    return _examples()[1]("image", 16, None, 10, image_shape=(8, 8, 1))
+def _images() -> DataSpec:
+    """Image classification data: no sequence to split."""
+    return DataSpec("image", 16, None, 10, image_shape=(8, 8, 1))
+
+
+def _no_context_model():
+    """A GPT config that declares it cannot split sequences (``context_parallel = False``)."""
+    return type("NoContextGPT", (GPTConfig,), {"context_parallel": False})()
 
 
 def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refusal, ...]:
@@ -237,11 +238,6 @@ def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refu
     return tuple(rows)
 
 
-def _no_context_model():
-    """A GPT config that declares it cannot split sequences (``context_parallel = False``)."""
-    return type("NoContextGPT", (_examples()[2],), {"context_parallel": False})()
-
-
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "expert parallelism",
@@ -255,7 +251,7 @@ REFUSALS: tuple[Refusal, ...] = (
         _mesh_value("expert"),
         lambda: (
             _run({"expert": 2, "data": 4}),
-            _run({"expert": 2, "data": 4}, model=_moe()),
+            _run({"expert": 2, "data": 4}, model=MoEConfig()),
         ),
     ),
     Refusal(
@@ -290,8 +286,8 @@ REFUSALS: tuple[Refusal, ...] = (
         "set seq=1 in --mesh",
         _mesh_value("seq"),
         lambda: (
-            _run({"seq": 2, "data": 4}, model=None, data=_cnn_data()),
-            _run({"data": 8}, model=None, data=_cnn_data()),
+            _run({"seq": 2, "data": 4}, model=None, data=_images()),
+            _run({"data": 8}, model=None, data=_images()),
         ),
     ),
     Refusal(

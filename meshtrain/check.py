@@ -3,6 +3,10 @@
 `check_run` is a pure function of the run's settings. It allocates nothing and compiles
 nothing, so the `Trainer` and the CLI call it once up front, and a planner can call it on
 many candidate meshes to reject those that cannot work.
+
+Features that do not run together are refused through one table,
+`meshtrain.composition.REFUSALS` (`pair_problems`); each config's own values are checked when
+it is built (its ``problems()``, in the words of `meshtrain.validate`).
 """
 
 from __future__ import annotations

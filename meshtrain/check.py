@@ -17,14 +17,14 @@ from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.checkpoint.dirs import directory_problems
 from meshtrain.context_parallel import context_problems
 from meshtrain.layout import Rules, state_problems
-from meshtrain.mesh import mesh_sizes
+from meshtrain.mesh import EXPERT, PIPE, SEQ, mesh_sizes
 from meshtrain.models import families
 from meshtrain.models.base import DataSpec, pipeline_parts, takes_packed
 from meshtrain.pipeline import PipelineConfig, pipeline_problems
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig, sync_problems
 
-UNSUPPORTED_AXES = ("expert",)  # axes the Trainer does not run yet
+UNSUPPORTED_AXES = (EXPERT,)  # axes the Trainer does not run yet
 
 
 def data_spec(data) -> DataSpec:
@@ -85,16 +85,16 @@ def check_run(
         for axis in UNSUPPORTED_AXES
         if sizes.get(axis, 1) > 1 and axis not in getattr(model, "supported_axes", ())
     ]
-    if sizes.get("seq", 1) > 1 and getattr(model, "context_parallel", True) is False:
+    if sizes.get(SEQ, 1) > 1 and getattr(model, "context_parallel", True) is False:
         problems.append(
             Problem(
                 "mesh.seq",
-                sizes["seq"],
+                sizes[SEQ],
                 f"{type(model).__name__} does not run context parallelism yet; set seq=1",
             )
         )
-    strategy = getattr(rules, "context_parallel", "ring")
-    problems += context_problems(sizes, strategy, seq_len=spec.seq_len, kind=spec.kind)
+    algorithm = getattr(rules, "context_parallel", "ring")
+    problems += context_problems(sizes, algorithm, seq_len=spec.seq_len, kind=spec.kind)
     ways, k = rules.batch_ways(sizes), accum_steps
     if spec.batch_size % (ways * k):
         problems.append(
@@ -118,7 +118,7 @@ def check_run(
     # The model's own layout line names the config field to change; the per-parameter lines
     # would only repeat it, one per tensor.
     problems += layout_problems or _model_layout_problems(abstract, rules, sizes)
-    if sizes.get("pipe", 1) > 1:
+    if sizes.get(PIPE, 1) > 1:
         axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
         problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
     if spec.packed:
@@ -155,7 +155,7 @@ def _packing_problems(sizes, abstract) -> list[Problem]:
             f"packed batches do not run {what} yet ({axis}={sizes[axis]}); set {axis}=1 or "
             "train on plain windows (--data.no-packing)",
         )
-        for axis, what in (("pipe", "pipelined"), ("seq", "under context parallelism"))
+        for axis, what in ((PIPE, "pipelined"), (SEQ, "under context parallelism"))
         if sizes.get(axis, 1) > 1
     ]
     if abstract is not None and not takes_packed(module := nnx.merge(*abstract)):
@@ -184,7 +184,7 @@ def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
 
 def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) -> list[Problem]:
     """What keeps the model from being pipelined over ``pipe`` stages."""
-    pipe = sizes["pipe"]
+    pipe = sizes[PIPE]
     layers = getattr(model, "pipeline_layers", None)
     if abstract is not None:
         module = nnx.merge(*abstract)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.mesh import TENSOR
+from meshtrain.layout import TENSOR
 from meshtrain.models.base import DTYPES, DataSpec
 from meshtrain.problem import Problem
 

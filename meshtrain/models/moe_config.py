@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 
 from flax import nnx
 
-from meshtrain.layout import Rules
-from meshtrain.mesh import EXPERT
+from meshtrain.layout import EXPERT, Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_dispatch import DISPATCH

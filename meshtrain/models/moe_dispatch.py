@@ -27,8 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshtrain.layout import Spec, active, axes_of, axis_size, manual_in_layout
-from meshtrain.mesh import EXPERT
+from meshtrain.layout import EXPERT, Spec, active, axes_of, axis_size, manual_in_layout
 
 DISPATCH = ("capacity", "dropless")
 

@@ -1,0 +1,110 @@
+"""Library-level refusals: each mistake is one ValueError line naming the field, flag or file
+and the fix, raised before anything is written (every file that existed is unchanged)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import pathlib
+
+import pytest
+
+from meshtrain.data import prepare_corpus
+
+
+def _hashes(root: pathlib.Path) -> dict[str, str]:
+    """Every file under `root` → the sha256 of its bytes."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@contextlib.contextmanager
+def refused(root: pathlib.Path, *needles: str):
+    """Expects one ValueError line holding every needle, and no file under `root` changed,
+    added or removed."""
+    before = _hashes(root)
+    with pytest.raises(ValueError) as e:
+        yield
+    message = str(e.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, message
+    assert _hashes(root) == before
+
+
+def _text(path: pathlib.Path, body: str = "hello there\nsecond line\n") -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(body)
+    return str(path)
+
+
+def _prepare(inputs, out, **kw) -> dict:
+    return prepare_corpus(inputs, str(out), progress=False, workers=1, **kw)
+
+
+# ---- prepare_corpus: where the corpus may go ---------------------------------------------
+
+
+def test_prepare_refuses_an_output_inside_its_own_input_and_a_rerun_deletes_nothing(tmp_path):
+    source = tmp_path / "src"
+    _text(source / "a.txt")
+    with refused(tmp_path, "out_dir", "lies inside the input", "outside the inputs"):
+        _prepare([str(source)], source / "corpus")
+    assert not (source / "corpus").exists()
+    # A corpus put there by hand (or by an older meshtrain): a rerun keeps its manifest.
+    corpus = _prepare([str(source / "a.txt")], tmp_path / "corpus")
+    (tmp_path / "corpus").rename(source / "corpus")
+    with refused(tmp_path, "lies inside the input"):
+        _prepare([str(source)], source / "corpus")
+    assert json.loads((source / "corpus" / "manifest.json").read_text()) == {
+        k: v for k, v in corpus.items() if k != "up_to_date"
+    }
+
+
+def test_prepare_refuses_a_training_run_directory(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "10").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    a = _text(tmp_path / "a.txt")
+    with refused(tmp_path, f"out_dir {str(run)!r} holds a training run", "new or empty"):
+        _prepare([a], run, overwrite=True)  # overwrite does not apply
+
+
+def test_prepare_refuses_another_corpus_unless_overwrite(tmp_path):
+    a, b = _text(tmp_path / "a.txt"), _text(tmp_path / "b.txt", "other text\n")
+    out = tmp_path / "out"
+    first = _prepare([a], out)
+    with refused(tmp_path, "holds another corpus", "a.txt", "overwrite=True"):
+        _prepare([b], out)
+    replaced = _prepare([b], out, overwrite=True)
+    assert replaced["inputs"][0]["path"] == b and replaced["input_hash"] != first["input_hash"]
+    assert (out / "tokens.bin").read_bytes() == b"other text\n"
+
+
+def test_prepare_rebuilds_an_earlier_corpus_of_the_same_inputs(tmp_path):
+    a, out = _text(tmp_path / "a.txt"), tmp_path / "out"
+    _prepare([a], out)
+    assert _prepare([a], out)["up_to_date"]
+    _text(tmp_path / "a.txt", "changed\n")
+    again = _prepare([a], out)
+    assert not again["up_to_date"] and (out / "tokens.bin").read_bytes() == b"changed\n"
+
+
+def test_prepare_refuses_a_directory_of_other_files_unless_overwrite(tmp_path):
+    out = tmp_path / "out"
+    _text(out / "notes.md", "mine\n")
+    a = _text(tmp_path / "a.txt")
+    with refused(tmp_path, "is not empty", "'notes.md'", "overwrite=True"):
+        _prepare([a], out)
+    _prepare([a], out, overwrite=True)
+    assert (out / "notes.md").read_text() == "mine\n" and (out / "manifest.json").is_file()
+
+
+def test_prepare_refuses_an_output_path_that_is_a_file(tmp_path):
+    target, a = pathlib.Path(_text(tmp_path / "out")), _text(tmp_path / "a.txt")
+    with refused(tmp_path, "is a file", "directory"):
+        _prepare([a], target)

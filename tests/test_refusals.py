@@ -7,10 +7,13 @@ import contextlib
 import hashlib
 import json
 import pathlib
+import shutil
 
 import pytest
 
 from meshtrain.data import prepare_corpus
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
 
 
 def _hashes(root: pathlib.Path) -> dict[str, str]:
@@ -108,3 +111,19 @@ def test_prepare_refuses_an_output_path_that_is_a_file(tmp_path):
     target, a = pathlib.Path(_text(tmp_path / "out")), _text(tmp_path / "a.txt")
     with refused(tmp_path, "is a file", "directory"):
         _prepare([a], target)
+
+
+# ---- a truncated model.safetensors under --init-from hf: -------------------------------
+
+
+@pytest.mark.parametrize("keep", [0.5, 4 / 1e9])  # cut in the tensors; cut in the header
+def test_a_truncated_model_safetensors_is_one_line_naming_the_file(tmp_path, keep):
+    from meshtrain import hf
+
+    model = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "llama", model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: max(4, int(len(data) * keep))])
+    with refused(tmp_path, str(weights), "truncated or corrupt", "download or save"):
+        hf.load_pretrained(model)

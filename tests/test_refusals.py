@@ -9,6 +9,7 @@ import json
 import pathlib
 import shutil
 
+import numpy as np
 import pytest
 
 from meshtrain.data import prepare_corpus
@@ -127,3 +128,60 @@ def test_a_truncated_model_safetensors_is_one_line_naming_the_file(tmp_path, kee
     weights.write_bytes(data[: max(4, int(len(data) * keep))])
     with refused(tmp_path, str(weights), "truncated or corrupt", "download or save"):
         hf.load_pretrained(model)
+
+
+# ---- a prepared corpus with token ids past the model's vocabulary ------------------------
+
+
+def _sparse_tokenizer(directory: pathlib.Path) -> str:
+    """A word-level tokenizer.json of 5 tokens whose ids reach 700 (not contiguous)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"a": 0, "b": 1, "[UNK]": 2, "<|endoftext|>": 3, "c": 700}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    return str(directory / "tokenizer.json")
+
+
+def test_a_corpus_with_ids_past_the_model_vocabulary_is_refused_before_training(tmp_path):
+    import meshtrain as mt
+    from meshtrain.check import check_run
+    from meshtrain.data import DataConfig, make_dataset
+
+    spec = _sparse_tokenizer(tmp_path / "tok")
+    corpus = tmp_path / "corpus"
+    manifest = _prepare([_text(tmp_path / "a.txt", "a b c a\n" * 200)], corpus, tokenizer=spec)
+    tokens = np.fromfile(corpus / "tokens.bin", manifest["dtype"])
+    assert manifest["max_id"] == tokens.max() == 700 and manifest["dtype"] == "uint16"
+    data = make_dataset(DataConfig(source="tokens", path=str(corpus), seq_len=16, batch_size=8))
+    assert data.vocab_size == 701
+    model = mt.GPTConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
+    problems = check_run(model=model, data=data, mesh={"data": 1}, rules=mt.rules_for("dp"))
+    assert [str(p) for p in problems] == [
+        f"data.tokenizer={str(corpus / 'tokenizer.json')!r}: the tokenizer has 701 tokens but "
+        "the model's vocabulary has 256; raise --gpt.vocab-size to 701, or use a tokenizer of "
+        "at most 256 tokens"
+    ]
+    mesh = mt.make_mesh("data=8")
+    with refused(tmp_path, "--gpt.vocab-size"):
+        mt.Trainer(model, data, mesh=mesh, rules=mt.rules_for("dp", mesh))
+
+
+def test_the_run_check_reads_the_corpus_max_id_where_the_tokenizer_undercounts(tmp_path):
+    """A corpus whose manifest records ids past its tokenizer's count (an older tokenizer
+    count): the data's vocabulary is the ids', and the model's line names its flag."""
+    import meshtrain as mt
+    from meshtrain.check import check_run
+    from meshtrain.data import DataConfig, make_dataset
+
+    corpus = tmp_path / "corpus"
+    _prepare([_text(tmp_path / "a.txt", "some text\n" * 30)], corpus)
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    (corpus / "manifest.json").write_text(json.dumps({**manifest, "max_id": 299}))
+    data = make_dataset(DataConfig(source="tokens", path=str(corpus), seq_len=4, batch_size=2))
+    model = mt.GPTConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
+    problems = check_run(model=model, data=data, mesh={"data": 1}, rules=mt.rules_for("dp"))
+    assert [p.field for p in problems] == ["gpt.vocab_size"], problems
+    assert "the data has 300 token ids; raise --gpt.vocab-size to at least 300" in str(problems[0])

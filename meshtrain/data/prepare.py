@@ -10,8 +10,9 @@ The directory holds
   (the first is 0, the last the token count);
 - the tokenizer (``tokenizer.json`` for a Hugging Face one; nothing for ``bytes``);
 - ``manifest.json``: the tokenizer's name, vocabulary, EOS id and fingerprint, the dtype, the
-  counts, the inputs and ``input_hash``, a hash of the tokenizer, the options and every
-  input's content. A second run whose hash matches the manifest does nothing.
+  counts, the largest token id (``max_id``), the inputs and ``input_hash``, a hash of the
+  tokenizer, the options and every input's content. A second run whose hash matches the
+  manifest does nothing.
 
 Documents: each line of a JSONL file (its `field`), each row of a Parquet file (its `column`),
 and each text file as a whole. A text file is handed to the workers in pieces cut just after
@@ -208,7 +209,7 @@ def prepare_corpus(
     tokens_tmp = os.path.join(out_dir, TOKENS + ".tmp")
     docs_tmp = os.path.join(out_dir, DOCUMENTS + ".tmp")
     digest = hashlib.sha256()
-    counts = {"tokens": 0, "documents": 0}
+    counts = {"tokens": 0, "documents": 0, "max_id": -1}
     try:
         with (
             open(tokens_tmp, "wb") as tok_file,
@@ -221,6 +222,8 @@ def prepare_corpus(
                 flat, lengths, closes = result
                 tok_file.write(flat.tobytes())
                 digest.update(flat.tobytes())
+                if len(flat):
+                    counts["max_id"] = max(counts["max_id"], int(flat.max()))
                 if not len(lengths):
                     return
                 ends = counts["tokens"] + np.cumsum(lengths)
@@ -257,6 +260,7 @@ def prepare_corpus(
         "dtype": dtype.name,
         "num_tokens": counts["tokens"],
         "num_documents": counts["documents"],
+        "max_id": counts["max_id"],
         "text_bytes": total,
         "inputs": [{"path": p, "kind": input_kind(p), "bytes": os.path.getsize(p)} for p in files],
         "field": field,

@@ -7,6 +7,7 @@ many candidate meshes to reject those that cannot work.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -115,12 +116,15 @@ def check_run(
         ]
         if callable(getattr(model, "check_layout", None)):  # optional (see ModelConfig)
             layout_problems = model.check_layout(sizes, rules)
-    # The model's own layout line names the config field to change; the per-parameter lines
-    # would only repeat it, one per tensor.
-    problems += layout_problems or _model_layout_problems(abstract, rules, sizes)
+    stages = []
     if sizes.get(PIPE, 1) > 1:
         axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
-        problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
+        stages = _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
+    # The model's own layout line names the config field to change; the per-parameter lines
+    # would only repeat it, one per tensor (as they would the pipeline's layers line).
+    split = any(p.field == _layers_field(model) for p in stages)
+    problems += layout_problems or _model_layout_problems(abstract, rules, sizes, split)
+    problems += stages
     if spec.packed:
         problems += _packing_problems(sizes, abstract)
     if sync is not None:
@@ -171,11 +175,19 @@ def _packing_problems(sizes, abstract) -> list[Problem]:
     return problems
 
 
-def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
-    """Parameters (and optimizer state) the rules cannot lay out on a mesh of `sizes`."""
+def _model_layout_problems(abstract, rules: Rules, sizes, layers_said=False) -> list[Problem]:
+    """Parameters (and optimizer state) the rules cannot lay out on a mesh of `sizes`; with
+    `layers_said`, not the stacked layers' split over pipe (the pipeline's line names it)."""
     if abstract is None:
         return []
     _, state = abstract
+    if layers_said:
+        unsplit = {"layers": None}
+        rules = dataclasses.replace(
+            rules,
+            params={**rules.params, **unsplit},
+            optimizer=None if rules.optimizer is None else {**rules.optimizer, **unsplit},
+        )
     messages = state_problems(state, rules.params, sizes)
     if rules.optimizer is not None:
         messages += state_problems(state, rules.optimizer, sizes)
@@ -216,7 +228,16 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) ->
         batch_ways=ways,
         batch_axes=axes,
         layers=layers,
+        layers_field=_layers_field(model),
     )
+
+
+def _layers_field(model) -> str:
+    """The config field of the model's stacked layers (``gpt.n_layers``), or ``layers``."""
+    if model is None or not hasattr(model, "n_layers"):
+        return "layers"
+    name = next((n for n, f in families().items() if isinstance(model, f.config)), "gpt")
+    return f"{name}.n_layers"
 
 
 def _kernel_problems(model, pipe: int) -> list[Problem]:

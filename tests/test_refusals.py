@@ -185,3 +185,42 @@ def test_the_run_check_reads_the_corpus_max_id_where_the_tokenizer_undercounts(t
     problems = check_run(model=model, data=data, mesh={"data": 1}, rules=mt.rules_for("dp"))
     assert [p.field for p in problems] == ["gpt.vocab_size"], problems
     assert "the data has 300 token ids; raise --gpt.vocab-size to at least 300" in str(problems[0])
+
+
+# ---- pipeline stages that do not divide the layers ---------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "fsdp"])
+def test_stages_that_do_not_divide_the_layers_are_one_line_naming_the_layers_flag(strategy):
+    from flax import nnx
+
+    import meshtrain as mt
+    from meshtrain.check import check_run
+    from meshtrain.models.base import DataSpec
+    from meshtrain.state import abstract_model
+
+    cfg = mt.GPTConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=2, max_seq_len=16)
+    data = DataSpec("lm", 16, 16, 256, None, None, False)
+    sizes = dict(pipe=2, data=4)
+    abstract = abstract_model(lambda: mt.GPT(cfg, rngs=nnx.Rngs(0)))
+    rules = mt.rules_for(strategy, sizes)
+    problems = check_run(model=cfg, data=data, mesh=sizes, rules=rules, abstract=abstract)
+    assert [str(p) for p in problems] == [
+        "gpt.n_layers=3: not divisible by pipe × repeats = 2 × 1 = 2: each stage needs whole "
+        "layers; use --gpt.n-layers 4 (a multiple of 2), or fewer stages"
+    ]
+    # A model from a constructor has no config field to name: the line says so plainly, still
+    # once (not once per parameter).
+    problems = check_run(model=None, data=data, mesh=sizes, rules=rules, abstract=abstract)
+    assert [p.field for p in problems] == ["layers"], problems
+
+
+def test_the_trainer_refuses_stages_that_do_not_divide_the_layers_in_one_line(tmp_path):
+    import meshtrain as mt
+    from meshtrain.data import DataConfig, make_dataset
+
+    cfg = mt.GPTConfig(vocab_size=256, d_model=32, n_layers=3, n_heads=2, max_seq_len=16)
+    data = make_dataset(DataConfig(source="synthetic", seq_len=16, batch_size=16))
+    mesh = mt.make_mesh("pipe=2,data=4")
+    with refused(tmp_path, "gpt.n_layers=3", "--gpt.n-layers 4"):
+        mt.Trainer(cfg, data, mesh=mesh, rules=mt.rules_for("fsdp", mesh))

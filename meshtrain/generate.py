@@ -155,9 +155,19 @@ def generate(
 
     Returns:
         The prompt and its continuation, decoded.
+
+    Raises:
+        ValueError: one line for a setting out of range, or a prompt of more tokens than the
+            model's context (``max_seq_len``).
     """
     check_settings(n_new=n_new, temperature=temperature, top_k=top_k, top_p=top_p)
     ids = tokenizer.encode(prompt)
+    context = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    if context is not None and len(ids) > context:
+        raise ValueError(
+            f"prompt: {len(ids)} tokens, longer than the model's context of {context} tokens "
+            f"(max_seq_len); give a prompt of at most {context} tokens"
+        )
     start = 0
     if not ids:
         if tokenizer.eos_id is None:

@@ -224,3 +224,20 @@ def test_the_trainer_refuses_stages_that_do_not_divide_the_layers_in_one_line(tm
     mesh = mt.make_mesh("pipe=2,data=4")
     with refused(tmp_path, "gpt.n_layers=3", "--gpt.n-layers 4"):
         mt.Trainer(cfg, data, mesh=mesh, rules=mt.rules_for("fsdp", mesh))
+
+
+# ---- generate: a prompt longer than the model's context ----------------------------------
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context(tmp_path):
+    from flax import nnx
+
+    import meshtrain as mt
+    from meshtrain.data import load_tokenizer
+    from meshtrain.generate import generate
+
+    cfg = mt.GPTConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, max_seq_len=8)
+    model, tok = mt.GPT(cfg, rngs=nnx.Rngs(0)), load_tokenizer("bytes")
+    with refused(tmp_path, "prompt: 9 tokens", "context of 8 tokens", "at most 8 tokens"):
+        generate(model, tok, "123456789", 2)
+    assert generate(model, tok, "12345678", 1, temperature=0).startswith("12345678")

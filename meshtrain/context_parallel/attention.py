@@ -3,6 +3,7 @@ manual over the sequence axis (every other mesh axis stays with the compiler).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -19,7 +20,11 @@ from meshtrain.problem import Problem, raise_if
 ALGORITHMS = ("ring", "allgather", "ulysses")
 DEFAULT = "ring"
 AXIS = SEQ
-_FNS = {"ring": ring.ring, "allgather": gather.allgather, "ulysses": gather.ulysses}
+_FNS: dict[str, Callable[..., jax.Array]] = {
+    "ring": ring.ring,
+    "allgather": gather.allgather,
+    "ulysses": gather.ulysses,
+}
 
 
 def algorithm_problems(algorithm) -> list[Problem]:
@@ -117,6 +122,11 @@ def attend_active(q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=No
     """`context_attention` with the active layout's mesh and algorithm (see `active_context`;
     call it only where that is not None): the form a model uses, naming no mesh."""
     ctx = active_context()
+    if ctx is None:
+        raise ValueError(
+            "attend_active: no context parallelism is active (seq = 1, no activation_rules, "
+            "or already manual over seq); call it only where active_context() is not None"
+        )
     return context_attention(
         q_BTHK, k_BSGK, v_BSGK, positions_T, mesh=ctx.mesh, algorithm=ctx.algorithm,
         causal=causal, window=window,

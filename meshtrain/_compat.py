@@ -92,6 +92,8 @@ def _failure(event) -> ParseFailure:
         )
     if isinstance(event, _errors.UnrecognizedArgs):
         return ParseFailure("unknown", tuple(event.tokens))
+    if isinstance(event, _errors.MissingArgs) and event.unrecognized_tokens:
+        return ParseFailure("unknown", tuple(event.unrecognized_tokens))  # a misspelt flag
     if isinstance(event, _errors.MissingArgs):
         return ParseFailure(
             "missing", tuple(n for a in event.missing_arguments for n in names(a.arg)[:1])

@@ -387,7 +387,9 @@ def test_resuming_with_another_model_size_is_one_line_and_changes_nothing(tmp_pa
              "--data.seq-len", "16", "--data.batch-size", "8", "--sample-tokens", "0",
              "--run-dir", str(tmp_path / "run")]  # fmt: skip
     # The checkpoint the CLI's own trainer writes (in this process; no step compiled).
-    trainer = cli_train.build_trainer(cli.parse(["train", *flags, "--gpt.d-model", "32"]), say=print)
+    trainer = cli_train.build_trainer(
+        cli.parse(["train", *flags, "--gpt.d-model", "32"]), say=print
+    )
     trainer.save(wait=True)
     trainer.checkpoints.close()
     ckpts = tmp_path / "run" / "checkpoints"

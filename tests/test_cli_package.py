@@ -74,7 +74,9 @@ def test_no_command_and_a_misspelt_command_are_one_line(capsys):
 def _tree(root: Path) -> dict[str, str]:
     """Every path under `root` → the hash of its bytes ("dir" for a directory)."""
     return {
-        str(p.relative_to(root)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        str(p.relative_to(root)): "dir"
+        if p.is_dir()
+        else hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
     }
 

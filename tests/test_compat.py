@@ -79,7 +79,13 @@ def test_orbax_tmp_cleanup_hook_exists(tmp_path):
 
 @pytest.mark.parametrize(
     "module",
-    ["meshtrain.cli", "meshtrain.cli.parsing", "meshtrain.mesh", "meshtrain.distributed", "meshtrain.checkpoint.manager"],
+    [
+        "meshtrain.cli",
+        "meshtrain.cli.parsing",
+        "meshtrain.mesh",
+        "meshtrain.distributed",
+        "meshtrain.checkpoint.manager",
+    ],
 )
 def test_no_module_outside_compat_reaches_for_private_names(module):
     import importlib

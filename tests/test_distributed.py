@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshtrain.cli.launch import parse as parse_launch
 from meshtrain.data import DataConfig, make_dataset, prepare_corpus
 from meshtrain.distributed import DistributedConfig
-from meshtrain.cli.launch import parse as parse_launch
 from meshtrain.launch import plan as plan_launch
 from meshtrain.layout import process_rows, rules_for
 from meshtrain.mesh import host_layout, make_mesh

@@ -21,9 +21,9 @@ from _hf_helpers import ATOL, FIXTURES, forward, read, reference
 from flax import nnx
 
 from meshtrain import cli, hf
+from meshtrain import generate as gen
 from meshtrain.cli.parsing import given
 from meshtrain.cli.train import TrainJob, build_trainer
-from meshtrain import generate as gen
 from meshtrain.data import HFTokenizer, load_tokenizer, stdlib_corpus
 from meshtrain.hf import finetune
 from meshtrain.models.sampling import filter_logits

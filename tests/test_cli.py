@@ -340,7 +340,7 @@ def test_default_job_moves_to_a_fresh_run_dir_instead_of_touching_an_earlier_run
 
     monkeypatch.chdir(tmp_path)
     said = []
-    job = cli_mod.parse(["train"])
+    job = cli_mod.parse([])
     assert cli_mod._fresh_default_run_dir(job, said.append) is job  # nothing there yet
     (tmp_path / "runs/default/checkpoints/200").mkdir(parents=True)
     (tmp_path / "runs/default-1").mkdir()
@@ -349,9 +349,9 @@ def test_default_job_moves_to_a_fresh_run_dir_instead_of_touching_an_earlier_run
     assert "runs/default-2" in said[-1]
     assert sorted(p.name for p in (tmp_path / "runs/default/checkpoints").iterdir()) == ["200"]
     # Asked to resume, or given a run_dir of its own, the job is left as it is.
-    resume = cli_mod.parse(["train", "--resume"])
+    resume = cli_mod.parse(["--resume"])
     assert cli_mod._fresh_default_run_dir(resume, said.append) is resume
-    explicit = cli_mod.parse(["train", "--run-dir", "runs/default-1"])
+    explicit = cli_mod.parse(["--run-dir", "runs/default-1"])
     assert cli_mod._fresh_default_run_dir(explicit, said.append) is explicit
 
 

@@ -204,3 +204,18 @@ def test_generate_from_a_checkpoint_prints_no_library_warnings(capfd, tmp_path):
     assert main(["generate", str(tmp_path / "run"), "--prompt", "ab", "--tokens", "2"]) == 0
     out, err = capfd.readouterr()
     assert out.startswith("ab") and err == "", err
+
+
+def test_meshtrain_debug_shows_the_traceback(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MESHTRAIN_DEBUG", "1")
+    with pytest.raises(ValueError, match="no meshtrain checkpoint there"):
+        main(["generate", "no/such/run"])
+
+
+def test_launch_takes_the_command_after_its_flags():
+    from meshtrain.cli.launch import parse as parse_launch
+
+    a = parse_launch(["--nproc", "2", "--", "train", "--steps", "5"])
+    b = parse_launch(["--nproc=2", "--port", "0", "train", "--steps", "5"])
+    assert a.command == b.command == ("train", "--steps", "5") and a.nproc == b.nproc == 2

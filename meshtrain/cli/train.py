@@ -337,6 +337,11 @@ def parse(argv: list[str], cls: type = TrainJob, name: str = "train"):
     """The job the words after ``meshtrain train`` describe (``--config`` expanded); runs
     nothing.
 
+    Args:
+        argv: the words after the subcommand.
+        cls: the job's class (`TrainJob`, or a subclass such as inspect's).
+        name: the subcommand, for the help and the error lines.
+
     Raises:
         ValueError: a config rejected its value (e.g. ``--steps 0``); a `UsageError` for a
             flag tyro cannot read.

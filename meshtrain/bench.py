@@ -52,8 +52,6 @@ SIZES: dict[str, dict[str, int]] = {
     "1.3b": dict(d_model=2048, n_layers=24, n_heads=16, vocab_size=50304, seq_len=2048, batch=8),
 }
 MATMUL_PEAK_N = {"gpu": 8192, "other": 512}  # the matmul-peak size per platform
-ATTENTION_IMPLS = ("default", "xla", "pallas", "cudnn", "auto")
-KERNEL_IMPLS = ("xla", "pallas", "auto")
 
 
 def log(*parts: Any) -> None:

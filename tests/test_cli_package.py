@@ -219,3 +219,14 @@ def test_launch_takes_the_command_after_its_flags():
     a = parse_launch(["--nproc", "2", "--", "train", "--steps", "5"])
     b = parse_launch(["--nproc=2", "--port", "0", "train", "--steps", "5"])
     assert a.command == b.command == ("train", "--steps", "5") and a.nproc == b.nproc == 2
+
+
+def test_bench_choices_are_the_sizes_and_kernels_that_exist():
+    from meshtrain.bench import SIZES
+    from meshtrain.cli.bench import BenchSettings
+    from meshtrain.kernels import ATTENTION_IMPLS, IMPLS
+
+    hints = typing.get_type_hints(BenchSettings)
+    assert typing.get_args(hints["size"]) == tuple(SIZES)
+    assert set(typing.get_args(hints["attention"])) == {"default", *ATTENTION_IMPLS}
+    assert set(typing.get_args(hints["norm"])) == set(typing.get_args(hints["loss"])) == set(IMPLS)

@@ -24,6 +24,7 @@ from meshtrain.cli import parsing
 from meshtrain.cli.errors import UsageError
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
+from meshtrain.mesh import PIPE, SEQ
 from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, families
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import Problem, RunCheckError
@@ -101,10 +102,10 @@ class TrainJob:
             raise ValueError(
                 f"model={self.model!r}: unknown model; choose from {', '.join(families())}"
             )
-        from meshtrain.context_parallel import strategy_problem
+        from meshtrain.context_parallel import algorithm_problems
 
-        if strategy_problem(self.context_parallel):
-            raise ValueError(strategy_problem(self.context_parallel))
+        if problems := algorithm_problems(self.context_parallel):
+            raise RunCheckError(problems)
         if self.devices < 0 or self.sample_tokens < 0:
             raise ValueError(
                 f"devices={self.devices}, sample_tokens={self.sample_tokens}: must be ≥ 0"
@@ -173,13 +174,13 @@ def build_trainer(job: TrainJob, say=print):
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh, context_parallel=job.context_parallel)
     data = make_dataset(job.data)
-    cp = f" · context parallel {job.context_parallel}" if mesh.shape["seq"] > 1 else ""
+    cp = f" · context parallel {job.context_parallel}" if mesh.shape[SEQ] > 1 else ""
     say(f"meshtrain · mesh {describe(mesh)} · strategy {rules.name}{cp}")
-    if mesh.shape["pipe"] > 1:
+    if mesh.shape[PIPE] > 1:
         pc = job.pipeline
         say(
-            f"pipeline {pc.schedule} · {mesh.shape['pipe']} stages · "
-            f"{pc.num_microbatches(mesh.shape['pipe'])} microbatches"
+            f"pipeline {pc.schedule} · {mesh.shape[PIPE]} stages · "
+            f"{pc.num_microbatches(mesh.shape[PIPE])} microbatches"
             + (f" · {pc.repeats} chunks per stage" if pc.schedule == "circular" else "")
         )
     if job.sync != SyncConfig():
@@ -359,7 +360,7 @@ def _seq_size(job: TrainJob) -> int | None:
         mesh = MeshConfig.parse(job.mesh)
         if mesh.seq != -1:
             return mesh.seq
-        return mesh.sizes(job.devices)["seq"] if job.devices else None
+        return mesh.sizes(job.devices)[SEQ] if job.devices else None
     except ValueError:
         return None  # a bad mesh: the run check names it
 

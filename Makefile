@@ -5,7 +5,7 @@ PY ?= $(shell command -v python3.12 2>/dev/null || (test -x $(PYENV_PY) && echo 
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-lowest gpu-bundle torch-parity lint venv clean
+.PHONY: train test test-lowest gpu-bundle torch-parity lint typecheck venv clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 12), f"meshtrain needs Python >= 3.12, got {sys.version.split()[0]} from $(PY); install 3.12 (pyenv install 3.12) or run make PY=/path/to/python3.12"'
@@ -21,6 +21,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m ruff check .
+	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not kit and not lowest" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The lowest versions pyproject.toml allows (jax 0.11.2, the GPU image's), in .venv-lowest:
@@ -49,6 +50,10 @@ torch-parity: $(STAMP) $(TORCH_VENV)/.installed
 
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check . && $(VENV)/bin/python -m ruff format --check .
+
+# The type checker over the public modules ([tool.mypy] in pyproject.toml lists them).
+typecheck: $(STAMP)
+	$(VENV)/bin/python -m mypy
 
 clean:
 	rm -rf $(VENV) .venv-lowest $(TORCH_VENV) .whl build *.egg-info .pytest_cache

@@ -11,6 +11,7 @@ it is built (its ``problems()``, in the words of `meshtrain.validate`).
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Mapping
 
@@ -22,7 +23,7 @@ from meshtrain.checkpoint.dirs import directory_problems
 from meshtrain.composition import model_name, pair_problems
 from meshtrain.context_parallel import context_problems
 from meshtrain.layout import Rules, state_problems
-from meshtrain.mesh import mesh_sizes
+from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import DataSpec, pipeline_parts, takes_packed
 from meshtrain.pipeline import PipelineConfig, pipeline_problems
 from meshtrain.problem import Problem
@@ -82,8 +83,8 @@ def check_run(
         model=model, data=spec, mesh=sizes, sizes=sizes, rules=rules, pipeline=pipeline, sync=sync
     )
     problems = pair_problems(run)  # features that do not run together (meshtrain.composition)
-    strategy = getattr(rules, "context_parallel", "ring")
-    problems += context_problems(sizes, strategy, seq_len=spec.seq_len, kind=spec.kind)
+    algorithm = getattr(rules, "context_parallel", "ring")
+    problems += context_problems(sizes, algorithm, seq_len=spec.seq_len, kind=spec.kind)
     ways, k = rules.batch_ways(sizes), accum_steps
     if spec.batch_size % (ways * k):
         problems.append(
@@ -104,12 +105,15 @@ def check_run(
         ]
         if callable(getattr(model, "check_layout", None)):  # optional (see ModelConfig)
             layout_problems = model.check_layout(sizes, rules)
-    # The model's own layout line names the config field to change; the per-parameter lines
-    # would only repeat it, one per tensor.
-    problems += layout_problems or _model_layout_problems(abstract, rules, sizes)
-    if sizes.get("pipe", 1) > 1:
+    stages = []
+    if sizes.get(PIPE, 1) > 1:
         axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
-        problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
+        stages = _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
+    # The model's own layout line names the config field to change; the per-parameter lines
+    # would only repeat it, one per tensor (as they would the pipeline's layers line).
+    split = any(p.field == _layers_field(model) for p in stages)
+    problems += layout_problems or _model_layout_problems(abstract, rules, sizes, split)
+    problems += stages
     if spec.packed:
         problems += _packing_problems(abstract)
     problems += directory_problems(run_dir=run_dir, checkpoint=checkpoint)
@@ -148,11 +152,19 @@ def _packing_problems(abstract) -> list[Problem]:
     ]
 
 
-def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
-    """Parameters (and optimizer state) the rules cannot lay out on a mesh of `sizes`."""
+def _model_layout_problems(abstract, rules: Rules, sizes, layers_said=False) -> list[Problem]:
+    """Parameters (and optimizer state) the rules cannot lay out on a mesh of `sizes`; with
+    `layers_said`, not the stacked layers' split over pipe (the pipeline's line names it)."""
     if abstract is None:
         return []
     _, state = abstract
+    if layers_said:
+        unsplit = {"layers": None}
+        rules = dataclasses.replace(
+            rules,
+            params={**rules.params, **unsplit},
+            optimizer=None if rules.optimizer is None else {**rules.optimizer, **unsplit},
+        )
     problems = state_problems(state, rules.params, sizes, strategy=rules.name)
     if rules.optimizer is not None:
         problems += state_problems(state, rules.optimizer, sizes, strategy=rules.name)
@@ -161,7 +173,7 @@ def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
 
 def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) -> list[Problem]:
     """What keeps the model from being pipelined over ``pipe`` stages."""
-    pipe = sizes["pipe"]
+    pipe = sizes[PIPE]
     layers = getattr(model, "pipeline_layers", None)
     if abstract is not None:
         module = nnx.merge(*abstract)
@@ -193,4 +205,12 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) ->
         batch_ways=ways,
         batch_axes=axes,
         layers=layers,
+        layers_field=_layers_field(model),
     )
+
+
+def _layers_field(model) -> str:
+    """The config field of the model's stacked layers (``gpt.n_layers``), or ``layers``."""
+    if model is None or not hasattr(model, "n_layers"):
+        return "layers"
+    return f"{model_name(model)}.n_layers"

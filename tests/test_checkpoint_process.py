@@ -29,7 +29,8 @@ MESHTRAIN = [sys.executable, "-m", "meshtrain.cli", "train"]
 KILLED_AFTER_3 = (
     "import os, signal, sys\n"
     "from meshtrain import cli\n"
-    "trainer = cli.build_trainer(cli.parse(['train', *sys.argv[1:]]))\n"
+    "from meshtrain.cli.train import build_trainer\n"
+    "trainer = build_trainer(cli.parse(['train', *sys.argv[1:]]))\n"
     "trainer.fit(until=3)\n"
     "os.kill(os.getpid(), signal.SIGKILL)\n"
 )

@@ -9,13 +9,13 @@ from meshtrain.problem import Problem
 
 
 def context_problems(
-    sizes: Mapping[str, int], strategy: str, *, seq_len: int | None, kind: str = "lm"
+    sizes: Mapping[str, int], algorithm: str, *, seq_len: int | None, kind: str = "lm"
 ) -> list[Problem]:
     """What keeps a run with ``seq = sizes["seq"]`` from splitting its sequences.
 
     Args:
         sizes: mesh axis name → size.
-        strategy: the context-parallel strategy (`Rules.context_parallel`).
+        algorithm: the context-parallel algorithm (`Rules.context_parallel`).
         seq_len: the data's sequence length (None when unknown).
         kind: the data's kind (``"lm"`` for token sequences).
 
@@ -26,7 +26,7 @@ def context_problems(
     n = sizes.get(AXIS, 1)
     if n == 1:
         return []
-    problems = algorithm_problems(strategy)
+    problems = algorithm_problems(algorithm)
     if kind == "lm" and seq_len is not None and seq_len % (2 * n):
         fix = -(-seq_len // (2 * n)) * 2 * n
         problems.append(
@@ -41,10 +41,10 @@ def context_problems(
     return problems
 
 
-def heads_problems(sizes: Mapping[str, int], strategy: str, heads: int) -> list[Problem]:
+def heads_problems(sizes: Mapping[str, int], algorithm: str, heads: int) -> list[Problem]:
     """Ulysses splits the query heads over ``seq``: a count it does not divide."""
     n = sizes.get(AXIS, 1)
-    if n == 1 or strategy != "ulysses" or heads % n == 0:
+    if n == 1 or algorithm != "ulysses" or heads % n == 0:
         return []
     return [
         Problem(

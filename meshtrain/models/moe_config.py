@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from meshtrain import validate
-from meshtrain.layout import Rules
+from meshtrain.layout import EXPERT, Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_dispatch import DISPATCH
@@ -80,9 +80,9 @@ class MoEConfig:
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""
         v = validate
+        problems: list[Problem] = []
         try:
             self.backbone  # noqa: B018  (validates the shared fields)
-            problems = []
         except RunCheckError as e:
             problems = [
                 dataclasses.replace(
@@ -201,7 +201,7 @@ class MoEConfig:
             dataclasses.replace(p, field=p.field.replace("gpt.", "moe."), message=_moe(p.message))
             for p in self.backbone.check_layout(sizes, rules)
         ]
-        shards = sizes.get("expert", 1)
+        shards = sizes.get(EXPERT, 1)
         if shards > self.n_experts:
             problems.append(
                 Problem(
@@ -235,7 +235,7 @@ class MoEConfig:
     @property
     def supported_axes(self) -> tuple[str, ...]:
         """Axes beyond the defaults that this model runs (the run check reads it)."""
-        return ("expert",)
+        return (EXPERT,)
 
     @property
     def context_parallel(self) -> bool:

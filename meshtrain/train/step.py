@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import layout, replicas, validate
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
-from meshtrain.mesh import mesh_sizes
+from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.problem import raise_if
@@ -33,7 +33,7 @@ def _pipeline_mesh(pipeline: PipelineConfig | None) -> Mesh | None:
             "pipeline=...: a pipelined step must be traced under "
             "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
         )
-    return active.mesh if mesh_sizes(active.mesh)["pipe"] > 1 else None
+    return active.mesh if mesh_sizes(active.mesh)[PIPE] > 1 else None
 
 
 def train_step(

@@ -39,7 +39,7 @@ nb_execution_mode = "off"
 nb_merge_streams = True
 
 # The API reference: the public API only, documented from the docstrings' Args/Returns.
-autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
+autodoc_default_options = {"members": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 autodoc_typehints_format = "short"

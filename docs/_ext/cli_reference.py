@@ -34,18 +34,20 @@ def _columns(width: str):
             os.environ["COLUMNS"] = old
 
 
-def command_help(name: str) -> str:
-    """What `meshtrain NAME --help` prints (stdout and stderr, as a terminal would show)."""
+def command_help(name: str | None) -> str:
+    """What `meshtrain NAME --help` (`meshtrain --help` for None) prints, stdout and stderr."""
     from meshtrain import cli
 
+    argv = [name, "--help"] if name else ["--help"]
     out = io.StringIO()
     with _columns(WIDTH), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            status = cli.main([name, "--help"])
+            status = cli.main(argv)
         except SystemExit as stop:
             status = stop.code
     if status not in (0, None):
-        raise RuntimeError(f"meshtrain {name} --help exited with {status}:\n{out.getvalue()}")
+        shown = " ".join(["meshtrain", *argv])
+        raise RuntimeError(f"{shown} exited with {status}:\n{out.getvalue()}")
     return out.getvalue()
 
 
@@ -57,23 +59,27 @@ def commands() -> dict[str, str]:
     return dict(listed) if listed is not None else dict.fromkeys(SUBCOMMANDS, "")
 
 
+def _literal(text: str) -> nodes.literal_block:
+    """A block of captured help, shown as plain text."""
+    block = nodes.literal_block(text, text)
+    block["language"] = "text"
+    return block
+
+
 class CliReference(SphinxDirective):
-    """One section per subcommand: its summary, then its `--help` as a literal block."""
+    """`meshtrain --help`, then one section per subcommand: its summary and its `--help`."""
 
     has_content = False
 
     def run(self) -> list[nodes.Node]:
         self.env.note_reread()  # the help comes from the code: read it again on every build
-        out: list[nodes.Node] = []
+        out: list[nodes.Node] = [_literal(command_help(None))]
         for name, summary in commands().items():
             section = nodes.section(ids=[f"meshtrain-{name}"], names=[f"meshtrain {name}"])
             section += nodes.title(text=f"meshtrain {name}")
             if summary:
                 section += nodes.paragraph(text=summary)
-            text = command_help(name)
-            block = nodes.literal_block(text, text)
-            block["language"] = "text"
-            section += block
+            section += _literal(command_help(name))
             out.append(section)
         return out
 

@@ -185,7 +185,7 @@ def test_second_signal_exits_at_once(tmp_path):
 
 
 # 4 in the suite (2 killed mid-save, 2 at a random moment); MESHTRAIN_SOAK_TRIALS=10 gives the
-# README's figure.
+# checkpoints guide's figure.
 SOAK_TRIALS = int(os.environ.get("MESHTRAIN_SOAK_TRIALS", "4"))
 SOAK_MODEL = {"d_model": 128, "d_hidden": 512}  # about 3 MB a checkpoint
 

@@ -166,8 +166,15 @@ BAD = {
     "meshtrain.models.moe_config.MoEConfig": ("top_k", 0, "moe.top_k"),
     "meshtrain.models.mlp.MLPConfig": ("d_hidden", 0, "mlp.d_hidden"),
     "meshtrain.models.cnn_config.CNNConfig": ("groups", 0, "cnn.groups"),
+    "meshtrain.cli.train.TrainJob": ("devices", -1, "devices"),
+    "meshtrain.cli.inspect.InspectJob": ("sample_tokens", -1, "sample_tokens"),
+    "meshtrain.cli.bench.BenchSettings": ("steps", 0, "steps"),
+    "meshtrain.cli.prepare.PrepareSettings": ("workers", -1, "workers"),
 }
-REQUIRED = {"Rules": {"params": {}, "activations": {}}}  # fields without defaults
+REQUIRED = {
+    "Rules": {"params": {}, "activations": {}},
+    "PrepareSettings": {"inputs": ("notes",), "out": "corpus"},
+}  # fields without defaults
 
 
 def _config_classes() -> dict[str, type]:

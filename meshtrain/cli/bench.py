@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from meshtrain import validate
 from meshtrain.cli import parsing
+from meshtrain.problem import Problem
 
 __all__ = ["BenchSettings", "main", "parse", "run"]
 
@@ -70,12 +72,13 @@ class BenchSettings:
     out: str = ""
 
     def __post_init__(self):
-        for name in ("seq_len", "batch", "warmup", "devices", "matmul_peak_reps", "profile_steps"):
-            if getattr(self, name) < 0:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} {getattr(self, name)}: must be ≥ 0; e.g. {flag} 0")
-        if self.steps < 1:
-            raise ValueError(f"--steps {self.steps}: must be ≥ 1; e.g. --steps 10")
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings (empty when they can run)."""
+        counts = ("seq_len", "batch", "warmup", "devices", "matmul_peak_reps", "profile_steps")
+        found = [p for n in counts for p in validate.non_negative(n, getattr(self, n), example=0)]
+        return found + validate.positive("steps", self.steps, example=10)
 
 
 def run(settings: BenchSettings, argv: list[str] | tuple[str, ...] = ()) -> int:

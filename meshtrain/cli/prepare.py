@@ -15,7 +15,9 @@ import time
 
 import tyro
 
+from meshtrain import validate
 from meshtrain.cli import parsing
+from meshtrain.problem import Problem
 
 __all__ = ["PrepareSettings", "main", "parse", "run"]
 
@@ -46,8 +48,13 @@ class PrepareSettings:
     progress: bool = True
 
     def __post_init__(self):
-        if not self.inputs:
-            raise ValueError("missing INPUTS (files or directories); e.g. " + EXAMPLE)
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings (empty when they can run)."""
+        return validate.require(
+            bool(self.inputs), "inputs", (), "give files or directories; e.g. " + EXAMPLE
+        ) + validate.non_negative("workers", self.workers, example=0, note="0: one per core")
 
 
 def run(settings: PrepareSettings) -> int:

@@ -19,6 +19,7 @@ from typing import Annotated
 
 import tyro
 
+from meshtrain import validate
 from meshtrain.checkpoint import CheckpointConfig, holds_run
 from meshtrain.cli import parsing
 from meshtrain.cli.errors import UsageError
@@ -98,18 +99,18 @@ class TrainJob:
     dist: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
-        if self.model not in families():
-            raise ValueError(
-                f"model={self.model!r}: unknown model; choose from {', '.join(families())}"
-            )
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with the job's own fields (each config checks its own)."""
         from meshtrain.context_parallel import algorithm_problems
 
-        if problems := algorithm_problems(self.context_parallel):
-            raise RunCheckError(problems)
-        if self.devices < 0 or self.sample_tokens < 0:
-            raise ValueError(
-                f"devices={self.devices}, sample_tokens={self.sample_tokens}: must be ≥ 0"
-            )
+        return (
+            validate.one_of("model", self.model, families())
+            + algorithm_problems(self.context_parallel)
+            + validate.non_negative("devices", self.devices, example=8, note="0: real devices")
+            + validate.non_negative("sample_tokens", self.sample_tokens, example=160)
+        )
 
     def model_config(self):
         """The chosen model family's config."""

@@ -37,7 +37,7 @@ def flag_table(cls: type, prefix: str = "", path: str = "") -> dict[str, str]:
             continue
         kind = typing.get_args(hint)[0] if marks else hint
         where = f"{path}{f.name}"
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             inner = prefix if tyro.conf.OmitArgPrefixes in marks else f"{prefix}{_flag(f.name)}."
             table.update(flag_table(kind, inner, f"{where}."))
             continue

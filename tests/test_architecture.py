@@ -24,8 +24,7 @@ LAYERS = [
         "meshtrain.costmodel",
     ],  # fmt: skip
     ["meshtrain.pipeline", "meshtrain.checkpoint", "meshtrain.replicas"],
-    ["meshtrain.check"],
-    ["meshtrain.train"],
+    ["meshtrain.train", "meshtrain.run", "meshtrain.check"],
     [
         "meshtrain.lower",
         "meshtrain.hf",

@@ -11,22 +11,22 @@ def run(job, as_json: bool = False) -> int:
     from meshtrain.comm.inspector import inspect
     from meshtrain.layout import rules_for
     from meshtrain.mesh import make_mesh, simulate_devices
+    from meshtrain.run import RunSpec
 
     if job.devices:
         simulate_devices(job.devices)
     mesh = make_mesh(job.mesh)
-    report = inspect(
-        job.model_config(),
-        job.data,
-        mesh,
-        rules_for(job.strategy, mesh),
+    run = RunSpec(
+        model=job.model_config(),
+        data=job.data,
+        mesh=mesh,
+        rules=rules_for(job.strategy, mesh),
+        train=job.train,
         optim=job.optim,
         pipeline=job.pipeline,
-        accum_steps=job.train.accum_steps,
-        loss_impl=job.train.loss_impl,
-        seed=job.train.seed,
         sync=job.sync,
     )
+    report = inspect(run)
     if as_json:
         print(report.to_json())
     else:

@@ -98,6 +98,29 @@ def test_old_and_new_train_step_are_bit_for_bit_equal():
         np.testing.assert_array_equal(a, b)
 
 
+def test_the_step_reports_the_learning_rate_under_local_sgd_too():
+    """``lr`` is the schedule at the step's own index on every sync path (local SGD's included)."""
+    cfg = MLPConfig(num_features=8, num_classes=4, d_model=16, d_hidden=16, n_layers=1)
+    mesh = make_mesh("data=8")
+    run = RunSpec(mesh=mesh, rules=mt.rules_for("dp", mesh), sync=mt.SyncConfig(sync_every=2))
+    optim = OptimConfig(lr=1e-2, warmup_steps=3)
+    tx, schedule = make_optimizer(optim, 10), mt.lower.make_schedule(optim, 10)
+    ctor = lambda: cfg.build(rngs=nnx.Rngs(params=0))  # noqa: E731
+    graphdef, state, shardings = init_train_state(ctor, tx, mesh, run.rules)
+    state, shardings = mt.lower.with_sync(run.sync, tx, state, shardings, mesh, run.rules)
+    rng = np.random.default_rng(2)
+    batch = {"inputs": rng.normal(size=(16, 8)).astype(np.float32)}
+    batch["targets"] = rng.integers(0, 4, 16).astype(np.int32)
+    batch = shard_batch(batch, mesh, run.rules)
+    step = jit_train_step(
+        run, graphdef, tx, shardings, {k: v.sharding for k, v in batch.items()}, schedule=schedule
+    )
+    for i in range(2):
+        state, metrics = step(state, batch)
+        np.testing.assert_allclose(metrics["lr"], schedule(i), rtol=1e-6)  # jit vs eager
+        assert int(metrics["synced"]) == i
+
+
 def test_old_and_new_check_run_find_the_same_problems():
     """A run that cannot work: the same problems, in the same order, either way."""
     sizes = {a: 1 for a in AXES} | {"data": 4, "tensor": 2}

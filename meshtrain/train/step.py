@@ -137,7 +137,7 @@ def train_step(
 
     sync = run.sync
     if sync.local:
-        return replicas.local_step(
+        new_state, metrics = replicas.local_step(
             compute,
             tx,
             replicas.outer_optimizer(sync.outer_optimizer, sync.outer_lr, sync.outer_momentum),
@@ -145,9 +145,11 @@ def train_step(
             batch,
             **_replica_layout("sync_every"),
             sync_every=sync.sync_every,
-            schedule=schedule,
             skip_nonfinite=skip_nonfinite,
         )
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
+        return new_state, metrics
     comm = dict(state.comm)
     if sync.compresses:
         (loss, (rest, extra)), grads, residual = replicas.reduced_grads(

@@ -24,6 +24,7 @@ from meshtrain.problem import Problem, raise_if
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import abstract_model, abstract_target, init_train_state
+from meshtrain.train.config import TrainConfig
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
 from meshtrain.train.optim import make_optimizer, make_schedule
 from meshtrain.train.step import jit_eval_step, jit_train_step
@@ -98,13 +99,10 @@ class Trainer:
     ):
         run = _run_of(run, dict(model=model, data=data, mesh=mesh, rules=rules), legacy)
         self.run = run = run.resolved()
-        self.config, self.pipeline, self.optim, self.sync = (
-            run.train,
-            run.pipeline,
-            run.optim,
-            run.sync,
-        )
-        self.data, self.mesh, self.rules = data, mesh, rules = run.data, run.mesh, run.rules
+        self.config: TrainConfig = run.train
+        self.optim, self.pipeline, self.sync = run.optim, run.pipeline, run.sync
+        data, mesh, rules = run.data, run.mesh, run.rules
+        self.data, self.mesh, self.rules = data, mesh, rules
         self.model_config = run.model_config
         ctor, problems = run.constructor()
         if run.loss_fn is not None and self.config.loss_impl != "xla":

@@ -111,10 +111,10 @@ def model_candidate(
         "logits": logits,
     }
     pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches) if p > 1 else None
-    traffic = Traffic(
+    shape = Traffic(
         sizes, batch_axes, batch * seq_len, d_model=D, act_itemsize=item, pipeline=pc, batch=batch
     )
-    exp = expected(layouts, traffic)
+    exp = expected(layouts, shape)
     comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes)
     flops = cfg.flops_per_token(seq_len) * batch * seq_len / n
     if cand.remat == "full":

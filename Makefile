@@ -5,7 +5,7 @@ PY ?= $(shell command -v python3.12 2>/dev/null || (test -x $(PYENV_PY) && echo 
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-lowest gpu-bundle torch-parity lint venv clean
+.PHONY: train test docs test-lowest gpu-bundle torch-parity lint typecheck venv clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 12), f"meshtrain needs Python >= 3.12, got {sys.version.split()[0]} from $(PY); install 3.12 (pyenv install 3.12) or run make PY=/path/to/python3.12"'
@@ -19,8 +19,17 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/meshtrain train $(ARGS)
 
+# The documentation site, strictly: any warning (a broken link or reference, a docstring
+# autodoc cannot read) fails the build. Output in docs/_build/html.
+DOCS_BUILD = $(VENV)/bin/python -m sphinx -b html -W --keep-going -q -d docs/_build/doctrees docs docs/_build/html
+
+docs: $(STAMP)
+	$(DOCS_BUILD)
+
 test: $(STAMP)
 	$(VENV)/bin/python -m ruff check .
+	$(VENV)/bin/python -m mypy
+	$(DOCS_BUILD)
 	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not kit and not lowest" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The lowest versions pyproject.toml allows (jax 0.11.2, the GPU image's), in .venv-lowest:
@@ -28,7 +37,7 @@ test: $(STAMP)
 test-lowest: $(STAMP) gpu-bundle
 	PY=$(PY) bash scripts/ci_lowest.sh
 
-# .whl/: the wheels a GPU machine needs and its image lacks (carried by the device tool).
+# .whl/: the wheels a GPU machine needs and its image lacks; scripts/gpu_check.sh installs them there.
 gpu-bundle: $(STAMP)
 	$(VENV)/bin/python scripts/gpu_bundle.py --out .whl
 
@@ -50,5 +59,9 @@ torch-parity: $(STAMP) $(TORCH_VENV)/.installed
 lint: $(STAMP)
 	$(VENV)/bin/python -m ruff check . && $(VENV)/bin/python -m ruff format --check .
 
+# The type checker over the public modules ([tool.mypy] in pyproject.toml lists them).
+typecheck: $(STAMP)
+	$(VENV)/bin/python -m mypy
+
 clean:
-	rm -rf $(VENV) .venv-lowest $(TORCH_VENV) .whl build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-lowest $(TORCH_VENV) .whl build *.egg-info .pytest_cache docs/_build

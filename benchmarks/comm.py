@@ -11,8 +11,8 @@ runs) and inspected (`meshtrain.inspect`):
   optimizer state) / N, the ideal of a fully sharded state with nothing else held.
 
 Then the planner's wall time: 8 devices (a tiny GPT on the cpu-sim profile, memory confirmed
-by compiling the best two), and 64 devices (a 1.3B GPT on H100, memory analytic: this machine
-cannot compile a 64-device program).
+by compiling the best two), and 64 devices (a 1.3B GPT on H100, memory analytic: a process with
+8 devices cannot compile a 64-device program).
 
     python benchmarks/comm.py            # GPT d=128, 4 layers, T=128, batch 32
     python benchmarks/comm.py --quick    # smaller: dp, fsdp and gpipe; the 64-device planner

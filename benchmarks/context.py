@@ -1,14 +1,14 @@
 """Context parallelism: compiled per-device memory against sequence length, and the bytes each
-strategy moves against the analytic count.
+algorithm moves against the analytic count.
 
 Nothing runs; every figure is read from a compiled program (8 simulated CPU devices):
 
 - ``memory`` cases: the loss-and-gradient of a small Llama-style GPT (batch 1) on a mesh of
   ``seq = n`` devices, for each sequence length and n ∈ {1, 2, 4, 8}, with the default ring
-  strategy. ``temp_bytes`` is XLA's per-device temporary allocation (`memory_analysis`); the
+  algorithm. ``temp_bytes`` is XLA's per-device temporary allocation (`memory_analysis`); the
   target is that it falls as 1/seq, and ``ratio_vs_seq1`` reports temp(seq=1) / temp(seq=n).
 - ``bytes`` cases: one attention call's forward and backward (``context_attention`` under
-  `jax.grad`) per strategy on ``seq = n``; the compiled HLO's collective-permute, all-to-all,
+  `jax.grad`) per algorithm on ``seq = n``; the compiled HLO's collective-permute, all-to-all,
   all-gather and reduce-scatter result bytes per device, against the analytic count.
 - ``ring_backward``: the ring's custom VJP against autodiff of the same ring (temp bytes).
 
@@ -70,7 +70,7 @@ def gpt_memory(cfg: GPTConfig, T: int, n: int) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def attention_program(strategy, n, B, T, H, G, K, *, autodiff_ring=False):
+def attention_program(algorithm, n, B, T, H, G, K, *, autodiff_ring=False):
     """The compiled forward + backward of one context-parallel attention call."""
     mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
     idx = jnp.asarray(cp.order(T, n))
@@ -89,7 +89,7 @@ def attention_program(strategy, n, B, T, H, G, K, *, autodiff_ring=False):
     else:
 
         def attend(q, k, v):
-            return cp.context_attention(q, k, v, idx, mesh=mesh, strategy=strategy)
+            return cp.context_attention(q, k, v, idx, mesh=mesh, algorithm=algorithm)
 
     def loss(q, k, v, w):  # a random cotangent: a constant one would fold collectives away
         return (attend(q, k, v) * w).sum()
@@ -98,15 +98,15 @@ def attention_program(strategy, n, B, T, H, G, K, *, autodiff_ring=False):
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, kv, kv, q).compile()
 
 
-def analytic(strategy, n, B, T, H, G, K) -> dict[str, int]:
-    """Result bytes per device each strategy's forward + backward moves (float32, int32)."""
+def analytic(algorithm, n, B, T, H, G, K) -> dict[str, int]:
+    """Result bytes per device each algorithm's forward + backward moves (float32, int32)."""
     Tl = T // n
     kv, pos = B * Tl * G * K * 4, Tl * 4  # one device's k (or v) block; its positions
     out = dict.fromkeys(OPS, 0)
-    if strategy == "ring":
+    if algorithm == "ring":
         # k, v and positions hop n − 1 times in each pass; dk, dv hop n times (back home)
         out["collective-permute"] = 2 * (n - 1) * (2 * kv + pos) + n * 2 * kv
-    elif strategy == "allgather":
+    elif algorithm == "allgather":
         out["all-gather"] = n * (2 * kv + pos)  # the whole k, v and positions, gathered once
         out["reduce-scatter"] = 2 * kv  # dk, dv scattered back
     else:  # ulysses: q, k, v (k, v repeated to H heads when seq does not divide G) and out
@@ -136,15 +136,15 @@ def main(argv=None) -> int:
         for n in seqs:
             temp = gpt_memory(cfg, T, n)
             base = base or temp
-            line = dict(case="memory", T=T, seq=n, strategy="ring", temp_bytes=temp)
+            line = dict(case="memory", T=T, seq=n, algorithm="ring", temp_bytes=temp)
             line.update(ratio_vs_seq1=round(base / temp, 2), ideal=n, device=device)
             print(json.dumps(line), flush=True)
     B, T, H, G, K = 1, (64 if quick else 1024), 8, 2, 16
-    for strategy in cp.STRATEGIES:
+    for algorithm in cp.ALGORITHMS:
         for n in [2, 4] if quick else [2, 4, 8]:
-            got = collective_bytes(attention_program(strategy, n, B, T, H, G, K).as_text())
-            want = analytic(strategy, n, B, T, H, G, K)
-            line = dict(case="bytes", strategy=strategy, seq=n, T=T, heads=H, kv_heads=G)
+            got = collective_bytes(attention_program(algorithm, n, B, T, H, G, K).as_text())
+            want = analytic(algorithm, n, B, T, H, G, K)
+            line = dict(case="bytes", algorithm=algorithm, seq=n, T=T, heads=H, kv_heads=G)
             line.update(measured=got, analytic=want, match=got == want, device=device)
             print(json.dumps(line), flush=True)
     n = 4

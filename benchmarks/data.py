@@ -141,7 +141,7 @@ def step_seconds(quick: bool, steps: int) -> tuple[float, str]:
 
     import jax
 
-    from meshtrain.cli import TrainJob, build_trainer
+    from meshtrain.cli.train import TrainJob, build_trainer
     from meshtrain.layout import shard_batch
 
     job = TrainJob()

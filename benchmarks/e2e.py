@@ -38,7 +38,9 @@ def log(*parts) -> None:
 
 
 def parse_args(argv=None):
-    from meshtrain import bench
+    import dataclasses
+
+    from meshtrain.cli.bench import parse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
     p.add_argument("--torch", default="auto", choices=("auto", "on", "off"))
@@ -46,11 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--torch-timeout", type=int, default=600, help="seconds for the torch run")
     p.add_argument("--jax-baseline", action=argparse.BooleanOptionalAction, default=True)
     own, rest = p.parse_known_args(argv)
-    args = bench.parse_args(rest)
-    args.argv = list(rest)
-    for k, v in vars(own).items():
-        setattr(args, k, v)
-    return args
+    bench = dataclasses.asdict(parse(list(rest)))  # meshtrain bench's flags and checks
+    return argparse.Namespace(**bench, argv=list(rest), **vars(own))
 
 
 def size_numbers(args) -> dict:

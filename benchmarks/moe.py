@@ -12,7 +12,7 @@
 - ``flops``: compiled FLOPs per device of capacity vs dropless dispatch (XLA's cost analysis)
   next to the experts' active FLOPs (k experts per token, forward + backward).
 
-GPU tokens/s for both paths: unmeasured (no GPU was available).
+GPU tokens/s for both paths are not measured yet.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/moe.py [--quick]
 """

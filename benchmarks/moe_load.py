@@ -1,7 +1,7 @@
 """Expert load over training: a tiny MoE trained on bytes of a source file for capacity
 factors 1.0 and 1.25 and dropless dispatch, beside a dense model of equal active parameters;
 one JSON line per run (final figures and the per-step curves), and with ``--plot PATH`` the
-expert-load figure the README shows.
+expert-load figure the MoE guide shows.
 
     .venv/bin/python benchmarks/moe_load.py --plot benchmarks/results/moe_load.png
 """

@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from meshtrain.checkpoint import CheckpointConfig, CheckpointManager
-    from meshtrain.cli import TrainJob
+    from meshtrain.cli.train import TrainJob
     from meshtrain.layout import batch_shardings, rules_for, shard_batch
     from meshtrain.lower import RunSpec, init_train_state, jit_train_step, make_optimizer
     from meshtrain.mesh import describe, make_mesh

@@ -7,7 +7,7 @@ somewhere inside a run.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -46,28 +46,78 @@ def varies_over(x: jax.Array, axis: str) -> bool:
     return axis in (manual.varying if manual is not None else aval.vma)  # jax 0.11: .vma
 
 
-def tyro_config_errors(handler: Callable) -> contextlib.AbstractContextManager:
-    """While active, tyro calls `handler(event)` on each parse error before printing it.
+@dataclasses.dataclass(frozen=True)
+class ParseFailure:
+    """One rejected command line, in tyro-free terms (see `tyro_parse_failures`).
 
-    Uses ``tyro._errors.on_parse_error``, tyro's private and experimental hook (the only way
-    to see a config's own ``ValueError`` instead of tyro's box). tyro < 1.0 has no such hook:
-    there this does nothing, and a rejected config value shows tyro's box.
+    Args:
+        kind: "value" (a flag's value did not convert), "config" (a config's own check
+            raised), "unknown" (tokens no flag takes), "missing" (required arguments left
+            out), "choice" (a value outside a flag's choices), "other".
+        flags: the flags (or positional names) concerned.
+        message: tyro's own words for the failure (e.g. the config's ValueError).
+        value: the value the user gave, when tyro knows it.
+        choices: a choice flag's allowed values.
+        expected: the Python type a value flag converts to (e.g. ``int``), else None.
+        default: the flag's default, else None.
     """
-    try:
-        from tyro._errors import on_parse_error
-    except ImportError:
-        return contextlib.nullcontext()
-    return on_parse_error(handler)
+
+    kind: str
+    flags: tuple[str, ...] = ()
+    message: str = ""
+    value: str | None = None
+    choices: tuple[str, ...] = ()
+    expected: type | None = None
+    default: object = None
 
 
-def tyro_instantiation_failure() -> type | tuple:
-    """tyro's private event type for a config class whose constructor raised (``()``, which
-    nothing is an instance of, on a tyro without it)."""
-    try:
-        from tyro import _errors
-    except ImportError:
-        return ()
-    return getattr(_errors, "InstantiationFailure", ())
+def _failure(event) -> ParseFailure:
+    """A tyro parse-error event as a `ParseFailure`."""
+    from tyro import _errors
+
+    def names(arg) -> tuple[str, ...]:
+        return tuple(arg.lowered.name_or_flags) or (arg.display_name(),)
+
+    if isinstance(event, _errors.InstantiationFailure):
+        arg = event.argument
+        if arg is None:
+            return ParseFailure("config", message=event.message)
+        default = arg.field.default
+        return ParseFailure(
+            "value",
+            names(arg),
+            event.message,
+            expected=arg.field.type_stripped if isinstance(arg.field.type_stripped, type) else None,
+            default=default if isinstance(default, (int, float, str)) else None,
+        )
+    if isinstance(event, _errors.UnrecognizedArgs):
+        return ParseFailure("unknown", tuple(event.tokens))
+    if isinstance(event, _errors.MissingArgs) and event.unrecognized_tokens:
+        return ParseFailure("unknown", tuple(event.unrecognized_tokens))  # a misspelt flag
+    if isinstance(event, _errors.MissingArgs):
+        return ParseFailure(
+            "missing", tuple(n for a in event.missing_arguments for n in names(a.arg)[:1])
+        )
+    if isinstance(event, _errors.InvalidChoice):
+        return ParseFailure(
+            "choice", names(event.argument), value=event.value, choices=tuple(event.choices)
+        )
+    if isinstance(event, _errors.BadValue):
+        return ParseFailure("value", names(event.argument), value=event.offending_value)
+    return ParseFailure("other", message=type(event).__name__)
+
+
+def tyro_parse_failures(handler: Callable[[ParseFailure], None]):
+    """While active, tyro calls `handler(failure)` on each parse error before printing its box;
+    a `handler` that raises replaces the box.
+
+    Uses ``tyro._errors.on_parse_error`` and its event types, tyro's private and experimental
+    hook (tyro >= 1.0.14; pyproject requires it): the only way to turn tyro's error box into
+    the one line meshtrain prints.
+    """
+    from tyro._errors import on_parse_error
+
+    return on_parse_error(lambda event: handler(_failure(event)))
 
 
 def orbax_finish_tmp_cleanup(manager) -> None:

@@ -23,20 +23,19 @@ Megatron report); ``mfu_palm`` counts every pair (PaLM; what the Trainer's progr
 Each is given against the datasheet peak (`metrics.PEAK_TFLOPS`; null where none is known, e.g.
 on CPU) and against the matmul peak measured in the same run.
 
-It uses only meshtrain's public API (``import meshtrain as mt``), and parses its own flags
-with argparse (no tyro), so it runs wherever ``import meshtrain`` does.
+It uses only meshtrain's public API (``import meshtrain as mt``); its flags are
+`meshtrain.cli.bench.BenchSettings`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from meshtrain.measure import environment, matmul_peak, memory_figures, profile, spread, time_steps
@@ -53,68 +52,11 @@ SIZES: dict[str, dict[str, int]] = {
     "1.3b": dict(d_model=2048, n_layers=24, n_heads=16, vocab_size=50304, seq_len=2048, batch=8),
 }
 MATMUL_PEAK_N = {"gpu": 8192, "other": 512}  # the matmul-peak size per platform
-ATTENTION_IMPLS = ("default", "xla", "pallas", "cudnn", "auto")
-KERNEL_IMPLS = ("xla", "pallas", "auto")
 
 
 def log(*parts: Any) -> None:
     """Progress on stderr; stdout carries only the JSON line."""
     print("[bench]", *parts, file=sys.stderr, flush=True)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The bench's flags (see `main`)."""
-    p = argparse.ArgumentParser(
-        prog="meshtrain bench",
-        description="Train a named GPT size on synthetic tokens; print one JSON line of "
-        "step time, tokens/s, TFLOP/s, MFU (both FLOP conventions), memory and compile time.",
-    )
-    p.add_argument("--size", default="tiny", choices=tuple(SIZES), help="model size")
-    p.add_argument("--style", default="llama", choices=("llama", "gpt2"), help="GPT flavour")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the size's)")
-    p.add_argument("--batch", type=int, default=0, help="global batch (0: the size's default)")
-    p.add_argument(
-        "--dtype",
-        default="",
-        choices=("", "bfloat16", "float32"),
-        help="compute dtype (default: bfloat16 on a GPU, float32 elsewhere)",
-    )
-    p.add_argument(
-        "--attention",
-        default="default",
-        choices=ATTENTION_IMPLS,
-        help="attention kernel; default: cudnn on a GPU, xla elsewhere",
-    )
-    p.add_argument("--norm", default="xla", choices=KERNEL_IMPLS, help="norm kernel")
-    p.add_argument("--loss", default="xla", choices=KERNEL_IMPLS, help="cross-entropy kernel")
-    p.add_argument(
-        "--remat", default="none", help="remat policy: none, full, save-dots, save-attention-out"
-    )
-    p.add_argument("--mesh", default="data=-1", help="mesh axis sizes (default: all devices)")
-    p.add_argument("--strategy", default="dp", help="sharding strategy preset")
-    p.add_argument(
-        "--devices", type=int, default=0, help="simulate N CPU devices (0: the real devices)"
-    )
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument(
-        "--matmul-peak-n",
-        type=int,
-        default=-1,
-        help="size n of the n³ bf16 matmul peak (-1: 8192 on a GPU, 512 elsewhere; 0: skip)",
-    )
-    p.add_argument("--matmul-peak-reps", type=int, default=10, help="timed matmul calls")
-    p.add_argument("--profile", default="", help="write a jax.profiler trace to this directory")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps inside the trace")
-    p.add_argument("--seed", type=int, default=0, help="seed of the parameters and tokens")
-    p.add_argument("--out", default="", help="also append the JSON line to this file")
-    args = p.parse_args(argv)
-    for name in ("seq_len", "batch", "warmup", "devices", "matmul_peak_reps", "profile_steps"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be ≥ 0, got {getattr(args, name)}")
-    if args.steps < 1:
-        p.error(f"--steps must be ≥ 1, got {args.steps}")
-    return args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +98,7 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_shape(args: argparse.Namespace) -> Shape:
+def resolve_shape(args) -> Shape:
     """The GPT config of ``--size`` with the flags applied (the one place that builds it)."""
     import meshtrain as mt
 
@@ -238,8 +180,9 @@ def throughput(
     return out
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Builds, compiles, times (and optionally traces) the meshtrain train step of `args`.
+def run(args) -> dict:
+    """Builds, compiles, times (and optionally traces) the meshtrain train step of `args`
+    (a `meshtrain.cli.bench.BenchSettings`, or anything with its attributes).
 
     Returns:
         The JSON record (see the module docstring); also ``first_loss``, the loss of the first
@@ -359,21 +302,3 @@ def emit(record: dict, out: str = "") -> str:
         with path.open("a", encoding="utf-8") as f:
             f.write(line + "\n")
     return line
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``meshtrain bench`` (and ``python -m meshtrain.bench``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    args.argv = argv
-    try:
-        record = run(args)
-    except ValueError as e:
-        print(f"meshtrain bench: error: {e}", file=sys.stderr)
-        return 2
-    emit(record, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

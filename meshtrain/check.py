@@ -7,12 +7,15 @@ many candidate meshes to reject those that cannot work.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from flax import nnx
 
 from meshtrain.checkpoint.dirs import directory_problems
 from meshtrain.context_parallel import context_problems
 from meshtrain.layout import Rules, state_problems
+from meshtrain.mesh import EXPERT, PIPE, SEQ
 from meshtrain.models import families
 from meshtrain.models.base import pipeline_parts, takes_packed
 from meshtrain.pipeline import pipeline_problems
@@ -20,7 +23,7 @@ from meshtrain.problem import Problem
 from meshtrain.replicas import sync_problems
 from meshtrain.run import RunSpec, data_spec, run_from_legacy
 
-UNSUPPORTED_AXES = ("expert",)  # axes the Trainer does not run yet
+UNSUPPORTED_AXES = (EXPERT,)  # axes the Trainer does not run yet
 _LEGACY = ("model", "data", "mesh", "rules", "accum_steps", "pipeline", "checkpoint", "run_dir")
 _LEGACY += ("sync",)  # the older keywords (see check_run)
 __all__ = ["UNSUPPORTED_AXES", "check_run", "data_spec"]
@@ -65,16 +68,16 @@ def check_run(
         for axis in UNSUPPORTED_AXES
         if sizes.get(axis, 1) > 1 and axis not in getattr(model, "supported_axes", ())
     ]
-    if sizes.get("seq", 1) > 1 and getattr(model, "context_parallel", True) is False:
+    if sizes.get(SEQ, 1) > 1 and getattr(model, "context_parallel", True) is False:
         problems.append(
             Problem(
                 "mesh.seq",
-                sizes["seq"],
+                sizes[SEQ],
                 f"{type(model).__name__} does not run context parallelism yet; set seq=1",
             )
         )
-    strategy = getattr(rules, "context_parallel", "ring")
-    problems += context_problems(sizes, strategy, seq_len=spec.seq_len, kind=spec.kind)
+    algorithm = getattr(rules, "context_parallel", "ring")
+    problems += context_problems(sizes, algorithm, seq_len=spec.seq_len, kind=spec.kind)
     ways = rules.batch_ways(sizes)
     if spec.batch_size % (ways * k):
         problems.append(
@@ -95,12 +98,15 @@ def check_run(
         ]
         if callable(getattr(model, "check_layout", None)):  # optional (see ModelConfig)
             layout_problems = model.check_layout(sizes, rules)
-    # The model's own layout line names the config field to change; the per-parameter lines
-    # would only repeat it, one per tensor.
-    problems += layout_problems or _model_layout_problems(abstract, rules, sizes)
-    if sizes.get("pipe", 1) > 1:
+    stages = []
+    if sizes.get(PIPE, 1) > 1:
         axes = " × ".join(rules.batch_axes(sizes)) or "batch axes"
-        problems += _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
+        stages = _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k)
+    # The model's own layout line names the config field to change; the per-parameter lines
+    # would only repeat it, one per tensor (as they would the pipeline's layers line).
+    split = any(p.field == _layers_field(model) for p in stages)
+    problems += layout_problems or _model_layout_problems(abstract, rules, sizes, split)
+    problems += stages
     if spec.packed:
         problems += _packing_problems(sizes, abstract)
     problems += sync_problems(sync, sizes, rules.replica_axes(sizes), rules.name)
@@ -136,7 +142,7 @@ def _packing_problems(sizes, abstract) -> list[Problem]:
             f"packed batches do not run {what} yet ({axis}={sizes[axis]}); set {axis}=1 or "
             "train on plain windows (--data.no-packing)",
         )
-        for axis, what in (("pipe", "pipelined"), ("seq", "under context parallelism"))
+        for axis, what in ((PIPE, "pipelined"), (SEQ, "under context parallelism"))
         if sizes.get(axis, 1) > 1
     ]
     if abstract is not None and not takes_packed(module := nnx.merge(*abstract)):
@@ -152,11 +158,19 @@ def _packing_problems(sizes, abstract) -> list[Problem]:
     return problems
 
 
-def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
-    """Parameters (and optimizer state) the rules cannot lay out on a mesh of `sizes`."""
+def _model_layout_problems(abstract, rules: Rules, sizes, layers_said=False) -> list[Problem]:
+    """Parameters (and optimizer state) the rules cannot lay out on a mesh of `sizes`; with
+    `layers_said`, not the stacked layers' split over pipe (the pipeline's line names it)."""
     if abstract is None:
         return []
     _, state = abstract
+    if layers_said:
+        unsplit = {"layers": None}
+        rules = dataclasses.replace(
+            rules,
+            params={**rules.params, **unsplit},
+            optimizer=None if rules.optimizer is None else {**rules.optimizer, **unsplit},
+        )
     messages = state_problems(state, rules.params, sizes)
     if rules.optimizer is not None:
         messages += state_problems(state, rules.optimizer, sizes)
@@ -165,7 +179,7 @@ def _model_layout_problems(abstract, rules: Rules, sizes) -> list[Problem]:
 
 def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) -> list[Problem]:
     """What keeps the model from being pipelined over ``pipe`` stages."""
-    pipe = sizes["pipe"]
+    pipe = sizes[PIPE]
     layers = getattr(model, "pipeline_layers", None)
     if abstract is not None:
         module = nnx.merge(*abstract)
@@ -197,7 +211,16 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) ->
         batch_ways=ways,
         batch_axes=axes,
         layers=layers,
+        layers_field=_layers_field(model),
     )
+
+
+def _layers_field(model) -> str:
+    """The config field of the model's stacked layers (``gpt.n_layers``), or ``layers``."""
+    if model is None or not hasattr(model, "n_layers"):
+        return "layers"
+    name = next((n for n, f in families().items() if isinstance(model, f.config)), "gpt")
+    return f"{name}.n_layers"
 
 
 def _kernel_problems(model, pipe: int) -> list[Problem]:

@@ -6,15 +6,12 @@
 
 A meshtrain checkpoint names its model config and, when the CLI trained it, its tokenizer
 (``--data.tokenizer``); a Hugging Face directory has ``config.json`` and (optionally) a
-``tokenizer.json``. ``--tokenizer`` overrides either. Its flags are argparse (like
-``meshtrain bench``); a bad value is one line and exit code 2, before anything compiles.
+``tokenizer.json``. ``--tokenizer`` overrides either. Its flags are
+`meshtrain.cli.generate.GenerateSettings`.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -155,9 +152,19 @@ def generate(
 
     Returns:
         The prompt and its continuation, decoded.
+
+    Raises:
+        ValueError: one line for a setting out of range, or a prompt of more tokens than the
+            model's context (``max_seq_len``).
     """
     check_settings(n_new=n_new, temperature=temperature, top_k=top_k, top_p=top_p)
     ids = tokenizer.encode(prompt)
+    context = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    if context is not None and len(ids) > context:
+        raise ValueError(
+            f"prompt: {len(ids)} tokens, longer than the model's context of {context} tokens "
+            f"(max_seq_len); give a prompt of at most {context} tokens"
+        )
     start = 0
     if not ids:
         if tokenizer.eos_id is None:
@@ -186,46 +193,3 @@ def check_settings(*, n_new: int, temperature: float, top_k: int, top_p: float) 
         raise ValueError(f"top_k={top_k}: must be ≥ 0 (0 keeps every token)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 keeps every token)")
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """The flags of ``meshtrain generate``."""
-    p = argparse.ArgumentParser(
-        prog="meshtrain generate",
-        description="Sample text from a meshtrain checkpoint or a Hugging Face directory.",
-    )
-    p.add_argument("source", help="run / checkpoint / step directory, or hf:PATH")
-    p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=200, help="tokens to sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0, help="k most probable tokens only (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: all)")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--tokenizer", default=None, help="override: 'bytes' or a tokenizer.json")
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``meshtrain generate``; prints the text. Exit code 2 on bad input."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        check_settings(
-            n_new=args.tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
-        )
-        model, tokenizer = load(args.source, args.tokenizer)
-        print(
-            generate(
-                model,
-                tokenizer,
-                args.prompt,
-                args.tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                seed=args.seed,
-            )
-        )
-    except ValueError as e:
-        print(f"meshtrain generate: error: {e}", file=sys.stderr)
-        return 2
-    return 0

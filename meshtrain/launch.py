@@ -11,7 +11,6 @@ and the others are stopped at once.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -27,34 +26,6 @@ SUBCOMMANDS = ("train",)
 DEFAULT_DEVICES = 8  # simulated devices in all when neither --devices-per-proc nor --devices
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="meshtrain launch",
-        description="Start N local processes of one jax.distributed job on 127.0.0.1.",
-        epilog="example: meshtrain launch --nproc 2 --devices-per-proc 4 -- train --steps 50",
-    )
-    p.add_argument("--nproc", type=int, required=True, help="processes to start")
-    p.add_argument(
-        "--devices-per-proc",
-        type=int,
-        default=None,
-        help=f"simulated CPU devices per process (default: {DEFAULT_DEVICES} // nproc, or "
-        "train's --devices)",
-    )
-    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=int,
-        default=None,
-        help="seconds before a silent process is declared dead (MESHTRAIN_HEARTBEAT_TIMEOUT)",
-    )
-    p.add_argument(
-        "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL on failure"
-    )
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- train ... | -- program args")
-    return p
-
-
 def _option_value(args: list[str], flag: str) -> str | None:
     """The value of ``--flag V`` or ``--flag=V`` in `args`, else None."""
     for i, a in enumerate(args):
@@ -65,30 +36,33 @@ def _option_value(args: list[str], flag: str) -> str | None:
     return None
 
 
-def plan(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
-    """Parses launcher arguments; returns (options, the per-process command, devices each).
+def plan(settings) -> tuple[list[str], int]:
+    """The per-process command and the devices each process simulates.
+
+    Args:
+        settings: a `meshtrain.cli.launch.LaunchSettings` (nproc, devices_per_proc, port,
+            command).
 
     Raises:
         ValueError: a bad process count, device count, port or command.
     """
-    opts = _parser().parse_args(argv)
-    command = list(opts.command)
+    command = list(settings.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise ValueError("launch: no command; e.g. meshtrain launch --nproc 2 -- train")
-    if opts.nproc < 1:
-        raise ValueError(f"launch --nproc {opts.nproc}: must be ≥ 1")
-    if opts.port and not 0 < opts.port < 65536:
-        raise ValueError(f"launch --port {opts.port}: must be in 1..65535")
-    if opts.port and not port_is_free(opts.port):
+    if settings.nproc < 1:
+        raise ValueError(f"launch --nproc {settings.nproc}: must be ≥ 1")
+    if settings.port and not 0 < settings.port < 65536:
+        raise ValueError(f"launch --port {settings.port}: must be in 1..65535")
+    if settings.port and not port_is_free(settings.port):
         raise ValueError(
-            f"launch --port {opts.port}: the port is already in use on 127.0.0.1; choose "
+            f"launch --port {settings.port}: the port is already in use on 127.0.0.1; choose "
             "another, or leave --port out to pick a free one"
         )
     if command[0] in SUBCOMMANDS:
         given = _option_value(command, "--devices")
-        k = opts.devices_per_proc
+        k = settings.devices_per_proc
         if given is not None:
             if k is not None and str(k) != given:
                 raise ValueError(
@@ -99,15 +73,15 @@ def plan(argv: list[str]) -> tuple[argparse.Namespace, list[str], int]:
                 raise ValueError(f"train --devices {given!r}: must be a whole number")
             k = int(given)
         if k is None:
-            k = max(1, DEFAULT_DEVICES // opts.nproc)
+            k = max(1, DEFAULT_DEVICES // settings.nproc)
         if given is None:
             command = [command[0], "--devices", str(k), *command[1:]]
         command = [sys.executable, "-m", "meshtrain.cli", *command]
     else:
-        k = opts.devices_per_proc or max(1, DEFAULT_DEVICES // opts.nproc)
+        k = settings.devices_per_proc or max(1, DEFAULT_DEVICES // settings.nproc)
     if k < 1:
         raise ValueError(f"launch --devices-per-proc {k}: must be ≥ 1")
-    return opts, command, k
+    return command, k
 
 
 def _env(rank: int, nproc: int, port: int, devices: int, heartbeat: int | None) -> dict:
@@ -162,17 +136,17 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
         p.wait()
 
 
-def run(argv: list[str]) -> int:
+def run(settings) -> int:
     """Runs ``meshtrain launch``; returns the exit status (0, or the first failure's).
 
     Args:
-        argv: the arguments after ``launch``.
+        settings: a `meshtrain.cli.launch.LaunchSettings`.
+
+    Raises:
+        ValueError: see `plan`; before any process starts.
     """
-    try:
-        opts, command, devices = plan(argv)
-    except ValueError as e:
-        print(f"meshtrain: error: {e}", file=sys.stderr)
-        return 2
+    opts = settings
+    command, devices = plan(settings)
     port = opts.port or free_port()
     say = lambda msg: print(f"[launch] {msg}", flush=True)  # noqa: E731
     say(

@@ -25,7 +25,14 @@ from jax.sharding import AxisType, Mesh
 
 from meshtrain._compat import jax_backends_started
 
-AXES: tuple[str, ...] = ("pipe", "data", "fsdp", "expert", "seq", "tensor")
+# The mesh axes' names, one constant each; code names an axis through these, never a literal.
+PIPE = "pipe"
+DATA = "data"
+FSDP = "fsdp"
+EXPERT = "expert"
+SEQ = "seq"
+TENSOR = "tensor"
+AXES: tuple[str, ...] = (PIPE, DATA, FSDP, EXPERT, SEQ, TENSOR)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,10 +173,10 @@ def host_layout(
     if math.prod(sizes.values()) != num_processes * local_devices:
         raise ValueError(f"mesh {desc} has {math.prod(sizes.values())} devices, not {where}")
     across = dict.fromkeys(AXES, 1)
-    across["pipe"] = math.gcd(sizes["pipe"], num_processes)
-    across["data"] = num_processes // across["pipe"]
-    if sizes["data"] % across["data"]:
-        outer = sizes["pipe"] * sizes["data"]
+    across[PIPE] = math.gcd(sizes[PIPE], num_processes)
+    across[DATA] = num_processes // across[PIPE]
+    if sizes[DATA] % across[DATA]:
+        outer = sizes[PIPE] * sizes[DATA]
         inner = local_devices * num_processes // outer
         raise ValueError(
             f"mesh {desc} cannot be laid out on {where}: the axes across processes are pipe "

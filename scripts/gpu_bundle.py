@@ -16,8 +16,8 @@ This downloads, for CPython 3.12 on manylinux x86-64, binary wheels only:
   installs one only if the image's own version is outside pyproject's range.
 
 It refuses a bundle that holds jax, jaxlib, a jax plugin, torch or numpy, two versions of one
-package, or more than --max-mib MiB (the device tool carries 64 MiB per call, checkout
-included), and writes .whl/MANIFEST.json.
+package, or more than --max-mib MiB (it travels with the checkout to the GPU machine, 64 MiB in
+all), and writes .whl/MANIFEST.json.
 
     .venv/bin/python scripts/gpu_bundle.py            # what `make gpu-bundle` runs
 """

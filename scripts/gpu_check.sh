@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command to run on a GPU machine: install the carried wheels, print versions and the
+# The one command to run on a GPU machine: install the bundled wheels, print versions and the
 # device, then, each stage under its own timeout and all inside --budget seconds, run
 #   the gpu-marked tests, meshtrain bench + its jax and PyTorch baselines at 125m and 1.3b
 #   (benchmarks/e2e.py), benchmarks/kernels.py, and 1.3b with the Pallas kernels;
@@ -13,13 +13,13 @@
 # fails), bench_125m, kernels, bench_1.3b_pallas. A 540 s budget may not reach the last ones;
 # a second call with --stages runs the rest.
 #
-# Through the device tool, after `make gpu-bundle` here:
-#   run(command="bash scripts/gpu_check.sh --budget 540", carry=[".whl"], timeout_s=600)
+# On a machine with an NVIDIA GPU, with the wheels of `make gpu-bundle` in .whl/ beside it:
+#   bash scripts/gpu_check.sh --budget 540
 #
 # --dry-run: the same stages on CPU with tiny sizes (Pallas in interpret mode, the kernels
 # benchmark's --selftest); tests/test_gpu_kit.py runs it in CI.
 #
-# Files under $OUT (the device tool returns at most 8, at most 2 folders deep):
+# Files under $OUT (at most 8, at most 2 folders deep, so they are easy to copy back):
 #   gpu_check.log   everything every stage printed, prefixed by the stage
 #   results.jsonl   every JSON line, and one {"stage", "status", "seconds"} line per stage
 #   summary.txt     the table printed last
@@ -195,7 +195,7 @@ stage kernels 150 "$PYTHON" benchmarks/kernels.py "${KERNELS[@]}"
 stage bench_1.3b_pallas 150 "$PYTHON" benchmarks/e2e.py "${SIZE_B[@]}" "${STEPS[@]}" \
   "${PALLAS[@]}" --torch off --no-jax-baseline
 
-# --- the trace, copied up to where the device tool fetches it (2 folders deep at most) ---------
+# --- the trace, copied up into $OUT (2 folders deep at most) -----------------------------------
 if [ -d "$WORK/trace_b" ]; then
   while IFS= read -r f; do
     size=$(stat -c %s "$f")

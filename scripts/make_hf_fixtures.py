@@ -1,8 +1,8 @@
 """Makes the Hugging Face interchange fixtures in tests/fixtures/hf/ with the reference code.
 
 Run once, by hand, never by the test suite: it needs torch and transformers, which meshtrain does
-not. Python 3.11, in a venv of its own (the CPU torch wheel lies on this machine's disk; install
-torch==2.13.0 first and exactly, so pip does not pull a CUDA build)::
+not. Python 3.11, in a venv of its own (install the CPU torch==2.13.0 first and exactly, so pip
+does not pull a CUDA build)::
 
     python3.11 -m venv /tmp/hfvenv
     /tmp/hfvenv/bin/pip install torch==2.13.0

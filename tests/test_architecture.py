@@ -1,6 +1,6 @@
-"""The layers of the README's architecture picture hold: each module imports meshtrain
-modules of its own layer or below, never above. A new import that breaks a seam (say,
-`state` reaching up into `train`) fails here."""
+"""The layers of the architecture picture (docs/contributing/architecture.md) hold: each
+module imports meshtrain modules of its own layer or below, never above. A new import that
+breaks a seam (say, `state` reaching up into `train`) fails here."""
 
 import ast
 import pathlib
@@ -10,7 +10,7 @@ import meshtrain
 ROOT = pathlib.Path(meshtrain.__file__).parent
 KERNELS = ROOT.parent / "kernels"
 
-# Lowest first; the README's "Architecture" picture, bottom to top.
+# Lowest first; the "Architecture" page's picture, bottom to top.
 LAYERS = [
     ["meshtrain._compat", "meshtrain._tree", "meshtrain.problem", "meshtrain.mesh"],
     ["meshtrain.layout"],
@@ -68,7 +68,7 @@ def _imports(path: pathlib.Path):
 
 def test_every_module_sits_in_a_layer():
     for name, _ in _modules():
-        assert _unit(name) in RANK, f"{name}: add it to LAYERS (and the README picture)"
+        assert _unit(name) in RANK, f"{name}: add it to LAYERS (and to the architecture picture)"
 
 
 def test_no_module_imports_from_a_layer_above_its_own():

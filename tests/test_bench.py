@@ -94,11 +94,16 @@ def test_bench_tiny_prints_every_field_and_writes_a_trace(tmp_path):
 
 
 def test_bench_refuses_bad_flags(capsys):
-    for argv in (["--steps", "0"], ["--size", "7b"], ["--batch", "-1"]):
-        with pytest.raises(SystemExit) as e:
-            bench.parse_args(argv)
-        assert e.value.code == 2
-    assert "--steps must be ≥ 1" in capsys.readouterr().err
+    from meshtrain.cli import main
+
+    for argv, needle in (
+        (["--steps", "0"], "--steps 0: must be ≥ 1"),
+        (["--size", "7b"], "--size 7b: choose from tiny, 125m, 350m, 1.3b"),
+        (["--batch", "-1"], "--batch -1: must be ≥ 0"),
+    ):
+        assert main(["bench", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("meshtrain bench: error: ") and needle in err[0]
 
 
 def test_throughput_arithmetic_and_both_conventions():

@@ -29,7 +29,8 @@ MESHTRAIN = [sys.executable, "-m", "meshtrain.cli", "train"]
 KILLED_AFTER_3 = (
     "import os, signal, sys\n"
     "from meshtrain import cli\n"
-    "trainer = cli.build_trainer(cli.parse(['train', *sys.argv[1:]]))\n"
+    "from meshtrain.cli.train import build_trainer\n"
+    "trainer = build_trainer(cli.parse(['train', *sys.argv[1:]]))\n"
     "trainer.fit(until=3)\n"
     "os.kill(os.getpid(), signal.SIGKILL)\n"
 )
@@ -184,7 +185,7 @@ def test_second_signal_exits_at_once(tmp_path):
 
 
 # 4 in the suite (2 killed mid-save, 2 at a random moment); MESHTRAIN_SOAK_TRIALS=10 gives the
-# README's figure.
+# checkpoints guide's figure.
 SOAK_TRIALS = int(os.environ.get("MESHTRAIN_SOAK_TRIALS", "4"))
 SOAK_MODEL = {"d_model": 128, "d_hidden": 512}  # about 3 MB a checkpoint
 

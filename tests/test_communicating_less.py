@@ -4,8 +4,8 @@ feedback, from the same parameters on the same batches, and prints one JSON line
 One run (a module fixture) serves both tests: int8 + error feedback ends within 2% of the
 uncompressed loss, and the lines carry the inspector's bytes (int8 at about a quarter of
 fp32's). Top-k and sign are not run here, to keep the suite short: their figures after 250
-steps are in benchmarks/results/2026-11-23-cpu-sync.jsonl (the README's table), after 50 in
-notebook 09, whose check runs them."""
+steps are in benchmarks/results/2026-11-23-cpu-sync.jsonl (the Communicating less guide's
+table), after 50 in notebook 09, whose check runs them."""
 
 import json
 import math

@@ -2,6 +2,7 @@
 still exists on the installed versions: an upgrade that removes one fails here, loudly."""
 
 import inspect
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -40,13 +41,31 @@ def test_varies_over_reads_the_manual_axes():
     assert seen == {"same": False, "varying": True}
 
 
-def test_tyro_parse_error_hook_and_event_type_exist():
-    from tyro import _errors
+def test_tyro_parse_error_hook_turns_each_mistake_into_a_failure():
+    import dataclasses
 
-    assert callable(_errors.on_parse_error)
-    assert isinstance(_compat.tyro_instantiation_failure(), type)
-    with _compat.tyro_config_errors(lambda event: None):
-        pass
+    import tyro
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        steps: int = 1
+        kind: typing.Literal["a", "b"] = "a"
+
+    seen = []
+
+    def keep(failure):
+        seen.append(failure)
+        raise ValueError
+
+    for argv in (["--steps", "x"], ["--stpes", "2"], ["--kind", "c"]):
+        with _compat.tyro_parse_failures(keep), pytest.raises(ValueError):
+            tyro.cli(Settings, args=argv)
+    assert [(f.kind, f.flags[0]) for f in seen] == [
+        ("value", "--steps"),
+        ("unknown", "--stpes"),
+        ("choice", "--kind"),
+    ]
+    assert seen[0].expected is int and seen[0].default == 1 and seen[2].choices == ("a", "b")
 
 
 def test_orbax_tmp_cleanup_hook_exists(tmp_path):
@@ -60,7 +79,13 @@ def test_orbax_tmp_cleanup_hook_exists(tmp_path):
 
 @pytest.mark.parametrize(
     "module",
-    ["meshtrain.cli", "meshtrain.mesh", "meshtrain.distributed", "meshtrain.checkpoint.manager"],
+    [
+        "meshtrain.cli",
+        "meshtrain.cli.parsing",
+        "meshtrain.mesh",
+        "meshtrain.distributed",
+        "meshtrain.checkpoint.manager",
+    ],
 )
 def test_no_module_outside_compat_reaches_for_private_names(module):
     import importlib

@@ -5,8 +5,8 @@ rematerialization" warning), which would move a full copy of an activation or we
 XLA prints that warning from C++ to stderr; the inspector's compile (`meshtrain.comm.compile`,
 the real train step on abstract state) captures it, and the compiles run in a subprocess
 whose stderr the test reads. Two models: meshtrain's GPT, and a user's own model written here (an
-`mt.Embed` and two linears, as in the README), which with a plain `nnx.Embed` makes XLA
-print the warning under fsdp+tp and zero1+tp.
+`mt.Embed` and two linears, as in the getting-started guide), which with a plain `nnx.Embed`
+makes XLA print the warning under fsdp+tp and zero1+tp.
 """
 
 import subprocess
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-# Every data strategy alone, on meshes without a tensor axis, and with +tp on the README's mesh.
+# Every data strategy alone, on meshes without a tensor axis, and with +tp on the 2×2×2 mesh.
 USER_LAYOUTS = [
     ("data=8", "dp"),
     ("data=2,fsdp=4", "fsdp"),

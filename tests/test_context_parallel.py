@@ -1,4 +1,4 @@
-"""Context parallelism over ``seq``: every strategy against full attention (outputs and
+"""Context parallelism over ``seq``: every algorithm against full attention (outputs and
 gradients), zig-zag balance against its closed form, whole GPT runs against one device, and
 bad input refused before anything compiles.
 
@@ -41,8 +41,8 @@ def _qkv(seed, B, T, H, G, K):
     )
 
 
-def _strategy_vs_full(strategies, n, causal, H, G, T, window=None):
-    """Max |difference| of output and of dq, dk, dv, per strategy, against full attention."""
+def _algorithm_vs_full(algorithms, n, causal, H, G, T, window=None):
+    """Max |difference| of output and of dq, dk, dv, per algorithm, against full attention."""
     mesh = make_mesh(f"data={8 // n},seq={n}")
     q, k, v, w = _qkv(n * 100 + H + G + T, 2, T, H, G, 16)
     idx = cp.order(T, n) if causal else np.arange(T)  # balanced order for causal attention
@@ -54,12 +54,12 @@ def _strategy_vs_full(strategies, n, causal, H, G, T, window=None):
 
     (_, o_want), g_want = jax.value_and_grad(full, (0, 1, 2), has_aux=True)(q, k, v)
     out = {}
-    for strategy in strategies:
+    for algorithm in algorithms:
 
-        def split(q, k, v, strategy=strategy):
+        def split(q, k, v, algorithm=algorithm):
             o = cp.context_attention(
                 q[:, idx], k[:, idx], v[:, idx], jnp.asarray(idx), mesh=mesh,
-                strategy=strategy, causal=causal, window=window,
+                algorithm=algorithm, causal=causal, window=window,
             )  # fmt: skip
             return (o * w[:, idx]).sum(), o[:, inv]
 
@@ -67,7 +67,7 @@ def _strategy_vs_full(strategies, n, causal, H, G, T, window=None):
             (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
         diffs = [float(jnp.abs(o - o_want).max())]
         diffs += [float(jnp.abs(a - b).max()) for a, b in zip(g, g_want, strict=True)]
-        out[strategy] = diffs
+        out[algorithm] = diffs
     return out
 
 
@@ -81,10 +81,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("n, causal, H, G, T, window", CASES)
-def test_every_strategy_equals_full_attention_with_gradients(n, causal, H, G, T, window):
-    strategies = ["ring", "allgather", "ulysses"]
-    for strategy, diffs in _strategy_vs_full(strategies, n, causal, H, G, T, window).items():
-        assert max(diffs) < ATOL, (strategy, diffs)
+def test_every_algorithm_equals_full_attention_with_gradients(n, causal, H, G, T, window):
+    algorithms = ["ring", "allgather", "ulysses"]
+    for algorithm, diffs in _algorithm_vs_full(algorithms, n, causal, H, G, T, window).items():
+        assert max(diffs) < ATOL, (algorithm, diffs)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -143,7 +143,7 @@ def _train(cfg, mesh_str, strategy="dp", context="ring", devices=None):
     def go_on(state, batch):
         return step(state, shard_batch(batch, mesh, rules))
 
-    # The strategy's collective is in the program (the run is not silently unsplit).
+    # The algorithm's collective is in the program (the run is not silently unsplit).
     text = step.lower(state, shard_batch(data[0], mesh, rules)).as_text()
     want_op = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
     assert mesh.shape["seq"] == 1 or f"stablehlo.{want_op[context]}" in text, context
@@ -233,7 +233,7 @@ def test_bad_context_settings_are_clear_errors_before_compiling():
         ]
         assert _problems(dict(seq=2), "ulysses", cfg, LM._replace(seq_len=32)) == []
         assert _problems(dict(seq=2, data=4), "spiral") == [
-            "context_parallel='spiral': unknown strategy; choose from ring, allgather, ulysses "
+            "context_parallel='spiral': unknown algorithm; choose from ring, allgather, ulysses "
             "(e.g. --context-parallel ring)"
         ]
         assert _problems(dict(seq=2, pipe=2, data=2), "ring")[0].startswith(
@@ -243,10 +243,10 @@ def test_bad_context_settings_are_clear_errors_before_compiling():
     assert compiles == []
 
 
-def test_cli_refuses_an_unknown_strategy_in_one_line(capsys):
+def test_cli_refuses_an_unknown_algorithm_in_one_line(capsys):
     assert cli.main(["train", "--context-parallel", "spiral"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "context_parallel='spiral': unknown strategy" in err[0], err
+    assert len(err) == 1 and "context_parallel='spiral': unknown algorithm" in err[0], err
 
 
 def _cli_losses(tmp_path, name, *argv):

@@ -94,14 +94,14 @@ def test_a_second_prepare_is_a_no_op_until_an_input_changes(files, tmp_path):
     again = _prepare(files, tmp_path, workers=1)
     assert again["up_to_date"] and not first["up_to_date"]
     assert os.stat(tmp_path / "tokens.bin").st_mtime_ns == stamp
-    changed = tmp_path / "in.txt"
+    changed, out = tmp_path / "in.txt", tmp_path / "out"
     changed.write_text("hello there\n")
-    one = prepare_corpus([str(changed)], str(tmp_path), progress=False)
+    one = prepare_corpus([str(changed)], str(out), progress=False)
     changed.write_text("hello therE\n")
-    two = prepare_corpus([str(changed)], str(tmp_path), progress=False)
+    two = prepare_corpus([str(changed)], str(out), progress=False)
     assert not one["up_to_date"] and not two["up_to_date"]
     assert one["input_hash"] != two["input_hash"]
-    assert np.fromfile(tmp_path / "tokens.bin", np.uint8)[-1] == ord("\n")
+    assert np.fromfile(out / "tokens.bin", np.uint8)[-1] == ord("\n")
 
 
 @pytest.fixture(scope="module")
@@ -305,10 +305,11 @@ def test_a_jsonl_without_the_field_is_one_line(tmp_path):
 
 
 def test_an_empty_corpus_is_one_line(tmp_path):
-    (tmp_path / "e.txt").write_text("")
-    (tmp_path / "f.jsonl").write_text('{"text": ""}\n\n')
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "e.txt").write_text("")
+    (tmp_path / "in" / "f.jsonl").write_text('{"text": ""}\n\n')
     with pytest.raises(ValueError) as e:
-        prepare_corpus([str(tmp_path)], str(tmp_path / "o"), progress=False, workers=1)
+        prepare_corpus([str(tmp_path / "in")], str(tmp_path / "o"), progress=False, workers=1)
     _one_line(e, "empty", "2 input file(s)")
     assert not (tmp_path / "o" / "manifest.json").exists()
 

@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from meshtrain.cli.launch import parse as parse_launch
 from meshtrain.data import DataConfig, make_dataset, prepare_corpus
 from meshtrain.distributed import DistributedConfig
-from meshtrain.launch import plan
+from meshtrain.launch import plan as plan_launch
 from meshtrain.layout import process_rows, rules_for
 from meshtrain.mesh import host_layout, make_mesh
 
@@ -271,7 +272,7 @@ def test_mismatched_process_counts_fail_on_every_process(tmp_path):
     for rank, code in enumerate(codes):
         log = (tmp_path / f"p{rank}.log").read_text()
         assert code == 2, log[-3000:]
-        assert "meshtrain: error: mismatched process counts: 2 processes joined" in log, log
+        assert "meshtrain train: error: mismatched process counts: 2 processes joined" in log, log
         assert "process 1 was told 3" in log and "MESHTRAIN_NUM_PROCESSES" in log
         assert "Traceback" not in log
 
@@ -326,12 +327,17 @@ def test_launcher_prefixes_output_and_propagates_the_first_failure():
     assert took < 60, f"the launcher took {took:.0f} s to stop the sleeping process"
 
 
+def plan(argv):
+    """The launcher's (command, devices per process) for `argv` (the words after launch)."""
+    return plan_launch(parse_launch(argv))
+
+
 def test_launcher_plan_defaults_and_errors():
-    opts, cmd, k = plan(["--nproc", "2", "--", "train", "--steps", "5"])
+    cmd, k = plan(["--nproc", "2", "--", "train", "--steps", "5"])
     assert k == 4 and cmd[-5:] == ["train", "--devices", "4", "--steps", "5"]
-    _, cmd, k = plan(["--nproc", "2", "--", "train", "--devices", "3"])
+    cmd, k = plan(["--nproc", "2", "--", "train", "--devices", "3"])
     assert k == 3 and cmd.count("--devices") == 1
-    _, cmd, k = plan(["--nproc", "4", "--devices-per-proc", "1", "--", "python", "x.py"])
+    cmd, k = plan(["--nproc", "4", "--devices-per-proc", "1", "--", "python", "x.py"])
     assert (k, cmd) == (1, ["python", "x.py"])
     with pytest.raises(ValueError, match="--devices-per-proc 2 and train --devices 3 disagree"):
         plan(["--nproc", "2", "--devices-per-proc", "2", "--", "train", "--devices", "3"])

@@ -56,7 +56,8 @@ JOB = [a for a in TINY_TRAIN if a != "--no-save"] + [
 STOP_AFTER = (
     "import sys\n"
     "from meshtrain import cli\n"
-    "trainer = cli.build_trainer(cli.parse(['train', *sys.argv[2:]]))\n"
+    "from meshtrain.cli.train import build_trainer\n"
+    "trainer = build_trainer(cli.parse(['train', *sys.argv[2:]]))\n"
     "trainer.fit(until=int(sys.argv[1]))\n"
     "trainer.checkpoints.close()\n"
 )

@@ -22,6 +22,8 @@ from flax import nnx
 
 from meshtrain import cli, hf
 from meshtrain import generate as gen
+from meshtrain.cli.parsing import given
+from meshtrain.cli.train import TrainJob, build_trainer
 from meshtrain.data import HFTokenizer, load_tokenizer, stdlib_corpus
 from meshtrain.hf import finetune
 from meshtrain.models.sampling import filter_logits
@@ -99,8 +101,8 @@ def finetuned(tmp_path_factory):
     argv += ["--data.source", "text", "--data.path", str(tmp / "corpus.txt")]
     argv += ["--data.seq-len", "32", "--data.batch-size", "8", "--data.val-fraction", "0"]
     argv += ["--no-save", "--no-progress", "--sample-tokens", "0", "--lr", "1e-2"]
-    job = finetune.resolve(cli.parse(argv), argv)
-    trainer = cli.build_trainer(job, say=lambda *a: None, argv=argv)
+    job = finetune.resolve(cli.parse(argv), given(argv[1:], TrainJob))
+    trainer = build_trainer(job, say=lambda *a: None)
     start = jax.device_get(trainer.state.params)
     trainer.fit()
     tokenizer = load_tokenizer(job.data.tokenizer)
@@ -145,10 +147,11 @@ def test_import_train_export_matches_gpt2_reference(finetuned):
 def test_model_flags_keep_training_choices_and_refuse_the_shape(capsys, tmp_path):
     gpt2 = FIXTURES / "gpt2"
     argv = ["train", "--init-from", f"hf:{gpt2}", "--gpt.remat", "full", "--gpt.d-model", "128"]
-    job = finetune.resolve(cli.parse(argv[:-2]), argv[:-2])
+    job = finetune.resolve(cli.parse(argv[:-2]), given(argv[1:-2], TrainJob))
     assert job.gpt == dataclasses.replace(hf.load_pretrained(gpt2)[0], remat="full")
     bytes_flag = [*argv[:3], "--data.tokenizer", "bytes"]  # given, so kept
-    assert finetune.resolve(cli.parse(bytes_flag), bytes_flag).data.tokenizer == "bytes"
+    kept = finetune.resolve(cli.parse(bytes_flag), given(bytes_flag[1:], TrainJob))
+    assert kept.data.tokenizer == "bytes"
     # 128 is also the CLI's default d_model: the flag given on the command line still counts.
     err = _error(capsys, [*argv, "--run-dir", str(tmp_path / "run"), "--no-progress"])
     assert "--gpt.d-model 128 (the checkpoint has 64) contradicts" in err and "drop the flag" in err

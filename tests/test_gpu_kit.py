@@ -49,7 +49,7 @@ def _status(records) -> dict:
 
 
 def _check_files_come_back(out: pathlib.Path) -> None:
-    """The device tool returns at most 8 files, 2 folders deep, with plain names."""
+    """The kit leaves at most 8 files, 2 folders deep, with plain names, to copy back."""
     files = [p for p in (out / "OUT").rglob("*") if p.is_file()]
     assert 3 <= len(files) <= 8, files
     for f in files:
@@ -112,7 +112,7 @@ def test_unknown_arguments_are_refused(tmp_path):
 @pytest.mark.slow
 def test_dry_run_passes_every_stage(tmp_path):
     """gpu_check.sh --dry-run: every stage passes, every e2e line has its figures, the files
-    fit what the device tool returns, and the summary comes last. With the bundle (in
+    are few enough to copy back, and the summary comes last. With the bundle (in
     `make test-lowest`) meshtrain, grain and tyro import from the installed site, and jax is
     the environment's own."""
     python = os.environ.get("MESHTRAIN_KIT_PYTHON") or sys.executable
@@ -156,7 +156,7 @@ def test_the_bundle_holds_what_the_image_lacks_and_fits_a_call():
     assert {"grain", "tyro", "setuptools", "flax"} <= names
     assert "jax" in manifest["left_to_the_image"]
     assert not any(gpu_bundle.FORBIDDEN.match(n) for n in names)
-    assert manifest["total_bytes"] < 48 * 2**20  # the device tool carries 64 MiB a call
+    assert manifest["total_bytes"] < 48 * 2**20  # with the checkout, 64 MiB at most
 
 
 @pytest.mark.slow

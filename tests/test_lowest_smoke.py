@@ -47,7 +47,8 @@ def plain_losses():
 
 
 def test_import_and_cli_parse():
-    from meshtrain.cli import TrainJob, parse
+    from meshtrain.cli import parse
+    from meshtrain.cli.train import TrainJob
 
     job = parse(["train", "--steps", "2", "--mesh", "data=8"])
     assert isinstance(job, TrainJob) and job.train.steps == 2

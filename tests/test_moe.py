@@ -296,8 +296,8 @@ def test_cli_bad_expert_split_is_one_line_exit_2(capsys, tmp_path):
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith(
-        "meshtrain: error: moe.n_experts=6: fewer experts than the 8 shards of the expert axis; "
-        "raise --moe.n-experts to a multiple of 8 or set expert to a divisor of 6"
+        "meshtrain train: error: moe.n_experts=6: fewer experts than the 8 shards of the "
+        "expert axis; raise --moe.n-experts to a multiple of 8 or set expert to a divisor of 6"
     ), err
     assert not (tmp_path / "run").exists()
 

@@ -115,11 +115,11 @@ def test_inspect_takes_the_train_flags_and_refuses_a_bad_mesh_before_compiling(c
 
 
 def test_config_flags_come_first_so_the_command_line_wins(tmp_path):
-    from meshtrain.cli import config_flags, parse
+    from meshtrain.cli import parse
 
     path = tmp_path / "c.json"
     path.write_text(
         json.dumps({"mesh": "fsdp=8", "strategy": "fsdp", "gpt.remat": "full", "save": False})
     )
-    job = parse(config_flags(["train", "--config", str(path), "--mesh", "data=8"]))
+    job = parse(["train", "--config", str(path), "--mesh", "data=8"])
     assert (job.mesh, job.strategy, job.gpt.remat, job.save) == ("data=8", "fsdp", "full", False)

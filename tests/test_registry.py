@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from meshtrain import cli
+from meshtrain.cli.train import TrainJob
 from meshtrain.models import DataSpec, ModelConfig, families, family_of
 from meshtrain.problem import Problem
 
@@ -34,7 +35,7 @@ def test_the_cli_offers_every_family_and_its_flags():
     job = cli.parse(["train", "--model", "mlp", "--mlp.d-model", "48", "--gpt.n-layers", "6"])
     assert job.model_config() == dataclasses.replace(families()["mlp"].default, d_model=48)
     assert job.gpt.n_layers == 6
-    fields = {f.name for f in dataclasses.fields(cli.TrainJob)}
+    fields = {f.name for f in dataclasses.fields(TrainJob)}
     assert set(families()) <= fields
     with pytest.raises(
         ValueError, match=r"model='resnet': unknown model; choose from gpt, mlp, cnn, moe"

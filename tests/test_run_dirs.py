@@ -42,7 +42,7 @@ def _refused(capsys, argv, *needles):
     code = cli.main(["train", *TINY, "--steps", "1", *argv])
     err = capsys.readouterr().err.strip()
     lines = err.splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("meshtrain: error: "), err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("meshtrain train: error: "), err
     for needle in needles:
         assert needle in lines[0], err
     assert "Traceback" not in err

@@ -48,6 +48,7 @@ from flax import nnx
 
 from meshtrain.comm.report import Row, axes_label, fmt_bytes
 from meshtrain.layout import Rules, axes_of, resolve
+from meshtrain.mesh import PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.replicas import Codec, parse_compression
 from meshtrain.run import RunSpec, deprecated
@@ -205,7 +206,7 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             # ZeRO-1's gather after the update; with a codec it runs over the replica axes
             # like the codec's own gathers, and is counted with them.
             b["gradient reduction" if codec is not None else "parameter gathers"] += local
-        if sizes.get("tensor", 1) > 1 and p.path.rsplit("/", 1)[-1] not in _NOT_MATRICES:
+        if sizes.get(TENSOR, 1) > 1 and p.path.rsplit("/", 1)[-1] not in _NOT_MATRICES:
             b["tensor activations"] += _tensor_bytes(p, tokens / ways, act_itemsize)
     why["gradient reduction"] = (
         f"each gradient shard through the {codec.spec} codec over the replica axes"
@@ -214,7 +215,7 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
     )
     why["parameter gathers"] = "batch-sharded weights: forward + backward for stacked layers"
     why["tensor activations"] = "forward AR per row-parallel, backward AR per column-parallel"
-    pipe = sizes.get("pipe", 1)
+    pipe = sizes.get(PIPE, 1)
     if pipe > 1 and d_model and batch:
         pc = pipeline or PipelineConfig()
         m, v = pc.num_microbatches(pipe), (pc.repeats if pc.schedule == "circular" else 1)
@@ -238,11 +239,11 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
 def _tensor_bytes(p: ParamLayout, tokens_local: float, itemsize: int) -> float:
     """Activation all-reduce bytes the matrix `p` needs under tensor parallelism."""
     dims = [i for i, n in enumerate(p.names) if n != "layers"]
-    if len(dims) < 2 or not any("tensor" in p.axes[i] for i in dims):
+    if len(dims) < 2 or not any(TENSOR in p.axes[i] for i in dims):
         return 0.0
     layers = math.prod(p.shape[i] for i, n in enumerate(p.names) if n == "layers")
     first = dims[0]
-    if "tensor" in p.axes[first]:  # row-parallel (or a vocab-split embedding): output reduced
+    if TENSOR in p.axes[first]:  # row-parallel (or a vocab-split embedding): output reduced
         width = p.shape[dims[-1]]
     else:  # column-parallel: input gradient reduced
         width = p.shape[first]
@@ -266,13 +267,13 @@ def bucket_of(
         return "gradient reduction"
     if row.kind == "all-gather" and on_batch:
         return "parameter gathers"
-    if row.kind == "all-reduce" and axes == ("tensor",):
+    if row.kind == "all-reduce" and axes == (TENSOR,):
         return "tensor activations"
-    if row.kind == "collective-permute" and axes == ("pipe",):
+    if row.kind == "collective-permute" and axes == (PIPE,):
         return "pipeline permutes"
-    if row.kind == "all-reduce" and axes == ("pipe",):
+    if row.kind == "all-reduce" and axes == (PIPE,):
         return "pipeline stage sums"
-    if row.kind == "all-reduce" and axes[:1] == ("pipe",) and set(axes[1:]) <= set(batch_axes):
+    if row.kind == "all-reduce" and axes[:1] == (PIPE,) and set(axes[1:]) <= set(batch_axes):
         return "gradient reduction"  # 1F1B sums the head's gradients over stages and replicas
     return None
 

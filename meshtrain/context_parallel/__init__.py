@@ -6,26 +6,32 @@
 - `zigzag`: head-tail load balancing of causal work;
 - `attention`: `context_attention` on global arrays, and the active context of a step;
 - `checks`: the run check's questions (sequence length, heads, pipelines).
+
+Ring, all-gather and Ulysses are the *algorithms* (`ALGORITHMS`, chosen by
+`Rules.context_parallel` or ``--context-parallel``); "strategy" names a sharding preset only.
 """
 
+import warnings
+
 from meshtrain.context_parallel.attention import (
+    ALGORITHMS,
     DEFAULT,
-    STRATEGIES,
     Context,
     active_context,
+    algorithm_problems,
     attend_active,
     balanced_order,
     context_attention,
-    strategy_problem,
 )
 from meshtrain.context_parallel.checks import context_problems, heads_problem
 from meshtrain.context_parallel.zigzag import causal_chunk_pairs, inverse, naive_counts, order
 
 __all__ = [
+    "ALGORITHMS",
     "DEFAULT",
-    "STRATEGIES",
     "Context",
     "active_context",
+    "algorithm_problems",
     "attend_active",
     "balanced_order",
     "causal_chunk_pairs",
@@ -35,5 +41,29 @@ __all__ = [
     "inverse",
     "naive_counts",
     "order",
-    "strategy_problem",
 ]
+
+
+def __getattr__(name: str):
+    """The names this package had before "strategy" came to mean a sharding preset only;
+    they work for one more release, with a DeprecationWarning."""
+    if name == "STRATEGIES":
+        warnings.warn(
+            "meshtrain.context_parallel.STRATEGIES is now ALGORITHMS", DeprecationWarning, 2
+        )
+        return ALGORITHMS
+    if name == "strategy_problem":
+        warnings.warn(
+            "meshtrain.context_parallel.strategy_problem is now algorithm_problems (a list of "
+            "Problems)",
+            DeprecationWarning,
+            2,
+        )
+        return _strategy_problem
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _strategy_problem(algorithm) -> str | None:
+    """The old form of `algorithm_problems`: the first problem as a string, or None."""
+    problems = algorithm_problems(algorithm)
+    return str(problems[0]) if problems else None

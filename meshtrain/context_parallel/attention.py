@@ -1,8 +1,9 @@
-"""Context-parallel attention on global arrays: picks a strategy and runs it in a region
+"""Context-parallel attention on global arrays: picks an algorithm and runs it in a region
 manual over the sequence axis (every other mesh axis stays with the compiler)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -13,21 +14,38 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.context_parallel import gather, ring, zigzag
 from meshtrain.layout import active, manual_axes, manual_region
+from meshtrain.mesh import SEQ
+from meshtrain.problem import Problem, raise_if
 
-STRATEGIES = ("ring", "allgather", "ulysses")
+ALGORITHMS = ("ring", "allgather", "ulysses")
 DEFAULT = "ring"
-AXIS = "seq"
-_FNS = {"ring": ring.ring, "allgather": gather.allgather, "ulysses": gather.ulysses}
+AXIS = SEQ
+_FNS: dict[str, Callable[..., jax.Array]] = {
+    "ring": ring.ring,
+    "allgather": gather.allgather,
+    "ulysses": gather.ulysses,
+}
 
 
-def strategy_problem(strategy) -> str | None:
-    """Why `strategy` is not a context-parallel strategy, or None."""
-    if strategy in STRATEGIES:
-        return None
-    return (
-        f"context_parallel={strategy!r}: unknown strategy; choose from {', '.join(STRATEGIES)} "
-        "(e.g. --context-parallel ring)"
-    )
+def algorithm_problems(algorithm) -> list[Problem]:
+    """Why `algorithm` is not a context-parallel algorithm (empty when it is one).
+
+    Args:
+        algorithm: the value of `Rules.context_parallel` (``--context-parallel``).
+
+    Returns:
+        One problem naming ``context_parallel`` and the choices, or none.
+    """
+    if isinstance(algorithm, str) and algorithm in ALGORITHMS:
+        return []
+    return [
+        Problem(
+            "context_parallel",
+            algorithm,
+            f"unknown algorithm; choose from {', '.join(ALGORITHMS)} "
+            "(e.g. --context-parallel ring)",
+        )
+    ]
 
 
 def context_attention(
@@ -37,7 +55,7 @@ def context_attention(
     positions_T: jax.Array,
     *,
     mesh: Mesh,
-    strategy: str = DEFAULT,
+    algorithm: str = DEFAULT,
     causal: bool = True,
     window: int | None = None,
     axis: str = AXIS,
@@ -50,7 +68,7 @@ def context_attention(
         positions_T: the global position of each of the T entries (int): the causal mask and
             window follow these, so a balanced (zig-zag) layout stays exact.
         mesh: the device mesh.
-        strategy: ``ring``, ``allgather`` or ``ulysses`` (see the README).
+        algorithm: ``ring``, ``allgather`` or ``ulysses`` (see the README).
         causal: mask keys at later positions.
         window: with `causal`, each query sees keys (t − window, t]; None: all earlier.
         axis: the mesh axis the sequence is split over.
@@ -58,19 +76,17 @@ def context_attention(
     Returns:
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
     """
-    problem = strategy_problem(strategy)
-    if problem:
-        raise ValueError(problem)
+    raise_if(algorithm_problems(algorithm))
     n = mesh.shape[axis]
     T, H = q_BTHK.shape[1], q_BTHK.shape[2]
     if T % n:
         raise ValueError(f"context parallelism: sequence length {T} is not divisible by {axis}={n}")
-    if strategy == "ulysses" and H % n:
+    if algorithm == "ulysses" and H % n:
         raise ValueError(
             f"context_parallel='ulysses': {H} heads are not divisible by {axis}={n}; pick a "
             "head count divisible by seq, or --context-parallel ring"
         )
-    fn = _FNS[strategy]
+    fn = _FNS[algorithm]
 
     def per_device(q, k, v, pos):
         return fn(q, k, v, pos, pos, axis, causal, window)
@@ -86,7 +102,7 @@ class Context(NamedTuple):
     """Context parallelism as the active layout asks for it."""
 
     mesh: Mesh
-    strategy: str
+    algorithm: str
     n: int
 
 
@@ -103,11 +119,16 @@ def active_context() -> Context | None:
 
 
 def attend_active(q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=None):
-    """`context_attention` with the active layout's mesh and strategy (see `active_context`;
+    """`context_attention` with the active layout's mesh and algorithm (see `active_context`;
     call it only where that is not None): the form a model uses, naming no mesh."""
     ctx = active_context()
+    if ctx is None:
+        raise ValueError(
+            "attend_active: no context parallelism is active (seq = 1, no activation_rules, "
+            "or already manual over seq); call it only where active_context() is not None"
+        )
     return context_attention(
-        q_BTHK, k_BSGK, v_BSGK, positions_T, mesh=ctx.mesh, strategy=ctx.strategy,
+        q_BTHK, k_BSGK, v_BSGK, positions_T, mesh=ctx.mesh, algorithm=ctx.algorithm,
         causal=causal, window=window,
     )  # fmt: skip
 

@@ -1,5 +1,5 @@
 """Attention of a block of queries against a block of keys at given global positions, with its
-log-sum-exp, and the merge of partial results: the per-step math every strategy shares.
+log-sum-exp, and the merge of partial results: the per-step math every algorithm shares.
 
 Shape suffixes: B batch, T query positions, S key positions, H query heads, G key/value heads,
 R = H // G, K head width.

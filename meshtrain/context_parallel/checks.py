@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from meshtrain.context_parallel.attention import AXIS, strategy_problem
+from meshtrain.context_parallel.attention import AXIS, algorithm_problems
+from meshtrain.mesh import PIPE
 from meshtrain.problem import Problem
 
 
 def context_problems(
-    sizes: Mapping[str, int], strategy: str, *, seq_len: int | None, kind: str = "lm"
+    sizes: Mapping[str, int], algorithm: str, *, seq_len: int | None, kind: str = "lm"
 ) -> list[Problem]:
     """What keeps a run with ``seq = sizes["seq"]`` from splitting its sequences.
 
     Args:
         sizes: mesh axis name → size.
-        strategy: the context-parallel strategy (`Rules.context_parallel`).
+        algorithm: the context-parallel algorithm (`Rules.context_parallel`).
         seq_len: the data's sequence length (None when unknown).
         kind: the data's kind (``"lm"`` for token sequences).
 
@@ -25,16 +26,13 @@ def context_problems(
     n = sizes.get(AXIS, 1)
     if n == 1:
         return []
-    problems = []
-    message = strategy_problem(strategy)
-    if message:
-        problems.append(Problem("context_parallel", strategy, message.split(": ", 1)[1]))
-    if sizes.get("pipe", 1) > 1:
+    problems = algorithm_problems(algorithm)
+    if sizes.get(PIPE, 1) > 1:
         problems.append(
             Problem(
                 "mesh.seq",
                 n,
-                f"context parallelism does not compose with pipelines (pipe={sizes['pipe']}) "
+                f"context parallelism does not compose with pipelines (pipe={sizes[PIPE]}) "
                 "yet; set seq=1 or pipe=1",
             )
         )
@@ -56,10 +54,10 @@ def context_problems(
     return problems
 
 
-def heads_problem(sizes: Mapping[str, int], strategy: str, heads: int) -> Problem | None:
+def heads_problem(sizes: Mapping[str, int], algorithm: str, heads: int) -> Problem | None:
     """Ulysses splits the query heads over ``seq``: a count it does not divide, or None."""
     n = sizes.get(AXIS, 1)
-    if n == 1 or strategy != "ulysses" or heads % n == 0:
+    if n == 1 or algorithm != "ulysses" or heads % n == 0:
         return None
     return Problem(
         "gpt.n_heads",

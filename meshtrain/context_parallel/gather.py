@@ -1,4 +1,4 @@
-"""The two strategies that move whole sequences: all-gather of keys/values, and Ulysses
+"""The two algorithms that move whole sequences: all-gather of keys/values, and Ulysses
 (all-to-all from sequence-split to head-split and back). Both run inside a region manual over
 the sequence axis and are differentiated by autodiff (the transpose of an all-gather is a
 reduce-scatter, of an all-to-all the reverse all-to-all).

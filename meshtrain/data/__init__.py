@@ -12,8 +12,9 @@ the resumable iterator), `text` (byte-level corpora), `arrays` (``.npz`` and in-
 `images` (the embedded digits, an ``.npz`` of images, fake images; rows are flattened images),
 `tokenizer` (byte-level default, Hugging Face ``tokenizer.json``, SentencePiece), `prepare`
 (`prepare_corpus`: text, JSONL and Parquet tokenised into a memory-mappable directory; its
-`inputs` readers and `workers` pool; `command`, ``meshtrain prepare``),
-`tokens` (the ``tokens`` source streaming from it), `packing` (segment ids and positions).
+`inputs` readers, `destination` (where it may write) and `workers` pool; `command`,
+``meshtrain prepare``), `tokens` (the ``tokens`` source streaming from it), `packing`
+(segment ids and positions).
 """
 
 from __future__ import annotations

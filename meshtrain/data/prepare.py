@@ -10,8 +10,9 @@ The directory holds
   (the first is 0, the last the token count);
 - the tokenizer (``tokenizer.json`` for a Hugging Face one; nothing for ``bytes``);
 - ``manifest.json``: the tokenizer's name, vocabulary, EOS id and fingerprint, the dtype, the
-  counts, the inputs and ``input_hash``, a hash of the tokenizer, the options and every
-  input's content. A second run whose hash matches the manifest does nothing.
+  counts, the largest token id (``max_id``), the inputs and ``input_hash``, a hash of the
+  tokenizer, the options and every input's content. A second run whose hash matches the
+  manifest does nothing.
 
 Documents: each line of a JSONL file (its `field`), each row of a Parquet file (its `column`),
 and each text file as a whole. A text file is handed to the workers in pieces cut just after
@@ -30,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from meshtrain.data.destination import destination_problem
 from meshtrain.data.inputs import (
     Unit,
     check_jsonl_head,
@@ -45,6 +47,13 @@ from meshtrain.data.workers import run_units
 
 FORMAT = "meshtrain-tokens/1"
 MANIFEST, TOKENS, DOCUMENTS = "manifest.json", "tokens.bin", "documents.bin"
+# Tokenizer files an earlier run may have left (a Hugging Face, SentencePiece or tiktoken one).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer.tiktoken",
+    "tiktoken_config.json",
+)
 CHUNK_BYTES = 1 << 20  # text handed to a worker at a time
 
 
@@ -115,11 +124,16 @@ def prepare_corpus(
     workers: int = 0,
     progress: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenises `inputs` into `out_dir` for ``DataConfig(source="tokens", path=out_dir)``.
 
     Nothing happens when `out_dir` already holds this exact result (same tokenizer, options
-    and input contents, and token files of the stated sizes).
+    and input contents, and token files of the stated sizes). `out_dir` must be new, empty,
+    or hold an earlier corpus of the same input files (which is then rebuilt); a directory
+    holding another corpus or other files takes the corpus only with `overwrite`, and a
+    training run's directory or one inside the inputs never does
+    (`meshtrain.data.destination`).
 
     Args:
         inputs: files or directories: ``.jsonl``/``.ndjson`` (one document per line, its
@@ -133,20 +147,32 @@ def prepare_corpus(
             core for inputs of at least 4 chunks a core, fewer (down to 1) for less.
         progress: show a progress bar (rich) of input bytes done.
         chunk_bytes: bytes of text or JSONL handed to a worker at a time.
+        overwrite: write into a directory holding another corpus (replaced) or other files
+            (kept beside the corpus).
 
     Returns:
         the manifest (a dict), with ``"up_to_date": True`` when nothing needed doing.
 
     Raises:
-        ValueError: one line for a missing input, a JSONL line without `field`, a Parquet
-            column that is not text, or inputs with no text at all.
+        ValueError: one line for a missing input, an output directory it may not write
+            into, a JSONL line without `field`, a Parquet column that is not text, or inputs
+            with no text at all; raised before anything in `out_dir` is written or deleted.
     """
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    inputs = [inputs] if isinstance(inputs, str) else list(inputs)
     files = expand_inputs(inputs)
     if not files:
         raise ValueError(f"prepare: the inputs {list(inputs)!r} hold no files; give text files")
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"prepare: workers={workers!r}: must be an integer >= 0 (0 = per core)")
+    old = read_manifest(out_dir) if os.path.isdir(out_dir) else None
+    earlier = [i.get("path", "") for i in old.get("inputs", [])] if old else None
+    written = (MANIFEST, TOKENS, DOCUMENTS, *TOKENIZER_FILES)
+    problem = destination_problem(
+        out_dir, inputs, files, written=written, earlier_inputs=earlier, overwrite=overwrite
+    )
+    if problem:
+        raise ValueError(problem)
     rows = {}
     for path in files:
         if input_kind(path) == "parquet":
@@ -154,14 +180,12 @@ def prepare_corpus(
         elif input_kind(path) == "jsonl":
             check_jsonl_head(path, field)
     key = _content_hash(files, tok, field, column)
-    old = read_manifest(out_dir)
     if old and old.get("input_hash") == key and not files_match(out_dir, old):
         return {**old, "up_to_date": True}
 
     os.makedirs(out_dir, exist_ok=True)
     # No manifest until the new files are whole, and no other run's tokenizer left behind.
-    stale = ("tokenizer.json", "tokenizer.model", "tokenizer.tiktoken", "tiktoken_config.json")
-    for name in (MANIFEST, *stale):
+    for name in (MANIFEST, *TOKENIZER_FILES):
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
     tok.save(out_dir)
@@ -185,7 +209,7 @@ def prepare_corpus(
     tokens_tmp = os.path.join(out_dir, TOKENS + ".tmp")
     docs_tmp = os.path.join(out_dir, DOCUMENTS + ".tmp")
     digest = hashlib.sha256()
-    counts = {"tokens": 0, "documents": 0}
+    counts = {"tokens": 0, "documents": 0, "max_id": -1}
     try:
         with (
             open(tokens_tmp, "wb") as tok_file,
@@ -198,6 +222,8 @@ def prepare_corpus(
                 flat, lengths, closes = result
                 tok_file.write(flat.tobytes())
                 digest.update(flat.tobytes())
+                if len(flat):
+                    counts["max_id"] = max(counts["max_id"], int(flat.max()))
                 if not len(lengths):
                     return
                 ends = counts["tokens"] + np.cumsum(lengths)
@@ -234,6 +260,7 @@ def prepare_corpus(
         "dtype": dtype.name,
         "num_tokens": counts["tokens"],
         "num_documents": counts["documents"],
+        "max_id": counts["max_id"],
         "text_bytes": total,
         "inputs": [{"path": p, "kind": input_kind(p), "bytes": os.path.getsize(p)} for p in files],
         "field": field,

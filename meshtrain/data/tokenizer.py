@@ -79,7 +79,10 @@ class HFTokenizer:
 
     def __init__(self, tokenizer, name: str, eos_id: int | None):
         self._tok, self.name, self.eos_id = tokenizer, name, eos_id
-        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        # ids need not be contiguous (a word-level vocabulary, added tokens placed far out):
+        # the bound is the largest id + 1, not the count.
+        ids = tokenizer.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(ids, default=-1) + 1
         self.fingerprint = hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
 
     @classmethod

@@ -107,6 +107,7 @@ def tokens_dataset(config: DataConfig) -> Dataset:
     tok = _checked_tokenizer(corpus, config)
     t, b, n = config.seq_len, config.batch_size, corpus.num_tokens
     packed = config.packing
+    held = None
     if config.eval_path:
         held = TokenCorpus(config.eval_path, "data.eval_path")
         if held.manifest["tokenizer"]["fingerprint"] != corpus.manifest["tokenizer"]["fingerprint"]:
@@ -134,7 +135,10 @@ def tokens_dataset(config: DataConfig) -> Dataset:
             f"seq_len+1={t + 1} (and a val_fraction={fraction} tail of one) need at least "
             f"{need}; prepare more text, or lower batch_size or seq_len"
         )
-    ds = Dataset("lm", tok.vocab_size, train, val, b, config.seed)
+    # The ids the corpus holds bound the vocabulary too (the run check compares it with the
+    # model's): a manifest's max_id, where it records one, above the tokenizer's count.
+    ids = [c.manifest.get("max_id", -1) + 1 for c in (corpus, held) if c is not None]
+    ds = Dataset("lm", max(tok.vocab_size, *ids), train, val, b, config.seed)
     ds.tokenizer = tok
     ds.fingerprint["corpus"] = corpus.manifest["input_hash"][:16]
     return ds

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from meshtrain.hf.adapter import HEAD, Adapter
@@ -22,11 +22,31 @@ from meshtrain.models.gpt import GPTConfig
 _BUFFERS = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")
 
 
+@contextlib.contextmanager
+def open_tensors(file: Path):
+    """`safe_open` of one safetensors file; a truncated or corrupt file (or a tensor that
+    cannot be read from it) is one ValueError line naming the file."""
+    try:
+        with safe_open(file, framework="np") as f:
+            yield f
+    except SafetensorError as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(
+            f"{file}: truncated or corrupt safetensors file ({reason}); download or save the "
+            "model again"
+        ) from None
+    except FileNotFoundError:
+        raise ValueError(
+            f"{file}: missing (the model's safetensors index names it); download the model "
+            "again, with every shard"
+        ) from None
+
+
 def tensor_files(path: Path) -> dict[str, Path]:
     """Tensor key → the safetensors file holding it (one file, or a sharded index)."""
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.exists():
-        with safe_open(single, framework="np") as f:
+        with open_tensors(single) as f:
             return dict.fromkeys(f.keys(), single)
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -76,7 +96,7 @@ def read_tensors(
         )
     out = {}
     with contextlib.ExitStack() as stack:
-        opened = {f: stack.enter_context(safe_open(f, framework="np")) for f in set(files.values())}
+        opened = {f: stack.enter_context(open_tensors(f)) for f in set(files.values())}
         for name, shape in want.items():  # every shape first, so a bad file fails fast
             key = names[name]
             got = tuple(opened[files[key]].get_slice(key).get_shape())

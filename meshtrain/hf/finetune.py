@@ -53,16 +53,12 @@ def checkpoint_dir(spec: str, field: str = "init_from") -> Path:
     return path
 
 
-def given_fields(config, default, argv=(), prefix: str = "gpt") -> list[str]:
+def given_fields(config, default, given=(), prefix: str = "gpt") -> list[str]:
     """The fields of `config` the command line set: those that differ from `default`, and
-    those named by a ``--{prefix}.field`` flag in `argv` (even when it repeats the default)."""
+    those a flag set (``"{prefix}.field"`` in `given`), even to the default's value."""
     names = [f.name for f in dataclasses.fields(config)]
-    given = {n for n in names if getattr(config, n) != getattr(default, n)}
-    for arg in argv:
-        if arg.startswith(f"--{prefix}."):
-            flag = arg[len(prefix) + 3 :].split("=")[0]
-            given |= {n for n in names if flag.replace("-", "_") in (n, f"no_{n}")}
-    return [n for n in names if n in given]
+    named = {path[len(prefix) + 1 :] for path in given if path.startswith(prefix + ".")}
+    return [n for n in names if n in named or getattr(config, n) != getattr(default, n)]
 
 
 def run_config(path: Path, flags: GPTConfig, given: list[str]) -> GPTConfig:
@@ -100,14 +96,16 @@ def run_config(path: Path, flags: GPTConfig, given: list[str]) -> GPTConfig:
     return dataclasses.replace(saved, **given)
 
 
-def resolve(job, argv=()):
+def resolve(job, given=frozenset()):
     """The job a ``--init-from`` / ``--export-hf`` run really runs; raises before anything is
     built when either cannot work.
 
     Args:
-        job: a `meshtrain.cli.TrainJob`.
-        argv: the command line it was parsed from, to tell the model flags given from the
-            defaults (without it, only flags that change a default count as given).
+        job: a `meshtrain.cli.train.TrainJob`.
+        given: the dotted fields the command line set (``"gpt.d_model"``,
+            ``"data.tokenizer"``; `meshtrain.cli.parsing.given` computes them once), to tell
+            the model flags given from the defaults (without them, only flags that change a
+            default count as given).
 
     Returns:
         The job, with ``--init-from``: the model config from the checkpoint (plus the training
@@ -132,10 +130,9 @@ def resolve(job, argv=()):
     if job.init_from:
         path = checkpoint_dir(job.init_from)
         flags = job.model_config()
-        cfg = run_config(path, flags, given_fields(flags, family.default, argv, job.model))
+        cfg = run_config(path, flags, given_fields(flags, family.default, given, job.model))
         data, tokenizer = job.data, tokenizer_path(path)
-        named = any(a.split("=")[0] == "--data.tokenizer" for a in argv)
-        if tokenizer is not None and data.tokenizer == "bytes" and not named:
+        if tokenizer is not None and data.tokenizer == "bytes" and "data.tokenizer" not in given:
             data = dataclasses.replace(data, tokenizer=str(tokenizer.absolute()))
         job = dataclasses.replace(job, data=data, **{job.model: cfg})
     if job.export_hf:
@@ -162,7 +159,7 @@ def initial_params(job, mesh, rules) -> dict | None:
     """The parameters a ``--init-from`` run starts from, read onto `mesh` in its layout.
 
     Args:
-        job: a resolved `meshtrain.cli.TrainJob` (see `resolve`).
+        job: a resolved `meshtrain.cli.train.TrainJob` (see `resolve`).
         mesh: the run's mesh.
         rules: the run's logical-axis rules.
 

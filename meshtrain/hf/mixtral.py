@@ -26,12 +26,11 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from meshtrain.hf import llama
 from meshtrain.hf.adapter import refuse
-from meshtrain.hf.files import tensor_files
+from meshtrain.hf.files import open_tensors, tensor_files
 from meshtrain.models.moe import MoE
 from meshtrain.models.moe_config import MoEConfig
 
@@ -157,7 +156,7 @@ def load_mixtral(path: str | Path, *, dispatch: str = "dropless") -> MoE:
         key = name if name == "lm_head.weight" else "model." + name
         if key not in files:
             raise ValueError(f"{path}: tensor {key!r} is missing")
-        with safe_open(files[key], framework="np") as f:
+        with open_tensors(files[key]) as f:
             return np.asarray(f.get_tensor(key), np.float32)
 
     layers = [

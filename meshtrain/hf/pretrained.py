@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from numpy.typing import DTypeLike
 
 from meshtrain.hf.config import config_from_hf, config_to_hf, same_architecture
 from meshtrain.hf.convert import shapes, to_hf, to_meshtrain
@@ -25,13 +26,18 @@ from meshtrain.layout import Rules, named, state_specs
 from meshtrain.models.gpt import GPT, GPTConfig
 from meshtrain.state import abstract_model
 
-SAVE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
+SAVE_DTYPES: dict[str, DTypeLike] = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": jnp.bfloat16,
+}
 
 
 def _abstract_params(cfg: GPTConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """The model's graph, its Param state and other state, as shape structs."""
     graphdef, state = abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))
-    return nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
+    graphdef, params, *rest = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
+    return graphdef, params, rest[0]
 
 
 def _tree_shapes(tree) -> dict:
@@ -78,7 +84,7 @@ def load_pretrained(
         hf_cfg = config
     _, param_state, _ = _abstract_params(hf_cfg)
     shardings = None
-    if mesh is not None:  # checked before any tensor is read
+    if mesh is not None and rules is not None:  # checked before any tensor is read
         shardings = named(state_specs(param_state, rules.params, mesh, warn=False), mesh)
     tensors = read_tensors(path, adapter, hf_cfg, (hf.get("architectures") or [None])[0])
     params = to_meshtrain(tensors.__getitem__, adapter, hf_cfg)
@@ -155,7 +161,7 @@ def save_pretrained(
         The directory written.
     """
     if isinstance(params, nnx.Module):
-        config = config or params.cfg
+        config = config or getattr(params, "cfg", None)
         params = nnx.to_pure_dict(nnx.state(params, nnx.Param))
     if config is None:
         raise ValueError("save_pretrained: pass config= (the GPTConfig of these params)")

@@ -5,6 +5,9 @@
 - `batch`: batch shardings, the rows each process reads, microbatch splits;
 - `context`: the active layout while a step is traced, and `constrain` for activations;
 - `manual`: regions manual over some mesh axes (pipelines, kernels).
+
+The axis names (`PIPE`, `DATA`, `FSDP`, `EXPERT`, `SEQ`, `TENSOR`, defined in `meshtrain.mesh`)
+are re-exported here, so a model can name an axis without naming the mesh.
 """
 
 from meshtrain.layout.batch import (
@@ -44,11 +47,18 @@ from meshtrain.layout.rules import (
     rules_for,
     strategy_problem,
 )
+from meshtrain.mesh import DATA, EXPERT, FSDP, PIPE, SEQ, TENSOR  # axis names, for models
 
 __all__ = [
     "BATCH_AXES",
+    "DATA",
+    "EXPERT",
+    "FSDP",
     "LOGICAL_AXES",
+    "PIPE",
+    "SEQ",
     "STRATEGIES",
+    "TENSOR",
     "Entry",
     "Layout",
     "MeshAxes",

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from meshtrain.mesh import AXES, mesh_sizes
+from meshtrain.mesh import AXES, DATA, EXPERT, FSDP, PIPE, SEQ, TENSOR, mesh_sizes
 
 MeshAxes = str | tuple[str, ...] | None
 Entry = MeshAxes | list[MeshAxes]  # one layout, or alternatives tried in order
@@ -63,13 +63,13 @@ LOGICAL_AXES: dict[str, str] = {
 }
 
 STRATEGIES = ("dp", "fsdp", "hsdp", "zero1", "tp")
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")  # the presets' batch axes
+BATCH_AXES: tuple[str, ...] = (DATA, FSDP)  # the presets' batch axes
 # Megatron rules: split over tensor; key/value heads replicated where tensor does not divide them.
 _TP_RULES: dict[str, Entry] = {
-    "mlp": "tensor",
-    "heads": "tensor",
-    "kv_heads": ["tensor", None],
-    "vocab": "tensor",
+    "mlp": TENSOR,
+    "heads": TENSOR,
+    "kv_heads": [TENSOR, None],
+    "vocab": TENSOR,
 }
 
 
@@ -146,9 +146,9 @@ def auto_strategy(mesh) -> str:
     ``hsdp`` when both ``data`` and ``fsdp`` are split, ``fsdp`` when only ``fsdp`` is, else
     ``dp``; with ``+tp`` when ``tensor > 1``."""
     sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
-    fsdp, data = sizes.get("fsdp", 1) > 1, sizes.get("data", 1) > 1
+    fsdp, data = sizes.get(FSDP, 1) > 1, sizes.get(DATA, 1) > 1
     strategy = "hsdp" if fsdp and data else "fsdp" if fsdp else "dp"
-    return strategy + ("+tp" if sizes.get("tensor", 1) > 1 else "")
+    return strategy + ("+tp" if sizes.get(TENSOR, 1) > 1 else "")
 
 
 def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Rules:
@@ -159,7 +159,7 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
             ``+``; or ``"auto"`` (needs `mesh`), the strategy `auto_strategy` picks for it.
         mesh: when given (a `Mesh` or a dict of axis sizes), the strategy is checked against it
             (e.g. ``hsdp`` needs ``fsdp > 1``).
-        context_parallel: the attention strategy over ``seq`` (`Rules.context_parallel`).
+        context_parallel: the attention algorithm over ``seq`` (`Rules.context_parallel`).
 
     Returns:
         The `Rules` for the strategy (named by the preset ``"auto"`` chose).
@@ -174,21 +174,21 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
     params: dict[str, Entry] = {name: None for name in LOGICAL_AXES}
     activations: dict[str, Entry] = {name: None for name in LOGICAL_AXES}
     activations["batch"] = BATCH_AXES
-    activations["seq"] = "seq"
+    activations["seq"] = SEQ
     for name, entry in _TP_RULES.items():  # a no-op while tensor == 1
         params[name] = alternatives(entry) if isinstance(entry, list) else entry
         activations[name] = alternatives(entry) if isinstance(entry, list) else entry
     # Pipeline stages own contiguous slices of the stacked layers; a no-op while pipe == 1.
-    params["layers"] = "pipe"
+    params["layers"] = PIPE
     # Experts live on their own shards; the expert axis also splits the batch (as in GShard),
     # so every device routes its own tokens. Both are no-ops while expert == 1.
-    params["expert"] = activations["expert"] = "expert"
-    activations["batch"] = BATCH_AXES + ("expert",)
+    params["expert"] = activations["expert"] = EXPERT
+    activations["batch"] = BATCH_AXES + (EXPERT,)
     optimizer = None
     if data_strategy == "fsdp":
         params["embed"] = BATCH_AXES
     elif data_strategy == "hsdp":
-        params["embed"] = "fsdp"
+        params["embed"] = FSDP
     elif data_strategy == "zero1":
         optimizer = dict(params, embed=BATCH_AXES)
     return Rules(
@@ -222,12 +222,12 @@ def strategy_problem(strategy: str, mesh=None) -> str | None:
     if mesh is None:
         return None
     sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
-    if "tp" in parts and sizes.get("tensor", 1) == 1:
+    if "tp" in parts and sizes.get(TENSOR, 1) == 1:
         return (
             f"strategy {strategy!r} uses tensor parallelism but the mesh has tensor=1; "
             "add tensor=N to the mesh (e.g. --mesh data=4,tensor=2)"
         )
-    if data_parts == ["hsdp"] and sizes.get("fsdp", 1) == 1:
+    if data_parts == ["hsdp"] and sizes.get(FSDP, 1) == 1:
         return (
             f"strategy {strategy!r} shards parameters over the fsdp axis but the mesh has "
             "fsdp=1; add fsdp=N to the mesh (e.g. --mesh data=2,fsdp=4)"

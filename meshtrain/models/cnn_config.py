@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshtrain.layout import TENSOR
 from meshtrain.models.base import DTYPES, DataSpec
 from meshtrain.problem import Problem
 
@@ -218,7 +219,7 @@ class CNNConfig:
 
     def check_layout(self, sizes, rules) -> list[Problem]:
         """Channel-parallel convolutions need every width divisible by ``tensor``."""
-        tensor = sizes.get("tensor", 1)
+        tensor = sizes.get(TENSOR, 1)
         bad = [w for w in (*self.stage_widths, self.hidden) if w % tensor]
         if tensor == 1 or not bad:
             return []

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import context_parallel, kernels
 from meshtrain.layout import constrain
-from meshtrain.models import layers
+from meshtrain.models import layers, token_ends
 from meshtrain.models.base import PipelineParts
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.remat import ATTN_OUT, POLICIES
@@ -190,14 +190,8 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        D, V, Vp = cfg.d_model, cfg.vocab_size, cfg.padded_vocab
-        self.embed = layers.Embed(
-            Vp,
-            D,
-            dtype=cfg.compute_dtype,
-            embedding_init=layers.init_rows(("vocab", "embed"), V, axis=0),
-            rngs=rngs,
-        )
+        D = cfg.d_model
+        self.embed = token_ends.token_embedding(cfg, rngs)
         if cfg.style == "gpt2":
             pos_init = layers.init(("pos", "embed"), 0.01)
             self.pos = nnx.Param(pos_init(rngs.params(), (cfg.max_seq_len, D), jnp.float32))
@@ -214,17 +208,7 @@ class GPT(nnx.Module):
         self.norm = layers.make_norm(
             norm, D, eps=cfg.norm_eps, dtype=cfg.compute_dtype, param_dtype=jnp.float32, rngs=rngs
         )
-        if cfg.tie_embeddings:
-            self.head = None
-        else:
-            self.head = nnx.Linear(
-                D,
-                Vp,
-                use_bias=False,
-                dtype=cfg.compute_dtype,
-                kernel_init=layers.init_rows(("embed", "vocab"), V, axis=1),
-                rngs=rngs,
-            )
+        self.head = token_ends.output_head(cfg, rngs)
 
     def __call__(
         self,
@@ -272,12 +256,11 @@ class GPT(nnx.Module):
         """Token ids [B, T] → input activations [B, T, D] in the compute dtype; learned
         positions by `positions_BT` ([B, T]) when given, else 0..T−1."""
         T = tokens_BT.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+        token_ends.check_length(T, self.cfg)
         # Under context parallelism the tokens take the balanced (zig-zag) order here and
         # `head_logits` restores theirs: attention follows their positions, so the logits are
         # exactly those of the plain order.
-        order = _balanced_order(T)
+        order = context_parallel.balanced_order(T)
         if order is not None:
             tokens_BT = tokens_BT[:, order]
         x_BTD = self.embed(tokens_BT)  # the table is gathered to its activation layout first
@@ -301,27 +284,11 @@ class GPT(nnx.Module):
     def head_logits(self, x_BTD: jax.Array) -> jax.Array:
         """Final norm and output head: [B, T, D] → float32 logits [B, T, padded_vocab], the
         padded ids' masked."""
-        order = _balanced_order(x_BTD.shape[1])
+        order = context_parallel.balanced_order(x_BTD.shape[1])
         if order is not None:  # back from the balanced order `embed_tokens` chose
             x_BTD = constrain(x_BTD[:, context_parallel.inverse(order)], ("batch", "seq", "embed"))
         x_BTD = layers.apply_norm(self.norm, x_BTD, self.cfg.norm_impl)
-        if self.head is None:
-            logits_BTV = self.embed.attend(x_BTD)
-        else:
-            logits_BTV = self.head(x_BTD)
-        logits_BTV = logits_BTV.astype(jnp.float32)
-        if self.cfg.padded_vocab > self.cfg.vocab_size:
-            # In the model, not the loss: every loss (xla, pallas, a user's), evaluation and
-            # sampling then see padded ids at zero probability, with no gradient into them.
-            logits_BTV = layers.mask_padded_vocab(logits_BTV, self.cfg.vocab_size)
-        return constrain(logits_BTV, ("batch", "seq", "vocab"))
-
-
-def _balanced_order(seq_len: int):
-    """The zig-zag token order under context parallelism (`meshtrain.context_parallel`), or
-    None."""
-    cp = context_parallel.active_context()
-    return None if cp is None else context_parallel.order(seq_len, cp.n)
+        return token_ends.logits(x_BTD, self.embed, self.head, self.cfg)
 
 
 def scan_blocks(

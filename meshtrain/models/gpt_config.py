@@ -243,8 +243,8 @@ class GPTConfig:
         """A padded vocabulary that the rules' ``vocab`` split does not divide, with the
         ``vocab_multiple`` that fixes it (`sizes`: axis name → size); heads that Ulysses
         context parallelism cannot split over ``seq``."""
-        strategy = getattr(rules, "context_parallel", context_parallel.DEFAULT)
-        heads = context_parallel.heads_problem(sizes, strategy, self.n_heads)
+        algorithm = getattr(rules, "context_parallel", context_parallel.DEFAULT)
+        heads = context_parallel.heads_problem(sizes, algorithm, self.n_heads)
         if heads is not None:
             return [heads]
         for table in (rules.params, rules.activations):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.layout import constrain
-from meshtrain.models import layers
+from meshtrain.models import layers, token_ends
 from meshtrain.models.base import ModelOutput
 from meshtrain.models.gpt import MLP, Attention, Block
 from meshtrain.models.moe_config import MoEConfig
@@ -125,14 +125,7 @@ class MoE(nnx.Module):
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         g = cfg.backbone
-        D, V, Vp = g.d_model, g.vocab_size, g.padded_vocab
-        self.embed = layers.Embed(
-            Vp,
-            D,
-            dtype=g.compute_dtype,
-            embedding_init=layers.init_rows(("vocab", "embed"), V, axis=0),
-            rngs=rngs,
-        )
+        self.embed = token_ends.token_embedding(g, rngs)
 
         @nnx.split_rngs(splits=cfg.n_moe_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -141,19 +134,14 @@ class MoE(nnx.Module):
 
         self.groups = make_groups(rngs)
         self.norm = layers.make_norm(
-            "rmsnorm", D, eps=g.norm_eps, dtype=g.compute_dtype, param_dtype=jnp.float32, rngs=rngs
+            "rmsnorm",
+            g.d_model,
+            eps=g.norm_eps,
+            dtype=g.compute_dtype,
+            param_dtype=jnp.float32,
+            rngs=rngs,
         )
-        if g.tie_embeddings:
-            self.head = None
-        else:
-            self.head = nnx.Linear(
-                D,
-                Vp,
-                use_bias=False,
-                dtype=g.compute_dtype,
-                kernel_init=layers.init_rows(("embed", "vocab"), V, axis=1),
-                rngs=rngs,
-            )
+        self.head = token_ends.output_head(g, rngs)
 
     def __call__(
         self,
@@ -163,9 +151,7 @@ class MoE(nnx.Module):
         positions: jax.Array | None = None,
     ) -> ModelOutput:
         g = self.cfg.backbone
-        T = tokens_BT.shape[1]
-        if T > g.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={g.max_seq_len}")
+        token_ends.check_length(tokens_BT.shape[1], g)
         x_BTD = constrain(self.embed(tokens_BT), ("batch", "seq", "embed"))
 
         def body(group: Group, x_BTD: jax.Array, seg_BT, pos_BT):
@@ -175,12 +161,7 @@ class MoE(nnx.Module):
             body = nnx.remat(body, policy=POLICIES[g.remat], prevent_cse=False)
         scan = nnx.scan(body, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
         x_BTD, stats = scan(self.groups, x_BTD, segment_ids, positions)
-        x_BTD = self.norm(x_BTD)
-        logits_BTV = self.embed.attend(x_BTD) if self.head is None else self.head(x_BTD)
-        logits_BTV = logits_BTV.astype(jnp.float32)
-        if g.padded_vocab > g.vocab_size:
-            logits_BTV = layers.mask_padded_vocab(logits_BTV, g.vocab_size)
-        logits_BTV = constrain(logits_BTV, ("batch", "seq", "vocab"))
+        logits_BTV = token_ends.logits(self.norm(x_BTD), self.embed, self.head, g)
         aux = self.cfg.aux_loss_coef * jnp.sum(stats["aux_loss"])
         aux = aux + self.cfg.z_loss_coef * jnp.sum(stats["z_loss"])
         metrics = {f"moe_{k}": jnp.mean(v) for k, v in stats.items()}

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from flax import nnx
 
-from meshtrain.layout import Rules
+from meshtrain.layout import EXPERT, Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_dispatch import DISPATCH
@@ -182,7 +182,7 @@ class MoEConfig:
             dataclasses.replace(p, field=p.field.replace("gpt.", "moe."), message=_moe(p.message))
             for p in self.backbone.check_layout(sizes, rules)
         ]
-        shards = sizes.get("expert", 1)
+        shards = sizes.get(EXPERT, 1)
         if shards > self.n_experts:
             problems.append(
                 Problem(
@@ -216,7 +216,7 @@ class MoEConfig:
     @property
     def supported_axes(self) -> tuple[str, ...]:
         """Axes beyond the defaults that this model runs (the run check reads it)."""
-        return ("expert",)
+        return (EXPERT,)
 
     @property
     def context_parallel(self) -> bool:

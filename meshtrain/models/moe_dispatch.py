@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshtrain.layout import Spec, active, axes_of, axis_size, manual_in_layout
+from meshtrain.layout import EXPERT, Spec, active, axes_of, axis_size, manual_in_layout
 
 DISPATCH = ("capacity", "dropless")
 
@@ -152,15 +152,15 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
     layout = active()
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)
-    shards = axis_size("expert")
+    shards = axis_size(EXPERT)
     batch = axes_of(layout.activation_spec(("batch", None, None), x_BTD.shape)[0])
-    rows = tuple(a for a in batch if a != "expert") + (("expert",) if shards > 1 else ())
+    rows = tuple(a for a in batch if a != EXPERT) + ((EXPERT,) if shards > 1 else ())
     if not rows:
         return local(x_BTD, routing, weights, axis=None, shards=1)
     row_spec = Spec(rows)
-    weight_spec = Spec("expert") if shards > 1 else Spec()
+    weight_spec = Spec(EXPERT) if shards > 1 else Spec()
     region = manual_in_layout(
-        functools.partial(local, axis="expert", shards=shards),
+        functools.partial(local, axis=EXPERT, shards=shards),
         axes=rows,
         in_specs=(row_spec, Routing(*(row_spec,) * 4), (weight_spec,) * 3),
         out_specs=row_spec,

@@ -50,6 +50,7 @@ def pipeline_problems(
     batch_ways: int,
     batch_axes: str = "data × fsdp",
     layers: int | None = None,
+    layers_field: str = "layers",
 ) -> list[Problem]:
     """What keeps a pipeline from running, before anything compiles.
 
@@ -61,6 +62,7 @@ def pipeline_problems(
         batch_ways: devices each microbatch is split over (data × fsdp for the presets).
         batch_axes: the names of those axes, for messages.
         layers: the model's stacked layers, when known.
+        layers_field: the config field that sets them (``gpt.n_layers``), named with its flag.
 
     Returns:
         One `Problem` per thing wrong, each naming the field, the value and the fix.
@@ -72,12 +74,17 @@ def pipeline_problems(
         return [Problem("pipeline", config.schedule, str(e).removeprefix("pipeline "))]
     problems = []
     if layers is not None and layers % (pipe * v):
+        k = pipe * v
+        fix = f"use a multiple of {k} layers"
+        if layers_field != "layers":
+            flag = "--" + layers_field.replace("_", "-")
+            fix = f"use {flag} {-(-layers // k) * k} (a multiple of {k}), or fewer stages"
         problems.append(
             Problem(
-                "layers",
+                layers_field,
                 layers,
-                f"not divisible by pipe × repeats = {pipe} × {v} = {pipe * v}: each stage needs "
-                f"whole layers; use a multiple of {pipe * v} layers",
+                f"not divisible by pipe × repeats = {pipe} × {v} = {k}: each stage needs "
+                f"whole layers; {fix}",
             )
         )
     if batch_size % m:

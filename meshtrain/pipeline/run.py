@@ -28,7 +28,7 @@ from meshtrain.layout import (
     split_microbatches,
     varying,
 )
-from meshtrain.mesh import mesh_sizes
+from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import PipelineParts, pipeline_parts
 from meshtrain.pipeline import spmd
 from meshtrain.pipeline.config import PipelineConfig
@@ -103,7 +103,7 @@ def pipeline_loss(
 
     Call it inside `jax.jit` under `meshtrain.layout.activation_rules(mesh, rules)`.
     """
-    p = mesh_sizes(mesh)["pipe"]
+    p = mesh_sizes(mesh)[PIPE]
     m = config.num_microbatches(p)
     v = config.chunks_per_stage()
     cut = _Cut(graphdef, params, rest)
@@ -159,7 +159,7 @@ def pipeline_loss_and_grads(
             params
         )
 
-    p = mesh_sizes(mesh)["pipe"]
+    p = mesh_sizes(mesh)[PIPE]
     m = config.num_microbatches(p)
     table = schedule_table("1f1b", p, m)
     cut = _Cut(graphdef, params, rest)

@@ -34,9 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshtrain.layout import varying
+from meshtrain.mesh import PIPE
 from meshtrain.pipeline.schedules import BWD, FWD, ScheduleTable, buffer_depth, forward_ticks
 
-AXIS = "pipe"
+AXIS = PIPE
 
 StageFn = Callable[[dict, jax.Array], jax.Array]  # (chunk params [Lc, ...], x [b,T,D]) -> y
 

@@ -28,6 +28,7 @@ import math
 from meshtrain.comm.expect import ParamLayout, Traffic, expected
 from meshtrain.costmodel import CommItem, DeviceProfile, StepEstimate, step_time
 from meshtrain.layout import rules_for
+from meshtrain.mesh import PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.space import Candidate
 
@@ -148,7 +149,7 @@ def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list
             CommItem(
                 "tensor activations",
                 "all-reduce",
-                ("tensor",),
+                (TENSOR,),
                 b["tensor activations"] / count,
                 count,
             )
@@ -159,12 +160,12 @@ def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list
             CommItem(
                 "pipeline permutes",
                 "collective-permute",
-                ("pipe",),
+                (PIPE,),
                 b["pipeline permutes"] / sends,
                 sends,
             )
         )
         items.append(
-            CommItem("pipeline stage sums", "all-reduce", ("pipe",), b["pipeline stage sums"])
+            CommItem("pipeline stage sums", "all-reduce", (PIPE,), b["pipeline stage sums"])
         )
     return items

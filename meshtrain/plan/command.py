@@ -5,17 +5,15 @@
     meshtrain train --config plan.json --steps 2
     meshtrain plan --scaling --plot docs/scaling.png
 
-Its flags are argparse (like ``meshtrain bench``).
+Its flags are `meshtrain.cli.plan.PlanSettings`; this module does the work.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 import time
-from collections.abc import Sequence
 
 from meshtrain.plan.search import Plan, PlanError
 
@@ -66,40 +64,6 @@ def gpt_config(name: str, seq_len: int, dtype: str):
         dtype=dtype,
         **extra,
     )
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """The planner's flags."""
-    p = argparse.ArgumentParser(
-        prog="meshtrain plan",
-        description="Search pipe × data × fsdp × tensor layouts, strategies, remat and "
-        "microbatches for a GPT; rank by modelled step time; confirm memory by compiling.",
-    )
-    p.add_argument("--model", default="1.3b", help=f"model size: {', '.join(sizes())}")
-    p.add_argument("--devices", type=int, default=8, help="devices to plan for")
-    p.add_argument("--hosts", type=int, default=0, help="hosts (0: the profile's node size)")
-    p.add_argument(
-        "--device", default="h100", help="device profile: h100, h200, a100, tpu-v5e, cpu-sim"
-    )
-    p.add_argument(
-        "--device-memory", default="", help="memory per device, e.g. 80GB (default: the profile's)"
-    )
-    p.add_argument("--batch", type=int, default=0, help="global batch (0: 2 per device)")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (0: the size's)")
-    p.add_argument(
-        "--dtype", default="", help="compute dtype (default: bfloat16, float32 on cpu-sim)"
-    )
-    p.add_argument("--top", type=int, default=5, help="candidates to print")
-    p.add_argument("--confirm", type=int, default=2, help="best candidates to compile")
-    p.add_argument("--write", default="", help="save the winner as a train config (JSON)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument(
-        "--scaling",
-        action="store_true",
-        help="project 8 → 1024 devices for 1.3b and 7b (DP, FSDP, the planner's pick)",
-    )
-    p.add_argument("--plot", default="", help="with --scaling: save the plot here")
-    return p.parse_args(argv)
 
 
 def _profile(args):
@@ -280,17 +244,3 @@ def run_scaling(args) -> int:
         where = plot(rows, args.plot, f"modelled scaling on {device.name}")
         print(f"plot: {where}" if where else "plot skipped: matplotlib is not installed")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``meshtrain plan``."""
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        return run(args)
-    except ValueError as e:
-        print(f"meshtrain plan: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from meshtrain.mesh import AXES
+from meshtrain.mesh import AXES, DATA, FSDP, PIPE, TENSOR
 
 REMATS = ("none", "save-dots", "full")
 
@@ -27,7 +27,7 @@ class Candidate:
     @property
     def sizes(self) -> dict[str, int]:
         """Axis sizes in mesh order (every axis, size 1 where unused)."""
-        named = {"pipe": self.pipe, "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        named = {PIPE: self.pipe, DATA: self.data, FSDP: self.fsdp, TENSOR: self.tensor}
         return {a: named.get(a, 1) for a in AXES}
 
     @property

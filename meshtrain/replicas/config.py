@@ -6,6 +6,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+from meshtrain.mesh import EXPERT, PIPE, SEQ
 from meshtrain.problem import Problem
 
 COMPRESSIONS = ("none", "bf16", "int8", "topk:FRACTION", "sign")
@@ -178,7 +179,7 @@ def sync_problems(
                 "parameters. Use --strategy dp, zero1 or hsdp (hsdp: replicas over data)",
             )
         )
-    for axis, why in (("pipe", "pipelines"), ("seq", "context parallelism"), ("expert", "MoE")):
+    for axis, why in ((PIPE, "pipelines"), (SEQ, "context parallelism"), (EXPERT, "MoE")):
         if sizes.get(axis, 1) > 1:
             problems.append(
                 Problem(

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import layout, replicas
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
-from meshtrain.mesh import mesh_sizes
+from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.run import RunSpec, run_from_legacy
@@ -40,7 +40,7 @@ def _pipeline_mesh(pipeline: PipelineConfig | None, run_mesh=None) -> Mesh | Non
             "pipeline=...: a pipelined step must be traced under "
             "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
         )
-    return active.mesh if mesh_sizes(active.mesh)["pipe"] > 1 else None
+    return active.mesh if mesh_sizes(active.mesh)[PIPE] > 1 else None
 
 
 _STEP_LEGACY = ("accum_steps", "loss_fn", "pipeline", "sync")

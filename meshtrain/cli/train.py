@@ -1,100 +1,111 @@
-"""The ``meshtrain`` command. Its flags are generated (by tyro) from the config dataclasses.
+"""``meshtrain train``: the train job's settings (`TrainJob`) and the run that trains them.
 
 meshtrain train                                   # the embedded default job
 meshtrain train --mesh data=4,tensor=2 --strategy fsdp --steps 300
 meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --gpt.dtype bfloat16
 meshtrain train --mesh pipe=2,data=2,tensor=2 --schedule 1f1b --microbatches 8
-meshtrain train --help
 meshtrain train --run-dir runs/a --save-every 50 --resume   # continue from the newest checkpoint
-meshtrain launch --nproc 2 --devices-per-proc 4 -- train   # 2 local processes, 4 devices each
-meshtrain bench --size 125m                                # one JSON line of speed figures
-meshtrain inspect --mesh data=8 --strategy fsdp            # compiled collectives, no step runs
-meshtrain plan --model 1.3b --devices 64 --write plan.json # pick a mesh; then:
-meshtrain train --config plan.json                         # flags from a file (later ones win)
-meshtrain prepare notes/ --out corpus/                     # tokenise; then --data.source tokens
-meshtrain train --init-from hf:gpt2-dir --export-hf tuned  # fine-tune a HF checkpoint, export it
-meshtrain generate runs/default --top-p 0.9                # sample from a checkpoint
+meshtrain train --config plan.json                # flags from a file (later ones win)
+meshtrain train --init-from hf:gpt2-dir --export-hf tuned   # fine-tune a HF checkpoint
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import tyro
 
-from meshtrain import _compat
 from meshtrain.checkpoint import CheckpointConfig, holds_run
+from meshtrain.cli import parsing
+from meshtrain.cli.errors import UsageError
 from meshtrain.data import DataConfig
-from meshtrain.distributed import DistributedConfig, DistributedError
-from meshtrain.models import families
+from meshtrain.distributed import DistributedConfig
+from meshtrain.mesh import PIPE, SEQ
+from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, families
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import SyncConfig
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.optim import OptimConfig
 
-_DOC = """Train a model on a device mesh. With no flags: a small Llama-style GPT on this Python's
-own standard library, on 8 simulated CPU devices, as a data × fsdp × tensor = 2×2×2 hybrid.
+__all__ = ["TrainJob", "build_trainer", "check", "config_flags", "main", "parse", "run"]
 
-Args:
-    mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
-    strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
-        tensor > 1); auto picks from the mesh: hsdp when data and fsdp are both > 1, fsdp
-        when only fsdp is, else dp, with +tp when tensor > 1.
-    context_parallel: attention over a sequence split over seq > 1: ring (default; memory
-        falls as 1/seq), allgather (short sequences, GQA) or ulysses (heads divisible by seq).
-    devices: CPU devices to simulate (per process); 0 uses the real devices (e.g. GPUs).
-    model: the model family: {models}.
-    prompt: start of the sample printed at the end (language models only).
-    sample_tokens: tokens to sample at the end (0 = none).
-    save: write checkpoints (to run_dir/checkpoints unless --checkpoint-dir is given).
-    init_from: start from a Hugging Face checkpoint, hf:PATH: its weights, its model shape
-        and (unless --data.tokenizer is given) its tokenizer.json; model flags may change
-        only training choices (remat, dtype, kernels).
-    export_hf: after training, write the model (and tokenizer) as a Hugging Face checkpoint
-        to this new directory (transformers loads it).
-"""
+EXAMPLE = "meshtrain train --mesh data=4,tensor=2 --steps 300"
+_Flat = tyro.conf.OmitArgPrefixes  # the section's flags without its prefix: --steps, --lr
 
 
-def _job_class() -> type:
-    """The ``train`` job: fixed fields, then one config field per registered model family."""
-    names = list(families())
-    fields = [
-        ("mesh", str, "data=2,fsdp=2,tensor=2"),
-        ("strategy", str, "auto"),
-        ("context_parallel", str, "ring"),
-        ("devices", int, 8),
-        ("model", str, names[0]),
-        ("prompt", str, "def "),
-        ("sample_tokens", int, 160),
-        ("save", bool, True),
-        ("init_from", str, ""),
-        ("export_hf", str, ""),
-        ("train", Annotated[TrainConfig, tyro.conf.OmitArgPrefixes], TrainConfig(steps=200)),
-        ("pipeline", Annotated[PipelineConfig, tyro.conf.OmitArgPrefixes], PipelineConfig()),
-        ("checkpoint", Annotated[CheckpointConfig, tyro.conf.OmitArgPrefixes], CheckpointConfig()),
-        ("optim", Annotated[OptimConfig, tyro.conf.OmitArgPrefixes], OptimConfig()),
-        ("sync", Annotated[SyncConfig, tyro.conf.OmitArgPrefixes], SyncConfig()),
-        ("data", DataConfig, DataConfig()),
-    ]
-    fields += [(f.name, f.config, f.default) for f in families().values()]
-    fields.append(("dist", DistributedConfig, DistributedConfig()))
+def _family_default(name: str):
+    return dataclasses.field(default=families()[name].default)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    """Train a model on a device mesh. With no flags: a small Llama-style GPT on this Python's
+    own standard library, on 8 simulated CPU devices, as a data × fsdp × tensor = 2×2×2 hybrid.
+
+    Args:
+        mesh: mesh axis sizes, e.g. "data=4,tensor=2"; one axis may be -1 (fill).
+        strategy: dp, fsdp, hsdp or zero1, optionally "+tp" (tensor rules apply whenever
+            tensor > 1); auto picks from the mesh: hsdp when data and fsdp are both > 1, fsdp
+            when only fsdp is, else dp, with +tp when tensor > 1.
+        context_parallel: attention over a sequence split over seq > 1: ring (default; memory
+            falls as 1/seq), allgather (short sequences, GQA) or ulysses (heads divisible by
+            seq).
+        devices: CPU devices to simulate (per process); 0 uses the real devices (e.g. GPUs).
+        model: the model family: gpt (decoder-only transformer, GPT-2 or Llama style), mlp
+            (residual MLP classifier), cnn (LeNet/VGG or ResNet style image classifier) or moe
+            (mixture-of-experts decoder, Mixtral style); its flags are --NAME.field.
+        prompt: start of the sample printed at the end (language models only).
+        sample_tokens: tokens to sample at the end (0 = none).
+        save: write checkpoints (to run_dir/checkpoints unless --checkpoint-dir is given).
+        init_from: start from a Hugging Face checkpoint, hf:PATH: its weights, its model shape
+            and (unless --data.tokenizer is given) its tokenizer.json; model flags may change
+            only training choices (remat, dtype, kernels).
+        export_hf: after training, write the model (and tokenizer) as a Hugging Face checkpoint
+            to this new directory (transformers loads it).
+        gpt: the gpt family's config (with --model gpt).
+        mlp: the mlp family's config (with --model mlp).
+        cnn: the cnn family's config (with --model cnn).
+        moe: the moe family's config (with --model moe).
+        dist: joining a multi-process job (meshtrain launch, srun, mpirun, a JobSet).
+    """
+
+    mesh: str = "data=2,fsdp=2,tensor=2"
+    strategy: str = "auto"
+    context_parallel: str = "ring"
+    devices: int = 8
+    model: str = "gpt"
+    prompt: str = "def "
+    sample_tokens: int = 160
+    save: bool = True
+    init_from: str = ""
+    export_hf: str = ""
+    train: Annotated[TrainConfig, _Flat] = TrainConfig(steps=200)
+    pipeline: Annotated[PipelineConfig, _Flat] = PipelineConfig()
+    checkpoint: Annotated[CheckpointConfig, _Flat] = CheckpointConfig()
+    optim: Annotated[OptimConfig, _Flat] = OptimConfig()
+    sync: Annotated[SyncConfig, _Flat] = SyncConfig()
+    data: DataConfig = DataConfig()
+    # One field per registered model family (tests/test_cli_package.py checks the registry).
+    gpt: GPTConfig = _family_default("gpt")
+    mlp: MLPConfig = _family_default("mlp")
+    cnn: CNNConfig = _family_default("cnn")
+    moe: MoEConfig = _family_default("moe")
+    dist: DistributedConfig = DistributedConfig()
 
     def __post_init__(self):
         if self.model not in families():
             raise ValueError(
                 f"model={self.model!r}: unknown model; choose from {', '.join(families())}"
             )
-        from meshtrain.context_parallel import strategy_problem
+        from meshtrain.context_parallel import algorithm_problems
 
-        if strategy_problem(self.context_parallel):
-            raise ValueError(strategy_problem(self.context_parallel))
+        if problems := algorithm_problems(self.context_parallel):
+            raise RunCheckError(problems)
         if self.devices < 0 or self.sample_tokens < 0:
             raise ValueError(
                 f"devices={self.devices}, sample_tokens={self.sample_tokens}: must be ≥ 0"
@@ -103,21 +114,6 @@ def _job_class() -> type:
     def model_config(self):
         """The chosen model family's config."""
         return getattr(self, self.model)
-
-    models = ", ".join(f"{n} ({f.summary})" if f.summary else n for n, f in families().items())
-    cls = dataclasses.make_dataclass(
-        "TrainJob",
-        [(name, kind, dataclasses.field(default=default)) for name, kind, default in fields],
-        namespace={"__post_init__": __post_init__, "model_config": model_config},
-        frozen=True,
-        kw_only=True,
-    )
-    cls.__doc__ = _DOC.format(models=models)
-    cls.__module__ = __name__
-    return cls
-
-
-TrainJob = _job_class()
 
 
 def _fresh_default_run_dir(job: TrainJob, say) -> TrainJob:
@@ -140,13 +136,12 @@ def _fresh_default_run_dir(job: TrainJob, say) -> TrainJob:
     return dataclasses.replace(job, train=dataclasses.replace(job.train, run_dir=run_dir))
 
 
-def build_trainer(job: TrainJob, say=print, argv=()):
+def build_trainer(job: TrainJob, say=print):
     """Builds the mesh, data and `Trainer` of a job (resuming if it asks to); trains nothing.
 
     Args:
-        job: the job.
+        job: the job; with ``--init-from``, as `meshtrain.hf.finetune.resolve` returned it.
         say: where progress lines go.
-        argv: the flags the job was parsed from (``--init-from`` checks the model flags given).
 
     Returns:
         The `Trainer`; with ``job.checkpoint.resume`` its state is the restored one.
@@ -157,7 +152,6 @@ def build_trainer(job: TrainJob, say=print, argv=()):
     from meshtrain.mesh import describe, make_mesh, simulate_devices
     from meshtrain.train.trainer import Trainer
 
-    job = finetune.resolve(job, argv)  # --init-from / --export-hf: JSON read and checked
     checkpointing = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
     if job.checkpoint.resume and not checkpointing:
         raise RunCheckError(
@@ -180,13 +174,13 @@ def build_trainer(job: TrainJob, say=print, argv=()):
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh, context_parallel=job.context_parallel)
     data = make_dataset(job.data)
-    cp = f" · context parallel {job.context_parallel}" if mesh.shape["seq"] > 1 else ""
+    cp = f" · context parallel {job.context_parallel}" if mesh.shape[SEQ] > 1 else ""
     say(f"meshtrain · mesh {describe(mesh)} · strategy {rules.name}{cp}")
-    if mesh.shape["pipe"] > 1:
+    if mesh.shape[PIPE] > 1:
         pc = job.pipeline
         say(
-            f"pipeline {pc.schedule} · {mesh.shape['pipe']} stages · "
-            f"{pc.num_microbatches(mesh.shape['pipe'])} microbatches"
+            f"pipeline {pc.schedule} · {mesh.shape[PIPE]} stages · "
+            f"{pc.num_microbatches(mesh.shape[PIPE])} microbatches"
             + (f" · {pc.repeats} chunks per stage" if pc.schedule == "circular" else "")
         )
     if job.sync != SyncConfig():
@@ -228,12 +222,13 @@ def describe_sync(sync: SyncConfig, mesh, rules) -> str:
     return " · ".join(parts)
 
 
-def run_train(job: TrainJob, argv: list[str] | None = None) -> dict:
+def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
     """Runs a `TrainJob`: builds mesh, data and model, trains with checkpoints, samples.
 
     Args:
         job: the job.
-        argv: the flags it was parsed from (``--init-from`` checks the model flags given).
+        given: the dotted fields its command line set (`parsing.given`); ``--init-from``
+            keeps the model fields given and takes the rest from the checkpoint.
 
     Returns:
         A summary: final loss, eval loss, wall time, checkpoint path, sample text; with
@@ -248,8 +243,8 @@ def run_train(job: TrainJob, argv: list[str] | None = None) -> dict:
 
     from meshtrain.hf import finetune
 
-    job = finetune.resolve(job, argv or ())
-    trainer = build_trainer(job, say, argv or ())
+    job = finetune.resolve(job, given)  # --init-from / --export-hf: JSON read and checked
+    trainer = build_trainer(job, say)
     data, model_cfg, checkpointing = trainer.data, job.model_config(), trainer.checkpoints
     first = int(jax.device_get(trainer.state.step))
     if job.checkpoint.resume and trainer.checkpoints:
@@ -310,113 +305,97 @@ def run_train(job: TrainJob, argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _raise_config_error(event) -> None:
-    """tyro parse-error hook: re-raises a config's own ValueError (from ``__post_init__``), so
-    `main` prints it as one line rather than tyro's box, which names tyro's inner wrappers.
-    Errors tied to one flag (``--steps abc``) keep tyro's box, which shows that flag's help."""
-    failure = _compat.tyro_instantiation_failure()
-    if isinstance(event, failure) and getattr(event, "argument", None) is None:
-        raise ValueError(event.message)
-
-
-def parse(argv: list[str]):
-    """Parses command-line arguments (without the program name) into a job; runs nothing.
-
-    Raises:
-        ValueError: a config rejected its value (e.g. ``--steps 0``).
-        SystemExit: ``--help`` (code 0), or flags tyro itself rejects (code 2).
-    """
-    with _compat.tyro_config_errors(_raise_config_error):
-        return tyro.extras.subcommand_cli_from_dict(
-            {"train": TrainJob},
-            args=argv,
-            prog="meshtrain",
-            description="meshtrain: sharded training where the XLA compiler does the distributing. "
-            "Multi-process: meshtrain launch --nproc N [--devices-per-proc K] -- train ...",
-        )
-
-
 def config_flags(argv: list[str]) -> list[str]:
     """Expands ``--config FILE`` (a JSON object of flag name → value, as ``meshtrain plan
     --write`` saves) into flags placed first, so flags given on the command line win."""
     if "--config" not in argv:
-        return argv
+        return list(argv)
     i = argv.index("--config")
     if i + 1 >= len(argv):
-        raise ValueError("--config needs a file: --config plan.json")
+        raise UsageError("--config needs a file: --config plan.json")
     path = argv[i + 1]
     try:
         flags = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--config {path}: cannot read a JSON object of flags ({e})") from None
+    except OSError as e:
+        raise UsageError(
+            f"--config {path}: cannot read it ({e.strerror}); give the JSON file "
+            "meshtrain plan --write saved"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--config {path}: cannot read a JSON object of flags ({e})") from None
     if not isinstance(flags, dict):
-        raise ValueError(f"--config {path}: must hold a JSON object of flag name → value")
+        raise UsageError(f"--config {path}: must hold a JSON object of flag name → value")
     expanded = []
     for name, value in flags.items():
         if isinstance(value, bool):
             expanded.append(f"--{name}" if value else f"--no-{name}")
         else:
             expanded += [f"--{name}", str(value)]
-    rest = argv[:i] + argv[i + 2 :]
-    return rest[:1] + expanded + rest[1:]
+    return expanded + argv[:i] + argv[i + 2 :]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``meshtrain`` command."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["launch"]:
-        from meshtrain.launch import run
+def parse(argv: list[str], cls: type = TrainJob, name: str = "train"):
+    """The job the words after ``meshtrain train`` describe (``--config`` expanded); runs
+    nothing.
 
-        return run(argv[1:])
-    if argv[:1] == ["bench"]:  # its own argparse flags: see meshtrain/bench.py
-        from meshtrain.bench import main as bench_main
+    Args:
+        argv: the words after the subcommand.
+        cls: the job's class (`TrainJob`, or a subclass such as inspect's).
+        name: the subcommand, for the help and the error lines.
 
-        return bench_main(argv[1:])
-    if argv[:1] == ["prepare"]:  # its own argparse flags: see meshtrain/data/command.py
-        from meshtrain.data.command import main as prepare_main
+    Raises:
+        ValueError: a config rejected its value (e.g. ``--steps 0``); a `UsageError` for a
+            flag tyro cannot read.
+        SystemExit: ``--help`` (code 0).
+    """
+    example = EXAMPLE.replace("meshtrain train", f"meshtrain {name}")
+    return parsing.parse(name, cls, config_flags(argv), example=example)
 
-        return prepare_main(argv[1:])
-    if argv[:1] == ["generate"]:  # its own argparse flags: see meshtrain/generate.py
-        from meshtrain.generate import main as generate_main
 
-        return generate_main(argv[1:])
-    if argv[:1] == ["plan"]:  # its own argparse flags: see meshtrain/plan/command.py
-        from meshtrain.plan.command import main as plan_main
+def _seq_size(job: TrainJob) -> int | None:
+    """The mesh's seq size, when the flags alone decide it (None: a fill over real devices)."""
+    from meshtrain.mesh import MeshConfig
 
-        return plan_main(argv[1:])
-    inspecting, as_json = argv[:1] == ["inspect"], "--json" in argv
-    if inspecting:  # the train flags; the step is compiled, not run
-        argv = ["train", *(a for a in argv[1:] if a != "--json")]
     try:
-        argv = config_flags(argv)
-        job = parse(argv)
-        if isinstance(job, TrainJob) and inspecting:
-            from meshtrain.comm.command import run as run_inspect
-            from meshtrain.hf.finetune import resolve
+        mesh = MeshConfig.parse(job.mesh)
+        if mesh.seq != -1:
+            return mesh.seq
+        return mesh.sizes(job.devices)[SEQ] if job.devices else None
+    except ValueError:
+        return None  # a bad mesh: the run check names it
 
-            run_inspect(resolve(job, argv), as_json)  # --init-from: the checkpoint's model
-        elif isinstance(job, TrainJob):
-            run_train(job, argv)
-    except (ValueError, DistributedError) as e:
-        if os.environ.get("MESHTRAIN_DEBUG"):
-            raise
-        lines = str(e).splitlines() or [""]
-        lines[-1] += " (MESHTRAIN_DEBUG=1 shows the traceback)"
-        for line in lines:
-            print(f"meshtrain: error: {line}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        from meshtrain.train.hooks import NonFiniteError
 
-        if not isinstance(e, NonFiniteError) or os.environ.get("MESHTRAIN_DEBUG"):
-            raise
-        print(f"meshtrain: stopped: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("meshtrain: interrupted", file=sys.stderr)
-        return 130
+def check(job: TrainJob, given: frozenset[str]) -> None:
+    """The mistakes only the command line can make, refused before anything runs.
+
+    Raises:
+        UsageError: flags of a model family the job does not train, or ``--context-parallel``
+            given while the mesh splits nothing over seq.
+    """
+    for path in sorted(given):
+        family = path.split(".")[0]
+        if family in families() and family != job.model and "." in path:
+            flag = "--" + path.replace("_", "-")
+            raise UsageError(
+                f"{flag}: a flag of the {family} model, but --model is {job.model}; add "
+                f"--model {family}, or drop the --{family}.* flags"
+            )
+    if "context_parallel" in given and _seq_size(job) == 1:
+        raise UsageError(
+            f"--context-parallel {job.context_parallel}: the mesh {job.mesh} has no seq axis > 1, "
+            "so no attention is split over the sequence; add seq=N to --mesh (e.g. --mesh "
+            "data=4,seq=2) or drop --context-parallel"
+        )
+
+
+def run(job: TrainJob, given: frozenset[str] = frozenset()) -> int:
+    """Trains `job` (see `run_train`); returns the exit code."""
+    check(job, given)
+    run_train(job, given)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str]) -> int:
+    """``meshtrain train ARGV``: parses, checks and runs; returns the exit code."""
+    argv = config_flags(argv)
+    return run(parse(argv), parsing.given(argv, TrainJob))

@@ -1,0 +1,64 @@
+"""``meshtrain inspect [train flags] [--json]``: compile the step a ``meshtrain train`` with the
+same flags would run, and print what it communicates (nothing runs, nothing is allocated)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshtrain.cli import parsing, train
+
+__all__ = ["InspectJob", "main", "parse", "run"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InspectJob(train.TrainJob):
+    """Compile the step that meshtrain train with the same flags would run, and print the
+    collectives it communicates, their bytes and the modelled time (nothing runs).
+
+    Args:
+        json: print one JSON line instead of the table.
+    """
+
+    json: bool = False
+
+
+def run(job: InspectJob, given: frozenset[str] = frozenset()) -> int:
+    """Inspects the step of a parsed job; prints a table (or one JSON line)."""
+    from meshtrain.comm.inspector import inspect
+    from meshtrain.hf import finetune
+    from meshtrain.layout import rules_for
+    from meshtrain.mesh import make_mesh, simulate_devices
+
+    train.check(job, given)
+    job = finetune.resolve(job, given)  # --init-from: the checkpoint's model
+    if job.devices:
+        simulate_devices(job.devices)
+    mesh = make_mesh(job.mesh)
+    report = inspect(
+        job.model_config(),
+        job.data,
+        mesh,
+        rules_for(job.strategy, mesh),
+        optim=job.optim,
+        pipeline=job.pipeline,
+        accum_steps=job.train.accum_steps,
+        loss_impl=job.train.loss_impl,
+        seed=job.train.seed,
+        sync=job.sync,
+    )
+    if job.json:
+        print(report.to_json())
+    else:
+        report.print()
+    return 0
+
+
+def parse(argv: list[str]) -> InspectJob:
+    """The job the words after ``meshtrain inspect`` give (``--config`` expanded)."""
+    return train.parse(argv, InspectJob, "inspect")
+
+
+def main(argv: list[str]) -> int:
+    """``meshtrain inspect ARGV``: parses the train flags (and ``--json``), inspects."""
+    argv = train.config_flags(argv)
+    return run(parse(argv), parsing.given(argv, InspectJob))

@@ -1,0 +1,73 @@
+"""``meshtrain launch``: N local processes on loopback, the CPU stand-in for ``srun`` or a JobSet.
+
+meshtrain launch --nproc 2 --devices-per-proc 4 -- train --mesh data=2,fsdp=2,tensor=2
+meshtrain launch --nproc 2 -- python my_script.py   # calls mt.distributed.initialize()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tyro
+
+from meshtrain.cli import parsing
+
+__all__ = ["LaunchSettings", "main", "parse", "run", "split"]
+
+EXAMPLE = "meshtrain launch --nproc 2 --devices-per-proc 4 -- train --steps 50"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchSettings:
+    """Start N local processes of one jax.distributed job on 127.0.0.1: meshtrain launch
+    [flags] -- COMMAND, where COMMAND is "train [train flags]" or any program (e.g. "python
+    my_script.py") that calls meshtrain.distributed.initialize().
+
+    Args:
+        nproc: processes to start.
+        devices_per_proc: simulated CPU devices per process (default: 8 // nproc, or
+            train's --devices).
+        port: coordinator port (0: a free one).
+        heartbeat_timeout: seconds before a silent process is declared dead
+            (MESHTRAIN_HEARTBEAT_TIMEOUT).
+        grace: seconds between SIGTERM and SIGKILL on failure.
+        command: what each process runs (the words after --).
+    """
+
+    nproc: int
+    devices_per_proc: int | None = None
+    port: int = 0
+    heartbeat_timeout: int | None = None
+    grace: float = 5.0
+    command: tyro.conf.Suppress[tuple[str, ...]] = ()
+
+
+def split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher flags, command): the command starts after ``--``, or at the first word that
+    is neither a flag nor a flag's value."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1 if "=" in argv[i] or argv[i] in ("-h", "--help") else 2
+    return argv[:i], argv[i:]
+
+
+def parse(argv: list[str]) -> LaunchSettings:
+    """The settings the words after ``meshtrain launch`` give."""
+    flags, command = split(list(argv))
+    settings = parsing.parse("launch", LaunchSettings, flags, example=EXAMPLE)
+    return dataclasses.replace(settings, command=tuple(command))
+
+
+def run(settings: LaunchSettings) -> int:
+    """Starts the processes and waits for them; returns the first failure's status, or 0."""
+    from meshtrain import launch
+
+    return launch.run(settings)
+
+
+def main(argv: list[str]) -> int:
+    """``meshtrain launch ARGV``."""
+    return run(parse(argv))

@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
@@ -133,7 +134,7 @@ def data_spec(data) -> DataSpec:
     )
 
 
-def model_constructor(model, seed: int) -> tuple[Callable[[], nnx.Module], list[Problem]]:
+def model_constructor(model: Any, seed: int) -> tuple[Callable[[], nnx.Module], list[Problem]]:
     """A zero-argument constructor for `model`, and a problem if `seed` cannot reach it."""
     if callable(getattr(model, "build", None)):  # a model config
         return (lambda: model.build(rngs=nnx.Rngs(params=seed))), []
@@ -143,7 +144,8 @@ def model_constructor(model, seed: int) -> tuple[Callable[[], nnx.Module], list[
             "function that builds an nnx.Module"
         )
     # A class's own signature may be hidden by its metaclass (nnx.Module's is): read __init__.
-    function = model.__init__ if isinstance(model, type) else model
+    is_class = isinstance(model, type)
+    function = model.__init__ if is_class else model
     try:
         wanted = [
             p
@@ -153,7 +155,7 @@ def model_constructor(model, seed: int) -> tuple[Callable[[], nnx.Module], list[
         ]
     except (TypeError, ValueError):
         wanted = []
-    if isinstance(model, type):
+    if is_class:
         wanted = wanted[1:]  # self
     if len(wanted) == 1:  # e.g. a module class whose __init__ takes rngs
         return (lambda: model(nnx.Rngs(params=seed))), []
@@ -240,8 +242,8 @@ def run_from_legacy(
             f"settings in the RunSpec: {call.format(run='RunSpec(...)')}"
         )
     given = {**(defaults or {}), **legacy}
-    fields: dict[str, object] = {}
-    train: dict[str, object] = {}
+    fields: dict[str, Any] = {}
+    train: dict[str, Any] = {}
     for key, value in given.items():
         path = LEGACY_FIELDS[key]
         if path.startswith("train."):

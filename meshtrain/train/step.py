@@ -34,7 +34,7 @@ def _pipeline_mesh(pipeline: PipelineConfig | None, run_mesh=None) -> Mesh | Non
         if run_mesh is None:
             return None
         sizes = run_mesh if isinstance(run_mesh, Mapping) else mesh_sizes(run_mesh)
-        if sizes.get("pipe", 1) == 1:
+        if sizes.get(PIPE, 1) == 1:
             return None
         raise ValueError(
             "pipeline=...: a pipelined step must be traced under "

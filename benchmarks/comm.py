@@ -72,7 +72,8 @@ def main() -> None:
         print(f"compiling {name} ...", file=sys.stderr, flush=True)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
-        r = mt.inspect(cfg, spec, mesh, rules, pipeline=PIPELINES.get(name))
+        pipeline = PIPELINES.get(name) or mt.PipelineConfig()
+        r = mt.inspect(mt.RunSpec(model=cfg, data=spec, mesh=mesh, rules=rules, pipeline=pipeline))
         expected = sum(r.expectation.bytes.values())
         ideal = r.param_bytes * (1 + 1 + 2) / mesh.devices.size  # params, grads, 2 Adam moments
         emit(

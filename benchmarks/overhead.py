@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
     from meshtrain import layout as S
     from meshtrain.comm.hlo import collectives
     from meshtrain.layout import batch_shardings
-    from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+    from meshtrain.lower import RunSpec, init_train_state, jit_train_step, make_optimizer
     from meshtrain.mesh import describe, make_mesh
     from meshtrain.models import GPTConfig, build_model
     from meshtrain.train import OptimConfig
@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
     for rep in range(args.compile_reps):
         for depth in COMPILE_DEPTHS:
             gd_d, state_d, sh_d = abstract[depth]
-            fn = jit_train_step(gd_d, tx, mesh, rules, sh_d, batch_sh)
+            fn = jit_train_step(RunSpec(mesh=mesh, rules=rules), gd_d, tx, sh_d, batch_sh)
             t0 = time.perf_counter()
             lowered = fn.lower(state_d, abstract_batch)
             t1 = time.perf_counter()
@@ -176,7 +176,7 @@ def main(argv=None) -> dict:
             if depth == cfg.n_layers:
                 mt_step = fn
     if mt_step is None:  # --layers is neither compile depth
-        mt_step = jit_train_step(gd, tx, mesh, rules, sh, batch_sh)
+        mt_step = jit_train_step(RunSpec(mesh=mesh, rules=rules), gd, tx, sh, batch_sh)
 
     def meshtrain_step(state, batch):
         state, metrics = mt_step(state, batch)

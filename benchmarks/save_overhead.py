@@ -72,7 +72,7 @@ def main(argv=None) -> dict:
     from meshtrain.checkpoint import CheckpointConfig, CheckpointManager
     from meshtrain.cli.train import TrainJob
     from meshtrain.layout import batch_shardings, rules_for, shard_batch
-    from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+    from meshtrain.lower import RunSpec, init_train_state, jit_train_step, make_optimizer
     from meshtrain.mesh import describe, make_mesh
     from meshtrain.models import GPTConfig, build_model
 
@@ -89,9 +89,8 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 256, (batch_size, seq + 1), dtype=np.int32)
     batch_np = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    step = jit_train_step(
-        graphdef, tx, mesh, rules, shardings, batch_shardings(batch_np, mesh, rules)
-    )
+    run = RunSpec(mesh=mesh, rules=rules)
+    step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(batch_np, mesh, rules))
     batch = shard_batch(batch_np, mesh, rules)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     log(f"mesh {describe(mesh)} · {job.strategy} · {model} · state {state_bytes / 2**20:.1f} MiB")

@@ -47,11 +47,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import meshtrain as mt  # noqa: E402
-from meshtrain.check import data_spec  # noqa: E402
 from meshtrain.comm.compile import FAST_CODEGEN  # noqa: E402
 from meshtrain.comm.inspector import inspect_compiled  # noqa: E402
 from meshtrain.layout import batch_shardings, process_rows, shard_batch  # noqa: E402
 from meshtrain.replicas import replicas, with_sync  # noqa: E402
+from meshtrain.run import RunSpec  # noqa: E402
 from meshtrain.state import init_train_state  # noqa: E402
 from meshtrain.train.loss import cross_entropy  # noqa: E402
 from meshtrain.train.optim import make_optimizer, make_schedule  # noqa: E402
@@ -198,30 +198,21 @@ def run_scheme(s: Setup, sync: mt.SyncConfig | None, fast_compile: bool = False)
     graphdef, state, shardings = init_train_state(ctor, s.tx, mesh, rules, s.params)
     state, shardings = with_sync(sync, s.tx, state, shardings, mesh, rules)
     batch_sh = batch_shardings(s.batches[0], mesh, rules)
-    step = jit_train_step(
-        graphdef,
-        s.tx,
-        mesh,
-        rules,
-        shardings,
-        batch_sh,
+    run = RunSpec(
+        model=s.model,
+        data=s.data,
+        mesh=mesh,
+        rules=rules,
+        sync=sync or mt.SyncConfig(),
         loss_fn=cross_entropy,
-        schedule=s.schedule,
-        sync=sync,
     )
+    step = jit_train_step(run, graphdef, s.tx, shardings, batch_sh, schedule=s.schedule)
     first = shard_batch(s.batches[0], mesh, rules)
     t0 = time.perf_counter()
     compiled = step.lower(state, first).compile(FAST_CODEGEN if fast_compile else None)
     compile_s = time.perf_counter() - t0
     _, param_vars, _ = nnx.split(ctor(), nnx.Param, ...)
-    inspection = inspect_compiled(
-        compiled,
-        mesh=mesh,
-        rules=rules,
-        param_vars=param_vars,
-        spec=data_spec(s.data),
-        model=s.model,
-    )
+    inspection = inspect_compiled(compiled, run, param_vars=param_vars)
     axes, _ = replicas(mesh, rules)
     h = sync.sync_every if sync is not None and sync.local else 1
     counts = replica_bytes(inspection, axes, h)

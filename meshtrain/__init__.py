@@ -10,9 +10,11 @@ Two tiers. This module is the top one, in the order a script uses it::
     trainer = mt.Trainer(mt.GPTConfig(), data, mesh=mesh, rules=rules)
     history = trainer.fit()
 
-Your own model names its dimensions with `mt.constrain` and `mt.Embed`-style logical names;
-checkpoints come from ``checkpoint=mt.CheckpointConfig(...)``. The lower tier,
-`meshtrain.lower`, has the pieces the `Trainer` is built from, for writing your own loop.
+Your own model names its dimensions with `mt.constrain` and `mt.Embed`-style logical names.
+The whole run (optimizer, loop, pipeline, sync, checkpoints) is one `mt.RunSpec`:
+``mt.Trainer(run=mt.RunSpec(model=..., data=..., checkpoint=mt.CheckpointConfig(...)))``.
+The lower tier, `meshtrain.lower`, has the pieces the `Trainer` is built from, for writing
+your own loop.
 """
 
 from meshtrain import distributed, lower
@@ -34,6 +36,7 @@ from meshtrain.models.layers import Embed
 from meshtrain.pipeline import PipelineConfig, schedule_table
 from meshtrain.problem import RunCheckError
 from meshtrain.replicas import SyncConfig
+from meshtrain.run import RunSpec
 from meshtrain.train import OptimConfig, TrainConfig, Trainer
 
 __version__ = "0.1.0"
@@ -57,6 +60,7 @@ __all__ = [
     "PipelineConfig",
     "Rules",
     "RunCheckError",
+    "RunSpec",
     "STRATEGIES",
     "SyncConfig",
     "TrainConfig",

@@ -220,8 +220,8 @@ def run(args) -> dict:
     record["params"] = sum(int(x.size) for x in jax.tree.leaves(state.params))
     batches = [mt.lower.shard_batch(b, mesh, rules) for b in synthetic_tokens(shape, 3, args.seed)]
     batch_sharding = {k: v.sharding for k, v in batches[0].items()}
-    extra = {} if (loss := loss_fn_for(args.loss)) is None else {"loss_fn": loss}
-    jitted = mt.lower.jit_train_step(graphdef, tx, mesh, rules, shardings, batch_sharding, **extra)
+    run = mt.RunSpec(mesh=mesh, rules=rules, loss_fn=loss_fn_for(args.loss))
+    jitted = mt.lower.jit_train_step(run, graphdef, tx, shardings, batch_sharding)
     t0 = time.perf_counter()
     compiled = jitted.lower(state, batches[0]).compile()
     record["compile_s"] = time.perf_counter() - t0

@@ -12,80 +12,58 @@ it is built (its ``problems()``, in the words of `meshtrain.validate`).
 from __future__ import annotations
 
 import dataclasses
-import types
-from collections.abc import Mapping
 
 from flax import nnx
-from jax.sharding import Mesh
 
-from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.checkpoint.dirs import directory_problems
 from meshtrain.composition import model_name, pair_problems
 from meshtrain.context_parallel import context_problems
 from meshtrain.layout import Rules, state_problems
-from meshtrain.mesh import PIPE, mesh_sizes
-from meshtrain.models.base import DataSpec, pipeline_parts, takes_packed
-from meshtrain.pipeline import PipelineConfig, pipeline_problems
+from meshtrain.mesh import PIPE
+from meshtrain.models.base import pipeline_parts, takes_packed
+from meshtrain.pipeline import pipeline_problems
 from meshtrain.problem import Problem
-from meshtrain.replicas import SyncConfig
+from meshtrain.run import RunSpec, data_spec, run_from_legacy
 
-
-def data_spec(data) -> DataSpec:
-    """A `DataSpec` from a `Dataset` (or a `DataSpec`, returned as is)."""
-    if isinstance(data, DataSpec):
-        return data
-    return DataSpec(
-        data.kind,
-        data.batch_size,
-        data.seq_len,
-        data.vocab_size,
-        data.num_features,
-        getattr(data, "image_shape", None),
-        "segment_ids" in getattr(data, "batch_keys", ()),  # packed (meshtrain.data.packing)
-    )
+_LEGACY = ("model", "data", "mesh", "rules", "accum_steps", "pipeline", "checkpoint", "run_dir")
+_LEGACY += ("sync",)  # the older keywords (see check_run)
+__all__ = ["check_run", "data_spec"]
 
 
 def check_run(
+    run: RunSpec | None = None,
     *,
-    model=None,
-    data,
-    mesh: Mesh | Mapping[str, int],
-    rules: Rules,
-    accum_steps: int = 1,
-    pipeline: PipelineConfig | None = None,
-    checkpoint: CheckpointConfig | None = None,
-    run_dir: str = "",
     abstract: tuple[nnx.GraphDef, nnx.State] | None = None,
-    sync: SyncConfig | None = None,
+    **legacy,
 ) -> list[Problem]:
     """Every problem with a run's settings, each naming the field, the value and the fix.
 
     Args:
-        model: the model config (a `ModelConfig`), or None for a model from a constructor.
-        data: a `Dataset` or a `DataSpec`.
-        mesh: the mesh, or its axis sizes (a planner's candidate).
-        rules: the layout rules.
-        accum_steps: microbatches per step (gradient accumulation).
-        pipeline: the pipeline settings, used where ``pipe > 1`` (default `PipelineConfig()`).
-        checkpoint: the checkpoint settings; None when the run keeps none.
-        run_dir: where the run writes metrics (and, by default, checkpoints); "" for nowhere.
+        run: the run (`RunSpec`); its mesh may be axis sizes alone (a planner's candidate).
+            Its ``train.run_dir`` and ``checkpoint`` are checked for being writable and free.
         abstract: the abstract model (``state.abstract_model(ctor)``): with it, every
             parameter's layout and the model's pipeline parts are checked too.
-        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`); None: the default.
+        **legacy: the older keywords (``model=, data=, mesh=, rules=, accum_steps=,
+            pipeline=, checkpoint=, run_dir=, sync=``), deprecated: they build the `RunSpec`
+            (with ``run_dir=""``) and warn.
 
     Returns:
         The problems; an empty list when the run can start.
     """
-    sizes = mesh if isinstance(mesh, Mapping) else mesh_sizes(mesh)
-    pipeline = pipeline or PipelineConfig()
-    spec = data_spec(data)
-    run = types.SimpleNamespace(
-        model=model, data=spec, mesh=sizes, sizes=sizes, rules=rules, pipeline=pipeline, sync=sync
-    )
+    if run is None:
+        run = run_from_legacy(
+            "check_run({run})", run, legacy, accepted=_LEGACY, defaults={"run_dir": ""}
+        )
+    elif legacy:
+        run_from_legacy("check_run({run})", run, legacy, accepted=_LEGACY)
+    run = run.resolved()
+    model, data, rules = run.model_config, run.data, run.rules
+    sizes, pipeline, k = run.sizes, run.pipeline, run.train.accum_steps
+    spec = run.data_spec
     problems = pair_problems(run)  # features that do not run together (meshtrain.composition)
     algorithm = getattr(rules, "context_parallel", "ring")
     problems += context_problems(sizes, algorithm, seq_len=spec.seq_len, kind=spec.kind)
-    ways, k = rules.batch_ways(sizes), accum_steps
+    ways = rules.batch_ways(sizes)
     if spec.batch_size % (ways * k):
         problems.append(
             Problem(
@@ -116,13 +94,15 @@ def check_run(
     problems += stages
     if spec.packed:
         problems += _packing_problems(abstract)
-    problems += directory_problems(run_dir=run_dir, checkpoint=checkpoint)
+    problems += directory_problems(run_dir=run.train.run_dir, checkpoint=run.checkpoint)
     return problems
 
 
 def _tokenizer_problems(model, data) -> list[Problem]:
     """A tokenizer with more tokens than the model's vocabulary."""
     tok, vocab = getattr(data, "tokenizer", None), getattr(model, "vocab_size", None)
+    if not hasattr(tok, "vocab_size"):  # a DataConfig names its tokenizer only
+        return []
     if tok is None or tok.name == "bytes" or not isinstance(vocab, int) or tok.vocab_size <= vocab:
         return []  # bytes: the model's own line says it
     name = model_name(model)

@@ -6,9 +6,8 @@ adding a feature means adding its rows here, not a branch somewhere else::
 
     Problem  mesh.seq=2: context parallelism with pipelines: ...; set seq=1 or pipe=1
 
-A run is read by attribute, as `meshtrain.RunSpec` spells them (``model``, ``data``, ``mesh``,
-``rules``, ``train``, ``pipeline``, ``sync``, ``checkpoint``); ``mesh`` may be a `Mesh` or a
-mapping of axis sizes.
+A run is a `meshtrain.RunSpec`; its ``mesh`` may be a `Mesh` or a mapping of axis sizes (a
+planner's candidate).
 """
 
 from __future__ import annotations
@@ -19,13 +18,13 @@ from collections.abc import Callable, Mapping
 import jax
 
 from meshtrain.layout import rules_for
-from meshtrain.mesh import mesh_sizes
 from meshtrain.models import families
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
+from meshtrain.run import RunSpec
 
 __all__ = ["REFUSALS", "Refusal", "model_name", "pair_problems", "sizes"]
 
@@ -51,13 +50,13 @@ class Refusal:
     first: str
     second: str
     reason: str
-    applies: Callable[[object], bool]
+    applies: Callable[[RunSpec], bool]
     field: str
     fix: str
-    value: Callable[[object], object] = lambda run: None
+    value: Callable[[RunSpec], object] = lambda run: None
     example: Callable[[], tuple[dict, dict]] | None = None
 
-    def problem(self, run) -> Problem:
+    def problem(self, run: RunSpec) -> Problem:
         """The one-line `Problem` for `run` (which `applies`)."""
         name = model_name(getattr(run, "model", None))
         fix = self.fix.format(model=name)
@@ -65,12 +64,9 @@ class Refusal:
         return Problem(self.field.format(model=name), self.value(run), message)
 
 
-def sizes(run) -> dict[str, int]:
-    """The run's mesh axis sizes (``run.sizes`` when it has them)."""
-    if hasattr(run, "sizes"):
-        return dict(run.sizes)
-    mesh = run.mesh
-    return dict(mesh) if isinstance(mesh, Mapping) else mesh_sizes(mesh)
+def sizes(run: RunSpec) -> dict[str, int]:
+    """The run's mesh axis sizes."""
+    return dict(run.sizes)
 
 
 def model_name(model) -> str:
@@ -78,7 +74,7 @@ def model_name(model) -> str:
     return next((n for n, f in families().items() if isinstance(model, f.config)), "gpt")
 
 
-def _axis(run, name: str) -> int:
+def _axis(run: RunSpec, name: str) -> int:
     """The size of mesh axis `name` (1 when the mesh lacks it)."""
     return sizes(run).get(name, 1)
 
@@ -88,7 +84,7 @@ def _data(run):
     return getattr(run, "data_spec", None) or run.data
 
 
-def _packed(run) -> bool:
+def _packed(run: RunSpec) -> bool:
     """Whether the batches carry segment ids (packed documents)."""
     data = _data(run)
     if hasattr(data, "packed"):
@@ -96,15 +92,15 @@ def _packed(run) -> bool:
     return "segment_ids" in getattr(data, "batch_keys", ())
 
 
-def _kind(run) -> str:
+def _kind(run: RunSpec) -> str:
     """The data's kind (``lm``, ``classify``, ``image``)."""
     return getattr(_data(run), "kind", "lm")
 
 
-def _pallas(field: str) -> Callable[[object], bool]:
+def _pallas(field: str) -> Callable[[RunSpec], bool]:
     """Whether the run's model picks a Pallas kernel for `field` (``auto`` does on a GPU)."""
 
-    def chosen(run) -> bool:
+    def chosen(run: RunSpec) -> bool:
         impl = getattr(run.model, field, "xla")
         return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
 
@@ -116,23 +112,23 @@ def _sync(run):
     return getattr(run, "sync", None)
 
 
-def _compresses(run) -> bool:
+def _compresses(run: RunSpec) -> bool:
     """Gradient compression is on."""
     return _sync(run) is not None and _sync(run).compresses
 
 
-def _local(run) -> bool:
+def _local(run: RunSpec) -> bool:
     """Local SGD is on."""
     return _sync(run) is not None and _sync(run).local
 
 
-def _no_replicas(run) -> bool:
+def _no_replicas(run: RunSpec) -> bool:
     """The rules split the parameters over every batch axis (e.g. fsdp): no replicas."""
     rules = getattr(run, "rules", None) or rules_for("auto", sizes(run))
     return not rules.replica_axes(sizes(run))
 
 
-def _mesh_value(axis: str) -> Callable[[object], int]:
+def _mesh_value(axis: str) -> Callable[[RunSpec], int]:
     """``run → size of axis``, the value a mesh row shows."""
     return lambda run: _axis(run, axis)
 
@@ -202,6 +198,16 @@ def _no_context_model():
     return type("NoContextGPT", (GPTConfig,), {"context_parallel": False})()
 
 
+def _both(on: Callable[[RunSpec], bool], axis: str) -> Callable[[RunSpec], bool]:
+    """``run → on(run) and axis > 1``: a feature beside a split over `axis`."""
+    return lambda run: on(run) and _axis(run, axis) > 1
+
+
+def _model_value(field: str) -> Callable[[RunSpec], object]:
+    """``run → the model config's `field```, the value a model row shows."""
+    return lambda run: getattr(run.model, field)
+
+
 def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refusal, ...]:
     """A sync feature with pipelines, context parallelism, MoE and a strategy without replicas."""
     rows = []
@@ -215,7 +221,7 @@ def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refu
                 first,
                 second,
                 f"{flags} does not run with {axis} > 1 yet",
-                lambda run, a=axis: on(run) and _axis(run, a) > 1,
+                _both(on, axis),
                 field,
                 f"set {axis}=1 in --mesh, or drop {flags}",
                 value,
@@ -332,10 +338,10 @@ REFUSALS: tuple[Refusal, ...] = (
             f"Pallas {what}",
             "pipelines",
             "a kernel's hand-written backward loses a stage's varying-axes type (jax refuses it)",
-            lambda run, f=field: _axis(run, "pipe") > 1 and _pallas(f)(run),
+            _both(_pallas(field), "pipe"),
             "{model}." + field,
             "set --{model}." + field.replace("_", "-") + " xla, or pipe=1",
-            lambda run, f=field: getattr(run.model, f),
+            _model_value(field),
             _pair(
                 {"pipe": 2, "data": 4}, {"data": 8}, model=_gpt(d_model=256, **{field: "pallas"})
             ),
@@ -390,7 +396,7 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def pair_problems(run) -> list[Problem]:
+def pair_problems(run: RunSpec) -> list[Problem]:
     """Every pair of features in `run` that `REFUSALS` refuses, one `Problem` each.
 
     Args:

@@ -3,11 +3,12 @@
 The `Trainer` (`import meshtrain as mt; mt.Trainer`) is built from exactly these pieces::
 
     from meshtrain import lower
-    tx = lower.make_optimizer(mt.OptimConfig(), total_steps=100)
+    run = mt.RunSpec(model=ctor, data=data, mesh=mesh, rules=rules, sync=sync)
+    tx = lower.make_optimizer(run.optim, total_steps=100)
     graphdef, state, shardings = lower.init_train_state(ctor, tx, mesh, rules)
     state, shardings = lower.with_sync(sync, tx, state, shardings, mesh, rules)  # optional
-    step = lower.jit_train_step(graphdef, tx, mesh, rules, shardings,
-                                lower.batch_shardings(batch, mesh, rules), sync=sync)
+    step = lower.jit_train_step(run, graphdef, tx, shardings,
+                                lower.batch_shardings(batch, mesh, rules))
     rows = lower.process_rows(mesh, rules, batch_size)      # what this process reads
     state, metrics = step(state, lower.shard_batch(batch, mesh, rules))
 
@@ -32,6 +33,7 @@ from meshtrain.models import build_model, sample
 from meshtrain.pipeline import pipeline_loss, pipeline_loss_and_grads
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import with_sync
+from meshtrain.run import RunSpec
 from meshtrain.state import (
     TrainState,
     abstract_model,
@@ -54,6 +56,7 @@ __all__ = [
     "CheckpointManager",
     "Problem",
     "RunCheckError",
+    "RunSpec",
     "TrainState",
     "abstract_model",
     "abstract_target",

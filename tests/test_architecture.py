@@ -30,8 +30,7 @@ LAYERS = [
         "meshtrain.costmodel",
     ],  # fmt: skip
     ["meshtrain.pipeline", "meshtrain.checkpoint", "meshtrain.replicas"],
-    ["meshtrain.check", "meshtrain.composition"],
-    ["meshtrain.train"],
+    ["meshtrain.train", "meshtrain.run", "meshtrain.check", "meshtrain.composition"],
     [
         "meshtrain.lower",
         "meshtrain.hf",

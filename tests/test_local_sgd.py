@@ -72,7 +72,7 @@ def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=
 
     def step(state, batch):
         with activation_rules(mesh, rules):
-            return local_step(
+            new, metrics = local_step(
                 compute,
                 tx,
                 outer_tx,
@@ -81,8 +81,10 @@ def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=
                 mesh=mesh,
                 axes=axes,
                 sync_every=sync_every,
-                schedule=schedule,
             )
+        if schedule is not None:  # as train_step reports it
+            metrics["lr"] = schedule(state.step)
+        return new, metrics
 
     jitted = jax.jit(
         step, in_shardings=(shardings, batch_sh), out_shardings=(shardings, replicated)

@@ -17,6 +17,7 @@ from meshtrain import validate
 from meshtrain.check import check_run
 from meshtrain.composition import REFUSALS, model_name, pair_problems
 from meshtrain.problem import Problem, RunCheckError
+from meshtrain.run import RunSpec
 
 # ---- the helpers ----------------------------------------------------------------------------
 
@@ -230,10 +231,6 @@ def test_each_post_init_only_rejects(name):
 
 def _check(settings: dict):
     """`check_run` on a run built from `settings` (RunSpec attributes)."""
-    try:
-        from meshtrain.run import RunSpec
-    except ImportError:
-        return check_run(**settings)
     return check_run(RunSpec(**settings))
 
 
@@ -254,9 +251,9 @@ def test_every_refused_pair_is_found_by_the_run_check_and_only_with_both(refusal
 
 def test_pair_problems_reads_the_table_in_order():
     with_pair, _ = REFUSALS[0].example()
-    ns = type("Run", (), with_pair)
-    assert pair_problems(ns) == [r.problem(ns) for r in REFUSALS if r.applies(ns)]
-    assert pair_problems(ns)[0].field == REFUSALS[0].field
+    run = RunSpec(**with_pair)
+    assert pair_problems(run) == [r.problem(run) for r in REFUSALS if r.applies(run)]
+    assert pair_problems(run)[0].field == REFUSALS[0].field
 
 
 def test_the_table_names_each_pair_once():

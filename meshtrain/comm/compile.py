@@ -20,20 +20,17 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
-from meshtrain.layout import Rules, batch_shardings
-from meshtrain.models.base import DataSpec, batch_structs
-from meshtrain.pipeline import PipelineConfig
-from meshtrain.replicas import SyncConfig, with_sync
+from meshtrain.layout import batch_shardings
+from meshtrain.models.base import batch_structs
+from meshtrain.replicas import with_sync
+from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import TrainState, abstract_model, abstract_target, state_layout
-from meshtrain.train.loss import cross_entropy_with
-from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
+from meshtrain.train.optim import make_optimizer, make_schedule
 from meshtrain.train.step import jit_train_step
 
 FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -63,66 +60,53 @@ def captured_stderr():
                 sys.stderr.write(text)  # pass anything else on
 
 
-def compile_step(
-    ctor: Callable[[], nnx.Module],
-    spec: DataSpec,
-    mesh: Mesh,
-    rules: Rules,
-    *,
-    optim: OptimConfig | None = None,
-    pipeline: PipelineConfig | None = None,
-    accum_steps: int = 1,
-    loss_impl: str = "xla",
-    steps: int = 100,
-    fast_codegen: bool = True,
-    sync: SyncConfig | None = None,
-):
-    """Compiles the train step of a model on `mesh` without allocating its state.
+_LEGACY = ("ctor", "spec", "mesh", "rules", "optim", "pipeline", "accum_steps", "loss_impl")
+_LEGACY += ("steps", "sync")  # the older keywords (see compile_step)
+
+
+def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
+    """Compiles the train step of a run without allocating its state.
 
     Args:
-        ctor: zero-argument model constructor (traced abstractly only).
-        spec: the data's shape (`DataSpec`).
-        mesh: the device mesh (real devices: the program is compiled for them).
-        rules: the layout rules.
-        optim: optimizer settings (default `OptimConfig()`).
-        pipeline: pipeline settings, used where ``pipe > 1``.
-        accum_steps: gradient-accumulation microbatches.
-        loss_impl: the cross-entropy implementation.
-        steps: the run length the schedule is built for.
+        run: the run (`RunSpec`); its mesh must be a `Mesh` of real devices (the program is
+            compiled for them); its model is traced abstractly only.
         fast_codegen: skip the backend's LLVM optimisations (see the module docstring).
-        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`).
+        *old_args, **legacy: the older spelling ``compile_step(ctor, spec, mesh, rules, *,
+            optim=, pipeline=, accum_steps=, loss_impl=, steps=, sync=)``, deprecated: it builds
+            the `RunSpec` (with ``steps=100``) and warns.
 
     Returns:
         ``(compiled, info)``: the compiled step and a dict with ``compile_s``, ``stderr`` (what
         XLA printed while compiling) and ``state`` (the abstract `TrainState`).
     """
-    optim = optim or OptimConfig()
-    tx, schedule = make_optimizer(optim, steps), make_schedule(optim, steps)
+    if isinstance(run, RunSpec) and old_args:
+        raise TypeError(
+            f"compile_step() takes 1 positional argument but {1 + len(old_args)} were given"
+        )
+    if not isinstance(run, RunSpec):
+        old = dict(zip(("ctor", "spec", "mesh", "rules"), (run, *old_args), strict=False))
+        run, legacy = None, {**old, **legacy}
+    if run is None or legacy:
+        run = run_from_legacy(
+            "compile_step({run})", run, legacy, accepted=_LEGACY, defaults={"steps": 100}
+        )
+    run = run.resolved()
+    mesh, rules, steps = run.mesh, run.rules, run.train.steps
+    tx, schedule = make_optimizer(run.optim, steps), make_schedule(run.optim, steps)
+    ctor, _ = run.constructor()
     graphdef, abstract = abstract_model(ctor)
     graphdef, param_vars, rest_vars = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)
     params, rest, opt_state, shardings = state_layout(param_vars, rest_vars, tx, mesh, rules)
     shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params, opt_state, rest)
     state, shardings = with_sync(
-        sync, tx, abstract_target(shapes, shardings), shardings, mesh, rules
+        run.sync, tx, abstract_target(shapes, shardings), shardings, mesh, rules
     )
-    batch = batch_structs(spec)
+    batch = batch_structs(run.data_spec)
     batch_sh = batch_shardings(batch, mesh, rules)
     batch = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k]) for k, v in batch.items()
     }
-    step = jit_train_step(
-        graphdef,
-        tx,
-        mesh,
-        rules,
-        shardings,
-        batch_sh,
-        accum_steps=accum_steps,
-        loss_fn=cross_entropy_with(loss_impl),
-        schedule=schedule,
-        pipeline=pipeline,
-        sync=sync,
-    )
+    step = jit_train_step(run, graphdef, tx, shardings, batch_sh, schedule=schedule)
     t0 = time.perf_counter()
     with captured_stderr() as err:
         compiled = step.lower(state, batch).compile(FAST_CODEGEN if fast_codegen else None)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from flax import nnx
 
@@ -49,7 +50,8 @@ from meshtrain.comm.report import Row, axes_label, fmt_bytes
 from meshtrain.layout import Rules, axes_of, resolve
 from meshtrain.mesh import PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig
-from meshtrain.replicas import Codec
+from meshtrain.replicas import Codec, parse_compression
+from meshtrain.run import RunSpec, deprecated
 
 BUCKETS = (
     "gradient reduction",
@@ -118,37 +120,65 @@ class Expectation:
     why: dict[str, str]
 
 
-def expected(
-    params: list[ParamLayout],
-    sizes: Mapping[str, int],
-    batch_axes: tuple[str, ...],
-    *,
-    tokens: int,
-    d_model: int | None = None,
-    act_itemsize: int = 4,
-    pipeline: PipelineConfig | None = None,
-    batch: int | None = None,
-    codec: Codec | None = None,
-    replica_axes: tuple[str, ...] = (),
-) -> Expectation:
+class Traffic(NamedTuple):
+    """What the expectation reads from a run: the mesh, the batch, the widths, the codec."""
+
+    sizes: Mapping[str, int]
+    batch_axes: tuple[str, ...]
+    tokens: int  # tokens (or examples) per step, B·T
+    d_model: int | None = None  # the width of activations passed between pipeline stages
+    act_itemsize: int = 4  # bytes per activation element (the compute dtype)
+    pipeline: PipelineConfig | None = None
+    batch: int | None = None  # the global batch B (for microbatch sizes in a pipeline)
+    codec: Codec | None = None  # the gradient compression, when not ``none``
+    replica_axes: tuple[str, ...] = ()  # the replica axes the codec reduces over
+
+    @classmethod
+    def of(cls, run: RunSpec) -> Traffic:
+        """The traffic of `run` (its mesh may be axis sizes alone)."""
+        run = run.resolved()
+        sizes, spec, sync = run.sizes, run.data_spec, run.sync
+        codec = parse_compression(sync.grad_compression) if sync.compresses else None
+        dtype = getattr(run.model, "dtype", "float32")
+        return cls(
+            sizes,
+            run.rules.batch_axes(sizes),
+            tokens=spec.batch_size * (spec.seq_len or 1),
+            d_model=getattr(run.model, "d_model", None),
+            act_itemsize=2 if dtype in ("bfloat16", "float16") else 4,
+            pipeline=run.pipeline,
+            batch=spec.batch_size,
+            codec=codec,
+            replica_axes=run.rules.replica_axes(sizes) if codec is not None else (),
+        )
+
+
+def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **legacy) -> Expectation:
     """The analytic collectives of a layout (see the module docstring).
 
     Args:
         params: the parameters' layouts (`param_layouts`).
-        sizes: mesh axis sizes.
-        batch_axes: the axes the batch is split over.
-        tokens: tokens (or examples) per step, B·T.
-        d_model: the width of activations passed between pipeline stages.
-        act_itemsize: bytes per activation element (the compute dtype).
-        pipeline: the pipeline settings, where ``pipe > 1``.
-        batch: the global batch B (for microbatch sizes in a pipeline).
-        codec: the gradient compression (``--grad-compression``), when not ``none``: the
-            reduction over `replica_axes` is then the codec's exchange, shard by shard.
-        replica_axes: the replica axes the codec reduces over.
+        run: the run (`meshtrain.run.RunSpec`; its mesh may be axis sizes alone), or its
+            `Traffic` when no run is at hand.
+        *old_args, **legacy: the older spelling ``expected(params, sizes, batch_axes, *,
+            tokens=, d_model=, act_itemsize=, pipeline=, batch=, codec=, replica_axes=)``,
+            deprecated: it builds the `Traffic` and warns.
 
     Returns:
         An `Expectation`.
     """
+    if isinstance(run, RunSpec):
+        traffic = Traffic.of(run)
+    elif isinstance(run, Traffic):
+        traffic = run
+    else:
+        deprecated(
+            "expected(params, sizes, batch_axes, ...)",
+            "expected(params, RunSpec(...))",
+            stacklevel=2,
+        )
+        traffic = Traffic(run, *old_args, **legacy)
+    sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes = traffic
     ways = math.prod(sizes[a] for a in batch_axes)
     model_axes = {a for a, s in sizes.items() if s > 1 and a not in batch_axes}
     b = dict.fromkeys(BUCKETS, 0.0)

@@ -3,7 +3,8 @@
 import meshtrain as mt
 mt.simulate_devices(8)
 mesh = mt.make_mesh("data=2,fsdp=2,tensor=2")
-report = mt.inspect(mt.GPTConfig(), mt.DataConfig(), mesh, mt.rules_for("fsdp+tp", mesh))
+report = mt.inspect(mt.RunSpec(model=mt.GPTConfig(), data=mt.DataConfig(), mesh=mesh,
+                               rules=mt.rules_for("fsdp+tp", mesh)))
 report.print()            # a rich table
 report.as_dict()          # JSON-ready
 """
@@ -12,24 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 
 from flax import nnx
-from jax.sharding import Mesh
 
-from meshtrain.check import check_run, data_spec
+from meshtrain.check import check_run
 from meshtrain.comm.compile import compile_step
 from meshtrain.comm.expect import BUCKETS, Expectation, bucket_of, expected, judge, param_layouts
 from meshtrain.comm.hlo import Collective, collectives
 from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
-from meshtrain.layout import Rules
-from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import DataSpec
-from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import raise_if
-from meshtrain.replicas import SyncConfig, parse_compression
+from meshtrain.replicas import parse_compression
+from meshtrain.run import RunSpec, data_spec, run_from_legacy
 from meshtrain.state import abstract_model
-from meshtrain.train.optim import OptimConfig
 
 REMAT_WARNING = "Involuntary full rematerialization"
 
@@ -162,22 +158,38 @@ def _largest(cs: list[Collective], sizes, batch_axes, compressed_axes=()) -> dic
     return {k: v[1] for k, v in best.items()}
 
 
+_COMPILED_LEGACY = ("mesh", "rules", "spec", "model", "pipeline", "sync")
+
+
 def inspect_compiled(
     compiled,
+    run: RunSpec | None = None,
     *,
-    mesh: Mesh,
-    rules: Rules,
     param_vars: nnx.State,
-    spec: DataSpec,
-    model=None,
-    pipeline: PipelineConfig | None = None,
     stderr: str = "",
     compile_s: float = 0.0,
-    sync: SyncConfig | None = None,
+    **legacy,
 ) -> Inspection:
-    """An `Inspection` of an already compiled step (see `inspect`)."""
-    sizes = mesh_sizes(mesh)
-    codec = parse_compression(sync.grad_compression) if sync and sync.compresses else None
+    """An `Inspection` of an already compiled step (see `inspect`).
+
+    Args:
+        compiled: the compiled step (`compile_step`).
+        run: the run it was compiled for (`RunSpec`; its mesh a `Mesh`).
+        param_vars: the model's (abstract) parameters.
+        stderr: what XLA printed while compiling.
+        compile_s: the compile time.
+        **legacy: the older keywords ``mesh=, rules=, spec=, model=, pipeline=, sync=``,
+            deprecated: they build the `RunSpec` and warn.
+
+    Returns:
+        An `Inspection`.
+    """
+    if run is None or legacy:
+        call = "inspect_compiled(compiled, {run}, param_vars=...)"
+        run = run_from_legacy(call, run, legacy, accepted=_COMPILED_LEGACY)
+    run = run.resolved()
+    mesh, rules, sizes, sync = run.mesh, run.rules, run.sizes, run.sync
+    codec = parse_compression(sync.grad_compression) if sync.compresses else None
     compressed = rules.replica_axes(sizes) if codec is not None else ()
     ma = compiled.memory_analysis()
     memory = {
@@ -194,20 +206,7 @@ def inspect_compiled(
     rows = summarize(cs, sizes)
     batch_axes = rules.batch_axes(sizes)
     params = param_layouts(param_vars, rules, sizes)
-    tokens = spec.batch_size * (spec.seq_len or 1)
-    dtype = getattr(model, "dtype", "float32")
-    exp = expected(
-        params,
-        sizes,
-        batch_axes,
-        tokens=tokens,
-        d_model=getattr(model, "d_model", None),
-        act_itemsize=2 if dtype in ("bfloat16", "float16") else 4,
-        pipeline=pipeline,
-        batch=spec.batch_size,
-        codec=codec,
-        replica_axes=compressed,
-    )
+    exp = expected(params, run)
     largest = _largest(cs, sizes, batch_axes, compressed)
     measured, flags = judge(rows, exp, batch_axes, largest, compressed)
     if REMAT_WARNING in stderr:
@@ -230,34 +229,23 @@ def inspect_compiled(
     )
 
 
-def inspect(
-    model,
-    data,
-    mesh: Mesh,
-    rules: Rules,
-    *,
-    optim: OptimConfig | None = None,
-    pipeline: PipelineConfig | None = None,
-    accum_steps: int = 1,
-    loss_impl: str = "xla",
-    seed: int = 0,
-    sync: SyncConfig | None = None,
-) -> Inspection:
-    """Compiles the real train step of a layout ahead of time (nothing runs, nothing is
+_LEGACY = ("model", "data", "mesh", "rules", "optim", "pipeline", "accum_steps", "loss_impl")
+_LEGACY += ("seed", "sync")  # the older keywords (see inspect)
+
+
+def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
+    """Compiles the real train step of a run ahead of time (nothing runs, nothing is
     allocated) and reports memory, FLOPs and every collective against the expectation.
 
     Args:
-        model: a model config (e.g. `GPTConfig`), or a constructor taking an ``nnx.Rngs``.
-        data: a `DataConfig` (byte-level sources: vocabulary 256), a `Dataset` or a `DataSpec`.
-        mesh: the device mesh.
-        rules: the layout rules (`rules_for`).
-        optim: optimizer settings.
-        pipeline: pipeline settings (where ``pipe > 1``).
-        accum_steps: gradient-accumulation microbatches.
-        loss_impl: the cross-entropy implementation.
-        seed: the parameters' seed (it changes nothing compiled).
-        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`): compressed
-            gradients show up as the codec's own collectives.
+        run: the run (`RunSpec`): its model (a config, or a constructor taking an
+            ``nnx.Rngs``), data (a `DataConfig`, a `Dataset` or a `DataSpec`), mesh, rules,
+            optimizer, pipeline, accumulation, loss and sync (compressed gradients show up as
+            the codec's own collectives). Its run directory and checkpoints play no part:
+            nothing is written.
+        *old_args, **legacy: the older spelling ``inspect(model, data, mesh, rules, *, optim=,
+            pipeline=, accum_steps=, loss_impl=, seed=, sync=)``, deprecated: it builds the
+            `RunSpec` (with ``steps=100``) and warns.
 
     Returns:
         An `Inspection`.
@@ -265,58 +253,30 @@ def inspect(
     Raises:
         RunCheckError: the run check's problems, before anything compiles.
     """
-    ctor: Callable = (
-        (lambda: model.build(rngs=nnx.Rngs(params=seed)))
-        if callable(getattr(model, "build", None))
-        else (lambda: model(nnx.Rngs(params=seed)))
-    )
-    spec = as_spec(data)
-    config = model if callable(getattr(model, "build", None)) else None
+    if isinstance(run, RunSpec) and old_args:
+        raise TypeError(f"inspect() takes 1 positional argument, not {1 + len(old_args)}")
+    if not isinstance(run, RunSpec):  # the older positional form
+        old = dict(zip(("model", "data", "mesh", "rules"), (run, *old_args), strict=False))
+        run, legacy = None, {**old, **legacy}
+    if run is None or legacy:
+        defaults = {"steps": 100}
+        run = run_from_legacy("inspect({run})", run, legacy, accepted=_LEGACY, defaults=defaults)
+    run = run.resolved()
+    ctor, _ = run.constructor()
     graphdef, state = abstract_model(ctor)
-    raise_if(
-        check_run(
-            model=config,
-            data=spec,
-            mesh=mesh,
-            rules=rules,
-            accum_steps=accum_steps,
-            pipeline=pipeline,
-            abstract=(graphdef, state),
-            sync=sync,
-        )
-    )
+    writes_nothing = run.replace(train=dataclasses.replace(run.train, run_dir=""), checkpoint=None)
+    raise_if(check_run(writes_nothing, abstract=(graphdef, state)))
     _, param_vars, _ = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
-    compiled, info = compile_step(
-        ctor,
-        spec,
-        mesh,
-        rules,
-        optim=optim,
-        pipeline=pipeline,
-        accum_steps=accum_steps,
-        loss_impl=loss_impl,
-        sync=sync,
-    )
+    compiled, info = compile_step(run)
     return inspect_compiled(
         compiled,
-        mesh=mesh,
-        rules=rules,
+        run,
         param_vars=param_vars,
-        spec=spec,
-        model=config,
-        pipeline=pipeline,
         stderr=info["stderr"],
         compile_s=info["compile_s"],
-        sync=sync,
     )
 
 
 def as_spec(data) -> DataSpec:
     """A `DataSpec` from a `DataSpec`, a `Dataset` or a `DataConfig` (byte-level: 256 ids)."""
-    if isinstance(data, DataSpec) or hasattr(data, "kind"):
-        return data_spec(data)
-    if getattr(data, "source", None) == "arrays":
-        from meshtrain.data import make_dataset
-
-        return data_spec(make_dataset(data))
-    return DataSpec("lm", data.batch_size, data.seq_len, 256, None)
+    return data_spec(data)

@@ -13,8 +13,8 @@ compiler. The train state is the same pytree as without a pipeline: the rules pu
 
     from meshtrain.pipeline import PipelineConfig, schedule_table
     schedule_table("1f1b", p=4, m=8).plot()
-    Trainer(..., mesh=make_mesh("pipe=2,data=2,tensor=2"),
-            pipeline=PipelineConfig(schedule="1f1b", microbatches=8))
+    Trainer(run=RunSpec(..., mesh=make_mesh("pipe=2,data=2,tensor=2"),
+                        pipeline=PipelineConfig(schedule="1f1b", microbatches=8)))
 """
 
 from meshtrain.pipeline.config import PipelineConfig, pipeline_problems

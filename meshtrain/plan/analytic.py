@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshtrain.comm.expect import ParamLayout, expected
+from meshtrain.comm.expect import ParamLayout, Traffic, expected
 from meshtrain.costmodel import CommItem, DeviceProfile, StepEstimate, step_time
 from meshtrain.layout import rules_for
 from meshtrain.mesh import PIPE, TENSOR
@@ -112,16 +112,10 @@ def model_candidate(
         "logits": logits,
     }
     pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches) if p > 1 else None
-    exp = expected(
-        layouts,
-        sizes,
-        batch_axes,
-        tokens=batch * seq_len,
-        d_model=D,
-        act_itemsize=item,
-        pipeline=pc,
-        batch=batch,
+    shape = Traffic(
+        sizes, batch_axes, batch * seq_len, d_model=D, act_itemsize=item, pipeline=pc, batch=batch
     )
+    exp = expected(layouts, shape)
     comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes)
     flops = cfg.flops_per_token(seq_len) * batch * seq_len / n
     if cand.remat == "full":

@@ -27,7 +27,9 @@ from meshtrain.models.base import DataSpec
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.analytic import Modelled, model_candidate
 from meshtrain.plan.space import REMATS, Candidate, candidates
+from meshtrain.run import RunSpec
 from meshtrain.state import abstract_model
+from meshtrain.train import TrainConfig
 
 
 class PlanError(ValueError):
@@ -151,6 +153,7 @@ def plan(
         remats=remats,
         microbatch_factors=microbatch_factors,
     )
+    checked_only = RunSpec(model=cfg, data=spec, train=TrainConfig(run_dir=""))  # writes nothing
     reasons: collections.Counter = collections.Counter()
     layouts_cache: dict = {}
     checked: dict = {}
@@ -162,14 +165,8 @@ def plan(
         key = (cand.mesh, cand.strategy, cand.microbatches)
         if key not in checked:
             pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches)
-            problems = check_run(
-                model=cfg,
-                data=spec,
-                mesh=sizes,
-                rules=rules,
-                pipeline=pc,
-                abstract=(graphdef, abstract),
-            )
+            run = checked_only.replace(mesh=sizes, rules=rules, pipeline=pc)
+            problems = check_run(run, abstract=(graphdef, abstract))
             checked[key] = problems
         if checked[key]:
             failed += 1
@@ -261,12 +258,9 @@ def _default_compile(cfg, spec: DataSpec, devices: int) -> Callable | None:
         mesh = make_mesh(cand.mesh)
         model = dataclasses.replace(cfg, remat=cand.remat)
         pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches)
+        rules = rules_for(cand.strategy, mesh)
         compiled, _ = compile_step(
-            lambda: model.build(rngs=nnx.Rngs(0)),
-            spec,
-            mesh,
-            rules_for(cand.strategy, mesh),
-            pipeline=pc,
+            RunSpec(model=model, data=spec, mesh=mesh, rules=rules, pipeline=pc)
         )
         ma = compiled.memory_analysis()
         return float(

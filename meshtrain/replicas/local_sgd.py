@@ -109,7 +109,6 @@ def local_step(
     mesh: Mesh,
     axes,
     sync_every: int,
-    schedule: optax.Schedule | None = None,
     skip_nonfinite: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One local step on every replica, then the outer step when ``(state.step + 1) %
@@ -131,14 +130,14 @@ def local_step(
         axes: the replica axes (``rules.replica_axes(mesh_sizes(mesh))``); the model axes stay
             with the compiler.
         sync_every: H, the number of local steps between synchronisations.
-        schedule: the inner learning-rate schedule, to report ``lr``.
         skip_nonfinite: skip a replica's update when its loss or gradient is not finite.
 
     Returns:
         The new state and replicated metrics: ``loss`` and the float ``extra`` metrics (means
         over the replicas), ``grad_norm`` (the mean over the replicas of each one's own
         gradient norm: no mean gradient is ever formed), ``skipped`` (1 when any replica
-        skipped), ``synced`` (1 on a synchronising step) and (with `schedule`) ``lr``.
+        skipped), ``synced`` (1 on a synchronising step). (`meshtrain.train.train_step` adds
+        ``lr``, as for every step.)
     """
     axes = tuple(axes)
     if not axes:
@@ -197,8 +196,6 @@ def local_step(
     carry = (state.params, state.opt_state, local_params)
     params, opt_state, local_params = lax.cond(synced, synchronise, lambda c: c, carry)
     metrics["synced"] = synced.astype(jnp.int32)
-    if schedule is not None:
-        metrics["lr"] = schedule(state.step)
     comm = {**state.comm, "local": {"params": local_params, "opt_state": local_opt}}
     return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
 

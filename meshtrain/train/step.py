@@ -18,22 +18,33 @@ from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.problem import raise_if
-from meshtrain.replicas import SyncConfig
+from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import TrainState
 from meshtrain.train.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
 
 
-def _pipeline_mesh(pipeline: PipelineConfig | None) -> Mesh | None:
-    """The mesh to pipeline over: the active layout's, when `pipeline` is set and pipe > 1."""
+def _pipeline_mesh(pipeline: PipelineConfig | None, run_mesh=None) -> Mesh | None:
+    """The mesh to pipeline over: the active layout's, when `pipeline` is set and pipe > 1.
+
+    Without an active layout there is nothing to pipeline over: fine unless the run's own
+    mesh (`run_mesh`, a mesh or its sizes) has ``pipe > 1``."""
     if pipeline is None:
         return None
     active = layout.active()
     if active is None:
+        if run_mesh is None:
+            return None
+        sizes = run_mesh if isinstance(run_mesh, Mapping) else mesh_sizes(run_mesh)
+        if sizes.get(PIPE, 1) == 1:
+            return None
         raise ValueError(
             "pipeline=...: a pipelined step must be traced under "
             "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
         )
     return active.mesh if mesh_sizes(active.mesh)[PIPE] > 1 else None
+
+
+_STEP_LEGACY = ("accum_steps", "loss_fn", "pipeline", "sync")
 
 
 def train_step(
@@ -42,21 +53,22 @@ def train_step(
     state: TrainState,
     batch: Mapping[str, jax.Array],
     *,
-    accum_steps: int = 1,
-    loss_fn: LossFn = cross_entropy,
+    run: RunSpec | None = None,
     schedule: optax.Schedule | None = None,
-    pipeline: PipelineConfig | None = None,
     skip_nonfinite: bool = True,
-    sync: SyncConfig | None = None,
     param_specs: dict | None = None,
+    **legacy,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; a pure function of its inputs.
 
+    The step reads four settings of `run`: ``train.accum_steps``, the loss (``loss_fn``, or
+    ``train.loss`` with ``train.loss_impl``), ``pipeline`` and ``sync``.
+
     With ``accum_steps = k`` the batch is cut into k microbatches whose gradients are averaged
     (in float32) before the single update: the same update as the whole batch at once.
-    With `pipeline` set and traced under a layout whose mesh has ``pipe > 1`` (as
-    `jit_train_step` does), the loss and gradients come from the pipelined model
-    (`meshtrain.pipeline`) instead of a plain `jax.value_and_grad`.
+    Traced under a layout whose mesh has ``pipe > 1`` (as `jit_train_step` does), the loss
+    and gradients come from the pipelined model (`meshtrain.pipeline`) instead of a plain
+    `jax.value_and_grad`.
 
     With `skip_nonfinite`, a step whose loss or gradient norm is NaN or infinite skips its
     batch: the parameters, the optimizer's moments and the other variables stay exactly as they
@@ -64,7 +76,7 @@ def train_step(
     function of batches consumed, so the update after a skip runs at the learning rate of its
     own step, and the optimizer's counters always equal ``state.step``.
 
-    With `sync`, the data-parallel replicas synchronise as `meshtrain.replicas` describes: a
+    With ``run.sync``, the data-parallel replicas synchronise as `meshtrain.replicas` describes: a
     compressed gradient exchange in a region manual over the replica axes (error-feedback
     residuals in ``state.comm``); local SGD / DiLoCo (the whole step is
     `meshtrain.replicas.local_step`); or bounded staleness s, where the update applies the
@@ -78,17 +90,15 @@ def train_step(
         batch: ``inputs`` and ``targets``, global arrays; a packed batch also has
             ``segment_ids`` and ``positions`` (passed to the model as keywords; the loss then
             counts only tokens with ``segment_ids > 0``).
-        accum_steps: microbatches per step (gradient accumulation).
-        loss_fn: ``(logits, targets) -> mean loss``.
+        run: the run (`meshtrain.run.RunSpec`); None: ``RunSpec()``. Its ``sync`` state is
+            ``state.comm`` (`meshtrain.replicas.with_sync` builds it); its ``pipeline`` takes
+            effect only where the active layout's mesh has ``pipe > 1``.
         schedule: the learning-rate schedule, to report ``lr``.
-        pipeline: the pipeline settings (used only where the mesh has ``pipe > 1``).
         skip_nonfinite: skip updates whose loss or gradient is not finite.
-        sync: how the replicas synchronise (`meshtrain.replicas.SyncConfig`): compressed
-            gradient reduction with error feedback, local SGD / DiLoCo, or bounded staleness.
-            Its state is ``state.comm`` (`meshtrain.replicas.with_sync` builds it). None: the
-            compiler's all-reduce, every step.
         param_specs: the parameters' `PartitionSpec`s (`jit_train_step` passes them): with
             gradient compression, a gradient split over model axes is encoded shard by shard.
+        **legacy: the older keywords ``accum_steps=, loss_fn=, pipeline=, sync=``,
+            deprecated: they build the `RunSpec` and warn.
 
     Returns:
         The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
@@ -98,13 +108,18 @@ def train_step(
         the old ``state.step``), which is the one the update used.
     """
 
+    if run is None or legacy:
+        call = "train_step(graphdef, tx, state, batch, run={run})"
+        run = run_from_legacy(call, run, legacy, accepted=_STEP_LEGACY)
+    accum_steps, loss_fn, pipeline = run.train.accum_steps, run.step_loss, run.pipeline
+
     def loss_of(params, rest, mb):
         model = nnx.merge(graphdef, params, rest)
         loss, extra = loss_and_metrics(loss_fn, call_model(model, mb), mb["targets"], loss_mask(mb))
         return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
     raise_if(validate.positive("accum_steps", accum_steps, example=4))
-    mesh = _pipeline_mesh(pipeline)
+    mesh = _pipeline_mesh(pipeline, run.mesh)
     _refuse_packed_pipeline(mesh, batch)
     if mesh is None:
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -120,9 +135,9 @@ def train_step(
         """Loss, new variables, metrics and gradient of `batch` (accumulated over microbatches)."""
         return _accumulated(grad_fn, params, rest, batch, accum_steps)
 
-    sync = sync or SyncConfig()
+    sync = run.sync
     if sync.local:
-        return replicas.local_step(
+        new_state, metrics = replicas.local_step(
             compute,
             tx,
             replicas.outer_optimizer(sync.outer_optimizer, sync.outer_lr, sync.outer_momentum),
@@ -130,9 +145,11 @@ def train_step(
             batch,
             **_replica_layout("sync_every"),
             sync_every=sync.sync_every,
-            schedule=schedule,
             skip_nonfinite=skip_nonfinite,
         )
+        if schedule is not None:
+            metrics["lr"] = schedule(state.step)
+        return new_state, metrics
     comm = dict(state.comm)
     if sync.compresses:
         (loss, (rest, extra)), grads, residual = replicas.reduced_grads(
@@ -307,38 +324,57 @@ class _Jitted:
         return self.fn.trace(state, batch)
 
 
+_JIT_LEGACY = ("mesh", "rules", *_STEP_LEGACY)
+
+
 def jit_train_step(
+    run: RunSpec,
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
-    mesh: Mesh,
-    rules: Rules,
     state_shardings: TrainState,
     batch_sharding: Mapping[str, NamedSharding],
-    *,
-    accum_steps: int = 1,
-    loss_fn: LossFn = cross_entropy,
+    *old_args,
     schedule: optax.Schedule | None = None,
-    pipeline: PipelineConfig | None = None,
     skip_nonfinite: bool = True,
-    sync: SyncConfig | None = None,
+    **legacy,
 ):
     """`train_step` jitted with explicit in/out shardings; the input state is donated.
 
     Args:
+        run: the run (`meshtrain.run.RunSpec`): its mesh and rules lay the step out
+            (activations follow ``rules.activations`` while it traces); the rest as for
+            `train_step`.
         graphdef, tx: as for `train_step`.
-        mesh: the device mesh.
-        rules: the layout rules; activations follow ``rules.activations`` while it traces.
-        state_shardings: a `TrainState` of `NamedSharding`s (from `init_train_state`).
+        state_shardings: a `TrainState` of `NamedSharding`s (from `init_train_state`; with
+            ``run.sync`` it includes ``comm``'s, from `meshtrain.replicas.with_sync`).
         batch_sharding: one `NamedSharding` per batch entry (`batch_shardings`).
-        accum_steps, loss_fn, schedule, skip_nonfinite, sync: as for `train_step`
-            (`state_shardings` must then include ``comm``'s, from `meshtrain.replicas.with_sync`).
-        pipeline: the pipeline settings; they take effect on meshes with ``pipe > 1``.
+        schedule, skip_nonfinite: as for `train_step`.
+        *old_args, **legacy: the older spelling ``jit_train_step(graphdef, tx, mesh, rules,
+            state_shardings, batch_sharding, *, accum_steps=, loss_fn=, pipeline=, sync=)``,
+            deprecated: it builds the `RunSpec` and warns.
 
     Returns:
         ``step(state, batch) -> (state, metrics)``; metrics are replicated scalars. A batch
         whose rows do not divide over its sharding is refused with a clear error before the
         call; ``step.lower(state, batch)`` gives jax's lowered program.
     """
+    if not isinstance(run, RunSpec):  # the older positional form
+        args = (run, graphdef, tx, state_shardings, batch_sharding, *old_args)
+        if len(args) != 6:
+            raise TypeError(
+                "jit_train_step() takes run, graphdef, tx, state_shardings, batch_sharding"
+            )
+        graphdef, tx, mesh, rules, state_shardings, batch_sharding = args
+        run, legacy = None, {"mesh": mesh, "rules": rules, **legacy}
+    elif old_args:
+        raise TypeError(
+            f"jit_train_step() takes 5 positional arguments but {5 + len(old_args)} were given"
+        )
+    if run is None or legacy:
+        call = "jit_train_step({run}, graphdef, tx, state_shardings, batch_sharding)"
+        run = run_from_legacy(call, run, legacy, accepted=_JIT_LEGACY)
+    run = run.resolved()
+    mesh, rules = run.mesh, run.rules
 
     def step(state, batch):
         with activation_rules(mesh, rules):
@@ -347,12 +383,9 @@ def jit_train_step(
                 tx,
                 state,
                 batch,
-                accum_steps=accum_steps,
-                loss_fn=loss_fn,
+                run=run,
                 schedule=schedule,
-                pipeline=pipeline or PipelineConfig(),
                 skip_nonfinite=skip_nonfinite,
-                sync=sync,
                 param_specs=param_specs,
             )
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -22,14 +20,13 @@ from meshtrain.data import Dataset
 from meshtrain.layout import Rules, batch_shardings, process_rows, shard_batch
 from meshtrain.models.base import batch_structs
 from meshtrain.models.sampling import sample
-from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import Problem, raise_if
-from meshtrain.replicas import SyncConfig, with_sync
+from meshtrain.replicas import with_sync
+from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import abstract_model, abstract_target, init_train_state
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
-from meshtrain.train.loss import LossFn, loss_with
-from meshtrain.train.optim import OptimConfig, make_optimizer, make_schedule
+from meshtrain.train.optim import make_optimizer, make_schedule
 from meshtrain.train.step import jit_eval_step, jit_train_step
 
 
@@ -38,42 +35,21 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-def _constructor(model, seed: int) -> tuple[Callable[[], nnx.Module], list[Problem]]:
-    """A zero-argument constructor for `model`, and a problem if `seed` cannot reach it."""
-    if callable(getattr(model, "build", None)):  # a model config
-        return (lambda: model.build(rngs=nnx.Rngs(params=seed))), []
-    if not callable(model):
-        raise ValueError(
-            f"model={type(model).__name__}: give a model config (e.g. GPTConfig()) or a "
-            "function that builds an nnx.Module"
+_LEGACY = ("optim", "config", "pipeline", "loss_fn", "checkpoint", "sync")
+
+
+def _run_of(run: RunSpec | None, simple: dict, legacy: dict) -> RunSpec:
+    """The `Trainer`'s run: `run`, or one from the simple arguments and any older keywords."""
+    given = [k for k, v in simple.items() if v is not None]
+    if run is not None and given:
+        raise TypeError(
+            f"Trainer() got run= and {', '.join(given)}; give one: Trainer(run=RunSpec("
+            f"{', '.join(f'{k}=...' for k in given)}, ...)) or Trainer(model, data, mesh=..., "
+            "rules=...)"
         )
-    # A class's own signature may be hidden by its metaclass (nnx.Module's is): read __init__.
-    function = model.__init__ if isinstance(model, type) else model
-    try:
-        wanted = [
-            p
-            for p in inspect.signature(function).parameters.values()
-            if p.default is inspect.Parameter.empty
-            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-    except (TypeError, ValueError):
-        wanted = []
-    if isinstance(model, type):
-        wanted = wanted[1:]  # self
-    if len(wanted) == 1:  # e.g. a module class whose __init__ takes rngs
-        return (lambda: model(nnx.Rngs(params=seed))), []
-    problems = []
-    if seed != 0:
-        problems.append(
-            Problem(
-                "train.seed",
-                seed,
-                "a zero-argument model constructor fixes its own seed, so this one would be "
-                "ignored; pass a constructor that takes an nnx.Rngs (e.g. the module class), "
-                "or leave seed at 0",
-            )
-        )
-    return model, problems
+    call = "Trainer(run={run})" if legacy else "Trainer({run})"
+    spec = run_from_legacy(call, run, legacy, accepted=_LEGACY)
+    return run if run is not None else spec.replace(**{k: simple[k] for k in given})
 
 
 class Trainer:
@@ -85,55 +61,51 @@ class Trainer:
             whose parameters carry logical names: a function of one ``nnx.Rngs`` (such as
             the module class; it gets ``TrainConfig.seed``), or of none.
         data: a `meshtrain.data.Dataset`.
-        mesh: the device mesh.
-        rules: logical-axis rules, e.g. ``rules_for("fsdp", mesh)``.
-        optim: optimizer settings.
-        config: loop settings.
-        pipeline: schedule and microbatches for a mesh with ``pipe > 1`` (any model with
-            pipeline parts); None means the defaults of `PipelineConfig`.
-        loss_fn: ``(logits, targets) -> mean loss``; None means cross-entropy with
-            ``config.loss_impl``.
+        mesh: the device mesh; None: the default mesh over all devices.
+        rules: logical-axis rules, e.g. ``rules_for("fsdp", mesh)``; None:
+            ``rules_for("auto", mesh)``.
+        run: the whole run (`meshtrain.run.RunSpec`): optimizer, loop, pipeline, sync,
+            checkpoints and loss besides the four above. Give either `run` or model, data,
+            mesh and rules; both at once is refused.
         flops_per_token: training FLOPs per token (or per example); taken from the model config
             when it has ``flops_per_token``; None leaves TFLOP/s and MFU out.
-        checkpoint: checkpoint settings; None writes no checkpoints. With ``resume`` the
-            trainer starts from the newest readable checkpoint.
         run_meta: extra JSON facts stored in every checkpoint (the CLI stores its whole job).
         params: parameters to start from instead of the initialisers' (e.g. a Hugging Face
             checkpoint's, `meshtrain.hf.load_pretrained`); a resumed checkpoint replaces them.
-        sync: how the data-parallel replicas synchronise (`meshtrain.replicas.SyncConfig`):
-            gradient compression with error feedback, local SGD / DiLoCo, bounded staleness;
-            None: synchronous, through the compiler's all-reduce.
+        **legacy: the older keywords ``optim=, config=, pipeline=, loss_fn=, checkpoint=,
+            sync=``, deprecated: they build the `RunSpec` and warn.
+
+    With ``run.checkpoint`` and its ``resume`` the trainer starts from the newest readable
+    checkpoint.
 
     Raises:
         RunCheckError: the settings cannot work (`meshtrain.check.check_run`); every problem
             is listed, one per line, before anything is allocated or compiled.
+        TypeError: `run` together with model, data, mesh or rules (or the older keywords).
     """
 
     def __init__(
         self,
-        model,
-        data: Dataset,
+        model=None,
+        data: Dataset | None = None,
         *,
-        mesh: Mesh,
-        rules: Rules,
-        optim: OptimConfig | None = None,
-        config: TrainConfig | None = None,
-        pipeline: PipelineConfig | None = None,
-        loss_fn: LossFn | None = None,
+        mesh: Mesh | None = None,
+        rules: Rules | None = None,
+        run: RunSpec | None = None,
         flops_per_token: float | None = None,
-        checkpoint: ckpt.CheckpointConfig | None = None,
         run_meta: dict | None = None,
         params: dict | None = None,
-        sync: SyncConfig | None = None,
+        **legacy,
     ):
-        self.config = config or TrainConfig()
-        self.pipeline = pipeline or PipelineConfig()
-        self.optim = optim or OptimConfig()
-        self.sync = sync or SyncConfig()
+        run = _run_of(run, dict(model=model, data=data, mesh=mesh, rules=rules), legacy)
+        self.run = run = run.resolved()
+        self.config: TrainConfig = run.train
+        self.optim, self.pipeline, self.sync = run.optim, run.pipeline, run.sync
+        data, mesh, rules = run.data, run.mesh, run.rules
         self.data, self.mesh, self.rules = data, mesh, rules
-        self.model_config = model if callable(getattr(model, "build", None)) else None
-        ctor, problems = _constructor(model, self.config.seed)
-        if loss_fn is not None and self.config.loss_impl != "xla":
+        self.model_config = run.model_config
+        ctor, problems = run.constructor()
+        if run.loss_fn is not None and self.config.loss_impl != "xla":
             problems.append(
                 Problem(
                     "train.loss_impl",
@@ -142,7 +114,7 @@ class Trainer:
                     "the built-in losses)",
                 )
             )
-        if loss_fn is not None and self.config.loss != "cross_entropy":
+        if run.loss_fn is not None and self.config.loss != "cross_entropy":
             problems.append(
                 Problem(
                     "train.loss",
@@ -150,21 +122,10 @@ class Trainer:
                     "a custom loss_fn was given too; pick one (train.loss picks a built-in loss)",
                 )
             )
-        problems += check_run(
-            model=self.model_config,
-            data=data,
-            mesh=mesh,
-            rules=rules,
-            accum_steps=self.config.accum_steps,
-            pipeline=self.pipeline,
-            checkpoint=checkpoint,
-            run_dir=self.config.run_dir,
-            abstract=abstract_model(ctor),
-            sync=self.sync,
-        )
+        problems += check_run(run, abstract=abstract_model(ctor))
         raise_if(problems)
-        self.loss_fn = loss_fn or loss_with(self.config.loss, self.config.loss_impl)
-        self.checkpoints = ckpt.open_for_run(checkpoint, self.config.run_dir)
+        self.loss_fn = run.step_loss
+        self.checkpoints = ckpt.open_for_run(run.checkpoint, self.config.run_dir)
         self.stop_reason: str | None = None
         self.skipped_steps = 0
         self._run_meta = run_meta or {}
@@ -185,17 +146,12 @@ class Trainer:
         self._iter = data.train_iter(self._rows)
         self._batch_sharding = batch_shardings(batch_structs(data), mesh, rules)
         self._step = jit_train_step(
+            run,
             self.graphdef,
             self.tx,
-            mesh,
-            rules,
             self.shardings,
             self._batch_sharding,
-            accum_steps=self.config.accum_steps,
-            loss_fn=self.loss_fn,
             schedule=self.schedule,
-            pipeline=self.pipeline,
-            sync=self.sync,
         )
         self._eval = jit_eval_step(
             self.graphdef,
@@ -208,7 +164,7 @@ class Trainer:
         )
         self._eval_data = None
         self.history: list[dict] = []
-        if checkpoint is not None and checkpoint.resume:
+        if run.checkpoint is not None and run.checkpoint.resume:
             self.resume()
 
     @property

@@ -1,0 +1,262 @@
+"""`RunSpec`: one frozen description of a training run, read by everything that runs one.
+
+The run check, the ahead-of-time compiler, the inspector, the train step and the `Trainer`
+all take the same `RunSpec` instead of a dozen separate settings::
+
+    run = RunSpec(model=GPTConfig(), data=data, mesh=mesh, rules=rules_for("fsdp", mesh))
+    problems = check_run(run)
+    report = inspect(run)
+    trainer = Trainer(run=run)
+
+The older spellings (``check_run(mesh=..., rules=..., accum_steps=...)`` and the like) are
+turned into a `RunSpec` by `run_from_legacy`, with a `DeprecationWarning` naming the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshtrain.checkpoint import CheckpointConfig
+from meshtrain.layout import Rules, rules_for
+from meshtrain.mesh import make_mesh, mesh_sizes
+from meshtrain.models.base import DataSpec
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.problem import Problem
+from meshtrain.replicas import SyncConfig
+from meshtrain.train.config import TrainConfig
+from meshtrain.train.loss import LossFn, loss_with
+from meshtrain.train.optim import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """Everything that decides what a training run computes and where.
+
+    Args:
+        model: a model config (`GPTConfig()`, any `meshtrain.models.ModelConfig`), or a
+            constructor of an NNX model: a function of one ``nnx.Rngs`` (such as the module
+            class; it gets ``train.seed``), or of none.
+        data: a `meshtrain.data.Dataset`, a `DataSpec` (shapes only: enough to check, compile
+            and inspect), or a `DataConfig` of the byte-level sources.
+        mesh: the device mesh, or its axis sizes (a planner's candidate: checks and models
+            only); None: the default mesh over all devices (`make_mesh()`).
+        rules: the layout rules (`rules_for`); None: ``rules_for("auto", mesh)``.
+        train: the loop: steps, accumulation, loss, seed, run directory (`TrainConfig`).
+        optim: optimizer, schedule and clipping (`OptimConfig`).
+        pipeline: schedule and microbatches, used where the mesh has ``pipe > 1``.
+        sync: how the data-parallel replicas synchronise (`meshtrain.replicas.SyncConfig`).
+        checkpoint: checkpoint settings; None keeps no checkpoints.
+        loss_fn: a custom ``(logits, targets) -> mean loss``; None: ``train.loss`` with
+            ``train.loss_impl``.
+    """
+
+    model: object = None
+    data: object = None
+    mesh: Mesh | Mapping[str, int] | None = None
+    rules: Rules | None = None
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    sync: SyncConfig = SyncConfig()
+    checkpoint: CheckpointConfig | None = None
+    loss_fn: Callable | None = None
+
+    def replace(self, **changes) -> RunSpec:
+        """A copy with `changes` (field name → value), like `dataclasses.replace`."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self) -> RunSpec:
+        """The same run with the defaults filled in: the default mesh where `mesh` is None,
+        ``rules_for("auto", mesh)`` where `rules` is None."""
+        mesh = make_mesh() if self.mesh is None else self.mesh
+        rules = rules_for("auto", mesh) if self.rules is None else self.rules
+        if mesh is self.mesh and rules is self.rules:
+            return self
+        return dataclasses.replace(self, mesh=mesh, rules=rules)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The mesh's axis sizes (those of the default mesh when `mesh` is None)."""
+        if isinstance(self.mesh, Mapping):
+            return dict(self.mesh)
+        return mesh_sizes(make_mesh() if self.mesh is None else self.mesh)
+
+    @property
+    def data_spec(self) -> DataSpec:
+        """The data's shapes (`DataSpec`), from a `Dataset`, a `DataSpec` or a `DataConfig`."""
+        if self.data is None:
+            raise ValueError(
+                "RunSpec.data is None: give a Dataset (make_dataset(DataConfig())) or a DataSpec"
+            )
+        return data_spec(self.data)
+
+    @property
+    def model_config(self):
+        """`model` when it is a model config (it has ``build``), else None."""
+        return self.model if callable(getattr(self.model, "build", None)) else None
+
+    @property
+    def step_loss(self) -> LossFn:
+        """The loss the step minimises: `loss_fn`, or ``train.loss`` with ``train.loss_impl``."""
+        return self.loss_fn or loss_with(self.train.loss, self.train.loss_impl)
+
+    def constructor(self) -> tuple[Callable[[], nnx.Module], list[Problem]]:
+        """A zero-argument constructor of the model, and a problem if ``train.seed`` cannot
+        reach it."""
+        return model_constructor(self.model, self.train.seed)
+
+
+def data_spec(data) -> DataSpec:
+    """A `DataSpec` from a `Dataset`, a `DataSpec` (returned as is) or a `DataConfig`."""
+    if isinstance(data, DataSpec):
+        return data
+    if not hasattr(data, "kind"):  # a DataConfig
+        if getattr(data, "source", None) == "arrays":
+            from meshtrain.data import make_dataset
+
+            return data_spec(make_dataset(data))
+        return DataSpec("lm", data.batch_size, data.seq_len, 256, None)
+    return DataSpec(
+        data.kind,
+        data.batch_size,
+        data.seq_len,
+        data.vocab_size,
+        data.num_features,
+        getattr(data, "image_shape", None),
+        "segment_ids" in getattr(data, "batch_keys", ()),  # packed (meshtrain.data.packing)
+    )
+
+
+def model_constructor(model: Any, seed: int) -> tuple[Callable[[], nnx.Module], list[Problem]]:
+    """A zero-argument constructor for `model`, and a problem if `seed` cannot reach it."""
+    if callable(getattr(model, "build", None)):  # a model config
+        return (lambda: model.build(rngs=nnx.Rngs(params=seed))), []
+    if not callable(model):
+        raise ValueError(
+            f"model={type(model).__name__}: give a model config (e.g. GPTConfig()) or a "
+            "function that builds an nnx.Module"
+        )
+    # A class's own signature may be hidden by its metaclass (nnx.Module's is): read __init__.
+    is_class = isinstance(model, type)
+    function = model.__init__ if is_class else model
+    try:
+        wanted = [
+            p
+            for p in inspect.signature(function).parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        wanted = []
+    if is_class:
+        wanted = wanted[1:]  # self
+    if len(wanted) == 1:  # e.g. a module class whose __init__ takes rngs
+        return (lambda: model(nnx.Rngs(params=seed))), []
+    problems = []
+    if seed != 0:
+        problems.append(
+            Problem(
+                "train.seed",
+                seed,
+                "a zero-argument model constructor fixes its own seed, so this one would be "
+                "ignored; pass a constructor that takes an nnx.Rngs (e.g. the module class), "
+                "or leave seed at 0",
+            )
+        )
+    return model, problems
+
+
+# Where each keyword of the older spellings goes in a RunSpec ("train.x": a TrainConfig field).
+LEGACY_FIELDS = {
+    "model": "model",
+    "ctor": "model",
+    "data": "data",
+    "spec": "data",
+    "mesh": "mesh",
+    "rules": "rules",
+    "optim": "optim",
+    "config": "train",
+    "pipeline": "pipeline",
+    "sync": "sync",
+    "checkpoint": "checkpoint",
+    "loss_fn": "loss_fn",
+    "accum_steps": "train.accum_steps",
+    "loss_impl": "train.loss_impl",
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "run_dir": "train.run_dir",
+}
+_OPTIONAL = ("optim", "config", "pipeline", "sync")  # None meant the default config
+
+
+def deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warns that the spelling `old` goes in the next release; `new` is the one to use."""
+    warnings.warn(
+        f"{old} is deprecated: pass {new}; the old keywords go in the next release",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def run_from_legacy(
+    call: str,
+    run: RunSpec | None,
+    legacy: Mapping[str, object],
+    *,
+    accepted: Collection[str],
+    defaults: Mapping[str, object] | None = None,
+) -> RunSpec:
+    """The `RunSpec` an older spelling describes, with a `DeprecationWarning` naming the new one.
+
+    Args:
+        call: the new spelling, with ``{run}`` where the `RunSpec` goes, e.g.
+            ``"check_run({run})"``; its name is the function's.
+        run: the `RunSpec` given with the old keywords (refused), or None.
+        legacy: the old keywords (positional old forms named as keywords), as passed.
+        accepted: the old keywords this function took; any other raises `TypeError`, as
+            Python would.
+        defaults: the old spelling's defaults where they differ from `RunSpec`'s (e.g.
+            ``{"run_dir": ""}``), applied when the keyword is absent.
+
+    Returns:
+        The `RunSpec`; ``RunSpec()`` (after `defaults`) when `legacy` is empty, without a
+        warning.
+
+    Raises:
+        TypeError: an unknown keyword, or a `RunSpec` together with old keywords.
+    """
+    name = call.partition("(")[0]
+    for key in legacy:
+        if key not in accepted:
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+    if run is not None and legacy:
+        raise TypeError(
+            f"{name}() got a RunSpec and the old keywords {', '.join(legacy)}; put those "
+            f"settings in the RunSpec: {call.format(run='RunSpec(...)')}"
+        )
+    given = {**(defaults or {}), **legacy}
+    fields: dict[str, Any] = {}
+    train: dict[str, Any] = {}
+    for key, value in given.items():
+        path = LEGACY_FIELDS[key]
+        if path.startswith("train."):
+            train[path.removeprefix("train.")] = value
+        elif not (key in _OPTIONAL and value is None):
+            fields[path] = value
+    if train:
+        fields["train"] = dataclasses.replace(fields.get("train", TrainConfig()), **train)
+    if legacy:
+        paths = [LEGACY_FIELDS[k] for k in legacy]
+        inner = [p.removeprefix("train.") + "=..." for p in paths if p.startswith("train.")]
+        parts = [f"{p}=..." for p in dict.fromkeys(paths) if not p.startswith("train.")]
+        parts += [f"train=TrainConfig({', '.join(inner)})"] if inner else []
+        old = ", ".join(f"{k}=..." for k in legacy)
+        deprecated(f"{name}({old})", call.format(run=f"RunSpec({', '.join(parts)})"))
+    return RunSpec(**fields)

@@ -1,0 +1,226 @@
+"""Tests for meshtrain.run: one `RunSpec` read by the check, the compiler, the inspector, the
+step and the `Trainer`; the older spellings give bit-for-bit the same results, with a
+`DeprecationWarning` naming the new one; and no public function threads ten settings by hand.
+"""
+
+import ast
+import dataclasses
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import meshtrain as mt
+from meshtrain.check import check_run
+from meshtrain.comm.expect import Traffic, expected, param_layouts
+from meshtrain.data import DataConfig, make_dataset
+from meshtrain.layout import batch_shardings, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step, make_optimizer, train_step
+from meshtrain.mesh import AXES, make_mesh
+from meshtrain.models import GPTConfig, MLPConfig
+from meshtrain.models.base import DataSpec
+from meshtrain.run import RunSpec
+from meshtrain.state import abstract_model
+from meshtrain.train import OptimConfig, TrainConfig, Trainer
+
+T, B = 16, 16
+GPT = GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=T, vocab_size=64)
+SPEC = DataSpec("lm", B, T, 64, None)
+TX = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)
+NEW = r"pass {}\(RunSpec\("  # the warning names the new spelling
+
+
+def _batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 64, (n, B, T + 1), dtype=np.int32)
+    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    return mesh, mt.rules_for("fsdp+tp", mesh)
+
+
+def test_old_and_new_jit_train_step_are_bit_for_bit_equal(hybrid):
+    """Two accumulated steps of a GPT on 2×2×2, spelt both ways, from the same state."""
+    mesh, rules = hybrid
+    batches = _batches(2)
+    ctor = lambda: GPT.build(rngs=nnx.Rngs(params=0))  # noqa: E731
+    results = []
+    for spelling in ("new", "old"):
+        graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
+        batch_sh = batch_shardings(batches[0], mesh, rules)
+        if spelling == "new":
+            run = RunSpec(mesh=mesh, rules=rules, train=TrainConfig(accum_steps=2))
+            step = jit_train_step(run, graphdef, TX, shardings, batch_sh)
+        else:
+            with pytest.warns(DeprecationWarning, match=NEW.format("jit_train_step")) as seen:
+                step = jit_train_step(graphdef, TX, mesh, rules, shardings, batch_sh, accum_steps=2)
+            assert "train=TrainConfig(accum_steps=...)" in str(seen[0].message)
+        metrics = []
+        for b in batches:
+            state, m = step(state, shard_batch(b, mesh, rules))
+            metrics.append(jax.device_get(m))
+        results.append((jax.device_get(state.params), metrics))
+    (new_params, new_metrics), (old_params, old_metrics) = results
+    assert new_metrics == old_metrics
+    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(old_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert new_metrics[0]["loss"] != new_metrics[1]["loss"]  # the steps did train
+
+
+def test_old_and_new_train_step_are_bit_for_bit_equal():
+    """The pure step, unsharded: old keywords (accumulation, loss) against the `RunSpec`."""
+    cfg = MLPConfig(num_features=8, num_classes=4, d_model=16, d_hidden=16, n_layers=1)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    rules = mt.rules_for("dp", mesh)
+    graphdef, state, _ = init_train_state(
+        lambda: cfg.build(rngs=nnx.Rngs(params=0)), TX, mesh, rules
+    )
+    rng = np.random.default_rng(1)
+    batch = {
+        "inputs": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32),
+        "targets": jnp.asarray(rng.integers(0, 4, 8), jnp.int32),
+    }
+    run = RunSpec(train=TrainConfig(accum_steps=2, loss="mse"))
+    new = jax.jit(lambda s, b: train_step(graphdef, TX, s, b, run=run))(state, batch)
+    mse = run.step_loss
+    with pytest.warns(DeprecationWarning, match=r"train_step\(graphdef, tx, state, batch, run="):
+        old = jax.jit(lambda s, b: train_step(graphdef, TX, s, b, accum_steps=2, loss_fn=mse))(
+            state, batch
+        )
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_step_reports_the_learning_rate_under_local_sgd_too():
+    """``lr`` is the schedule at the step's own index on every sync path (local SGD's included)."""
+    cfg = MLPConfig(num_features=8, num_classes=4, d_model=16, d_hidden=16, n_layers=1)
+    mesh = make_mesh("data=8")
+    run = RunSpec(mesh=mesh, rules=mt.rules_for("dp", mesh), sync=mt.SyncConfig(sync_every=2))
+    optim = OptimConfig(lr=1e-2, warmup_steps=3)
+    tx, schedule = make_optimizer(optim, 10), mt.lower.make_schedule(optim, 10)
+    ctor = lambda: cfg.build(rngs=nnx.Rngs(params=0))  # noqa: E731
+    graphdef, state, shardings = init_train_state(ctor, tx, mesh, run.rules)
+    state, shardings = mt.lower.with_sync(run.sync, tx, state, shardings, mesh, run.rules)
+    rng = np.random.default_rng(2)
+    batch = {"inputs": rng.normal(size=(16, 8)).astype(np.float32)}
+    batch["targets"] = rng.integers(0, 4, 16).astype(np.int32)
+    batch = shard_batch(batch, mesh, run.rules)
+    step = jit_train_step(
+        run, graphdef, tx, shardings, {k: v.sharding for k, v in batch.items()}, schedule=schedule
+    )
+    for i in range(2):
+        state, metrics = step(state, batch)
+        np.testing.assert_allclose(metrics["lr"], schedule(i), rtol=1e-6)  # jit vs eager
+        assert int(metrics["synced"]) == i
+
+
+def test_old_and_new_check_run_find_the_same_problems():
+    """A run that cannot work: the same problems, in the same order, either way."""
+    sizes = {a: 1 for a in AXES} | {"data": 4, "tensor": 2}
+    data = DataSpec("lm", 12, T, 300, None)  # 12 rows over 4 ways × 2 microbatches; vocab 300
+    rules = mt.rules_for("dp+tp", sizes)
+    new = check_run(
+        RunSpec(
+            model=GPT,
+            data=data,
+            mesh=sizes,
+            rules=rules,
+            train=TrainConfig(accum_steps=2, run_dir=""),
+        )
+    )
+    with pytest.warns(DeprecationWarning, match=NEW.format("check_run")):
+        old = check_run(model=GPT, data=data, mesh=sizes, rules=rules, accum_steps=2)
+    assert len(new) >= 2 and new == old
+    assert {p.field for p in new} >= {"data.batch_size", "gpt.vocab_size"}
+
+
+def test_old_and_new_inspect_compile_the_same_collectives(hybrid):
+    mesh, rules = hybrid
+    new = mt.inspect(RunSpec(model=GPT, data=SPEC, mesh=mesh, rules=rules))
+    with pytest.warns(DeprecationWarning, match=r"inspect\(model=..., data=..., mesh=..., rules"):
+        old = mt.inspect(GPT, SPEC, mesh, rules)
+    assert new.rows == old.rows and new.collectives == old.collectives
+    assert new.memory == old.memory and new.flags == old.flags
+    assert new.expectation == old.expectation
+    assert any(r.kind == "all-gather" for r in new.rows)  # fsdp gathers: a real layout
+    # expected(): the run, its Traffic and the old spelling agree
+    graphdef, state = abstract_model(lambda: GPT.build(rngs=nnx.Rngs(params=0)))
+    params = param_layouts(
+        nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)[1], rules, new.mesh
+    )
+    run = RunSpec(model=GPT, data=SPEC, mesh=mesh, rules=rules)
+    axes = rules.batch_axes(new.mesh)
+    with pytest.warns(DeprecationWarning, match=r"expected\(params, RunSpec"):
+        legacy = expected(params, new.mesh, axes, tokens=B * T, d_model=32, batch=B)
+    assert expected(params, run) == legacy == expected(params, Traffic.of(run)) == new.expectation
+
+
+def test_unknown_and_mixed_keywords_raise_type_error(hybrid):
+    mesh, rules = hybrid
+    with pytest.raises(
+        TypeError, match=r"check_run\(\) got an unexpected keyword argument 'bogus'"
+    ):
+        check_run(mesh=mesh, rules=rules, data=SPEC, bogus=1)
+    with pytest.raises(TypeError, match=r"got a RunSpec and the old keywords accum_steps"):
+        check_run(RunSpec(data=SPEC), accum_steps=2)
+    with pytest.raises(TypeError, match=r"Trainer\(\) got run= and model, mesh; give one") as err:
+        Trainer(GPT, mesh=mesh, run=RunSpec(data=SPEC))
+    assert "\n" not in str(err.value)
+
+
+def test_the_simple_trainer_calls_do_not_warn_and_the_defaults_make_a_run(tmp_path, monkeypatch):
+    """`Trainer(cfg, data)` (default mesh over all devices, rules "auto") and
+    `Trainer(cfg, data, mesh=, rules=)` are not deprecated; the first one trains."""
+    monkeypatch.chdir(tmp_path)  # the default run_dir, runs/default, lands here
+    data = make_dataset(DataConfig(source="synthetic", seq_len=T, batch_size=B))
+    gpt = dataclasses.replace(GPT, vocab_size=256)  # byte-level data
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        plain = Trainer(gpt, data)
+        mesh = make_mesh("data=2,fsdp=2,tensor=2")
+        Trainer(gpt, data, mesh=mesh, rules=mt.rules_for("fsdp", mesh))
+    assert plain.mesh.devices.size == 8 and plain.run.mesh is plain.mesh
+    assert plain.rules.name == mt.rules_for("auto", make_mesh()).name
+    loop = TrainConfig(steps=2, eval_every=0, log_every=1, run_dir="", progress=False)
+    history = Trainer(run=RunSpec(model=gpt, data=data, train=loop)).fit()
+    assert [h["step"] for h in history] == [1, 2]
+    assert all(np.isfinite(h["loss"]) for h in history)
+
+
+def test_run_spec_is_frozen_and_replace_keeps_the_rest():
+    run = RunSpec(model=GPT, data=SPEC, mesh={"data": 8})
+    with pytest.raises(AttributeError):
+        run.mesh = None
+    other = run.replace(optim=OptimConfig(lr=1e-2))
+    assert other.optim.lr == 1e-2 and other.model is GPT and other.mesh == {"data": 8}
+    assert run.sizes == {"data": 8} and run.data_spec == SPEC
+    assert run.resolved().rules.name == mt.rules_for("auto", {"data": 8}).name
+
+
+def _param_counts():
+    """(count, where) for every function in meshtrain/ (kernels/ apart): all parameters,
+    *args and **kwargs one each, self and cls not counted."""
+    root = pathlib.Path(mt.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+                n -= bool(names) and names[0] in ("self", "cls")
+                yield n, f"{path.relative_to(root.parent)}::{node.name}"
+
+
+def test_at_most_two_functions_take_ten_or_more_parameters():
+    wide = sorted(where for n, where in _param_counts() if n >= 10)
+    assert len(wide) <= 2, wide
+    run_readers = ("check_run", "compile_step", "inspect", "inspect_compiled", "train_step")
+    run_readers += ("jit_train_step", "expected", "__init__")
+    assert not [w for w in wide if w.rpartition("::")[2] in run_readers], wide

@@ -34,18 +34,8 @@ def run(job: InspectJob, given: frozenset[str] = frozenset()) -> int:
     if job.devices:
         simulate_devices(job.devices)
     mesh = make_mesh(job.mesh)
-    report = inspect(
-        job.model_config(),
-        job.data,
-        mesh,
-        rules_for(job.strategy, mesh),
-        optim=job.optim,
-        pipeline=job.pipeline,
-        accum_steps=job.train.accum_steps,
-        loss_impl=job.train.loss_impl,
-        seed=job.train.seed,
-        sync=job.sync,
-    )
+    rules = rules_for(job.strategy, mesh, context_parallel=job.context_parallel)
+    report = inspect(train.run_spec(job, job.data, mesh, rules))
     if job.json:
         print(report.to_json())
     else:

@@ -30,6 +30,7 @@ from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, familie
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import SyncConfig
+from meshtrain.run import RunSpec
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.optim import OptimConfig
 
@@ -187,17 +188,24 @@ def build_trainer(job: TrainJob, say=print):
     if job.sync != SyncConfig():
         say(describe_sync(job.sync, mesh, rules))
     return Trainer(
-        job.model_config(),
-        data,
-        mesh=mesh,
-        rules=rules,
-        optim=job.optim,
-        config=job.train,
-        pipeline=job.pipeline,
-        sync=job.sync,
-        checkpoint=job.checkpoint if checkpointing else None,
+        run=run_spec(job, data, mesh, rules, checkpoint=job.checkpoint if checkpointing else None),
         run_meta={"job": dataclasses.asdict(job)},
         params=finetune.initial_params(job, mesh, rules),
+    )
+
+
+def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
+    """The `RunSpec` a job describes, on a built mesh and data."""
+    return RunSpec(
+        model=job.model_config(),
+        data=data,
+        mesh=mesh,
+        rules=rules,
+        train=job.train,
+        optim=job.optim,
+        pipeline=job.pipeline,
+        sync=job.sync,
+        checkpoint=checkpoint,
     )
 
 

@@ -163,7 +163,7 @@ def generate(
     if context is not None and len(ids) > context:
         raise ValueError(
             f"prompt: {len(ids)} tokens, longer than the model's context of {context} tokens "
-            f"(max_seq_len); give a prompt of at most {context} tokens"
+            f"(max_seq_len); give a prompt (--prompt) of at most {context} tokens"
         )
     start = 0
     if not ids:

@@ -26,7 +26,7 @@ SUBCOMMANDS = ("train",)
 DEFAULT_DEVICES = 8  # simulated devices in all when neither --devices-per-proc nor --devices
 
 
-def _option_value(args: list[str], flag: str) -> str | None:
+def option_value(args: list[str], flag: str) -> str | None:
     """The value of ``--flag V`` or ``--flag=V`` in `args`, else None."""
     for i, a in enumerate(args):
         if a == flag and i + 1 < len(args):
@@ -61,7 +61,7 @@ def plan(settings) -> tuple[list[str], int]:
             "another, or leave --port out to pick a free one"
         )
     if command[0] in SUBCOMMANDS:
-        given = _option_value(command, "--devices")
+        given = option_value(command, "--devices")
         k = settings.devices_per_proc
         if given is not None:
             if k is not None and str(k) != given:

@@ -185,7 +185,11 @@ def test_generate_refuses_a_prompt_longer_than_the_context(capsys, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert main(["generate", f"hf:{GPT2}", "--prompt", "x" * 40, "--tokens", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("meshtrain generate: error: --prompt: 40 tokens")
+    assert (
+        len(err) == 1
+        and err[0].startswith("meshtrain generate: error: prompt: 40 tokens")
+        and "--prompt" in err[0]
+    )
     assert "context of 32" in err[0] and "at most 32" in err[0]
     assert list(tmp_path.iterdir()) == []
 

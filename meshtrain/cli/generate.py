@@ -14,7 +14,6 @@ import logging
 import tyro
 
 from meshtrain.cli import parsing
-from meshtrain.cli.errors import UsageError
 
 __all__ = ["GenerateSettings", "main", "parse", "run"]
 
@@ -68,15 +67,6 @@ def _quiet_read_only():
         logger.removeFilter(quiet)
 
 
-def check_prompt(ids: list[int], context: int | None) -> None:
-    """Refuses a prompt longer than the model's context (its first tokens would be ignored)."""
-    if context is not None and len(ids) > context:
-        raise UsageError(
-            f"--prompt: {len(ids)} tokens, longer than the model's context of {context} "
-            f"(max_seq_len); give at most {context} tokens, e.g. the prompt's last part"
-        )
-
-
 def run(settings: GenerateSettings) -> int:
     """Loads the checkpoint, samples and prints the text; returns 0."""
     from meshtrain import generate as gen
@@ -85,7 +75,6 @@ def run(settings: GenerateSettings) -> int:
     gen.check_settings(n_new=s.tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     with _quiet_read_only():
         model, tokenizer = gen.load(s.source, s.tokenizer or None)
-    check_prompt(tokenizer.encode(s.prompt), getattr(model.cfg, "max_seq_len", None))
     text = gen.generate(
         model,
         tokenizer,

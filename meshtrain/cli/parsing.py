@@ -11,6 +11,7 @@ import tyro
 
 from meshtrain import _compat
 from meshtrain.cli.errors import UsageError
+from meshtrain.launch import option_value
 
 __all__ = ["flag_table", "given", "parse", "suggest"]
 
@@ -59,16 +60,6 @@ def suggest(word: str, options) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _value_of(flag: str, argv: list[str]) -> str | None:
-    """The word given after `flag` (or ``flag=value``) in `argv`."""
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _number_fix(flag: str, value: str, expected: type, default) -> str:
     """What a value flag needs: ``not a whole number; write it as digits: --steps 1000``."""
     if expected is int:
@@ -91,7 +82,7 @@ def _line(name: str, cls: type, argv: list[str], failure, example: str) -> str:
         return failure.message
     if failure.kind == "value" and failure.flags:
         flag = failure.flags[-1]
-        value = failure.value if failure.value is not None else _value_of(flag, argv)
+        value = failure.value if failure.value is not None else option_value(argv, flag)
         if failure.expected in (int, float) and value is not None:
             return f"{flag} {value}: {_number_fix(flag, value, failure.expected, failure.default)}"
         return f"{flag} {value if value is not None else ''}: {failure.message or 'needs a value'}"

@@ -71,7 +71,8 @@ def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
         run: the run (`RunSpec`); its mesh must be a `Mesh` of real devices (the program is
             compiled for them); its model is traced abstractly only.
         fast_codegen: skip the backend's LLVM optimisations (see the module docstring).
-        *old_args, **legacy: the older spelling ``compile_step(ctor, spec, mesh, rules, *,
+        *old_args: the older positional arguments, deprecated (as for ``**legacy``).
+        **legacy: the older spelling ``compile_step(ctor, spec, mesh, rules, *,
             optim=, pipeline=, accum_steps=, loss_impl=, steps=, sync=)``, deprecated: it builds
             the `RunSpec` (with ``steps=100``) and warns.
 

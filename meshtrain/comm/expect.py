@@ -160,7 +160,8 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
         params: the parameters' layouts (`param_layouts`).
         run: the run (`meshtrain.run.RunSpec`; its mesh may be axis sizes alone), or its
             `Traffic` when no run is at hand.
-        *old_args, **legacy: the older spelling ``expected(params, sizes, batch_axes, *,
+        *old_args: the older positional arguments, deprecated (as for ``**legacy``).
+        **legacy: the older spelling ``expected(params, sizes, batch_axes, *,
             tokens=, d_model=, act_itemsize=, pipeline=, batch=, codec=, replica_axes=)``,
             deprecated: it builds the `Traffic` and warns.
 

@@ -243,7 +243,8 @@ def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
             optimizer, pipeline, accumulation, loss and sync (compressed gradients show up as
             the codec's own collectives). Its run directory and checkpoints play no part:
             nothing is written.
-        *old_args, **legacy: the older spelling ``inspect(model, data, mesh, rules, *, optim=,
+        *old_args: the older positional arguments, deprecated (as for ``**legacy``).
+        **legacy: the older spelling ``inspect(model, data, mesh, rules, *, optim=,
             pipeline=, accum_steps=, loss_impl=, seed=, sync=)``, deprecated: it builds the
             `RunSpec` (with ``steps=100``) and warns.
 

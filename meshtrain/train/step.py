@@ -349,7 +349,8 @@ def jit_train_step(
             ``run.sync`` it includes ``comm``'s, from `meshtrain.replicas.with_sync`).
         batch_sharding: one `NamedSharding` per batch entry (`batch_shardings`).
         schedule, skip_nonfinite: as for `train_step`.
-        *old_args, **legacy: the older spelling ``jit_train_step(graphdef, tx, mesh, rules,
+        *old_args: the older positional arguments, deprecated (as for ``**legacy``).
+        **legacy: the older spelling ``jit_train_step(graphdef, tx, mesh, rules,
             state_shardings, batch_sharding, *, accum_steps=, loss_fn=, pipeline=, sync=)``,
             deprecated: it builds the `RunSpec` and warns.
 

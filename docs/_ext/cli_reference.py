@@ -14,15 +14,12 @@ import os
 from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
-# The subcommands in the order `meshtrain --help` lists them, for a `meshtrain.cli` that does
-# not list them itself yet (`COMMANDS` is what the reference reads when it is there).
-SUBCOMMANDS = ("train", "inspect", "plan", "bench", "prepare", "generate", "launch")
 WIDTH = "100"  # help is wrapped at this width, whatever terminal builds the docs
 
 
 @contextlib.contextmanager
 def _columns(width: str):
-    """COLUMNS set to `width` for argparse and rich, restored afterwards."""
+    """COLUMNS set to `width` for tyro and rich, restored afterwards."""
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = width
     try:
@@ -55,8 +52,7 @@ def commands() -> dict[str, str]:
     """The subcommands, in the order `meshtrain --help` lists them."""
     from meshtrain import cli
 
-    listed = getattr(cli, "COMMANDS", None)
-    return dict(listed) if listed is not None else dict.fromkeys(SUBCOMMANDS, "")
+    return dict(cli.COMMANDS)
 
 
 def _literal(text: str) -> nodes.literal_block:

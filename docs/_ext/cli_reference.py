@@ -19,7 +19,7 @@ WIDTH = "100"  # help is wrapped at this width, whatever terminal builds the doc
 
 @contextlib.contextmanager
 def _columns(width: str):
-    """COLUMNS set to `width` for argparse and rich, restored afterwards."""
+    """COLUMNS set to `width` for tyro and rich, restored afterwards."""
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = width
     try:

@@ -234,3 +234,19 @@ def test_bench_choices_are_the_sizes_and_kernels_that_exist():
     assert typing.get_args(hints["size"]) == tuple(SIZES)
     assert set(typing.get_args(hints["attention"])) == {"default", *ATTENTION_IMPLS}
     assert set(typing.get_args(hints["norm"])) == set(typing.get_args(hints["loss"])) == set(IMPLS)
+
+
+def test_prepare_writes_beside_other_files_only_with_overwrite(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("def f():\n    return 1\n" * 20)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "keep.md").write_text("mine")
+    argv = ["prepare", "notes.txt", "--out", "corpus", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not empty" in err[0] and "--overwrite" in err[0], err
+    assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == ["keep.md"]
+    assert main([*argv, "--overwrite"]) == 0
+    names = {p.name for p in (tmp_path / "corpus").iterdir()}
+    assert "keep.md" in names and len(names) > 1
+    assert (tmp_path / "corpus" / "keep.md").read_text() == "mine"

@@ -74,7 +74,7 @@ def test_prepare_refuses_a_training_run_directory(tmp_path):
     (run / "checkpoints" / "10").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     a = _text(tmp_path / "a.txt")
-    with refused(tmp_path, f"out_dir {str(run)!r} holds a training run", "new or empty"):
+    with refused(tmp_path, f"out_dir={str(run)!r}: holds a training run", "new or empty"):
         _prepare([a], run, overwrite=True)  # overwrite does not apply
 
 

@@ -37,6 +37,7 @@ class PrepareSettings:
         column: the Parquet column with the text.
         workers: tokenising processes (0: one per core).
         progress: show a progress bar.
+        overwrite: write into a directory that holds another corpus (replaced) or other files.
     """
 
     inputs: tyro.conf.Positional[tuple[str, ...]]
@@ -46,6 +47,7 @@ class PrepareSettings:
     column: str = "text"
     workers: int = 0
     progress: bool = True
+    overwrite: bool = False
 
     def __post_init__(self):
         validate.reject(self)
@@ -71,6 +73,7 @@ def run(settings: PrepareSettings) -> int:
         column=s.column,
         workers=s.workers,
         progress=s.progress,
+        overwrite=s.overwrite,
     )
     wall = time.perf_counter() - start
     tok = m["tokenizer"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 
 from meshtrain.metrics.writers import METRICS_FILE
+from meshtrain.problem import Problem
 
 
-def destination_problem(
+def destination_problems(
     out_dir: str,
     inputs: list[str],
     files: list[str],
@@ -21,8 +22,8 @@ def destination_problem(
     written: tuple[str, ...],
     earlier_inputs: list[str] | None,
     overwrite: bool = False,
-) -> str | None:
-    """Why `out_dir` cannot take the corpus of `files`, as one line; None when it can.
+) -> list[Problem]:
+    """Why `out_dir` cannot take the corpus of `files` (empty when it can).
 
     Args:
         out_dir: the output directory.
@@ -34,51 +35,60 @@ def destination_problem(
         overwrite: allow a directory holding another corpus or other files.
 
     Returns:
-        The problem, naming `out_dir` and the fix, or None.
+        One problem filed under ``out_dir``, naming the fix; none when the corpus can go there.
     """
     out = os.path.realpath(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
-        return f"prepare: out_dir {out_dir!r} is a file; give a new or empty directory"
+        return _refused(out_dir, "is a file; give a new or empty directory")
     for path in inputs:
         real = os.path.realpath(path)
         if os.path.isdir(real) and (out == real or out.startswith(real + os.sep)):
-            return (
-                f"prepare: out_dir {out_dir!r} lies inside the input {path!r}, so a rerun would "
-                "read the corpus back as input; give an output directory outside the inputs"
+            return _refused(
+                out_dir,
+                f"lies inside the input {path!r}, so a rerun would read the corpus back as "
+                "input; give an output directory outside the inputs",
             )
     ours = set(written) | {name + ".tmp" for name in written}
     for path in files:
         real = os.path.realpath(path)
         if os.path.dirname(real) == out and os.path.basename(real) in ours:
-            return (
-                f"prepare: the input {path!r} is a file prepare writes in out_dir {out_dir!r}; "
-                "give an output directory that holds no inputs"
+            return _refused(
+                out_dir,
+                f"the input {path!r} is a file prepare writes here; give an output directory "
+                "that holds no inputs",
             )
     entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if not entries:
-        return None
+        return []
     if _holds_run(out):
-        return (
-            f"prepare: out_dir {out_dir!r} holds a training run (metrics or checkpoints); "
-            "give a new or empty directory for the corpus"
+        return _refused(
+            out_dir,
+            "holds a training run (metrics or checkpoints); give a new or empty directory "
+            "for the corpus",
         )
     if earlier_inputs is not None:
         if _same_files(earlier_inputs, files) or overwrite:
-            return None
+            return []
         first = earlier_inputs[0] if earlier_inputs else "nothing"
-        return (
-            f"prepare: out_dir {out_dir!r} holds another corpus (of {len(earlier_inputs)} "
-            f"input file(s), e.g. {first!r}); give a new or empty directory, or "
-            "overwrite=True to replace it"
+        return _refused(
+            out_dir,
+            f"holds another corpus (of {len(earlier_inputs)} input file(s), e.g. {first!r}); "
+            "give a new or empty directory, or overwrite=True (--overwrite) to replace it",
         )
     others = [name for name in entries if name not in ours]
     if others and not overwrite:
         more = f" and {len(others) - 1} more" if len(others) > 1 else ""
-        return (
-            f"prepare: out_dir {out_dir!r} is not empty (it holds {others[0]!r}{more}); give a "
-            "new or empty directory, or overwrite=True to write the corpus beside them"
+        return _refused(
+            out_dir,
+            f"is not empty (it holds {others[0]!r}{more}); give a new or empty directory, or "
+            "overwrite=True (--overwrite) to write the corpus beside them",
         )
-    return None
+    return []
+
+
+def _refused(out_dir: str, message: str) -> list[Problem]:
+    """The one problem of a destination, filed under ``out_dir``."""
+    return [Problem("out_dir", out_dir, message)]
 
 
 def _holds_run(directory: str) -> bool:

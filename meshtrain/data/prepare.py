@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from meshtrain.data.destination import destination_problem
+from meshtrain.data.destination import destination_problems
 from meshtrain.data.inputs import (
     Unit,
     check_jsonl_head,
@@ -44,6 +44,7 @@ from meshtrain.data.inputs import (
 )
 from meshtrain.data.tokenizer import Tokenizer, load_tokenizer
 from meshtrain.data.workers import run_units
+from meshtrain.problem import raise_if
 
 FORMAT = "meshtrain-tokens/1"
 MANIFEST, TOKENS, DOCUMENTS = "manifest.json", "tokens.bin", "documents.bin"
@@ -168,11 +169,11 @@ def prepare_corpus(
     old = read_manifest(out_dir) if os.path.isdir(out_dir) else None
     earlier = [i.get("path", "") for i in old.get("inputs", [])] if old else None
     written = (MANIFEST, TOKENS, DOCUMENTS, *TOKENIZER_FILES)
-    problem = destination_problem(
-        out_dir, inputs, files, written=written, earlier_inputs=earlier, overwrite=overwrite
+    raise_if(
+        destination_problems(
+            out_dir, inputs, files, written=written, earlier_inputs=earlier, overwrite=overwrite
+        )
     )
-    if problem:
-        raise ValueError(problem)
     rows = {}
     for path in files:
         if input_kind(path) == "parquet":

@@ -23,11 +23,13 @@ extensions = [
     "sphinx.ext.napoleon",
     "api_reference",
     "cli_reference",
+    "refusals",
 ]
 
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 root_doc = "index"
+smartquotes = False  # flags such as --steps and quotes in messages are shown as typed
 
 # MyST: headings get anchors, so guides link to each other's sections (`page.md#anchor`).
 myst_enable_extensions = ["colon_fence", "deflist"]

@@ -25,6 +25,8 @@ from meshtrain.models.moe_config import MoEConfig
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
+from meshtrain.train.config import TrainConfig
+from meshtrain.train.loss import cross_entropy
 
 __all__ = ["REFUSALS", "Refusal", "model_name", "pair_problems", "sizes"]
 
@@ -392,6 +394,32 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     *_sync_axis_rows(
         "local SGD", "sync_every", _sync_every, "--sync-every", _local, {"sync_every": 4}
+    ),
+    Refusal(
+        "a custom loss_fn",
+        "a loss kernel",
+        "the kernel applies only to the built-in losses",
+        lambda run: run.loss_fn is not None and run.train.loss_impl != "xla",
+        "train.loss_impl",
+        "set --loss-impl xla, or drop loss_fn",
+        lambda run: run.train.loss_impl,
+        lambda: (
+            _run({"data": 8}, loss_fn=cross_entropy, train=TrainConfig(loss_impl="pallas")),
+            _run({"data": 8}, train=TrainConfig(loss_impl="pallas")),
+        ),
+    ),
+    Refusal(
+        "a custom loss_fn",
+        "a built-in loss",
+        "train.loss picks a built-in loss, loss_fn replaces it",
+        lambda run: run.loss_fn is not None and run.train.loss != "cross_entropy",
+        "train.loss",
+        "drop --loss, or drop loss_fn",
+        lambda run: run.train.loss,
+        lambda: (
+            _run({"data": 8}, loss_fn=cross_entropy, train=TrainConfig(loss="mse")),
+            _run({"data": 8}, loss_fn=cross_entropy),
+        ),
     ),
 )
 

@@ -215,7 +215,7 @@ def test_bad_input_is_named_before_compiling(tmp_path):
     (text,) = _problems(CNNConfig(), DataConfig(source="synthetic", seq_len=16, batch_size=16))
     assert "--data.source digits" in text.message
     mesh = mt.make_mesh("data=8")
-    with pytest.raises(mt.RunCheckError, match="train.loss='mse': a custom loss_fn was given"):
+    with pytest.raises(mt.RunCheckError, match="train.loss='mse': a custom loss_fn with a built"):
         mt.Trainer(
             LENET,
             make_dataset(digits),

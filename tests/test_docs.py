@@ -81,3 +81,13 @@ def test_the_readme_is_one_screen_and_its_links_exist():
     assert any(t.startswith("docs/") for t in local)
     for target in local:
         assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def test_every_refused_pair_is_in_the_validation_guide(site):
+    import html
+
+    from meshtrain.composition import REFUSALS
+
+    page = html.unescape((site / "guides" / "validation.html").read_text())
+    for r in REFUSALS:
+        assert f"{r.first}</p></td>" in page and r.reason in page, f"{r.first} + {r.second}"

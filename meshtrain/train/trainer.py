@@ -20,7 +20,7 @@ from meshtrain.data import Dataset
 from meshtrain.layout import Rules, batch_shardings, process_rows, shard_batch
 from meshtrain.models.base import batch_structs
 from meshtrain.models.sampling import sample
-from meshtrain.problem import Problem, raise_if
+from meshtrain.problem import raise_if
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import abstract_model, abstract_target, init_train_state
@@ -105,23 +105,6 @@ class Trainer:
         self.data, self.mesh, self.rules = data, mesh, rules
         self.model_config = run.model_config
         ctor, problems = run.constructor()
-        if run.loss_fn is not None and self.config.loss_impl != "xla":
-            problems.append(
-                Problem(
-                    "train.loss_impl",
-                    self.config.loss_impl,
-                    "a custom loss_fn was given too; pick one (the kernel applies only to "
-                    "the built-in losses)",
-                )
-            )
-        if run.loss_fn is not None and self.config.loss != "cross_entropy":
-            problems.append(
-                Problem(
-                    "train.loss",
-                    self.config.loss,
-                    "a custom loss_fn was given too; pick one (train.loss picks a built-in loss)",
-                )
-            )
         problems += check_run(run, abstract=abstract_model(ctor))
         raise_if(problems)
         self.loss_fn = run.step_loss

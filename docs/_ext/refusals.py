@@ -1,0 +1,54 @@
+"""The `meshtrain-refusals` directive: the table of refused pairs of features, generated from
+`meshtrain.composition.REFUSALS` at build time, so the page lists exactly what the run check
+refuses."""
+
+from __future__ import annotations
+
+from docutils import nodes
+from sphinx.util.docutils import SphinxDirective
+
+COLUMNS = ("first feature", "second feature", "why", "setting named", "fix")
+
+
+def rows() -> list[tuple[str, ...]]:
+    """One row per refusal: the two features, the reason, the setting and the fix."""
+    from meshtrain.composition import REFUSALS
+
+    return [
+        (r.first, r.second, r.reason, r.field.format(model="gpt"), r.fix.format(model="gpt"))
+        for r in REFUSALS
+    ]
+
+
+def _row(cells: tuple[str, ...], literal: tuple[bool, ...]) -> nodes.row:
+    """A table row; the cells marked `literal` are shown as code."""
+    row = nodes.row()
+    for text, code in zip(cells, literal, strict=True):
+        entry = nodes.entry()
+        entry += nodes.paragraph("", "", nodes.literal(text, text) if code else nodes.Text(text))
+        row += entry
+    return row
+
+
+class Refusals(SphinxDirective):
+    """The refused pairs as a table."""
+
+    has_content = False
+
+    def run(self) -> list[nodes.Node]:
+        self.env.note_reread()  # the table comes from the code: read it again on every build
+        group = nodes.tgroup(cols=len(COLUMNS))
+        group += [nodes.colspec(colwidth=1) for _ in COLUMNS]
+        head, body = nodes.thead(), nodes.tbody()
+        head += _row(COLUMNS, (False,) * len(COLUMNS))
+        for cells in rows():
+            body += _row(cells, (False, False, False, True, False))
+        group += head
+        group += body
+        return [nodes.table("", group)]
+
+
+def setup(app):
+    """Registers the directive."""
+    app.add_directive("meshtrain-refusals", Refusals)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -97,9 +97,9 @@ def test_bench_refuses_bad_flags(capsys):
     from meshtrain.cli import main
 
     for argv, needle in (
-        (["--steps", "0"], "--steps 0: must be ≥ 1"),
+        (["--steps", "0"], "steps=0: must be a positive integer; e.g. --steps 10"),
         (["--size", "7b"], "--size 7b: choose from tiny, 125m, 350m, 1.3b"),
-        (["--batch", "-1"], "--batch -1: must be ≥ 0"),
+        (["--batch", "-1"], "batch=-1: must be an integer ≥ 0; e.g. --batch 0"),
     ):
         assert main(["bench", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()

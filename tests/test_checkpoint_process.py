@@ -139,7 +139,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
         [*MESHTRAIN, *job], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, text=True
     )
     try:
-        _wait_for(lambda: _metric_lines(tmp_path / "run" / "metrics.jsonl") >= 5, 120, "training")
+        _wait_for(lambda: _metric_lines(tmp_path / "run" / "metrics.jsonl") >= 5, 240, "training")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:

@@ -38,7 +38,7 @@ def test_the_cli_offers_every_family_and_its_flags():
     fields = {f.name for f in dataclasses.fields(TrainJob)}
     assert set(families()) <= fields
     with pytest.raises(
-        ValueError, match=r"model='resnet': unknown model; choose from gpt, mlp, cnn, moe"
+        ValueError, match=r"model='resnet': choose from gpt, mlp, cnn, moe; e.g. --model gpt"
     ):
         cli.parse(["train", "--model", "resnet"])
 

@@ -23,11 +23,11 @@ from meshtrain.mesh import PIPE
 from meshtrain.models.base import pipeline_parts, takes_packed
 from meshtrain.pipeline import pipeline_problems
 from meshtrain.problem import Problem
-from meshtrain.run import RunSpec, data_spec, run_from_legacy
+from meshtrain.run import RunSpec, run_from_legacy
 
 _LEGACY = ("model", "data", "mesh", "rules", "accum_steps", "pipeline", "checkpoint", "run_dir")
 _LEGACY += ("sync",)  # the older keywords (see check_run)
-__all__ = ["check_run", "data_spec"]
+__all__ = ["check_run"]
 
 
 def check_run(

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 import jax
 
 from meshtrain.layout import rules_for
+from meshtrain.mesh import AXES, EXPERT, PIPE, SEQ
 from meshtrain.models import families
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
@@ -28,7 +29,7 @@ from meshtrain.run import RunSpec
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.loss import cross_entropy
 
-__all__ = ["REFUSALS", "Refusal", "model_name", "pair_problems", "sizes"]
+__all__ = ["REFUSALS", "Refusal", "model_name", "pair_problems"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +61,10 @@ class Refusal:
 
     def problem(self, run: RunSpec) -> Problem:
         """The one-line `Problem` for `run` (which `applies`)."""
-        name = model_name(getattr(run, "model", None))
+        name = model_name(run.model)
         fix = self.fix.format(model=name)
         message = f"{self.first} with {self.second}: {self.reason}; {fix}"
         return Problem(self.field.format(model=name), self.value(run), message)
-
-
-def sizes(run: RunSpec) -> dict[str, int]:
-    """The run's mesh axis sizes."""
-    return dict(run.sizes)
 
 
 def model_name(model) -> str:
@@ -78,25 +74,17 @@ def model_name(model) -> str:
 
 def _axis(run: RunSpec, name: str) -> int:
     """The size of mesh axis `name` (1 when the mesh lacks it)."""
-    return sizes(run).get(name, 1)
-
-
-def _data(run):
-    """The run's data, as a `DataSpec` when the run offers one."""
-    return getattr(run, "data_spec", None) or run.data
+    return run.sizes.get(name, 1)
 
 
 def _packed(run: RunSpec) -> bool:
     """Whether the batches carry segment ids (packed documents)."""
-    data = _data(run)
-    if hasattr(data, "packed"):
-        return bool(data.packed)
-    return "segment_ids" in getattr(data, "batch_keys", ())
+    return run.data_spec.packed
 
 
 def _kind(run: RunSpec) -> str:
     """The data's kind (``lm``, ``classify``, ``image``)."""
-    return getattr(_data(run), "kind", "lm")
+    return run.data_spec.kind
 
 
 def _pallas(field: str) -> Callable[[RunSpec], bool]:
@@ -109,25 +97,20 @@ def _pallas(field: str) -> Callable[[RunSpec], bool]:
     return chosen
 
 
-def _sync(run):
-    """The run's `SyncConfig`, or None."""
-    return getattr(run, "sync", None)
-
-
 def _compresses(run: RunSpec) -> bool:
     """Gradient compression is on."""
-    return _sync(run) is not None and _sync(run).compresses
+    return run.sync.compresses
 
 
 def _local(run: RunSpec) -> bool:
     """Local SGD is on."""
-    return _sync(run) is not None and _sync(run).local
+    return run.sync.local
 
 
 def _no_replicas(run: RunSpec) -> bool:
     """The rules split the parameters over every batch axis (e.g. fsdp): no replicas."""
-    rules = getattr(run, "rules", None) or rules_for("auto", sizes(run))
-    return not rules.replica_axes(sizes(run))
+    rules = run.rules or rules_for("auto", run.sizes)
+    return not rules.replica_axes(run.sizes)
 
 
 def _mesh_value(axis: str) -> Callable[[RunSpec], int]:
@@ -135,14 +118,14 @@ def _mesh_value(axis: str) -> Callable[[RunSpec], int]:
     return lambda run: _axis(run, axis)
 
 
-def _grad_compression(run):
+def _grad_compression(run: RunSpec) -> str:
     """The ``--grad-compression`` value."""
-    return _sync(run).grad_compression
+    return run.sync.grad_compression
 
 
-def _sync_every(run):
+def _sync_every(run: RunSpec) -> int | None:
     """The ``--sync-every`` value."""
-    return _sync(run).sync_every
+    return run.sync.sync_every
 
 
 _LM = DataSpec("lm", 16, 32, 256)  # the examples' data: 16 windows of 32 bytes
@@ -150,7 +133,7 @@ _LM = DataSpec("lm", 16, 32, 256)  # the examples' data: 16 windows of 32 bytes
 
 def _run(mesh: Mapping[str, int], **kw) -> dict:
     """Run attributes: a small GPT on byte windows, over `mesh`, unless `kw` says otherwise."""
-    full = {"pipe": 1, "data": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 1, **mesh}
+    full = {**dict.fromkeys(AXES, 1), **mesh}
     return {"model": GPTConfig(n_layers=4), "data": _LM, "mesh": full, **kw} | {
         "rules": kw.get("rules") or rules_for("dp", full)
     }
@@ -214,9 +197,9 @@ def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refu
     """A sync feature with pipelines, context parallelism, MoE and a strategy without replicas."""
     rows = []
     for axis, second, mesh in (
-        ("pipe", "pipelines", {"pipe": 2, "data": 4}),
-        ("seq", "context parallelism", {"seq": 2, "data": 4}),
-        ("expert", "expert parallelism (MoE)", {"expert": 2, "data": 4}),
+        (PIPE, "pipelines", {"pipe": 2, "data": 4}),
+        (SEQ, "context parallelism", {"seq": 2, "data": 4}),
+        (EXPERT, "expert parallelism (MoE)", {"expert": 2, "data": 4}),
     ):
         rows.append(
             Refusal(
@@ -252,11 +235,11 @@ REFUSALS: tuple[Refusal, ...] = (
         "a model without experts",
         "only a mixture-of-experts model has experts to split over expert > 1",
         lambda run: (
-            _axis(run, "expert") > 1 and "expert" not in getattr(run.model, "supported_axes", ())
+            _axis(run, EXPERT) > 1 and EXPERT not in getattr(run.model, "supported_axes", ())
         ),
         "mesh.expert",
         "set expert=1 in --mesh, or use --model moe",
-        _mesh_value("expert"),
+        _mesh_value(EXPERT),
         lambda: (
             _run({"expert": 2, "data": 4}),
             _run({"expert": 2, "data": 4}, model=MoEConfig()),
@@ -266,10 +249,10 @@ REFUSALS: tuple[Refusal, ...] = (
         "context parallelism",
         "a model that cannot split its sequences",
         "the model declares context_parallel = False",
-        lambda run: _axis(run, "seq") > 1 and getattr(run.model, "context_parallel", True) is False,
+        lambda run: _axis(run, SEQ) > 1 and getattr(run.model, "context_parallel", True) is False,
         "mesh.seq",
         "set seq=1 in --mesh",
-        _mesh_value("seq"),
+        _mesh_value(SEQ),
         lambda: (
             _run({"seq": 2, "data": 4}, model=_no_context_model()),
             _run({"data": 8}, model=_no_context_model()),
@@ -279,20 +262,20 @@ REFUSALS: tuple[Refusal, ...] = (
         "context parallelism",
         "pipelines",
         "the ring and the pipeline stages do not compose yet",
-        lambda run: _axis(run, "seq") > 1 and _axis(run, "pipe") > 1,
+        lambda run: _axis(run, SEQ) > 1 and _axis(run, PIPE) > 1,
         "mesh.seq",
         "set seq=1 or pipe=1 in --mesh",
-        _mesh_value("seq"),
+        _mesh_value(SEQ),
         _pair({"seq": 2, "pipe": 2, "data": 2}, {"seq": 2, "data": 4}),
     ),
     Refusal(
         "context parallelism",
         "data without sequences",
         "only token sequences (lm data) can be split over seq",
-        lambda run: _axis(run, "seq") > 1 and _kind(run) != "lm",
+        lambda run: _axis(run, SEQ) > 1 and _kind(run) != "lm",
         "mesh.seq",
         "set seq=1 in --mesh",
-        _mesh_value("seq"),
+        _mesh_value(SEQ),
         lambda: (
             _run({"seq": 2, "data": 4}, model=None, data=_images()),
             _run({"data": 8}, model=None, data=_images()),
@@ -302,7 +285,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "packed batches",
         "pipelines",
         "segment ids and positions are not passed through pipeline stages yet",
-        lambda run: _packed(run) and _axis(run, "pipe") > 1,
+        lambda run: _packed(run) and _axis(run, PIPE) > 1,
         "data.packing",
         "set pipe=1, or train on plain windows (--data.no-packing)",
         lambda run: True,
@@ -312,7 +295,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "packed batches",
         "context parallelism",
         "document masks are not split over seq yet",
-        lambda run: _packed(run) and _axis(run, "seq") > 1,
+        lambda run: _packed(run) and _axis(run, SEQ) > 1,
         "data.packing",
         "set seq=1, or train on plain windows (--data.no-packing)",
         lambda run: True,
@@ -340,7 +323,7 @@ REFUSALS: tuple[Refusal, ...] = (
             f"Pallas {what}",
             "pipelines",
             "a kernel's hand-written backward loses a stage's varying-axes type (jax refuses it)",
-            _both(_pallas(field), "pipe"),
+            _both(_pallas(field), PIPE),
             "{model}." + field,
             "set --{model}." + field.replace("_", "-") + " xla, or pipe=1",
             _model_value(field),
@@ -364,22 +347,20 @@ REFUSALS: tuple[Refusal, ...] = (
         "bounded staleness",
         "local SGD",
         "staleness models a parameter server with synchronous replicas",
-        lambda run: _local(run) and bool(_sync(run).staleness),
+        lambda run: _local(run) and bool(run.sync.staleness),
         "staleness",
         "drop one of --staleness and --sync-every",
-        lambda run: _sync(run).staleness,
+        lambda run: run.sync.staleness,
         _sync_example({"sync_every": 4, "staleness": 2}, {"staleness": 2}),
     ),
     Refusal(
         "an outer optimizer",
         "synchronous training",
         "the outer optimizer runs at local SGD's synchronisations",
-        lambda run: (
-            _sync(run) is not None and not _local(run) and _sync(run).outer_optimizer != "average"
-        ),
+        lambda run: not _local(run) and run.sync.outer_optimizer != "average",
         "outer_optimizer",
         "add --sync-every H, or drop --outer-optimizer",
-        lambda run: _sync(run).outer_optimizer,
+        lambda run: run.sync.outer_optimizer,
         _sync_example(
             {"outer_optimizer": "nesterov"}, {"outer_optimizer": "nesterov", "sync_every": 4}
         ),
@@ -428,7 +409,7 @@ def pair_problems(run: RunSpec) -> list[Problem]:
     """Every pair of features in `run` that `REFUSALS` refuses, one `Problem` each.
 
     Args:
-        run: a `meshtrain.RunSpec`, or any object with its attributes.
+        run: the run (`meshtrain.RunSpec`); its mesh may be axis sizes alone.
 
     Returns:
         The problems, in the table's order; an empty list when no refused pair is present.

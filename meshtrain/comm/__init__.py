@@ -3,12 +3,11 @@ with what its layout needs."""
 
 from meshtrain.comm.compile import compile_step
 from meshtrain.comm.hlo import Collective, collectives
-from meshtrain.comm.inspector import Inspection, as_spec, inspect, inspect_compiled
+from meshtrain.comm.inspector import Inspection, inspect, inspect_compiled
 
 __all__ = [
     "Collective",
     "Inspection",
-    "as_spec",
     "collectives",
     "compile_step",
     "inspect",

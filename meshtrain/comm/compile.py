@@ -28,7 +28,7 @@ from flax import nnx
 from meshtrain.layout import batch_shardings
 from meshtrain.models.base import batch_structs
 from meshtrain.replicas import with_sync
-from meshtrain.run import RunSpec, run_from_legacy
+from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
 from meshtrain.state import TrainState, abstract_model, abstract_target, state_layout
 from meshtrain.train.optim import make_optimizer, make_schedule
 from meshtrain.train.step import jit_train_step
@@ -80,13 +80,7 @@ def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
         ``(compiled, info)``: the compiled step and a dict with ``compile_s``, ``stderr`` (what
         XLA printed while compiling) and ``state`` (the abstract `TrainState`).
     """
-    if isinstance(run, RunSpec) and old_args:
-        raise TypeError(
-            f"compile_step() takes 1 positional argument but {1 + len(old_args)} were given"
-        )
-    if not isinstance(run, RunSpec):
-        old = dict(zip(("ctor", "spec", "mesh", "rules"), (run, *old_args), strict=False))
-        run, legacy = None, {**old, **legacy}
+    run, legacy = positional_legacy("compile_step", run, old_args, _LEGACY[:4], legacy)
     if run is None or legacy:
         run = run_from_legacy(
             "compile_step({run})", run, legacy, accepted=_LEGACY, defaults={"steps": 100}

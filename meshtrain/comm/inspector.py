@@ -21,10 +21,9 @@ from meshtrain.comm.compile import compile_step
 from meshtrain.comm.expect import BUCKETS, Expectation, bucket_of, expected, judge, param_layouts
 from meshtrain.comm.hlo import Collective, collectives
 from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
-from meshtrain.models.base import DataSpec
 from meshtrain.problem import raise_if
 from meshtrain.replicas import parse_compression
-from meshtrain.run import RunSpec, data_spec, run_from_legacy
+from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
 from meshtrain.state import abstract_model
 
 REMAT_WARNING = "Involuntary full rematerialization"
@@ -229,8 +228,8 @@ def inspect_compiled(
     )
 
 
-_LEGACY = ("model", "data", "mesh", "rules", "optim", "pipeline", "accum_steps", "loss_impl")
-_LEGACY += ("seed", "sync")  # the older keywords (see inspect)
+_POSITIONAL = ("model", "data", "mesh", "rules")  # the older form's positional parameters
+_LEGACY = (*_POSITIONAL, "optim", "pipeline", "accum_steps", "loss_impl", "seed", "sync")
 
 
 def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
@@ -254,11 +253,7 @@ def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
     Raises:
         RunCheckError: the run check's problems, before anything compiles.
     """
-    if isinstance(run, RunSpec) and old_args:
-        raise TypeError(f"inspect() takes 1 positional argument, not {1 + len(old_args)}")
-    if not isinstance(run, RunSpec):  # the older positional form
-        old = dict(zip(("model", "data", "mesh", "rules"), (run, *old_args), strict=False))
-        run, legacy = None, {**old, **legacy}
+    run, legacy = positional_legacy("inspect", run, old_args, _POSITIONAL, legacy)
     if run is None or legacy:
         defaults = {"steps": 100}
         run = run_from_legacy("inspect({run})", run, legacy, accepted=_LEGACY, defaults=defaults)
@@ -276,8 +271,3 @@ def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
         stderr=info["stderr"],
         compile_s=info["compile_s"],
     )
-
-
-def as_spec(data) -> DataSpec:
-    """A `DataSpec` from a `DataSpec`, a `Dataset` or a `DataConfig` (byte-level: 256 ids)."""
-    return data_spec(data)

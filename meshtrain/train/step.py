@@ -12,12 +12,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import layout, replicas, validate
+from meshtrain import layout, replicas
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
 from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
-from meshtrain.problem import raise_if
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import TrainState
 from meshtrain.train.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
@@ -118,7 +117,6 @@ def train_step(
         loss, extra = loss_and_metrics(loss_fn, call_model(model, mb), mb["targets"], loss_mask(mb))
         return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
-    raise_if(validate.positive("accum_steps", accum_steps, example=4))
     mesh = _pipeline_mesh(pipeline, run.mesh)
     _refuse_packed_pipeline(mesh, batch)
     if mesh is None:

@@ -23,6 +23,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 
+from meshtrain import validate
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.layout import Rules, rules_for
 from meshtrain.mesh import make_mesh, mesh_sizes
@@ -68,6 +69,43 @@ class RunSpec:
     checkpoint: CheckpointConfig | None = None
     loss_fn: Callable | None = None
 
+    def __post_init__(self):
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """Fields of the wrong kind (each config checks its own values when it is built)."""
+        kinds: dict[str, tuple[type | tuple[type, ...], str]] = {
+            "train": (TrainConfig, "a TrainConfig(...)"),
+            "optim": (OptimConfig, "an OptimConfig(...)"),
+            "pipeline": (PipelineConfig, "a PipelineConfig(...)"),
+            "sync": (SyncConfig, "a SyncConfig(...)"),
+            "checkpoint": ((CheckpointConfig, type(None)), "a CheckpointConfig(...) or None"),
+            "rules": ((Rules, type(None)), "rules_for(...) or None"),
+            "mesh": ((Mesh, Mapping, type(None)), "make_mesh(...), axis sizes, or None"),
+        }
+        found = [
+            p
+            for name, (kind, fix) in kinds.items()
+            for p in validate.require(
+                isinstance(getattr(self, name), kind),
+                f"run.{name}",
+                _shown(getattr(self, name)),
+                f"give {fix}",
+            )
+        ]
+        found += validate.require(
+            self.loss_fn is None or callable(self.loss_fn),
+            "run.loss_fn",
+            _shown(self.loss_fn),
+            "give a function (logits, targets) -> mean loss, or None",
+        )
+        return found + validate.require(
+            self.data is None or hasattr(self.data, "batch_size"),
+            "run.data",
+            _shown(self.data),
+            "give a Dataset (make_dataset(DataConfig())), a DataSpec or a DataConfig",
+        )
+
     def replace(self, **changes) -> RunSpec:
         """A copy with `changes` (field name → value), like `dataclasses.replace`."""
         return dataclasses.replace(self, **changes)
@@ -111,6 +149,12 @@ class RunSpec:
         """A zero-argument constructor of the model, and a problem if ``train.seed`` cannot
         reach it."""
         return model_constructor(self.model, self.train.seed)
+
+
+def _shown(value) -> object:
+    """A value as a problem shows it: itself when short and plain, else its type's name."""
+    plain = isinstance(value, (str, int, float, bool)) and len(repr(value)) <= 40
+    return value if plain else type(value).__name__
 
 
 def data_spec(data) -> DataSpec:

@@ -168,6 +168,7 @@ BAD = {
     "meshtrain.models.mlp.MLPConfig": ("d_hidden", 0, "mlp.d_hidden"),
     "meshtrain.models.cnn_config.CNNConfig": ("groups", 0, "cnn.groups"),
     "meshtrain.cli.train.TrainJob": ("devices", -1, "devices"),
+    "meshtrain.run.RunSpec": ("mesh", "data=8", "run.mesh"),
     "meshtrain.cli.inspect.InspectJob": ("sample_tokens", -1, "sample_tokens"),
     "meshtrain.cli.bench.BenchSettings": ("steps", 0, "steps"),
     "meshtrain.cli.prepare.PrepareSettings": ("workers", -1, "workers"),

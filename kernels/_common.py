@@ -9,9 +9,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import active, axes_of, manual_region, resolve
+from meshtrain._compat import varying_axes
+from meshtrain.layout import active, axes_of, manual_axes, manual_region, resolve
 
 IMPLS = ("pallas", "xla", "auto")
 ATTENTION_IMPLS = ("pallas", "xla", "cudnn", "auto")
@@ -86,6 +88,12 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
         way in every argument. With `with_axes`, `fn` also gets ``axes=`` (logical name → the
         mesh axes it is split over), e.g. to find which key/value heads a shard's query heads
         use when the two are split differently.
+
+    Inside a region already manual over some axes (a pipeline stage, a context-parallel
+    ring), the arguments are that region's blocks and are split only over the axes still
+    with the compiler; the outputs vary over every manual axis an argument varies over. There
+    the call must not be differentiated: a kernel puts its custom VJP around `sharded`, whose
+    forward and backward rules each call it (see `kernels.norms` for the pattern).
     """
     layout = active()
     if layout is None:
@@ -98,13 +106,15 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
             if name is not None:
                 sizes[name] = math.gcd(sizes.get(name, 0), arg.shape[dim])
     where = f"kernel inputs {tuple(tuple(a.shape) for a in args)}"
+    outer = manual_axes()
+    mesh_sizes = {a: 1 if a in outer else n for a, n in layout.mesh.shape.items()}
     resolved: dict[str, tuple[str, ...]] = {}
     for arg_names in names:
         present = tuple(n for n in arg_names if n is not None)
         spec = resolve(
             present,
             layout.rules.activations,
-            layout.mesh,
+            mesh_sizes,
             shape=tuple(sizes[n] for n in present),
             where=where,
         )
@@ -128,12 +138,57 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
     in_specs = tuple(spec_of(n) for n in names)
     if with_axes:
         fn = functools.partial(fn, axes={k: v for k, v in resolved.items() if v})
-    if all(s == P(*([None] * len(s))) for s in in_specs):
-        return fn(*args)
+    if not outer:
+        if all(s == P(*([None] * len(s))) for s in in_specs):
+            return fn(*args)
+        region = manual_region(
+            fn, mesh=layout.mesh, axes=None, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+        return region(*args)
+    return _nested(fn, args, layout.mesh, in_specs, out_specs)
+
+
+def _nested(fn, args, mesh, in_specs, out_specs):
+    """``fn(*args)`` per shard inside an enclosing manual region, over the axes left.
+
+    The kernels' region does not check varying axes (Pallas outputs and the interpreter's
+    loops carry no such types), so the arguments enter it unmarked and the outputs leave it
+    marked as varying over every manual axis an argument varies over. Marking is a type, not
+    a computation; it is sound because nothing differentiates this call (see `sharded`).
+    """
+    axes = tuple(sorted(frozenset().union(*(varying_axes(a) for a in args))))
+
+    def unmarked(*blocks):
+        # Any op in an unchecked region drops its operand's mark; multiplying by one is folded.
+        return fn(*(b * jnp.ones((), b.dtype) for b in blocks))
+
     region = manual_region(
-        fn, mesh=layout.mesh, axes=None, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        unmarked, mesh=mesh, axes=None, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
-    return region(*args)
+    return jax.tree.map(lambda o: lax.pcast(o, axes, to="varying") if axes else o, region(*args))
+
+
+def typed_like(grads, primals):
+    """A custom VJP's cotangents given the types of their primals.
+
+    Inside a region manual over some axes (a pipeline stage), a backward rule must return
+    each cotangent varying over exactly the manual axes its primal varies over. A cotangent
+    that varies over fewer is marked; one that varies over more (its primal was the same on
+    every device of an axis, its uses were not) is summed over the extra axes, the transpose
+    of that implicit broadcast. None entries (integer primals) stay None.
+    """
+
+    def fit(g, x):
+        if g is None:
+            return None
+        want, have = varying_axes(x), varying_axes(g)
+        extra = tuple(sorted(have - want))
+        if extra:
+            g = lax.psum(g, extra)
+        missing = tuple(sorted(want - varying_axes(g)))
+        return lax.pcast(g, missing, to="varying") if missing else g
+
+    return tuple(fit(g, x) for g, x in zip(grads, primals, strict=True))
 
 
 _POISON: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_poison", default=False)

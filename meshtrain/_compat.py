@@ -39,11 +39,16 @@ def jax_distributed_client():
     return distributed.global_state.client
 
 
-def varies_over(x: jax.Array, axis: str) -> bool:
-    """Whether `x` differs along the manual mesh `axis` (jax 0.12 and 0.11 spell it apart)."""
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes `x` differs along (jax 0.12 and 0.11 spell it apart)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)  # jax 0.12
-    return axis in (manual.varying if manual is not None else aval.vma)  # jax 0.11: .vma
+    return frozenset(manual.varying if manual is not None else aval.vma)  # jax 0.11: .vma
+
+
+def varies_over(x: jax.Array, axis: str) -> bool:
+    """Whether `x` differs along the manual mesh `axis`."""
+    return axis in varying_axes(x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,7 @@ def context_attention(
     causal: bool = True,
     window: int | None = None,
     axis: str = AXIS,
+    impl: str = "xla",
 ) -> jax.Array:
     """Self-attention over a sequence split over the mesh axis `axis`.
 
@@ -72,6 +73,7 @@ def context_attention(
         causal: mask keys at later positions.
         window: with `causal`, each query sees keys (t − window, t]; None: all earlier.
         axis: the mesh axis the sequence is split over.
+        impl: how each device computes its blocks (`blocks.IMPLS`).
 
     Returns:
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
@@ -89,7 +91,7 @@ def context_attention(
     fn = _FNS[algorithm]
 
     def per_device(q, k, v, pos):
-        return fn(q, k, v, pos, pos, axis, causal, window)
+        return fn(q, k, v, pos, pos, axis, causal, window, impl)
 
     seq, pos = P(None, axis), P(axis)
     region = manual_region(

@@ -35,11 +35,16 @@ def scores(q_BTHK: jax.Array, k_BSGK: jax.Array, ok_TS) -> jax.Array:
     return s if ok_TS is None else jnp.where(ok_TS, s, NEG)
 
 
-def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, *, causal=True, window=None):
+IMPLS = ("xla",)  # how one block is computed: the jnp math below
+
+
+def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, *, causal=True, window=None, impl="xla"):
     """Softmax attention of one block: ``(out [B, T, H, K] float32, lse [B, G, R, T] float32)``.
 
     A query that sees no key of the block gets an lse near `NEG`, so merging weighs it 0.
+    `impl` picks how the block is computed (`IMPLS`).
     """
+    _check_impl(impl)
     B, T, H, K = q_BTHK.shape
     s_BGRTS = scores(q_BTHK, k_BSGK, visible(q_pos_T, k_pos_S, causal=causal, window=window))
     lse_BGRT = jax.nn.logsumexp(s_BGRTS, axis=-1)
@@ -62,3 +67,40 @@ def _per_query(w_BGRT: jax.Array, shape) -> jax.Array:
     """[B, G, R, T] weights → [B, T, H, 1] to scale an output."""
     B, T, H, _ = shape
     return jnp.moveaxis(w_BGRT, 3, 1).reshape(B, T, H, 1)
+
+
+def delta(o_BTHK, do_BTHK, groups: int) -> jax.Array:
+    """``rowsum(o · do)`` [B, G, R, T] float32: the softmax backward's per-query term."""
+    B, T, H, K = o_BTHK.shape
+    shape = (B, T, groups, H // groups, K)
+    o, do = (x.astype(_F32).reshape(shape) for x in (o_BTHK, do_BTHK))
+    return jnp.einsum("btgrk,btgrk->bgrt", do, o)
+
+
+def grads(
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT, *,
+    causal=True, window=None, impl="xla",
+):  # fmt: skip
+    """One block's contributions to the gradients, from the whole attention's `lse` and
+    `delta`: ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32."""
+    _check_impl(impl)
+    B, T, H, K = q_BTHK.shape
+    G = k_BSGK.shape[2]
+    do_BTGRK = do_BTHK.astype(_F32).reshape(B, T, G, H // G, K)
+    q_BTGRK = q_BTHK.astype(_F32).reshape(B, T, G, H // G, K)
+    ok = visible(q_pos_T, k_pos_S, causal=causal, window=window)
+    p_BGRTS = jnp.exp(scores(q_BTHK, k_BSGK, ok) - lse_BGRT[..., None])
+    if ok is not None:
+        p_BGRTS = jnp.where(ok, p_BGRTS, 0.0)
+    dv = jnp.einsum("bgrts,btgrk->bsgk", p_BGRTS, do_BTGRK)
+    dp_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", do_BTGRK, v_BSGK.astype(_F32))
+    ds_BGRTS = p_BGRTS * (dp_BGRTS - delta_BGRT[..., None]) / math.sqrt(K)
+    dq = jnp.einsum("bgrts,bsgk->btgrk", ds_BGRTS, k_BSGK.astype(_F32))
+    dk = jnp.einsum("bgrts,btgrk->bsgk", ds_BGRTS, q_BTGRK)
+    return dq.reshape(B, T, H, K), dk, dv
+
+
+def _check_impl(impl: str) -> None:
+    """Raises for a block `impl` that is not one of `IMPLS`."""
+    if impl not in IMPLS:
+        raise ValueError(f"context-parallel block impl={impl!r}: choose from {', '.join(IMPLS)}")

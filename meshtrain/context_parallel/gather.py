@@ -14,7 +14,7 @@ from jax import lax
 from meshtrain.context_parallel import blocks
 
 
-def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window):
+def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
     """This device's queries against every device's keys, gathered over `axis`.
 
     Args: as `ring.ring`.
@@ -24,11 +24,13 @@ def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window):
     """
     k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k_BSGK, v_BSGK))
     k_pos_all = lax.all_gather(k_pos_S, axis, axis=0, tiled=True)
-    o, _ = blocks.attend(q_BTHK, k_all, v_all, q_pos_T, k_pos_all, causal=causal, window=window)
+    o, _ = blocks.attend(
+        q_BTHK, k_all, v_all, q_pos_T, k_pos_all, causal=causal, window=window, impl=impl
+    )
     return o.astype(v_BSGK.dtype)
 
 
-def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window):
+def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
     """Attention with the heads split over `axis` instead of the sequence (DeepSpeed Ulysses).
 
     An all-to-all turns each device's [B, T/n, H, K] into [B, T, H/n, K]; attention runs over
@@ -51,6 +53,8 @@ def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window):
     q_all, k_all, v_all = (to_heads(x) for x in (q_BTHK, k_BSGK, v_BSGK))
     q_pos_all = lax.all_gather(q_pos_T, axis, axis=0, tiled=True)
     k_pos_all = lax.all_gather(k_pos_S, axis, axis=0, tiled=True)
-    o, _ = blocks.attend(q_all, k_all, v_all, q_pos_all, k_pos_all, causal=causal, window=window)
+    o, _ = blocks.attend(
+        q_all, k_all, v_all, q_pos_all, k_pos_all, causal=causal, window=window, impl=impl
+    )
     o = o.astype(v_BSGK.dtype)
     return lax.all_to_all(o, axis, split_axis=1, concat_axis=2, tiled=True)

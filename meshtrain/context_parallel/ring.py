@@ -19,12 +19,9 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from meshtrain.context_parallel import blocks
-
-_F32 = jnp.float32
 
 
 def _shift(x, axis: str, n: int):
@@ -32,16 +29,17 @@ def _shift(x, axis: str, n: int):
     return lax.ppermute(x, axis, [(j, (j + 1) % n) for j in range(n)])
 
 
-def _forward(q, k, v, q_pos, k_pos, axis, causal, window):
+def _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl):
     """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
     positions, one step at a time (a scan, so one step's scores are live at once)."""
     n = lax.axis_size(axis)
-    o, lse = blocks.attend(q, k, v, q_pos, k_pos, causal=causal, window=window)
+    block = functools.partial(blocks.attend, causal=causal, window=window, impl=impl)
+    o, lse = block(q, k, v, q_pos, k_pos)
 
     def hop(carry, _):
         k, v, k_pos, o, lse = carry
         k, v, k_pos = (_shift(x, axis, n) for x in (k, v, k_pos))
-        o_s, lse_s = blocks.attend(q, k, v, q_pos, k_pos, causal=causal, window=window)
+        o_s, lse_s = block(q, k, v, q_pos, k_pos)
         o, lse = blocks.merge(o, lse, o_s, lse_s)
         return (k, v, k_pos, o, lse), None
 
@@ -49,8 +47,8 @@ def _forward(q, k, v, q_pos, k_pos, axis, causal, window):
     return o, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
     """Attention of this device's queries against the keys of every device on `axis`.
 
     Call inside a region manual over `axis`; each device passes its own blocks.
@@ -62,43 +60,32 @@ def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window):
         axis: the manual mesh axis the sequence is split over.
         causal: mask keys after each query's position.
         window: with `causal`, only keys (t − window, t] are seen; None: all.
+        impl: how each block is computed (`blocks.IMPLS`).
 
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window)
+    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
     return o.astype(v_BSGK.dtype)
 
 
-def _ring_fwd(q, k, v, q_pos, k_pos, axis, causal, window):
-    o, lse = _forward(q, k, v, q_pos, k_pos, axis, causal, window)
+def _ring_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+    o, lse = _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl)
     o = o.astype(v.dtype)
     return o, (q, k, v, q_pos, k_pos, o, lse)
 
 
-def _ring_bwd(axis, causal, window, res, do_BTHK):
+def _ring_bwd(axis, causal, window, impl, res, do_BTHK):
     q, k, v, q_pos, k_pos, o, lse_BGRT = res
     n = lax.axis_size(axis)
-    B, T, H, K = q.shape
-    G = k.shape[2]
-    do_BTGRK = do_BTHK.astype(_F32).reshape(B, T, G, H // G, K)
-    q_BTGRK = q.astype(_F32).reshape(B, T, G, H // G, K)
-    o_BTGRK = o.astype(_F32).reshape(B, T, G, H // G, K)
-    delta_BGRT = jnp.einsum("btgrk,btgrk->bgrt", do_BTGRK, o_BTGRK)
-    scale = 1.0 / jnp.sqrt(jnp.asarray(K, _F32))
+    delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
 
     def grads(k, v, k_pos):
         """This device's queries' contributions (dq, dk, dv) against one k/v block."""
-        ok = blocks.visible(q_pos, k_pos, causal=causal, window=window)
-        p_BGRTS = jnp.exp(blocks.scores(q, k, ok) - lse_BGRT[..., None])
-        if ok is not None:
-            p_BGRTS = jnp.where(ok, p_BGRTS, 0.0)
-        dv = jnp.einsum("bgrts,btgrk->bsgk", p_BGRTS, do_BTGRK)
-        dp_BGRTS = jnp.einsum("btgrk,bsgk->bgrts", do_BTGRK, v.astype(_F32))
-        ds_BGRTS = p_BGRTS * (dp_BGRTS - delta_BGRT[..., None]) * scale
-        dq = jnp.einsum("bgrts,bsgk->btgrk", ds_BGRTS, k.astype(_F32))
-        dk = jnp.einsum("bgrts,btgrk->bsgk", ds_BGRTS, q_BTGRK)
-        return dq, dk, dv
+        return blocks.grads(
+            q, k, v, q_pos, k_pos, do_BTHK, lse_BGRT, delta_BGRT,
+            causal=causal, window=window, impl=impl,
+        )  # fmt: skip
 
     dq, dk, dv = grads(k, v, k_pos)
 
@@ -111,15 +98,14 @@ def _ring_bwd(axis, causal, window, res, do_BTHK):
 
     (_, _, _, dq, dk, dv), _ = lax.scan(hop, (k, v, k_pos, dq, dk, dv), length=n - 1)
     dk, dv = _shift(dk, axis, n), _shift(dv, axis, n)  # the n-th hop brings them home
-    dq = dq.reshape(B, T, H, K).astype(q.dtype)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_autodiff(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window):
+def ring_autodiff(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
     """`ring` differentiated by autodiff (kept to compare compiled memory with the custom
     VJP; see the module docstring)."""
-    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window)
+    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
     return o.astype(v_BSGK.dtype)

@@ -376,63 +376,75 @@ def _bwd_calls(q, k, v, do, lse, delta, sq, sk, *, causal, window, bq, bk, seq_q
 # --- custom_vjp -------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
-def _flash(qp, kp, vp, sq, sk, causal, window, bq, bk, seq_q, seq_k, interpret):
-    """Attention on block-padded q, k, v whose real lengths are seq_q and seq_k; `sq`, `sk`
-    the padded query and key segment ids, or None."""
-    return _flash_fwd(qp, kp, vp, sq, sk, causal, window, bq, bk, seq_q, seq_k, interpret)[0]
+_Q_NAMES = ("batch", None, "heads", None)
+_KV_NAMES = ("batch", None, "kv_heads", None)
+_LSE_NAMES = ("batch", "heads", None)
+_SEG_NAMES = ("batch", None)
 
 
-def _flash_fwd(qp, kp, vp, sq, sk, causal, window, bq, bk, seq_q, seq_k, interpret):
-    o, lse = _fwd_call(
-        qp,
-        kp,
-        vp,
-        sq,
-        sk,
-        causal=causal,
-        window=window,
-        bq=bq,
-        bk=bk,
-        seq_q=seq_q,
-        seq_k=seq_k,
-        interpret=interpret,
-    )
-    return o, (qp, kp, vp, sq, sk, o, lse)
+def _pallas_attention(q, k, v, seg, *, causal, window, bq, bk, interpret):
+    """Attention with the kernels, per shard. The custom VJP sits around the sharded calls
+    (see `_common.sharded`): the forward rule runs the forward kernel on each shard and keeps
+    its logsumexp; the backward rule runs the two backward kernels on each shard and, where a
+    shard picked key/value heads (`_local_kv_heads`), adds their gradients back into the
+    whole key/value heads and sums them over the shards."""
+    heads = q.shape[2]
+    segs, seg_names = ((), ()) if seg is None else ((seg,), (_SEG_NAMES,))
+    static = dict(causal=causal, window=window, bq=bq, bk=bk, interpret=interpret)
 
+    def fwd_shard(q, k, v, *seg, axes):
+        k, v = _local_kv_heads(q, k, v, heads=heads, axes=axes)
+        T, S = q.shape[1], k.shape[1]
+        qp, kp, vp = _pad_inputs(q, k, v, bq, bk)
+        sq, sk = _pad_segments(seg[0] if seg else None, bq, bk)
+        o, lse = _fwd_call(qp, kp, vp, sq, sk, seq_q=T, seq_k=S, **static)
+        return o[:, :T], lse[:, :, :T]
 
-def _flash_bwd(causal, window, bq, bk, seq_q, seq_k, interpret, res, do):
-    qp, kp, vp, sq, sk, o, lse = res
-    delta = jnp.einsum("bthk,bthk->bht", o.astype(_F32), do.astype(_F32))
-    dq, dk, dv = _bwd_calls(
-        qp,
-        kp,
-        vp,
-        do,
-        lse,
-        delta,
-        sq,
-        sk,
-        causal=causal,
-        window=window,
-        bq=bq,
-        bk=bk,
-        seq_q=seq_q,
-        seq_k=seq_k,
-        interpret=interpret,
-    )
-    return dq, dk, dv, None, None  # segment ids are integers: no cotangent
+    def bwd_shard(q, k, v, o, lse, do, *seg, axes):
+        idx = _kv_index(q, k, heads=heads, axes=axes)
+        kl, vl = (k, v) if idx is None else (jnp.take(x, idx, axis=2) for x in (k, v))
+        T, S = q.shape[1], k.shape[1]
+        qp, kp, vp = _pad_inputs(q, kl, vl, bq, bk)
+        Tp = qp.shape[1]
+        op, dop = (_common.pad_to(x, 1, Tp) for x in (o, do))
+        lsep = _common.pad_to(lse, 2, Tp)  # padded rows have do = 0: they add nothing
+        delta = jnp.einsum("bthk,bthk->bht", op.astype(_F32), dop.astype(_F32))
+        sq, sk = _pad_segments(seg[0] if seg else None, bq, bk)
+        dq, dk, dv = _bwd_calls(qp, kp, vp, dop, lsep, delta, sq, sk, seq_q=T, seq_k=S, **static)
+        dq, dk, dv = dq[:, :T], dk[:, :S], dv[:, :S]
+        if idx is not None:  # back into the whole heads, summed over the shards that picked
+            q_axes = axes["heads"]
+            dk, dv = (
+                lax.psum(jnp.zeros(x.shape, _F32).at[:, :, idx].add(d.astype(_F32)), q_axes).astype(
+                    x.dtype
+                )
+                for x, d in ((k, dk), (v, dv))
+            )
+        return dq, dk, dv
 
+    def run(q, k, v, *seg):
+        args, names = (q, k, v, *seg), (_Q_NAMES, _KV_NAMES, _KV_NAMES, *seg_names)
+        return _common.sharded(fwd_shard, args, names, (_Q_NAMES, _LSE_NAMES), with_axes=True)
 
-def _attend(q, k, v, seg, causal, window, bq, bk, interpret):
-    """Pads to whole blocks, runs the kernels, drops the padding (whose rows get no gradient)."""
-    T, S = q.shape[1], k.shape[1]
-    qp, kp, vp = _pad_inputs(q, k, v, bq, bk)
-    sq, sk = _pad_segments(seg, bq, bk)
-    return _flash(qp, kp, vp, sq, sk, causal, window, bq, bk, T, S, interpret)[:, :T]
+    @jax.custom_vjp
+    def attend(q, k, v, *seg):
+        return run(q, k, v, *seg)[0]
 
+    def attend_fwd(q, k, v, *seg):
+        o, lse = run(q, k, v, *seg)
+        return o, (q, k, v, seg, o, lse)
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+    def attend_bwd(res, do):
+        q, k, v, seg, o, lse = res
+        args = (q, k, v, o, lse, do, *seg)
+        names = (_Q_NAMES, _KV_NAMES, _KV_NAMES, _Q_NAMES, _LSE_NAMES, _Q_NAMES, *seg_names)
+        outs = (_Q_NAMES, _KV_NAMES, _KV_NAMES)
+        grads = _common.sharded(bwd_shard, args, names, outs, with_axes=True)
+        # segment ids are integers: no cotangent
+        return (*_common.typed_like(grads, (q, k, v)), *(None for _ in seg))
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q, k, v, *segs)
 
 
 def flash_attention_lse(
@@ -580,33 +592,25 @@ def flash_attention(
         return reference.attention(
             q_BTHK, k_BSGK, v_BSGK, causal=causal, window=window, segment_ids=segment_ids
         )
-    if impl == "cudnn":
-        # (left, right) keys beside the query itself: (window − 1, 0) is (i − window, i].
-        local = None if window is None else (window - 1, 0)
-
-        def fn(q, k, v, seg=None):
-            return jax.nn.dot_product_attention(
-                q, k, v, is_causal=causal, local_window_size=local, implementation="cudnn"
-            )
-
-    else:
+    if impl == "pallas":
         bq, bk = _blocks(q_BTHK.shape[1], k_BSGK.shape[1], block_q, block_k)
-        interpret = _common.interpret_mode()
-
-        def fn(q, k, v, seg=None):
-            return _attend(q, k, v, seg, causal, window, bq, bk, interpret)
-
+        return _pallas_attention(
+            q_BTHK, k_BSGK, v_BSGK, segment_ids, causal=causal, window=window, bq=bq, bk=bk,
+            interpret=_common.interpret_mode(),
+        )  # fmt: skip
+    # cuDNN: jax differentiates its fused attention; run it per shard.
+    # (left, right) keys beside the query itself: (window − 1, 0) is (i − window, i].
+    local = None if window is None else (window - 1, 0)
     H = q_BTHK.shape[2]
 
-    def per_shard(q, k, v, *seg, axes):
+    def per_shard(q, k, v, *, axes):
         k, v = _local_kv_heads(q, k, v, heads=H, axes=axes)
-        return fn(q, k, v, *seg)
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, local_window_size=local, implementation="cudnn"
+        )
 
-    q_names, kv_names = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
-    args, names = (q_BTHK, k_BSGK, v_BSGK), (q_names, kv_names, kv_names)
-    if segment_ids is not None:
-        args, names = (*args, segment_ids), (*names, ("batch", None))
-    return _common.sharded(per_shard, args, names, q_names, with_axes=True)
+    args, names = (q_BTHK, k_BSGK, v_BSGK), (_Q_NAMES, _KV_NAMES, _KV_NAMES)
+    return _common.sharded(per_shard, args, names, _Q_NAMES, with_axes=True)
 
 
 def _local_kv_heads(q_BTHK, k_BSGK, v_BSGK, *, heads: int, axes):
@@ -622,13 +626,27 @@ def _local_kv_heads(q_BTHK, k_BSGK, v_BSGK, *, heads: int, axes):
       kernel runs GQA with all local heads in one group;
     - otherwise (the shard's heads straddle groups unevenly) one k/v head per local query head.
 
-    Picking beats repeating k/v to every query head up front: the kernel reads, and its
-    backward keeps as residuals, only the k/v heads a shard uses. The gradients of the picked
-    heads reach the whole k/v through the region's transpose, which sums them over the shards.
+    Picking beats repeating k/v to every query head up front: the kernels read only the k/v
+    heads a shard uses. The Pallas backward picks them again and adds their gradients back
+    into the whole heads, summed over the shards (`_pallas_attention`); cuDNN's reach them
+    through the region's transpose.
     """
+    idx = _kv_index(q_BTHK, k_BSGK, heads=heads, axes=axes)
+    if idx is None:
+        return k_BSGK, v_BSGK
+    if idx.shape[0] == 1:
+        pick = lambda x: lax.dynamic_slice_in_dim(x, idx[0], 1, axis=2)
+    else:
+        pick = lambda x: jnp.take(x, idx, axis=2)
+    return pick(k_BSGK), pick(v_BSGK)
+
+
+def _kv_index(q_BTHK, k_BSGK, *, heads: int, axes):
+    """The key/value heads this shard's query heads use (see `_local_kv_heads`): None when
+    the shard holds its own, else their indices [1] (one group) or [Hl] (one per head)."""
     q_axes, kv_axes = axes.get("heads", ()), axes.get("kv_heads", ())
     if kv_axes == q_axes:
-        return k_BSGK, v_BSGK
+        return None
     if kv_axes:
         raise ValueError(
             f"flash_attention: key/value heads split over {kv_axes} but query heads over "
@@ -638,7 +656,5 @@ def _local_kv_heads(q_BTHK, k_BSGK, v_BSGK, *, heads: int, axes):
     R = heads // G
     first = lax.axis_index(q_axes) * Hl  # this shard's first query head
     if R % Hl == 0:
-        pick = lambda x: lax.dynamic_slice_in_dim(x, first // R, 1, axis=2)
-    else:
-        pick = lambda x: jnp.take(x, (first + jnp.arange(Hl)) // R, axis=2)
-    return pick(k_BSGK), pick(v_BSGK)
+        return (first // R)[None]
+    return (first + jnp.arange(Hl)) // R

@@ -103,40 +103,54 @@ def _grad(x, t, lse, g, *, br, bv, interpret):
     return dx[:N, :V]
 
 
-def _global_stats(x, t, vocab_axes, br, bv, interpret):
-    """Per-row logsumexp and picked logit over the whole (possibly split) vocabulary."""
-    if vocab_axes:
-        t = t - lax.axis_index(vocab_axes) * x.shape[1]  # this shard's columns start there
-    lse, picked = _local_stats(x, t, br=br, bv=bv, interpret=interpret)
-    if vocab_axes:
-        m = lax.pmax(lse, vocab_axes)
-        lse = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
-        picked = lax.psum(picked, vocab_axes)
-    return lse, picked, t
+def _cross_entropy(logits, targets, *, br, bv, interpret):
+    """Per-token losses with the kernels, per shard; the custom VJP sits around the sharded
+    calls (see `_common.sharded`), each rule running its kernel on the shard's rows and, when
+    the logits are split over ``vocab``, its slice of the vocabulary."""
+    rows = _common.row_names(targets.ndim)
+    x_names = (*rows, "vocab")
 
+    def local_targets(t, x, axes):
+        """The targets as columns of this shard's slice of the vocabulary."""
+        vocab_axes = axes.get("vocab", ())
+        return t - lax.axis_index(vocab_axes) * x.shape[-1] if vocab_axes else t
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _ce(x, t, vocab_axes, br, bv, interpret):
-    lse, picked, _ = _global_stats(x, t, vocab_axes, br, bv, interpret)
-    return lse - picked
+    def fwd_shard(x, t, *, axes):
+        x_NV, t_N = x.reshape(-1, x.shape[-1]), local_targets(t, x, axes).reshape(-1)
+        lse, picked = _local_stats(x_NV, t_N, br=br, bv=bv, interpret=interpret)
+        vocab_axes = axes.get("vocab", ())
+        if vocab_axes:
+            m = lax.pmax(lse, vocab_axes)
+            lse = m + jnp.log(lax.psum(jnp.exp(lse - m), vocab_axes))
+            picked = lax.psum(picked, vocab_axes)
+        return (lse - picked).reshape(t.shape), lse.reshape(t.shape)
 
+    def bwd_shard(x, t, lse, g, *, axes):
+        t_N = local_targets(t, x, axes).reshape(-1)
+        x_NV = x.reshape(-1, x.shape[-1])
+        g_N = g.reshape(-1).astype(_F32)
+        dx = _grad(x_NV, t_N, lse.reshape(-1), g_N, br=br, bv=bv, interpret=interpret)
+        return dx.reshape(x.shape)
 
-def _ce_fwd(x, t, vocab_axes, br, bv, interpret):
-    lse, picked, t_local = _global_stats(x, t, vocab_axes, br, bv, interpret)
-    return lse - picked, (x, t_local, lse)
+    def run(x, t):
+        return _common.sharded(fwd_shard, (x, t), (x_names, rows), (rows, rows), with_axes=True)
 
+    @jax.custom_vjp
+    def ce(x, t):
+        return run(x, t)[0]
 
-def _ce_bwd(vocab_axes, br, bv, interpret, res, g):
-    x, t_local, lse = res
-    if vocab_axes:
-        # shard_map (check_vma=False) hands each vocabulary shard an equal part of the
-        # replicated loss's cotangent; the forward's psum transposes to their sum.
-        g = lax.psum(g, vocab_axes)
-    dx = _grad(x, t_local, lse, g.astype(_F32), br=br, bv=bv, interpret=interpret)
-    return dx, None
+    def ce_fwd(x, t):
+        losses, lse = run(x, t)
+        return losses, (x, t, lse)
 
+    def ce_bwd(res, g):
+        x, t, lse = res
+        args, names = (x, t, lse, g), (x_names, rows, rows, rows)
+        dx = _common.sharded(bwd_shard, args, names, x_names, with_axes=True)
+        return (*_common.typed_like((dx,), (x,)), None)  # targets are integers: no cotangent
 
-_ce.defvjp(_ce_fwd, _ce_bwd)
+    ce.defvjp(ce_fwd, ce_bwd)
+    return ce(logits, targets)
 
 
 def token_cross_entropy(
@@ -180,17 +194,6 @@ def token_cross_entropy(
             f"token_cross_entropy: block_vocab={block_vocab} must be a power of two ≥ 16"
         )
     interpret = _common.interpret_mode()
-
-    def per_shard(x, t, *, axes):
-        x_NV, t_N = x.reshape(-1, x.shape[-1]), t.reshape(-1)
-        losses = _ce(x_NV, t_N, axes.get("vocab", ()), block_rows, block_vocab, interpret)
-        return losses.reshape(t.shape)
-
-    rows = _common.row_names(targets.ndim)
-    return _common.sharded(
-        per_shard,
-        (logits, targets.astype(jnp.int32)),
-        ((*rows, "vocab"), rows),
-        rows,
-        with_axes=True,
+    return _cross_entropy(
+        logits, targets.astype(jnp.int32), br=block_rows, bv=block_vocab, interpret=interpret
     )

@@ -135,42 +135,66 @@ def _backward(x_ND, w_D, centred, stats, dy_ND, *, block_rows, interpret):
     return dx, sums
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _rms(x, w, eps, block_rows, interpret):
-    return _forward(x, w, None, eps=eps, block_rows=block_rows, interpret=interpret)[0]
+def _norm(x, params, *, eps, block_rows, interpret):
+    """RMSNorm (params: scale) or LayerNorm (scale, bias) with the kernels, per shard.
 
+    The custom VJP sits around the sharded calls (rows split over the batch axes under a
+    layout), not inside them: each rule runs its kernel per shard, and the backward sums the
+    per-shard dscale (and dbias) over the axes the rows are split over.
+    """
+    centred = len(params) == 2
+    rows = _common.row_names(x.ndim - 1)
+    x_names, p_names = (*rows, None), [(None,)] * len(params)
+    stat_names = [rows] * (2 if centred else 1)
 
-def _rms_fwd(x, w, eps, block_rows, interpret):
-    y, stats = _forward(x, w, None, eps=eps, block_rows=block_rows, interpret=interpret)
-    return y, (x, w, stats)
+    def fwd_shard(x, *params):
+        y, stats = _forward(
+            x.reshape(-1, x.shape[-1]), params[0], params[1] if centred else None,
+            eps=eps, block_rows=block_rows, interpret=interpret,
+        )  # fmt: skip
+        n = y.shape[0]
+        return (y.reshape(x.shape), *(s[:n].reshape(x.shape[:-1]) for s in stats))
 
+    n_params = len(params)
 
-def _rms_bwd(eps, block_rows, interpret, res, dy):
-    x, w, stats = res
-    dx, (dw,) = _backward(x, w, False, stats, dy, block_rows=block_rows, interpret=interpret)
-    return dx, dw.astype(w.dtype)
+    def bwd_shard(x, *rest, axes):
+        ws, stats, dy = rest[:n_params], rest[n_params:-1], rest[-1]
+        N, D = x.size // x.shape[-1], x.shape[-1]
+        _, Np, _ = _layout(N, D, block_rows)
+        dx, sums = _backward(
+            x.reshape(N, D), ws[0], centred,
+            [_common.pad_to(s.reshape(N), 0, Np) for s in stats], dy.reshape(N, D),
+            block_rows=block_rows, interpret=interpret,
+        )  # fmt: skip
+        split = tuple(a for name in rows if name is not None for a in axes.get(name, ()))
+        sums = [lax.psum(s, split) if split else s for s in sums]
+        sums = [s.astype(w.dtype) for s, w in zip(sums, ws, strict=True)]
+        return (dx.reshape(x.shape), *sums)
 
+    def run(x, *params):
+        return _common.sharded(fwd_shard, (x, *params), [x_names, *p_names], (x_names, *stat_names))
 
-_rms.defvjp(_rms_fwd, _rms_bwd)
+    @jax.custom_vjp
+    def norm(x, *params):
+        return run(x, *params)[0]
 
+    def norm_fwd(x, *params):
+        y, *stats = run(x, *params)
+        return y, (x, params, stats)
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _ln(x, w, b, eps, block_rows, interpret):
-    return _forward(x, w, b, eps=eps, block_rows=block_rows, interpret=interpret)[0]
+    def norm_bwd(res, dy):
+        x, params, stats = res
+        grads = _common.sharded(
+            bwd_shard,
+            (x, *params, *stats, dy),
+            [x_names, *p_names, *stat_names, x_names],
+            (x_names, *p_names),
+            with_axes=True,
+        )
+        return _common.typed_like(grads, (x, *params))
 
-
-def _ln_fwd(x, w, b, eps, block_rows, interpret):
-    y, stats = _forward(x, w, b, eps=eps, block_rows=block_rows, interpret=interpret)
-    return y, (x, w, b, stats)
-
-
-def _ln_bwd(eps, block_rows, interpret, res, dy):
-    x, w, b, stats = res
-    dx, (dw, db) = _backward(x, w, True, stats, dy, block_rows=block_rows, interpret=interpret)
-    return dx, dw.astype(w.dtype), db.astype(b.dtype)
-
-
-_ln.defvjp(_ln_fwd, _ln_bwd)
+    norm.defvjp(norm_fwd, norm_bwd)
+    return norm(x, *params)
 
 
 def _validate(kernel, x, params, impl):
@@ -193,17 +217,6 @@ def _validate(kernel, x, params, impl):
             raise ValueError(
                 f"{kernel} impl='pallas': {D} features exceed the {MAX_FEATURES} one block holds"
             )
-
-
-def _run(fn, x, params):
-    """Runs `fn` per shard (rows split over batch and seq) on x flattened to [rows, D]."""
-
-    def per_shard(x, *params):
-        return fn(x.reshape(-1, x.shape[-1]), *params).reshape(x.shape)
-
-    x_names = (*_common.row_names(x.ndim - 1), None)
-    names = [x_names] + [(None,)] * len(params)
-    return _common.sharded(per_shard, (x, *params), names, x_names)
 
 
 def rms_norm(
@@ -231,7 +244,7 @@ def rms_norm(
     if impl == "xla":
         return reference.rms_norm(x, scale, eps=eps)
     interpret = _common.interpret_mode()
-    return _run(lambda x, w: _rms(x, w, eps, block_rows, interpret), x, (scale,))
+    return _norm(x, (scale,), eps=eps, block_rows=block_rows, interpret=interpret)
 
 
 def layer_norm(
@@ -261,4 +274,4 @@ def layer_norm(
     if impl == "xla":
         return reference.layer_norm(x, scale, bias, eps=eps)
     interpret = _common.interpret_mode()
-    return _run(lambda x, w, b: _ln(x, w, b, eps, block_rows, interpret), x, (scale, bias))
+    return _norm(x, (scale, bias), eps=eps, block_rows=block_rows, interpret=interpret)

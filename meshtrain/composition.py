@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-import jax
-
 from meshtrain.layout import rules_for
 from meshtrain.mesh import AXES, EXPERT, PIPE, SEQ
 from meshtrain.models import families
@@ -85,16 +83,6 @@ def _packed(run: RunSpec) -> bool:
 def _kind(run: RunSpec) -> str:
     """The data's kind (``lm``, ``classify``, ``image``)."""
     return run.data_spec.kind
-
-
-def _pallas(field: str) -> Callable[[RunSpec], bool]:
-    """Whether the run's model picks a Pallas kernel for `field` (``auto`` does on a GPU)."""
-
-    def chosen(run: RunSpec) -> bool:
-        impl = getattr(run.model, field, "xla")
-        return impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")
-
-    return chosen
 
 
 def _compresses(run: RunSpec) -> bool:
@@ -318,20 +306,16 @@ REFUSALS: tuple[Refusal, ...] = (
             _run({"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)()),
         ),
     ),
-    *(
-        Refusal(
-            f"Pallas {what}",
-            "pipelines",
-            "a kernel's hand-written backward loses a stage's varying-axes type (jax refuses it)",
-            _both(_pallas(field), PIPE),
-            "{model}." + field,
-            "set --{model}." + field.replace("_", "-") + " xla, or pipe=1",
-            _model_value(field),
-            _pair(
-                {"pipe": 2, "data": 4}, {"data": 8}, model=_gpt(d_model=256, **{field: "pallas"})
-            ),
-        )
-        for what, field in (("attention", "attention_impl"), ("norms", "norm_impl"))
+    Refusal(
+        "cuDNN attention",
+        "pipelines",
+        "jax differentiates cuDNN's fused attention itself, which a stage's nested manual "
+        "region cannot (the Pallas kernel's own backward can)",
+        lambda run: _axis(run, PIPE) > 1 and getattr(run.model, "attention_impl", None) == "cudnn",
+        "{model}.attention_impl",
+        "use pallas (or auto) inside pipelines, or set pipe=1",
+        lambda run: "cudnn",
+        _pair({"pipe": 2, "data": 4}, {"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)),
     ),
     Refusal(
         "local SGD",

@@ -127,19 +127,20 @@ def test_the_trainer_raises_every_problem_before_compiling(tmp_path):
     assert len(str(err.value).splitlines()) == 2
 
 
-def test_pallas_kernels_in_a_pipeline_are_refused_before_compiling():
-    """Inside a pipeline stage the kernels' hand-written backward loses the stage's
-    varying-axes type and jax refuses the program: the check names each field first."""
+def test_pallas_kernels_in_a_pipeline_pass_and_cudnn_is_refused_before_compiling():
+    """The Pallas kernels carry their own backward into a stage; cuDNN's fused attention,
+    which jax differentiates itself, is refused there in one line naming the field."""
     sizes = dict(pipe=2, data=4, fsdp=1, expert=1, seq=1, tensor=1)
     cfg = mt.GPTConfig(
         d_model=128, n_layers=2, n_heads=2, max_seq_len=32, attention_impl="pallas",
         norm_impl="pallas",
     )  # fmt: skip
-    problems = check_run(model=cfg, data=LM, mesh=sizes, rules=mt.rules_for("dp", sizes))
-    assert _fields(problems) == ["gpt.attention_impl", "gpt.norm_impl"]
-    assert "Pallas norms with pipelines: " in str(problems[1])
-    assert str(problems[1]).endswith("; set --gpt.norm-impl xla, or pipe=1")
-    xla = dataclasses.replace(cfg, attention_impl="xla", norm_impl="xla")
-    assert check_run(model=xla, data=LM, mesh=sizes, rules=mt.rules_for("dp", sizes)) == []
-    sizes["pipe"], sizes["data"] = 1, 8  # the kernels run under every layout but a pipeline
-    assert check_run(model=cfg, data=LM, mesh=sizes, rules=mt.rules_for("dp", sizes)) == []
+    rules = mt.rules_for("dp", sizes)
+    assert check_run(mt.RunSpec(model=cfg, data=LM, mesh=sizes, rules=rules)) == []
+    cudnn = dataclasses.replace(cfg, attention_impl="cudnn")
+    problems = check_run(mt.RunSpec(model=cudnn, data=LM, mesh=sizes, rules=rules))
+    assert _fields(problems) == ["gpt.attention_impl"]
+    assert "cuDNN attention with pipelines: " in str(problems[0])
+    assert str(problems[0]).endswith("; use pallas (or auto) inside pipelines, or set pipe=1")
+    sizes["pipe"], sizes["data"] = 1, 8
+    assert check_run(mt.RunSpec(model=cudnn, data=LM, mesh=sizes, rules=rules)) == []

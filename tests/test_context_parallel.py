@@ -59,7 +59,7 @@ def _algorithm_vs_full(algorithms, n, causal, H, G, T, window=None):
 
         def split(q, k, v, algorithm=algorithm):
             o = cp.context_attention(
-                q[:, idx], k[:, idx], v[:, idx], jnp.asarray(idx), mesh=mesh,
+                q[:, idx], k[:, idx], v[:, idx], idx, mesh=mesh,
                 algorithm=algorithm, causal=causal, window=window,
             )  # fmt: skip
             return (o * w[:, idx]).sum(), o[:, inv]

@@ -11,9 +11,16 @@ Nothing runs; every figure is read from a compiled program (8 simulated CPU devi
   `jax.grad`) per algorithm on ``seq = n``; the compiled HLO's collective-permute, all-to-all,
   all-gather and reduce-scatter result bytes per device, against the analytic count.
 - ``ring_backward``: the ring's custom VJP against autodiff of the same ring (temp bytes).
+- ``half_ring``: the half-work causal ring (zig-zag layout, ``ring.for_positions``) over the
+  whole-block ring, one attention call's forward and backward per seq ∈ {2, 4, 8}:
+  ``flops_ratio`` from XLA's ``cost_analysis`` (which counts a while loop's body once, so the
+  ring's n − 1 hops weigh as one), ``loop_flops_ratio`` from the compiled HLO's dots, each
+  counted as often as its loops run (the per-device work), ``pairs_ratio`` the closed form
+  (`zigzag.half_pairs` over 4n·c²), and ``temp_ratio`` of ``memory_analysis`` temp bytes.
 
     python benchmarks/context.py            # T up to 2048: minutes on a 2-core machine
     python benchmarks/context.py --quick    # tiny sizes (the smoke test)
+    python benchmarks/context.py --half     # the half_ring case alone (T = 2048)
     python benchmarks/context.py --plot docs/context_memory.png < results.jsonl  # the figure
 """
 
@@ -21,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -34,6 +43,7 @@ from flax import nnx
 from meshtrain import context_parallel as cp
 from meshtrain.comm import hlo as comm_hlo
 from meshtrain.context_parallel import ring as ring_mod
+from meshtrain.context_parallel import zigzag
 from meshtrain.layout import activation_rules, manual_region, rules_for
 from meshtrain.lower import cross_entropy
 from meshtrain.mesh import make_mesh
@@ -117,14 +127,90 @@ def analytic(algorithm, n, B, T, H, G, K) -> dict[str, int]:
     return out
 
 
+def half_ring_program(n, B, T, H, G, K, *, halve):
+    """The compiled forward + backward of one causal ring call on the zig-zag layout: the
+    half-work ring as `ring.for_positions` picks it, or the whole-block ring."""
+    mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
+    idx = cp.order(T, n)
+    fn = ring_mod.for_positions(idx, n, True) if halve else ring_mod.ring
+    assert not halve or fn.keywords["halve"], "the zig-zag layout must take the half-work ring"
+    seq = jax.P(None, "seq")
+    region = manual_region(
+        lambda q, k, v, p: fn(q, k, v, p, p, "seq", True, None), mesh=mesh, axes={"seq"},
+        in_specs=(seq, seq, seq, jax.P("seq")), out_specs=seq,
+    )  # fmt: skip
+    q = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, G, K), jnp.float32)
+
+    def loss(q, k, v, w):
+        return (region(q, k, v, jnp.asarray(idx, jnp.int32)) * w).sum()
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, kv, kv, q).compile()
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [a-z0-9]+\[([\d,]*)\]")
+_DOT = re.compile(r" dot\(%?([\w.\-]+), %?[\w.\-]+\).*lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def loop_dot_flops(hlo: str) -> int:
+    """FLOPs per device of the dots of a compiled HLO module (2 × result size × contracted
+    size), each counted as often as the while loops around it run."""
+    comps, entry = comm_hlo.computations(hlo)
+    times, _ = comm_hlo.executions(comps, entry)
+    total = 0
+    for name, lines in comps.items():
+        dims = {}
+        for line in lines:
+            d = _DEF.match(line)
+            if d:
+                dims[d.group(1)] = [int(x) for x in d.group(2).split(",") if x]
+            dot = _DOT.search(line)
+            if d and dot:
+                lhs = dims[dot.group(1)]
+                contracted = math.prod(lhs[int(i)] for i in dot.group(2).split(",") if i)
+                total += times.get(name, 0) * 2 * math.prod(dims[d.group(1)]) * contracted
+    return total
+
+
+def half_ring_lines(quick: bool, device: str):
+    """One JSON line per seq: the half-work ring over the whole-block ring."""
+    B, T, H, G, K = 1, (128 if quick else 2048), 8, 2, (16 if quick else 64)
+    for n in (2, 4, 8):
+        got = {}
+        for halve in (True, False):
+            compiled = half_ring_program(n, B, T, H, G, K, halve=halve)
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            got[halve] = dict(
+                flops=cost["flops"], loop_flops=loop_dot_flops(compiled.as_text()),
+                temp=compiled.memory_analysis().temp_size_in_bytes,
+            )  # fmt: skip
+        c = T // (2 * n)
+        half, whole = got[True], got[False]
+        line = dict(case="half_ring", seq=n, T=T, batch=B, heads=H, kv_heads=G, head_dim=K)
+        line.update(
+            flops_ratio=round(half["flops"] / whole["flops"], 4),
+            loop_flops_ratio=round(half["loop_flops"] / whole["loop_flops"], 4),
+            pairs_ratio=round(zigzag.half_pairs(n, c, ring_mod.LEAF) / (4 * n * c * c), 4),
+            temp_ratio=round(half["temp"] / whole["temp"], 4),
+            half=half, whole=whole, leaf=ring_mod.LEAF, device=device, jax=jax.__version__,
+        )  # fmt: skip
+        print(json.dumps(line), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--plot", help="draw the memory lines read from stdin to this PNG; no compile")
+    ap.add_argument("--half", action="store_true", help="only the half-work ring case")
     args = ap.parse_args(argv)
     if args.plot:
         return plot([json.loads(line) for line in sys.stdin if line.strip()], args.plot)
     quick = args.quick
+    if args.half:
+        half_ring_lines(quick, jax.devices()[0].device_kind)
+        return 0
     lengths = [128, 256] if quick else [512, 1024, 2048]
     seqs = [1, 2, 4] if quick else [1, 2, 4, 8]
     cfg = GPTConfig(
@@ -153,6 +239,7 @@ def main(argv=None) -> int:
         temp = compiled.memory_analysis().temp_size_in_bytes
         line = dict(case="ring_backward", backward=name, seq=n, T=T, temp_bytes=temp)
         print(json.dumps(line | {"device": device}), flush=True)
+    half_ring_lines(quick, device)
     return 0
 
 

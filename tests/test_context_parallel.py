@@ -18,8 +18,9 @@ from meshtrain import cli
 from meshtrain import context_parallel as cp
 from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointManager, restore
+from meshtrain.context_parallel import blocks, ring, zigzag
 from meshtrain.kernels import reference
-from meshtrain.layout import batch_shardings, rules_for, shard_batch
+from meshtrain.layout import batch_shardings, manual_region, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.metrics import read_jsonl
@@ -58,7 +59,7 @@ def _algorithm_vs_full(algorithms, n, causal, H, G, T, window=None):
 
         def split(q, k, v, algorithm=algorithm):
             o = cp.context_attention(
-                q[:, idx], k[:, idx], v[:, idx], jnp.asarray(idx), mesh=mesh,
+                q[:, idx], k[:, idx], v[:, idx], idx, mesh=mesh,
                 algorithm=algorithm, causal=causal, window=window,
             )  # fmt: skip
             return (o * w[:, idx]).sum(), o[:, inv]
@@ -104,6 +105,180 @@ def test_zigzag_order_is_a_permutation_and_inverse_undoes_it():
     assert sorted(idx) == list(range(24))
     np.testing.assert_array_equal(idx[cp.inverse(idx)], np.arange(24))
     assert list(idx[:8]) == [0, 1, 2, 3, 20, 21, 22, 23]  # device 0: first and last chunk
+
+
+# --- the half-work ring -------------------------------------------------------------------
+
+
+def _ring_region(mesh, n, T, causal, window, **flags):
+    """`ring` in a region manual over seq, on global arrays in the zig-zag order (the form
+    `context_attention` runs), with the given ring flags."""
+    idx = jnp.asarray(cp.order(T, n) if causal else np.arange(T))
+    fn = lambda q, k, v, p: ring.ring(q, k, v, p, p, "seq", causal, window, **flags)  # noqa: E731
+    seq = jax.P(None, "seq")
+    region = manual_region(
+        fn, mesh=mesh, axes={"seq"}, in_specs=(seq, seq, seq, jax.P("seq")), out_specs=seq
+    )
+    return lambda q, k, v: region(q, k, v, idx)
+
+
+def _half_vs_whole_vs_full(n, H, G, T, window, leaf, causal=True):
+    """Max |difference| of output, dq, dk, dv: the half-work ring and the whole-block ring
+    against full attention, and against each other."""
+    mesh = make_mesh(f"data={8 // n},seq={n}")
+    q, k, v, w = _qkv(n * 1000 + H + G + T + leaf, 2, T, H, G, 16)
+    idx = cp.order(T, n) if causal else np.arange(T)
+    inv = cp.inverse(idx)
+
+    def full(q, k, v):
+        o = reference.attention(q, k, v, causal=causal, window=window)
+        return (o * w).sum(), o
+
+    def run(**flags):
+        attend = _ring_region(mesh, n, T, causal, window, **flags)
+
+        def split(q, k, v):
+            o = attend(q[:, idx], k[:, idx], v[:, idx])
+            return (o * w[:, idx]).sum(), o[:, inv]
+
+        with jax.set_mesh(mesh):
+            return jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
+
+    results = {"full": jax.value_and_grad(full, (0, 1, 2), has_aux=True)(q, k, v)}
+    results["whole"] = run(halve=False)
+    if causal:
+        results["half"] = run(halve=True, leaf=leaf)
+
+    def diffs(a, b):
+        (_, o_a), g_a = a
+        (_, o_b), g_b = b
+        return [float(jnp.abs(x - y).max()) for x, y in zip((o_a, *g_a), (o_b, *g_b), strict=True)]
+
+    names = [x for x in results if x != "full"]
+    out = {f"{x}-full": diffs(results[x], results["full"]) for x in names}
+    if causal:
+        out["half-whole"] = diffs(results["half"], results["whole"])
+    return out
+
+
+# (seq, heads, kv heads, T, window, leaf): MHA and GQA, seq 2/4/8; T = 2·seq·c with chunks
+# of c tokens; leaf < c/2 halves the own block's diagonals (twice where c = 8, leaf = 2);
+# a window shorter than a chunk and one longer.
+HALF_CASES = [
+    (2, 4, 2, 32, None, 2),
+    (2, 4, 4, 16, 3, 1),
+    (4, 4, 4, 32, None, 4),
+    (4, 8, 2, 64, 11, 2),
+    (8, 4, 2, 32, None, 1),
+    (8, 4, 4, 64, 6, 2),
+]
+
+
+@pytest.mark.parametrize("n, H, G, T, window, leaf", HALF_CASES)
+def test_half_work_ring_equals_whole_block_ring_and_full_attention(n, H, G, T, window, leaf):
+    for pair, d in _half_vs_whole_vs_full(n, H, G, T, window, leaf).items():
+        assert max(d) < ATOL, (pair, d)  # output, dq, dk, dv
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_whole_block_ring_equals_full_attention_without_a_causal_mask(n):
+    for pair, d in _half_vs_whole_vs_full(n, 4, 2, 16, None, 1, causal=False).items():
+        assert max(d) < ATOL, (pair, d)
+
+
+def test_half_work_is_chosen_only_for_causal_zigzag_positions():
+    T, n = 32, 4
+
+    def halve(positions, n, causal=True):
+        return ring.for_positions(positions, n, causal).keywords["halve"]
+
+    assert halve(cp.order(T, n), n)
+    assert halve(jnp.asarray(cp.order(T, n)), n)  # a concrete jax array
+    assert not halve(cp.order(T, n), n, causal=False)
+    assert not halve(np.arange(T), n)  # the plain split
+    assert not halve(cp.order(T, 2), n)  # balanced for another seq
+    assert not halve(cp.order(36, 3)[:-4], 2)
+    seen = []
+    jax.jit(lambda p: seen.append(halve(p, n)) or p)(jnp.asarray(cp.order(T, n)))
+    assert seen == [False]  # traced positions: the whole-block ring
+    mesh = make_mesh("data=4,seq=2")
+    q, k, v, _ = _qkv(0, 1, 8, 2, 2, 8)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="halve=True"):
+        jax.jit(_ring_region(mesh, 2, 8, False, None, halve=True)).trace(q, k, v)
+
+
+@pytest.mark.parametrize("n, c, leaf", [(2, 8, 2), (4, 6, 1), (8, 4, 128), (3, 16, 4)])
+def test_half_work_pieces_cover_each_causal_pair_once(n, c, leaf):
+    """The pieces `zigzag` plans (the ones the ring computes) against the causal pairs of the
+    zig-zag layout: every visible pair exactly once, per device the closed form
+    ``zigzag.half_pairs``, and the pieces stacked in one call share one position shift."""
+    T, rows = 2 * n * c, 2 * c
+    pos = cp.order(T, n)
+    for i in range(n):
+        covered = np.zeros((rows, T), int)  # local query row × global key index
+        for j in range(n):
+            groups = zigzag.own_groups(c, leaf) if j == i else zigzag.step_groups(i, j, c)
+            q_pos, k_pos = pos[i * rows : (i + 1) * rows], pos[j * rows : (j + 1) * rows]
+            for group in groups:
+                shifts = {(int(q_pos[p.q]), int(k_pos[p.k])) for p in group}
+                gaps = {a - b for a, b in shifts}
+                assert len(gaps) == 1, group  # one position shift for the whole group
+                for p in group:
+                    covered[p.q : p.q + p.nq, j * rows + p.k : j * rows + p.k + p.nk] += 1
+        visible = pos[i * rows : (i + 1) * rows, None] >= pos[None, :]  # causal
+        assert (covered[visible] == 1).all()  # every causal pair once
+        assert covered.max() == 1  # nothing twice
+        assert covered.sum() == zigzag.half_pairs(n, c, leaf)
+    s = c >> zigzag.diagonal_depth(c, leaf)
+    assert zigzag.half_pairs(n, c, leaf) == 2 * n * c * c + c * s  # the closed form
+    assert zigzag.half_pairs(n, c, leaf) <= 4 * n * c * c // 2 + c * c  # at most half + c²
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_half_work_ring_computes_the_closed_form_of_pairs(n, monkeypatch):
+    """Counts the (query, key) pairs the traced ring hands to `blocks.attend` (forward) and
+    `blocks.grads` (backward), telling the own block from a hop (the scan body, traced once
+    and run n − 1 times): per device own + (n − 1)·hop must be ``zigzag.half_pairs`` with
+    `halve`, 4n·c² without."""
+    c, leaf, T = 8, 2, 2 * n * 8
+    calls, state = [], {"hop": False, "bodies": 0}
+    real_scan = jax.lax.scan
+
+    def scan(f, init, xs=None, *args, **kw):
+        def body(carry, x):
+            state["hop"], state["bodies"] = True, state["bodies"] + 1
+            try:
+                return f(carry, x)
+            finally:
+                state["hop"] = False
+
+        return real_scan(body, init, xs, *args, **kw)
+
+    def counted(name, real):
+        def fn(q, k, *args, **kw):  # B = 1: the batch counts the pieces stacked in one call
+            calls.append((name, state["hop"], q.shape[0] * q.shape[1] * k.shape[1]))
+            return real(q, k, *args, **kw)
+
+        return fn
+
+    monkeypatch.setattr(jax.lax, "scan", scan)
+    for name in ("attend", "grads"):
+        monkeypatch.setattr(blocks, name, counted(name, getattr(blocks, name)))
+    mesh = make_mesh(f"data={8 // n},seq={n}")
+    q, k, v, _ = _qkv(0, 1, T, 4, 2, 16)
+    for halve, want in ((True, zigzag.half_pairs(n, c, leaf)), (False, 4 * n * c * c)):
+        attend = _ring_region(mesh, n, T, True, None, halve=halve, leaf=leaf)
+        loss = lambda q, k, v, attend=attend: attend(q, k, v).sum()  # noqa: E731
+        calls.clear()
+        state["bodies"] = 0
+        with jax.set_mesh(mesh):
+            jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, v)
+        assert state["bodies"] == 2  # one hop traced for the forward, one for the backward
+        for name in ("attend", "grads"):
+            own = sum(pairs for who, hop, pairs in calls if who == name and not hop)
+            hop = sum(pairs for who, hop, pairs in calls if who == name and hop)
+            assert own + (n - 1) * hop == want, (name, halve, calls)
+    assert 2 * zigzag.half_pairs(n, c, leaf) < 1.1 * 4 * n * c * c  # about half the work
 
 
 # --- a whole GPT --------------------------------------------------------------------------

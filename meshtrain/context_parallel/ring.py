@@ -11,6 +11,13 @@ Why a custom VJP rather than autodiff of the ring: autodiff keeps every step's p
 custom backward keeps only q, k, v, the output and the log-sum-exp, and recomputes each
 step's scores. The README's "Context parallelism" section gives the compiled memory of both.
 
+Half work (``halve=True``, causal attention on the zig-zag layout only): each hop computes the
+half of the block that the causal mask leaves visible, as two [T/2n, T/2n] pieces whose
+offsets follow from the device index and the hop (`zigzag.step_groups`), and the own block
+skips its masked quarter and most of its two diagonals (`zigzag.own_groups`). Every piece is
+one call of `blocks.attend` (forward) or `blocks.grads` (backward) on static-shaped slices,
+so no step keeps a second branch's buffers. `for_positions` decides when halving is exact.
+
 Shape suffixes as in `blocks`.
 """
 
@@ -19,9 +26,13 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from meshtrain.context_parallel import blocks
+from meshtrain.context_parallel import blocks, zigzag
+from meshtrain.context_parallel.zigzag import Piece
+
+LEAF = 128  # the half-work own block halves its diagonals while the halves keep ≥ LEAF rows
 
 
 def _shift(x, axis: str, n: int):
@@ -29,26 +40,119 @@ def _shift(x, axis: str, n: int):
     return lax.ppermute(x, axis, [(j, (j + 1) % n) for j in range(n)])
 
 
-def _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl):
-    """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
-    positions, one step at a time (a scan, so one step's scores are live at once)."""
-    n = lax.axis_size(axis)
-    block = functools.partial(blocks.attend, causal=causal, window=window, impl=impl)
-    o, lse = block(q, k, v, q_pos, k_pos)
+def _whole(rows: int) -> list[tuple[Piece, ...]]:
+    """The whole block as one piece."""
+    return [(Piece(0, 0, rows, rows),)]
 
-    def hop(carry, _):
-        k, v, k_pos, o, lse = carry
-        k, v, k_pos = (_shift(x, axis, n) for x in (k, v, k_pos))
-        o_s, lse_s = block(q, k, v, q_pos, k_pos)
-        o, lse = blocks.merge(o, lse, o_s, lse_s)
-        return (k, v, k_pos, o, lse), None
 
-    (_, _, _, o, lse), _ = lax.scan(hop, (k, v, k_pos, o, lse), length=n - 1)
+def _plans(rows: int, halve: bool, leaf: int):
+    """(the own block's groups, a function (i, j) → one hop's groups)."""
+    if not halve:
+        return _whole(rows), lambda i, j: _whole(rows)
+    c = rows // 2
+    return zigzag.own_groups(c, leaf), lambda i, j: zigzag.step_groups(i, j, c)
+
+
+def _rows(x, start, size: int, axis: int):
+    """Rows [start, start + size) of `x` along `axis` (the whole of `x` when size spans it)."""
+    return x if size == x.shape[axis] else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _stacked(x, starts, size: int, axis: int):
+    """The slices [s, s + size) along `axis`, one per start, stacked on the batch axis (0)."""
+    parts = [_rows(x, s, size, axis) for s in starts]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
+def _add_rows(acc, x, start, axis: int):
+    """`acc` with `x` added at rows [start, start + len) along `axis`."""
+    if x.shape[axis] == acc.shape[axis]:
+        return acc + x
+    part = _rows(acc, start, x.shape[axis], axis) + x
+    return lax.dynamic_update_slice_in_dim(acc, part, start, axis)
+
+
+def _merge_rows(o, lse, o_p, lse_p, start):
+    """The running (o, lse) with a piece's (o_p, lse_p) merged into the query rows from
+    `start`."""
+    rows = o_p.shape[1]
+    if rows == o.shape[1]:
+        return blocks.merge(o, lse, o_p, lse_p)
+    o_r, lse_r = blocks.merge(_rows(o, start, rows, 1), _rows(lse, start, rows, 3), o_p, lse_p)
+    o = lax.dynamic_update_slice_in_dim(o, o_r, start, 1)
+    return o, lax.dynamic_update_slice_in_dim(lse, lse_r, start, 3)
+
+
+def _unstack(x, count: int):
+    """The `count` equal parts of `x` along the batch axis (inverse of `_stacked`)."""
+    return [x] if count == 1 else jnp.split(x, count, axis=0)
+
+
+def _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block):
+    """(o, lse) with every piece of `groups` attended and merged in; (None, None) start from the
+    first group, which must then be one piece spanning the block."""
+    for group in groups:
+        first, nq, nk = group[0], group[0].nq, group[0].nk
+        qs, ks = [p.q for p in group], [p.k for p in group]
+        o_g, lse_g = block(
+            _stacked(q, qs, nq, 1), _stacked(k, ks, nk, 1), _stacked(v, ks, nk, 1),
+            _rows(q_pos, first.q, nq, 0), _rows(k_pos, first.k, nk, 0),
+        )  # fmt: skip
+        parts = zip(group, _unstack(o_g, len(group)), _unstack(lse_g, len(group)), strict=True)
+        for p, o_p, lse_p in parts:
+            if o is None:
+                o, lse = o_p, lse_p  # the whole-block plan: one piece spanning the block
+            else:
+                o, lse = _merge_rows(o, lse, o_p, lse_p, p.q)
     return o, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
+def _start(q, groups: int, plan):
+    """The running (o, lse) before the own block: (None, None) when one piece spans the block,
+    else zeros and an lse of `blocks.NEG` (weight 0 in the first merge)."""
+    if len(plan) == 1 and len(plan[0]) == 1 and plan[0][0].nq == q.shape[1]:
+        return None, None
+    B, T, H, _ = q.shape
+    lse = jnp.full((B, groups, H // groups, T), blocks.NEG, jnp.float32)
+    return jnp.zeros_like(q, jnp.float32), lse
+
+
+def _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl, halve=False, leaf=LEAF):
+    """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
+    positions, one step at a time (a scan, so one step's scores are live at once)."""
+    _check_halve(halve, causal, q.shape[1])
+    n, i = lax.axis_size(axis), lax.axis_index(axis)
+    block = functools.partial(blocks.attend, causal=causal, window=window, impl=impl)
+    own, hop_groups = _plans(q.shape[1], halve, leaf)
+    o, lse = _start(q, k.shape[2], own)
+    o, lse = _attend_groups(own, q, k, v, q_pos, k_pos, o, lse, block)
+
+    def hop(carry, step):
+        k, v, k_pos, o, lse = carry
+        k, v, k_pos = (_shift(x, axis, n) for x in (k, v, k_pos))
+        groups = hop_groups(i, (i - step) % n)  # the block in hand came from device i − step
+        o, lse = _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block)
+        return (k, v, k_pos, o, lse), None
+
+    steps = jnp.arange(1, n, dtype=jnp.int32)
+    (_, _, _, o, lse), _ = lax.scan(hop, (k, v, k_pos, o, lse), steps)
+    return o, lse
+
+
+def _check_halve(halve: bool, causal: bool, rows: int) -> None:
+    """Raises when the half-work plan cannot be exact."""
+    if halve and (not causal or rows % 2):
+        raise ValueError(
+            f"ring(halve=True) needs causal attention on the zig-zag layout (an even block); got "
+            f"causal={causal}, {rows} rows per device"
+        )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def ring(
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla", halve=False,
+    leaf=LEAF,
+):  # fmt: skip
     """Attention of this device's queries against the keys of every device on `axis`.
 
     Call inside a region manual over `axis`; each device passes its own blocks.
@@ -61,42 +165,84 @@ def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="x
         causal: mask keys after each query's position.
         window: with `causal`, only keys (t − window, t] are seen; None: all.
         impl: how each block is computed (`blocks.IMPLS`).
+        halve: compute only the causally visible half of each block (about half the work,
+            no more memory). Exact only for causal attention with the positions of
+            ``zigzag.order(T, n)``: pass ``for_positions``' choice, never a guess.
+        leaf: with `halve`, the own block's causal diagonals are halved while the halves keep
+            at least this many rows.
 
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
+    o, _ = _forward(
+        q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl, halve, leaf
+    )
     return o.astype(v_BSGK.dtype)
 
 
-def _ring_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl):
-    o, lse = _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl)
+def for_positions(positions_T, n: int, causal: bool):
+    """`ring` with ``halve`` set when it is exact: causal attention with global
+    `positions_T` concretely equal to ``zigzag.order(T, n)`` (a traced array: whole blocks).
+
+    Args:
+        positions_T: the global positions `context_attention` was given (before the split).
+        n: the size of the sequence axis.
+        causal: whether the attention is causal.
+
+    Returns:
+        A function with `ring`'s positional arguments.
+    """
+    return functools.partial(ring, halve=bool(causal) and zigzag.is_balanced(positions_T, n))
+
+
+def _ring_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl, halve, leaf):
+    o, lse = _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl, halve, leaf)
     o = o.astype(v.dtype)
     return o, (q, k, v, q_pos, k_pos, o, lse)
 
 
-def _ring_bwd(axis, causal, window, impl, res, do_BTHK):
+def _ring_bwd(axis, causal, window, impl, halve, leaf, res, do_BTHK):
     q, k, v, q_pos, k_pos, o, lse_BGRT = res
-    n = lax.axis_size(axis)
+    n, i = lax.axis_size(axis), lax.axis_index(axis)
     delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
+    own, hop_groups = _plans(q.shape[1], halve, leaf)
 
-    def grads(k, v, k_pos):
-        """This device's queries' contributions (dq, dk, dv) against one k/v block."""
-        return blocks.grads(
-            q, k, v, q_pos, k_pos, do_BTHK, lse_BGRT, delta_BGRT,
-            causal=causal, window=window, impl=impl,
-        )  # fmt: skip
+    def grads(groups, k, v, k_pos, dq, dk, dv):
+        """The accumulators with this device's queries' contributions against one k/v block,
+        piece by piece; None accumulators start from a piece spanning the block."""
+        for group in groups:
+            first, nq, nk = group[0], group[0].nq, group[0].nk
+            qs, ks = [p.q for p in group], [p.k for p in group]
+            parts = blocks.grads(
+                _stacked(q, qs, nq, 1), _stacked(k, ks, nk, 1), _stacked(v, ks, nk, 1),
+                _rows(q_pos, first.q, nq, 0), _rows(k_pos, first.k, nk, 0),
+                _stacked(do_BTHK, qs, nq, 1), _stacked(lse_BGRT, qs, nq, 3),
+                _stacked(delta_BGRT, qs, nq, 3), causal=causal, window=window, impl=impl,
+            )  # fmt: skip
+            dq_g, dk_g, dv_g = (_unstack(x, len(group)) for x in parts)
+            for p, dq_p, dk_p, dv_p in zip(group, dq_g, dk_g, dv_g, strict=True):
+                if dq is None:  # the whole-block plan: one piece spanning the block
+                    dq, dk, dv = dq_p, dk_p, dv_p
+                else:
+                    dq = _add_rows(dq, dq_p, p.q, 1)
+                    dk, dv = _add_rows(dk, dk_p, p.k, 1), _add_rows(dv, dv_p, p.k, 1)
+        return dq, dk, dv
 
-    dq, dk, dv = grads(k, v, k_pos)
+    start = _start(q, k.shape[2], own)[0]
+    zeros = (None, None, None) if start is None else (
+        start, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
+    )  # fmt: skip
+    dq, dk, dv = grads(own, k, v, k_pos, *zeros)
 
-    def hop(carry, _):
+    def hop(carry, step):
         # The k/v block moves on with its gradient accumulators.
         k, v, k_pos, dq, dk, dv = carry
         k, v, k_pos, dk, dv = (_shift(x, axis, n) for x in (k, v, k_pos, dk, dv))
-        dq_s, dk_s, dv_s = grads(k, v, k_pos)
-        return (k, v, k_pos, dq + dq_s, dk + dk_s, dv + dv_s), None
+        dq, dk, dv = grads(hop_groups(i, (i - step) % n), k, v, k_pos, dq, dk, dv)
+        return (k, v, k_pos, dq, dk, dv), None
 
-    (_, _, _, dq, dk, dv), _ = lax.scan(hop, (k, v, k_pos, dq, dk, dv), length=n - 1)
+    steps = jnp.arange(1, n, dtype=jnp.int32)
+    (_, _, _, dq, dk, dv), _ = lax.scan(hop, (k, v, k_pos, dq, dk, dv), steps)
     dk, dv = _shift(dk, axis, n), _shift(dv, axis, n)  # the n-th hop brings them home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 

@@ -9,6 +9,9 @@ the last device.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
 import numpy as np
 
 
@@ -62,3 +65,78 @@ def causal_chunk_pairs(positions: np.ndarray, n: int, chunks: int) -> list[int]:
 def naive_counts(n: int) -> list[int]:
     """The closed form of `causal_chunk_pairs` for the plain split into 2n chunks: 4i + 3."""
     return [4 * i + 3 for i in range(n)]
+
+
+# --- the half-work ring: which (query rows, key rows) pieces causal attention needs ---------
+#
+# Device i holds chunks i and 2n − 1 − i (c tokens each: local rows [0, c) and [c, 2c)). When
+# the block of device j ≠ i is in hand, causal attention needs exactly half of the pairs:
+#   j < i: key chunk j is below both query chunks (all visible) and key chunk 2n − 1 − j above
+#          both (none): every query row against the first c key rows;
+#   j > i: query chunk i is below both key chunks (none), query chunk 2n − 1 − i above both
+#          (all): the last c query rows against every key row.
+# Both are two c × c pieces, (h, 0) and (c, h) with h = 0 if j < i else c, so one static shape
+# serves every step. The own block (j = i) needs the second chunk against the first in full
+# and two causal diagonals; each diagonal is halved recursively (its lower-left quarter in full,
+# its two half-size diagonals again) while the halves keep at least `leaf` rows.
+
+
+class Piece(NamedTuple):
+    """Local query rows [q, q + nq) against local key rows [k, k + nk) of one device's block
+    (a start may be a traced index)."""
+
+    q: Any
+    k: Any
+    nq: int
+    nk: int
+
+
+def is_balanced(positions, n: int) -> bool:
+    """Whether `positions` is concretely ``order(T, n)`` with T a multiple of 2n (the layout
+    the half-work ring needs); False for a traced array."""
+    if isinstance(positions, jax.core.Tracer):
+        return False
+    positions = np.asarray(positions)
+    T = positions.shape[0] if positions.ndim == 1 else 0
+    if T == 0 or T % (2 * n):
+        return False
+    return bool(np.array_equal(positions, order(T, n)))
+
+
+def diagonal_depth(c: int, leaf: int) -> int:
+    """How many times a causal diagonal of c rows is halved: while the halves keep ≥ `leaf`
+    rows (and c stays even)."""
+    depth = 0
+    while c % 2 == 0 and c // 2 >= max(leaf, 1):
+        c, depth = c // 2, depth + 1
+    return depth
+
+
+def own_groups(c: int, leaf: int) -> list[tuple[Piece, ...]]:
+    """The pieces of a device's own block (chunks of c rows), in groups: the pieces of a group
+    share their shape and the shift between query and key positions, so one call computes
+    them stacked on the batch axis with the first piece's positions."""
+    groups = [(Piece(c, 0, c, c),)]  # the second chunk against the first: all visible
+    starts, size = [0, c], c  # diagonals: rows [s, s + size) against keys [s, s + size)
+    for _ in range(diagonal_depth(c, leaf)):
+        half = size // 2
+        groups.append(tuple(Piece(s + half, s, half, half) for s in starts))
+        starts, size = [t for s in starts for t in (s, s + half)], half
+    groups.append(tuple(Piece(s, s, size, size) for s in starts))
+    return groups
+
+
+def step_groups(i, j, c: int) -> list[tuple[Piece, ...]]:
+    """The two c × c pieces device `i` computes against device `j`'s block (j ≠ i); `i`, `j`
+    may be traced indices."""
+    h = (j > i) * c  # 0: all queries × first key chunk; c: last query chunk × all keys
+    return [(Piece(h, 0, c, c),), (Piece(c, h, c, c),)]
+
+
+def half_pairs(n: int, c: int, leaf: int) -> int:
+    """Closed form of the (query, key) pairs each device computes under the half-work ring
+    (forward, and again in the backward): ``2n·c² + c·s`` with ``s = c / 2^depth`` the leaf
+    diagonal's rows; the own block gives ``2c² + c·s`` and each of the n − 1 hops ``2c²``.
+    The whole-block ring computes ``4n·c²``; the causal pairs are ``2n·c² + c``."""
+    s = c >> diagonal_depth(c, leaf)
+    return 2 * n * c * c + c * s

@@ -19,10 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.sharding import PartitionSpec as P
 
 from meshtrain.kernels import _common, reference
-from meshtrain.layout import active, manual_axes
 
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -947,6 +945,10 @@ def _per_shard(fn, args, names, out_names):
     """`_common.sharded` (with axes); inside a manual region (a context-parallel region over
     ``seq``) without an active layout, one nested region over the axes left, with every
     argument whole: the kernel never runs in a region that checks varying axes."""
+    from jax.sharding import PartitionSpec as P
+
+    from meshtrain.layout import active, manual_axes
+
     if active() is None and manual_axes():
         whole = lambda names: P(*([None] * len(names)))  # noqa: E731
         return _common._nested(

@@ -219,17 +219,17 @@ def test_ring_compiles_the_kernel_on_a_gpu_and_equals_plain_attention():
     as divide 8 (one GPU: a ring of one), against plain attention on the same GPU."""
     gpus = jax.devices("gpu")
     n = max(d for d in (1, 2, 4, 8) if d <= len(gpus))
-    mesh = jax.make_mesh((n,), ("seq",), (jax.sharding.AxisType.Explicit,), devices=gpus[:n])
+    mesh = make_mesh(f"seq={n}", devices=gpus[:n])
     T = 256 * n
-    q, k, v, w = (jax.device_put(x, gpus[0]) for x in _qkv(3, 2, T, 8, 2))
+    whole = jax.NamedSharding(mesh, jax.P())
+    q, k, v, w = (jax.device_put(x, whole) for x in _qkv(3, 2, T, 8, 2))
     idx = cp.order(T, n)
     inv = cp.inverse(idx)
 
     def split(q, k, v):
-        seq = jax.NamedSharding(mesh, jax.P(None, "seq"))
-        q, k, v = (jax.reshard(x[:, idx], seq) for x in (q, k, v))
+        q, k, v = (x[:, idx] for x in (q, k, v))
         o = cp.context_attention(q, k, v, jnp.asarray(idx), mesh=mesh, impl="pallas")
-        return (o * jax.reshard(w[:, idx], seq)).sum(), o
+        return (o * w[:, idx]).sum(), o
 
     with jax.set_mesh(mesh):
         (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)

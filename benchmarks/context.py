@@ -264,5 +264,50 @@ def plot(lines: list[dict], path: str) -> int:
     return 0
 
 
+# --- the Pallas kernel inside the ring ------------------------------------------------------
+
+
+def flash_program(impl, n, B, T, H, G, K):
+    """The compiled forward + backward of ring attention whose blocks run with `impl`."""
+    mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
+    idx = jnp.asarray(cp.order(T, n))
+    q = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, G, K), jnp.float32)
+
+    def loss(q, k, v, w):
+        o = cp.context_attention(q, k, v, idx, mesh=mesh, algorithm="ring", impl=impl)
+        return (o * w).sum()
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, kv, kv, q).compile()
+
+
+def flash_main(argv=None) -> int:
+    """``--flash``: compiled temp memory per device of the ring with the jnp blocks and with
+    the Pallas flash kernel (T = 8192 on seq = 8; ``--quick``: T = 512 on seq = 4). Off the
+    GPU the kernel is interpreted (lowered to ordinary XLA loops), so its row measures the
+    interpreted kernel, which the row says."""
+    import time
+
+    ap = argparse.ArgumentParser(description="ring memory: jnp blocks against the kernel")
+    ap.add_argument("--flash", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    args = ap.parse_args(argv)
+    B, H, G, K = 1, 8, 2, 64
+    T, n = (512, 4) if args.quick else (8192, 8)
+    device = jax.devices()[0].device_kind
+    kernel = "interpreted" if jax.default_backend() != "gpu" else "compiled"
+    for impl in ("xla", "pallas"):
+        start = time.perf_counter()
+        compiled = flash_program(impl, n, B, T, H, G, K)
+        seconds = round(time.perf_counter() - start, 1)
+        line = dict(case="flash", impl=impl, T=T, seq=n, heads=H, kv_heads=G, head_dim=K)
+        line.update(temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+        line.update(kernel=kernel if impl == "pallas" else "none", compile_s=seconds)
+        line.update(device=device, jax=jax.__version__)
+        print(json.dumps(line), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(flash_main() if "--flash" in sys.argv[1:] else main())

@@ -97,7 +97,18 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
     """
     layout = active()
     if layout is None:
-        return fn(*args, axes={}) if with_axes else fn(*args)
+        if not manual_axes():
+            return fn(*args, axes={}) if with_axes else fn(*args)
+        # Inside a manual region but outside any layout: every argument whole.
+        whole = tuple(P(*([None] * len(n))) for n in names)
+        single = out_names and not isinstance(out_names[0], tuple)
+        outs = (
+            P(*([None] * len(out_names)))
+            if single
+            else tuple(P(*([None] * len(n))) for n in out_names)
+        )
+        call = functools.partial(fn, axes={}) if with_axes else fn
+        return _nested(call, args, jax.sharding.get_abstract_mesh(), whole, outs)
     # The gcd of each name's sizes: a split divides the gcd exactly when it divides every
     # argument that carries the name.
     sizes: dict[str, int] = {}

@@ -43,14 +43,20 @@ def _dot(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
-def _mask(rows, cols, seq_q, seq_k, causal, window, seg_rows=None, seg_cols=None):
+def _mask(
+    rows, cols, seq_q, seq_k, causal, window, seg_rows=None, seg_cols=None, *,
+    pos_rows=None, pos_cols=None,
+):  # fmt: skip
     """Valid (query, key) pairs of a tile: inside both sequences and, if causal, col ≤ row
-    (and, with a window, row − col < window); with segment ids, of one segment."""
+    (and, with a window, row − col < window); with segment ids, of one segment. With
+    positions (`pos_rows`, `pos_cols`: the tile's global query and key positions) the causal
+    mask and the window compare those instead of the local indices."""
     ok = (rows[:, None] < seq_q) & (cols[None, :] < seq_k)
+    at_q, at_k = (rows, cols) if pos_rows is None else (pos_rows, pos_cols)
     if causal:
-        ok = ok & (rows[:, None] >= cols[None, :])
+        ok = ok & (at_q[:, None] >= at_k[None, :])
     if window is not None:
-        ok = ok & (rows[:, None] - cols[None, :] < window)
+        ok = ok & (at_q[:, None] - at_k[None, :] < window)
     if seg_rows is not None:
         ok = ok & (seg_rows[:, None] == seg_cols[None, :])
     return ok
@@ -75,10 +81,11 @@ def _load(ref, start=None, size=None):
     return ref[...] if start is None else ref[pl.ds(start, size)]
 
 
-def _kv_range(i, block_q, block_k, n_kv, causal, window):
+def _kv_range(i, block_q, block_k, n_kv, causal, window, *, positioned=False):
     """Key blocks ``[lo, hi)`` query block `i` must visit: causal, only those at or left of the
-    diagonal; with a window, none wholly left of it either."""
-    if not causal:
+    diagonal; with a window, none wholly left of it either. With global positions
+    (`positioned`) blocks are not contiguous in position: all of them (`_sees` skips)."""
+    if not causal or positioned:
         return 0, n_kv
     # lax.div truncates, which is floor division for these non-negative operands, and lowers
     # to one instruction (jnp's // adds sign fix-ups).
@@ -88,9 +95,10 @@ def _kv_range(i, block_q, block_k, n_kv, causal, window):
     return lax.div(jnp.maximum(i * block_q - window + 1, 0), block_k), hi
 
 
-def _q_range(j, block_q, block_k, n_q, causal, window):
-    """Query blocks ``[lo, hi)`` that see some key of key block `j`."""
-    if not causal:
+def _q_range(j, block_q, block_k, n_q, causal, window, *, positioned=False):
+    """Query blocks ``[lo, hi)`` that see some key of key block `j` (all of them with global
+    positions, as in `_kv_range`)."""
+    if not causal or positioned:
         return 0, n_q
     lo = lax.div(j * block_k, block_q)  # earlier query blocks see none of these keys
     if window is None:
@@ -108,6 +116,8 @@ def _fwd_kernel(
     v_ref,
     sq_ref,
     sk_ref,
+    pq_ref,
+    pk_ref,
     o_ref,
     lse_ref,
     *,
@@ -123,6 +133,7 @@ def _fwd_kernel(
     q = q_ref[...]
     rows = i * bq + lax.iota(jnp.int32, bq)
     seg_rows = _load(sq_ref)
+    pos_rows = _load(pq_ref)
     n_kv = k_ref.shape[0] // bk
 
     def body(j, carry):
@@ -131,7 +142,11 @@ def _fwd_kernel(
         v = v_ref[pl.ds(j * bk, bk), :]
         cols = j * bk + lax.iota(jnp.int32, bk)
         seg_cols = _load(sk_ref, j * bk, bk)
-        ok = _mask(rows, cols, seq_q, seq_k, causal, window, seg_rows, seg_cols)
+        pos_cols = _load(pk_ref, j * bk, bk)
+        ok = _mask(
+            rows, cols, seq_q, seq_k, causal, window, seg_rows, seg_cols,
+            pos_rows=pos_rows, pos_cols=pos_cols,
+        )  # fmt: skip
         s = jnp.where(ok, _dot_nt(q, k) * scale, _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)
@@ -146,8 +161,12 @@ def _fwd_kernel(
         jnp.full((bq,), _NEG, _F32),
         jnp.zeros((bq,), _F32),
     )
-    acc, m, denom = lax.fori_loop(*_kv_range(i, bq, bk, n_kv, causal, window), body, init)
-    denom = jnp.where(denom == 0.0, 1.0, denom)  # rows with no visible key (padding only)
+    sees = _sees_block(pos_rows, lambda j: pk_ref[pl.ds(j * bk, bk)], causal, window)
+    lo, hi = _kv_range(i, bq, bk, n_kv, causal, window, positioned=pq_ref is not None)
+    acc, m, denom = lax.fori_loop(lo, hi, _skip_unseen(body, sees), init)
+    # Rows with no visible key (padding, or a block wholly masked by positions) get an output
+    # of 0 and a logsumexp of _NEG, which a merge of partial results weighs 0.
+    denom = jnp.where(denom == 0.0, 1.0, denom)
     o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(denom)
 
@@ -167,6 +186,10 @@ def _specs(B, H, G, Tp, Sp, K, bq, bk):
         seg_q_all=pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),
         seg_k_all=pl.BlockSpec((None, Sp), lambda b, h, i: (b, 0)),
         seg_k_tile=pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
+        pos_q_tile=pl.BlockSpec((bq,), lambda b, h, i: (i,)),
+        pos_q_all=pl.BlockSpec((Tp,), lambda b, h, j: (0,)),
+        pos_k_all=pl.BlockSpec((Sp,), lambda b, h, i: (0,)),
+        pos_k_tile=pl.BlockSpec((bk,), lambda b, h, j: (j,)),
     )
 
 
@@ -190,14 +213,19 @@ def _pad_segments(seg, bq, bk):
     )
 
 
-def _fwd_call(q, k, v, sq, sk, *, causal, window, bq, bk, seq_q, seq_k, interpret):
-    """Runs the forward kernel on padded q, k, v (and padded segment ids, or None)."""
+def _fwd_call(
+    q, k, v, sq, sk, *, causal, window, bq, bk, seq_q, seq_k, interpret,
+    q_pos=None, k_pos=None, out_dtype=None,
+):  # fmt: skip
+    """Runs the forward kernel on padded q, k, v (and padded segment ids, or None); with
+    `q_pos`, `k_pos` (padded int32 [Tp], [Sp]) the mask follows those global positions.
+    The output is in `out_dtype` (default: the input dtype)."""
     B, Tp, H, K = q.shape
     Sp, G = k.shape[1], k.shape[2]
     sp = _specs(B, H, G, Tp, Sp, K, bq, bk)
-    segmented = sq is not None
+    segmented, positioned = sq is not None, q_pos is not None
     kernel = functools.partial(
-        _segments_optional(_fwd_kernel, 3, segmented),
+        _optional_refs(_fwd_kernel, 3, (segmented, positioned)),
         scale=1.0 / math.sqrt(K),
         causal=causal,
         window=window,
@@ -210,16 +238,17 @@ def _fwd_call(q, k, v, sq, sk, *, causal, window, bq, bk, seq_q, seq_k, interpre
         kernel,
         grid=(B, H, Tp // bq),
         in_specs=[sp["q_tile"], sp["kv_all"], sp["kv_all"]]
-        + ([sp["seg_q_tile"], sp["seg_k_all"]] if segmented else []),
+        + ([sp["seg_q_tile"], sp["seg_k_all"]] if segmented else [])
+        + ([sp["pos_q_tile"], sp["pos_k_all"]] if positioned else []),
         out_specs=[sp["q_tile"], sp["row_tile"]],
         out_shape=[
-            jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype),
+            jax.ShapeDtypeStruct((B, Tp, H, K), out_dtype or q.dtype),
             jax.ShapeDtypeStruct((B, H, Tp), _F32),
         ],
         compiler_params=_common.triton_params(4 if K <= 64 else 8, 2),
         interpret=interpret,
         name="flash_attention_fwd",
-    )(q, k, v, *((sq, sk) if segmented else ()))
+    )(q, k, v, *((sq, sk) if segmented else ()), *((q_pos, k_pos) if positioned else ()))
 
 
 # --- backward ---------------------------------------------------------------------------
@@ -234,6 +263,8 @@ def _dq_kernel(
     delta_ref,
     sq_ref,
     sk_ref,
+    pq_ref,
+    pk_ref,
     dq_ref,
     *,
     scale,
@@ -249,6 +280,7 @@ def _dq_kernel(
     lse, delta = lse_ref[...], delta_ref[...]
     rows = i * bq + lax.iota(jnp.int32, bq)
     seg_rows = _load(sq_ref)
+    pos_rows = _load(pq_ref)
     n_kv = k_ref.shape[0] // bk
 
     def body(j, dq):
@@ -256,13 +288,19 @@ def _dq_kernel(
         v = v_ref[pl.ds(j * bk, bk), :]
         cols = j * bk + lax.iota(jnp.int32, bk)
         seg_cols = _load(sk_ref, j * bk, bk)
-        ok = _mask(rows, cols, seq_q, seq_k, causal, window, seg_rows, seg_cols)
+        pos_cols = _load(pk_ref, j * bk, bk)
+        ok = _mask(
+            rows, cols, seq_q, seq_k, causal, window, seg_rows, seg_cols,
+            pos_rows=pos_rows, pos_cols=pos_cols,
+        )  # fmt: skip
         p = jnp.where(ok, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
         ds = p * (_dot_nt(do, v) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, _F32)
-    dq = lax.fori_loop(*_kv_range(i, bq, bk, n_kv, causal, window), body, dq)
+    sees = _sees_block(pos_rows, lambda j: pk_ref[pl.ds(j * bk, bk)], causal, window)
+    lo, hi = _kv_range(i, bq, bk, n_kv, causal, window, positioned=pq_ref is not None)
+    dq = lax.fori_loop(lo, hi, _skip_unseen(body, sees), dq)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -275,6 +313,8 @@ def _dkv_kernel(
     delta_ref,
     sq_ref,
     sk_ref,
+    pq_ref,
+    pk_ref,
     dk_ref,
     dv_ref,
     *,
@@ -290,6 +330,7 @@ def _dkv_kernel(
     k, v = k_ref[...], v_ref[...]
     cols = j * bk + lax.iota(jnp.int32, bk)
     seg_cols = _load(sk_ref)
+    pos_cols = _load(pk_ref)
     n_q = q_ref.shape[0] // bq
 
     def body(i, carry):
@@ -300,7 +341,11 @@ def _dkv_kernel(
         delta = delta_ref[pl.ds(i * bq, bq)]
         rows = i * bq + lax.iota(jnp.int32, bq)
         seg_rows = _load(sq_ref, i * bq, bq)
-        ok = _mask(rows, cols, seq_q, seq_k, causal, window, seg_rows, seg_cols)
+        pos_rows = _load(pq_ref, i * bq, bq)
+        ok = _mask(
+            rows, cols, seq_q, seq_k, causal, window, seg_rows, seg_cols,
+            pos_rows=pos_rows, pos_cols=pos_cols,
+        )  # fmt: skip
         p = jnp.where(ok, jnp.exp(_dot_nt(q, k) * scale - lse[:, None]), 0.0)
         dv = dv + _dot_tn(p.astype(do.dtype), do)
         ds = p * (_dot_nt(do, v) - delta[:, None])
@@ -308,13 +353,24 @@ def _dkv_kernel(
         return dk, dv
 
     zeros = jnp.zeros(k.shape, _F32)
-    dk, dv = lax.fori_loop(*_q_range(j, bq, bk, n_q, causal, window), body, (zeros, zeros))
+    sees = None
+    if pos_cols is not None:
+        sees = _sees_block(
+            pos_cols, lambda i: pq_ref[pl.ds(i * bq, bq)], causal, window, fixed_rows=False
+        )
+    lo, hi = _q_range(j, bq, bk, n_q, causal, window, positioned=pk_ref is not None)
+    dk, dv = lax.fori_loop(lo, hi, _skip_unseen(body, sees), (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _bwd_calls(q, k, v, do, lse, delta, sq, sk, *, causal, window, bq, bk, seq_q, seq_k, interpret):
-    """Runs the dq kernel and the dk/dv kernel on padded arrays; dk, dv per query head."""
+def _bwd_calls(
+    q, k, v, do, lse, delta, sq, sk, *, causal, window, bq, bk, seq_q, seq_k, interpret,
+    q_pos=None, k_pos=None, grad_dtype=None,
+):  # fmt: skip
+    """Runs the dq kernel and the dk/dv kernel on padded arrays; dk, dv per query head. With
+    `q_pos`, `k_pos` (padded int32) the mask follows those global positions. The gradients
+    are in `grad_dtype` (default: their inputs' dtypes)."""
     B, Tp, H, K = q.shape
     Sp, G = k.shape[1], k.shape[2]
     sp = _specs(B, H, G, Tp, Sp, K, bq, bk)
@@ -328,10 +384,11 @@ def _bwd_calls(q, k, v, do, lse, delta, sq, sk, *, causal, window, bq, bk, seq_q
         seq_k=seq_k,
     )
     params = _common.triton_params(4 if K <= 64 else 8, 2)
-    segmented = sq is not None
-    segs = (sq, sk) if segmented else ()
+    segmented, positioned = sq is not None, q_pos is not None
+    extra = ((sq, sk) if segmented else ()) + ((q_pos, k_pos) if positioned else ())
+    present = (segmented, positioned)
     dq = _common.pallas_call(
-        functools.partial(_segments_optional(_dq_kernel, 6, segmented), **static),
+        functools.partial(_optional_refs(_dq_kernel, 6, present), **static),
         grid=(B, H, Tp // bq),
         in_specs=[
             sp["q_tile"],
@@ -341,16 +398,17 @@ def _bwd_calls(q, k, v, do, lse, delta, sq, sk, *, causal, window, bq, bk, seq_q
             sp["row_tile"],
             sp["row_tile"],
         ]
-        + ([sp["seg_q_tile"], sp["seg_k_all"]] if segmented else []),
+        + ([sp["seg_q_tile"], sp["seg_k_all"]] if segmented else [])
+        + ([sp["pos_q_tile"], sp["pos_k_all"]] if positioned else []),
         out_specs=sp["q_tile"],
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype or q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta, *segs)
+    )(q, k, v, do, lse, delta, *extra)
     # dk and dv come out per query head in float32 and are summed over each group outside.
     dkh, dvh = _common.pallas_call(
-        functools.partial(_segments_optional(_dkv_kernel, 6, segmented), **static),
+        functools.partial(_optional_refs(_dkv_kernel, 6, present), **static),
         grid=(B, H, Sp // bk),
         in_specs=[
             sp["q_all"],
@@ -360,16 +418,17 @@ def _bwd_calls(q, k, v, do, lse, delta, sq, sk, *, causal, window, bq, bk, seq_q
             sp["row_all"],
             sp["row_all"],
         ]
-        + ([sp["seg_q_all"], sp["seg_k_tile"]] if segmented else []),
+        + ([sp["seg_q_all"], sp["seg_k_tile"]] if segmented else [])
+        + ([sp["pos_q_all"], sp["pos_k_tile"]] if positioned else []),
         out_specs=[sp["kvh_tile"], sp["kvh_tile"]],
         out_shape=[jax.ShapeDtypeStruct((B, Sp, H, K), _F32)] * 2,
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dkv",
-    )(q, k, v, do, lse, delta, *segs)
+    )(q, k, v, do, lse, delta, *extra)
     R = H // G
-    dk = dkh.reshape(B, Sp, G, R, K).sum(axis=3).astype(k.dtype)
-    dv = dvh.reshape(B, Sp, G, R, K).sum(axis=3).astype(v.dtype)
+    dk = dkh.reshape(B, Sp, G, R, K).sum(axis=3).astype(grad_dtype or k.dtype)
+    dv = dvh.reshape(B, Sp, G, R, K).sum(axis=3).astype(grad_dtype or v.dtype)
     return dq, dk, dv
 
 
@@ -658,3 +717,256 @@ def _kv_index(q_BTHK, k_BSGK, *, heads: int, axes):
     if R % Hl == 0:
         return (first // R)[None]
     return (first + jnp.arange(Hl)) // R
+
+
+# --- global positions: the per-device blocks of context parallelism ------------------------
+
+
+def _optional_refs(kernel, n_in: int, present: tuple[bool, ...]):
+    """`kernel`, whose refs after the first `n_in` inputs are pairs of optional refs (the
+    query and key segment ids, then the query and key positions); the call passes only the
+    pairs that are `present`, and the kernel gets None for the others."""
+    if all(present):
+        return kernel
+
+    def run(*refs, **static):
+        out, at = list(refs[:n_in]), n_in
+        for here in present:
+            out += refs[at : at + 2] if here else [None, None]
+            at += 2 if here else 0
+        return kernel(*out, *refs[at:], **static)
+
+    return run
+
+
+def _sees_block(fixed_pos, load_pos, causal, window, *, fixed_rows=True):
+    """``j → whether any (query, key) pair of the tile at loop step j is visible`` from the
+    global positions (the fixed block's `fixed_pos`, the visited block's ``load_pos(j)``); None
+    when nothing can be skipped (no positions, or not causal). Conservative: it compares the
+    blocks' position ranges only, and the mask still decides each pair."""
+    if fixed_pos is None or not causal:
+        return None
+
+    def sees(j):
+        other = load_pos(j)
+        q_pos, k_pos = (fixed_pos, other) if fixed_rows else (other, fixed_pos)
+        ok = q_pos.max() >= k_pos.min()
+        if window is not None:
+            ok = ok & (q_pos.min() - k_pos.max() < window)
+        return ok
+
+    return sees
+
+
+def _skip_unseen(body, sees):
+    """A `fori_loop` body that leaves its carry alone at the steps where `sees` says no pair
+    is visible (`body` itself when `sees` is None)."""
+    if sees is None:
+        return body
+
+    def skipping(j, carry):
+        return lax.cond(sees(j), body, lambda _, c: c, j, carry)
+
+    return skipping
+
+
+def _pad_positions(pos, size):
+    """Positions padded to `size` with copies of the last one (the padding is masked by
+    index; repeating the edge keeps each block's position range that of its real entries)."""
+    pos = pos.astype(jnp.int32)
+    return jnp.pad(pos, (0, size - pos.shape[0]), mode="edge")
+
+
+def _check_block(q, k, v, q_pos, k_pos, causal, window, q_segments, k_segments):
+    """Clear errors for what `block_forward` does not take (beyond `_validate`'s)."""
+    _validate(q, k, v, "pallas", causal, window if causal else None)
+    T, S = q.shape[1], k.shape[1]
+    if q_pos.shape != (T,) or k_pos.shape != (S,):
+        raise ValueError(
+            f"flash attention block: positions {q_pos.shape}, {k_pos.shape} must be [{T}] and "
+            f"[{S}] (one per query and per key)"
+        )
+    for name, x in (("q_pos", q_pos), ("k_pos", k_pos)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"flash attention block: {name} must be integers, got {x.dtype}")
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("flash attention block: give both q_segments and k_segments, or none")
+    if q_segments is not None and (
+        q_segments.shape != (q.shape[0], T) or k_segments.shape != (q.shape[0], S)
+    ):
+        raise ValueError(
+            f"flash attention block: segment ids {q_segments.shape}, {k_segments.shape} must "
+            f"be [batch, {T}] and [batch, {S}]"
+        )
+
+
+def block_forward(
+    q_BTHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    q_pos_T: jax.Array,
+    k_pos_S: jax.Array,
+    *,
+    causal: bool,
+    window: int | None,
+    q_segments: jax.Array | None = None,
+    k_segments: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One block of attention at global positions, forward only (context parallelism).
+
+    Args:
+        q_BTHK: this device's queries [batch, T, heads, head_dim] (head_dim 64 or 128,
+            float32 or bfloat16).
+        k_BSGK, v_BSGK: a block of keys and values [batch, S, kv_heads, head_dim].
+        q_pos_T, k_pos_S: the global positions (int) of those queries and keys: with `causal`
+            query t sees key s when ``q_pos[t] >= k_pos[s]`` (and, with `window`,
+            ``q_pos[t] − k_pos[s] < window``).
+        causal: mask keys at later positions; without it `window` is ignored.
+        window: see `q_pos_T`; None: no window.
+        q_segments, k_segments: [batch, T] and [batch, S] integer segment ids (both or
+            none): a query sees only keys of its own segment.
+
+    Returns:
+        ``(out [B, T, H, K] float32, lse [B, G, R, T] float32)``, the layout of
+        `meshtrain.context_parallel.blocks`: the output is float32 whatever the input dtype,
+        so partial results merge without rounding. A query that sees no key of the block gets
+        an output of 0 and an lse of -1e30 (merging weighs it 0). No custom VJP: call it
+        inside a custom-VJP rule (`block_backward` is the backward). Runs per shard under the
+        active layout (batch over data × fsdp, heads over tensor).
+    """
+    window = window if causal else None
+    _check_block(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal, window, q_segments, k_segments)
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    bq, bk = _blocks(T, S, None, None)
+    interpret = _common.interpret_mode()
+
+    def per_shard(q, k, v, q_pos, k_pos, *segs, axes):
+        k, v = _local_kv_heads(q, k, v, heads=H, axes=axes)
+        qp, kp, vp = _pad_inputs(q, k, v, bq, bk)
+        Tp, Sp = qp.shape[1], kp.shape[1]
+        sq, sk = _pad_block_segments(segs, Tp, Sp)
+        o, lse = _fwd_call(
+            qp, kp, vp, sq, sk, causal=causal, window=window, bq=bq, bk=bk, seq_q=T,
+            seq_k=S, interpret=interpret, q_pos=_pad_positions(q_pos, Tp),
+            k_pos=_pad_positions(k_pos, Sp), out_dtype=_F32,
+        )  # fmt: skip
+        return o[:, :T], lse[:, :, :T]
+
+    args, names = _block_args(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, q_segments, k_segments)
+    o, lse_BHT = _per_shard(per_shard, args, names, (_Q_NAMES, _LSE_NAMES))
+    return o, lse_BHT.reshape(B, G, H // G, T)
+
+
+def block_backward(
+    q_BTHK: jax.Array,
+    k_BSGK: jax.Array,
+    v_BSGK: jax.Array,
+    q_pos_T: jax.Array,
+    k_pos_S: jax.Array,
+    do_BTHK: jax.Array,
+    lse_BGRT: jax.Array,
+    delta_BGRT: jax.Array,
+    *,
+    causal: bool,
+    window: int | None,
+    q_segments: jax.Array | None = None,
+    k_segments: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block's contributions to the gradients of attention at global positions.
+
+    Args:
+        q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal, window, q_segments, k_segments:
+            as `block_forward`.
+        do_BTHK: the cotangent of the whole attention's output [batch, T, heads, head_dim].
+        lse_BGRT: the whole attention's log-sum-exp [batch, kv_heads, heads / kv_heads, T]
+            (every block merged), as `meshtrain.context_parallel.blocks` keeps it.
+        delta_BGRT: ``rowsum(out · do)`` in the same layout (`blocks.delta`).
+
+    Returns:
+        ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, float32. Runs per shard like
+        `block_forward`; key/value heads a shard picked for its query heads get their
+        gradients summed back over the shards that picked them.
+    """
+    window = window if causal else None
+    _check_block(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal, window, q_segments, k_segments)
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    bq, bk = _blocks(T, S, None, None)
+    interpret = _common.interpret_mode()
+
+    def per_shard(q, k, v, q_pos, k_pos, do, lse, delta, *segs, axes):
+        kl, vl = _local_kv_heads(q, k, v, heads=H, axes=axes)
+        qp, kp, vp = _pad_inputs(q, kl, vl, bq, bk)
+        Tp, Sp = qp.shape[1], kp.shape[1]
+        sq, sk = _pad_block_segments(segs, Tp, Sp)
+        dq, dk, dv = _bwd_calls(
+            qp, kp, vp, _common.pad_to(do, 1, Tp), _common.pad_to(lse, 2, Tp),
+            _common.pad_to(delta, 2, Tp), sq, sk, causal=causal, window=window, bq=bq,
+            bk=bk, seq_q=T, seq_k=S, interpret=interpret, q_pos=_pad_positions(q_pos, Tp),
+            k_pos=_pad_positions(k_pos, Sp), grad_dtype=_F32,
+        )  # fmt: skip
+        dk, dv = (_kv_heads_back(x[:, :S], G, q.shape[2], heads=H, axes=axes) for x in (dk, dv))
+        return dq[:, :T], dk, dv
+
+    args, names = _block_args(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, q_segments, k_segments)
+    rows = (lse_BGRT.reshape(B, H, T), delta_BGRT.reshape(B, H, T))
+    args = (*args[:5], do_BTHK.astype(q_BTHK.dtype), *rows, *args[5:])
+    names = (*names[:5], _Q_NAMES, _LSE_NAMES, _LSE_NAMES, *names[5:])
+    return _per_shard(per_shard, args, names, (_Q_NAMES, _KV_NAMES, _KV_NAMES))
+
+
+def _block_args(q, k, v, q_pos, k_pos, q_segments, k_segments):
+    """The arguments of a block's `sharded` call and their logical names."""
+    args = (q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32))
+    names = (_Q_NAMES, _KV_NAMES, _KV_NAMES, (None,), (None,))
+    if q_segments is not None:
+        args += (q_segments.astype(jnp.int32), k_segments.astype(jnp.int32))
+        names += (("batch", None), ("batch", None))
+    return args, names
+
+
+def _pad_block_segments(segs, Tp, Sp):
+    """The query and key segment ids padded (with 0) to Tp and Sp; (None, None) without."""
+    if not segs:
+        return None, None
+    return _common.pad_to(segs[0], 1, Tp), _common.pad_to(segs[1], 1, Sp)
+
+
+def _kv_heads_back(dx_BSGK, groups: int, local: int, *, heads: int, axes):
+    """The transpose of `_local_kv_heads` (inside the kernels' manual region): gradients of the
+    key/value heads this shard picked, put back at their heads among all `groups` and summed
+    over the shards of the query heads' axes (every one of them holds the whole k/v); `local`
+    is the shard's number of query heads."""
+    q_axes, kv_axes = axes.get("heads", ()), axes.get("kv_heads", ())
+    if kv_axes == q_axes:
+        return dx_BSGK
+    B, S, _, K = dx_BSGK.shape
+    R = heads // groups
+    first = lax.axis_index(q_axes) * local
+    full = jnp.zeros((B, S, groups, K), dx_BSGK.dtype)
+    if R % local == 0:
+        full = lax.dynamic_update_slice_in_dim(full, dx_BSGK, first // R, axis=2)
+    else:
+        full = full.at[:, :, (first + jnp.arange(local)) // R].add(dx_BSGK)
+    return lax.psum(full, q_axes)
+
+
+def _per_shard(fn, args, names, out_names):
+    """`_common.sharded` (with axes); inside a manual region (a context-parallel region over
+    ``seq``) without an active layout, one nested region over the axes left, with every
+    argument whole: the kernel never runs in a region that checks varying axes."""
+    from jax.sharding import PartitionSpec as P
+
+    from meshtrain.layout import active, manual_axes
+
+    if active() is None and manual_axes():
+        whole = lambda names: P(*([None] * len(names)))  # noqa: E731
+        return _common._nested(
+            functools.partial(fn, axes={}),
+            args,
+            jax.sharding.get_abstract_mesh(),
+            tuple(whole(n) for n in names),
+            tuple(whole(n) for n in out_names),
+        )
+    return _common.sharded(fn, args, names, out_names, with_axes=True)

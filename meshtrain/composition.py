@@ -308,6 +308,17 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "cuDNN attention",
+        "context parallelism",
+        "cuDNN's attention takes no position mask and returns no log-sum-exp, so it cannot run "
+        "a ring step",
+        lambda run: _axis(run, SEQ) > 1 and getattr(run.model, "attention_impl", None) == "cudnn",
+        "{model}.attention_impl",
+        "use --{model}.attention-impl pallas, auto or xla, or set seq=1",
+        lambda run: "cudnn",
+        _pair({"seq": 2, "data": 4}, {"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)),
+    ),
+    Refusal(
+        "cuDNN attention",
         "pipelines",
         "jax differentiates cuDNN's fused attention itself, which a stage's nested manual "
         "region cannot (the Pallas kernel's own backward can)",

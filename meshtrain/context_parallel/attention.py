@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.context_parallel import gather, ring, zigzag
+from meshtrain.kernels.select import model_attention_impl
 from meshtrain.layout import active, manual_axes, manual_region
 from meshtrain.mesh import SEQ
 from meshtrain.problem import Problem, raise_if
@@ -20,6 +21,7 @@ from meshtrain.problem import Problem, raise_if
 ALGORITHMS = ("ring", "allgather", "ulysses")
 DEFAULT = "ring"
 AXIS = SEQ
+IMPLS = ("xla", "pallas", "auto")  # how each device computes its blocks (see `block_impl`)
 _FNS: dict[str, Callable[..., jax.Array]] = {
     "ring": ring.ring,
     "allgather": gather.allgather,
@@ -48,6 +50,20 @@ def algorithm_problems(algorithm) -> list[Problem]:
     ]
 
 
+def block_impl(impl: str, head_dim: int) -> str:
+    """The block impl `impl` names for heads of width `head_dim`: ``"auto"`` is the Pallas
+    kernel on a GPU for widths 64 and 128 and the jnp math otherwise; raises a ValueError for
+    an impl context parallelism cannot run (``"cudnn"``: no position mask, no log-sum-exp)."""
+    if impl == "cudnn":
+        raise ValueError(
+            "context parallelism: impl='cudnn' cannot compute a block (cuDNN's attention takes "
+            "no position mask and returns no log-sum-exp); use impl='pallas', 'auto' or 'xla'"
+        )
+    if impl not in IMPLS:
+        raise ValueError(f"context parallelism: impl={impl!r}; choose from {', '.join(IMPLS)}")
+    return model_attention_impl(impl, head_dim)
+
+
 def context_attention(
     q_BTHK: jax.Array,
     k_BSGK: jax.Array,
@@ -73,12 +89,16 @@ def context_attention(
         causal: mask keys at later positions.
         window: with `causal`, each query sees keys (t − window, t]; None: all earlier.
         axis: the mesh axis the sequence is split over.
-        impl: how each device computes its blocks (`blocks.IMPLS`).
+        impl: how each device computes its blocks: ``"xla"`` (jnp), ``"pallas"`` (the
+            flash-attention kernel at global positions, interpreted off the GPU; head widths
+            64 and 128, float32 or bfloat16) or ``"auto"`` (Pallas on a GPU where it applies,
+            else xla). ``"cudnn"`` is refused: it cannot compute a block at given positions.
 
     Returns:
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
     """
     raise_if(algorithm_problems(algorithm))
+    impl = block_impl(impl, q_BTHK.shape[-1])
     n = mesh.shape[axis]
     T, H = q_BTHK.shape[1], q_BTHK.shape[2]
     if T % n:
@@ -88,7 +108,7 @@ def context_attention(
             f"context_parallel='ulysses': {H} heads are not divisible by {axis}={n}; pick a "
             "head count divisible by seq, or --context-parallel ring"
         )
-    fn = _FNS[algorithm]
+    fn = ring.for_positions(positions_T, n, causal) if algorithm == "ring" else _FNS[algorithm]
 
     def per_device(q, k, v, pos):
         return fn(q, k, v, pos, pos, axis, causal, window, impl)
@@ -120,9 +140,12 @@ def active_context() -> Context | None:
     return Context(layout.mesh, getattr(layout.rules, "context_parallel", DEFAULT), n)
 
 
-def attend_active(q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=None):
+def attend_active(
+    q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=None, impl="xla"
+):  # fmt: skip
     """`context_attention` with the active layout's mesh and algorithm (see `active_context`;
-    call it only where that is not None): the form a model uses, naming no mesh."""
+    call it only where that is not None): the form a model uses, naming no mesh. `impl` as
+    `context_attention`'s (a model passes its own attention impl)."""
     ctx = active_context()
     if ctx is None:
         raise ValueError(
@@ -131,7 +154,7 @@ def attend_active(q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=No
         )
     return context_attention(
         q_BTHK, k_BSGK, v_BSGK, positions_T, mesh=ctx.mesh, algorithm=ctx.algorithm,
-        causal=causal, window=window,
+        causal=causal, window=window, impl=impl,
     )  # fmt: skip
 
 

@@ -12,6 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from meshtrain.kernels import attention as flash
+
 NEG = -1e30  # a masked score: finite, so a block that sees no key keeps finite results
 _F32 = jnp.float32
 
@@ -35,16 +37,26 @@ def scores(q_BTHK: jax.Array, k_BSGK: jax.Array, ok_TS) -> jax.Array:
     return s if ok_TS is None else jnp.where(ok_TS, s, NEG)
 
 
-IMPLS = ("xla",)  # how one block is computed: the jnp math below
+# How one block is computed: "xla", the jnp math below; "pallas", the flash-attention kernel
+# with global positions (`kernels.attention.block_forward` / `block_backward`; interpreted off
+# the GPU), for head widths 64 and 128 in float32 or bfloat16. The kernel runs per shard under
+# the active layout and must not be differentiated: the algorithms call it inside custom-VJP
+# rules only.
+IMPLS = ("xla", "pallas")
 
 
 def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, *, causal=True, window=None, impl="xla"):
     """Softmax attention of one block: ``(out [B, T, H, K] float32, lse [B, G, R, T] float32)``.
 
-    A query that sees no key of the block gets an lse near `NEG`, so merging weighs it 0.
-    `impl` picks how the block is computed (`IMPLS`).
+    A query that sees no key of the block gets an lse near `NEG`, so merging weighs it 0
+    (its output is 0 with ``impl="pallas"``, the mean of the values with ``"xla"``: either
+    weighs nothing). `impl` picks how the block is computed (`IMPLS`).
     """
     _check_impl(impl)
+    if impl == "pallas":
+        return flash.block_forward(
+            q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal=causal, window=window
+        )
     B, T, H, K = q_BTHK.shape
     s_BGRTS = scores(q_BTHK, k_BSGK, visible(q_pos_T, k_pos_S, causal=causal, window=window))
     lse_BGRT = jax.nn.logsumexp(s_BGRTS, axis=-1)
@@ -84,6 +96,11 @@ def grads(
     """One block's contributions to the gradients, from the whole attention's `lse` and
     `delta`: ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32."""
     _check_impl(impl)
+    if impl == "pallas":
+        return flash.block_backward(
+            q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT,
+            causal=causal, window=window,
+        )  # fmt: skip
     B, T, H, K = q_BTHK.shape
     G = k_BSGK.shape[2]
     do_BTGRK = do_BTHK.astype(_F32).reshape(B, T, G, H // G, K)

@@ -1,17 +1,29 @@
 """The two algorithms that move whole sequences: all-gather of keys/values, and Ulysses
 (all-to-all from sequence-split to head-split and back). Both run inside a region manual over
-the sequence axis and are differentiated by autodiff (the transpose of an all-gather is a
-reduce-scatter, of an all-to-all the reverse all-to-all).
+the sequence axis. With ``impl="xla"`` they are differentiated by autodiff (the transpose of an
+all-gather is a reduce-scatter, of an all-to-all the reverse all-to-all); with
+``impl="pallas"`` the flash kernel may not be differentiated inside that region, so each has a
+custom VJP that spells the same transposes out: the forward runs one block over the gathered
+keys/values and keeps its log-sum-exp, the backward runs `blocks.grads` over them.
 
 Shape suffixes as in `blocks`.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from meshtrain.context_parallel import blocks
+from meshtrain.kernels._common import typed_like
+
+
+def _gather(x, axis: str, dim: int):
+    """Every device's block of `x` along `dim`, concatenated over `axis`."""
+    return lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
 def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
@@ -22,12 +34,59 @@ def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, im
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k_BSGK, v_BSGK))
-    k_pos_all = lax.all_gather(k_pos_S, axis, axis=0, tiled=True)
+    blocks._check_impl(impl)
+    if impl != "xla":
+        return _allgather_vjp(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
+    k_all, v_all = (_gather(x, axis, 1) for x in (k_BSGK, v_BSGK))
+    k_pos_all = _gather(k_pos_S, axis, 0)
     o, _ = blocks.attend(
         q_BTHK, k_all, v_all, q_pos_T, k_pos_all, causal=causal, window=window, impl=impl
     )
     return o.astype(v_BSGK.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _allgather_vjp(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+    """`allgather` with its backward spelled out (for block impls autodiff may not enter)."""
+    return _allgather_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl)[0]
+
+
+def _allgather_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+    k_all, v_all = (_gather(x, axis, 1) for x in (k, v))
+    o, lse = blocks.attend(
+        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), causal=causal, window=window, impl=impl
+    )
+    o = o.astype(v.dtype)
+    # Only this device's k/v are kept: the backward gathers them again rather than hold
+    # the whole sequence's between the passes.
+    return o, (q, k, v, q_pos, k_pos, o, lse)
+
+
+def _allgather_bwd(axis, causal, window, impl, res, do_BTHK):
+    q, k, v, q_pos, k_pos, o, lse_BGRT = res
+    k_all, v_all = (_gather(x, axis, 1) for x in (k, v))
+    delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
+    dq, dk_all, dv_all = blocks.grads(
+        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), do_BTHK, lse_BGRT, delta_BGRT,
+        causal=causal, window=window, impl=impl,
+    )  # fmt: skip
+    # Each device's queries touched every key: the owners sum the contributions.
+    dk, dv = (lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    return (*typed_like(grads, (q, k, v)), None, None)
+
+
+_allgather_vjp.defvjp(_allgather_fwd, _allgather_bwd)
+
+
+def _to_heads(x, axis: str):
+    """[B, T/n, H, K] per device → [B, T, H/n, K]: the sequence whole, the heads split."""
+    return lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _to_sequence(x, axis: str):
+    """The inverse of `_to_heads`."""
+    return lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
@@ -42,19 +101,61 @@ def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
+    blocks._check_impl(impl)
+    if impl != "xla":
+        return _ulysses_vjp(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
     n = lax.axis_size(axis)
     H, G = q_BTHK.shape[2], k_BSGK.shape[2]
     if G % n:
         k_BSGK, v_BSGK = (jnp.repeat(x, H // G, axis=2) for x in (k_BSGK, v_BSGK))
 
-    def to_heads(x):
-        return lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
-
-    q_all, k_all, v_all = (to_heads(x) for x in (q_BTHK, k_BSGK, v_BSGK))
-    q_pos_all = lax.all_gather(q_pos_T, axis, axis=0, tiled=True)
-    k_pos_all = lax.all_gather(k_pos_S, axis, axis=0, tiled=True)
+    q_all, k_all, v_all = (_to_heads(x, axis) for x in (q_BTHK, k_BSGK, v_BSGK))
+    q_pos_all = _gather(q_pos_T, axis, 0)
+    k_pos_all = _gather(k_pos_S, axis, 0)
     o, _ = blocks.attend(
         q_all, k_all, v_all, q_pos_all, k_pos_all, causal=causal, window=window, impl=impl
     )
     o = o.astype(v_BSGK.dtype)
-    return lax.all_to_all(o, axis, split_axis=1, concat_axis=2, tiled=True)
+    return _to_sequence(o, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ulysses_vjp(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+    """`ulysses` with its backward spelled out (for block impls autodiff may not enter)."""
+    return _ulysses_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl)[0]
+
+
+def _repeats(H: int, G: int, axis: str) -> int:
+    """How many times each key/value head is repeated before the all-to-all (1: none)."""
+    return H // G if G % lax.axis_size(axis) else 1
+
+
+def _ulysses_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+    r = _repeats(q.shape[2], k.shape[2], axis)
+    q_h, k_h, v_h = (_to_heads(x, axis) for x in (q, jnp.repeat(k, r, 2), jnp.repeat(v, r, 2)))
+    q_pos_all, k_pos_all = _gather(q_pos, axis, 0), _gather(k_pos, axis, 0)
+    o_h, lse = blocks.attend(
+        q_h, k_h, v_h, q_pos_all, k_pos_all, causal=causal, window=window, impl=impl
+    )
+    o_h = o_h.astype(v.dtype)
+    return _to_sequence(o_h, axis), (q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, o_h, lse)
+
+
+def _ulysses_bwd(axis, causal, window, impl, res, do_BTHK):
+    q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, o_h, lse_BGRT = res
+    do_h = _to_heads(do_BTHK, axis)
+    delta_BGRT = blocks.delta(o_h, do_h, k_h.shape[2])
+    dq_h, dk_h, dv_h = blocks.grads(
+        q_h, k_h, v_h, q_pos_all, k_pos_all, do_h, lse_BGRT, delta_BGRT,
+        causal=causal, window=window, impl=impl,
+    )  # fmt: skip
+    dq, dk, dv = (_to_sequence(x, axis) for x in (dq_h, dk_h, dv_h))
+    r = _repeats(q.shape[2], k.shape[2], axis)
+    if r > 1:  # the transpose of the repeat: each key/value head's copies summed
+        B, S, G, K = k.shape
+        dk, dv = (x.reshape(B, S, G, r, K).sum(axis=3) for x in (dk, dv))
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    return (*typed_like(grads, (q, k, v)), None, None)
+
+
+_ulysses_vjp.defvjp(_ulysses_fwd, _ulysses_bwd)

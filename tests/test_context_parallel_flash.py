@@ -1,0 +1,245 @@
+"""Context parallelism with the Pallas flash kernel (``impl="pallas"``, interpreted on CPU):
+ring, all-gather and Ulysses against plain single-device attention (output and every
+gradient), a whole GPT with ``attention_impl="pallas"`` on seq × data against one device, and
+cuDNN refused under ``seq > 1`` before anything compiles.
+
+Shapes are the smallest that cross the kernel's block boundary: 80 tokens per device with
+head width 64 give 64-row blocks, the second one mostly padding; all-gather and Ulysses run
+over the whole sequence (160 to 640 keys). Inputs are fresh random float32 arrays.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtrain import context_parallel as cp
+from meshtrain.context_parallel import blocks
+from meshtrain.kernels import attention as flash
+from meshtrain.kernels import reference
+from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.mesh import make_mesh
+from meshtrain.models import GPTConfig, build_model
+from meshtrain.run import RunSpec
+from meshtrain.train import OptimConfig
+
+ATOL = 2e-5  # float32: measured ≤ 6e-6 on outputs and gradients of unit-scale inputs
+ALGORITHMS = ("ring", "allgather", "ulysses")
+PER_DEVICE, K = 80, 64
+
+
+def _qkv(seed, B, T, H, G):
+    """Fresh random q, k, v and an output cotangent."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (
+        jax.random.normal(ks[0], (B, T, H, K)),
+        jax.random.normal(ks[1], (B, T, G, K)),
+        jax.random.normal(ks[2], (B, T, G, K)),
+        jax.random.normal(ks[3], (B, T, H, K)),
+    )
+
+
+def _errors(algorithm, n, causal, H, G, window=None, layout=False):
+    """Max |difference| of the output and of dq, dk, dv against plain attention."""
+    mesh = make_mesh(f"data={8 // n},seq={n}")
+    T, B = PER_DEVICE * n, 8 // n if layout else 1
+    q, k, v, w = _qkv(n * 1000 + H * 10 + G + causal, B, T, H, G)
+    idx = cp.order(T, n) if causal else np.arange(T)  # balanced order for causal attention
+    inv = cp.inverse(idx)
+
+    def full(q, k, v):
+        o = reference.attention(q, k, v, causal=causal, window=window)
+        return (o * w).sum(), o
+
+    (_, o_want), g_want = jax.value_and_grad(full, (0, 1, 2), has_aux=True)(q, k, v)
+
+    def split(q, k, v):
+        def run():
+            return cp.context_attention(
+                q[:, idx], k[:, idx], v[:, idx], jnp.asarray(idx), mesh=mesh,
+                algorithm=algorithm, causal=causal, window=window, impl="pallas",
+            )  # fmt: skip
+
+        if layout:  # the kernel per shard of the layout (batch over data)
+            with activation_rules(mesh, rules_for("dp", mesh)):
+                o = run()
+        else:
+            o = run()
+        return (o * w[:, idx]).sum(), o[:, inv]
+
+    with jax.set_mesh(mesh):
+        (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
+    return [float(jnp.abs(a - b).max()) for a, b in zip((o, *g), (o_want, *g_want), strict=True)]
+
+
+# (seq, causal, heads, kv heads, window, under a layout): seq 2/4/8, causal and not, GQA and
+# MHA; a window that spans a block boundary; the layout's per-shard call (batch over data).
+CASES = [
+    (2, True, 4, 2, None, False),
+    (2, False, 2, 2, None, True),
+    (4, True, 4, 4, None, True),
+    (4, False, 4, 2, None, False),
+    (8, True, 8, 2, 100, False),
+    (8, False, 8, 8, None, False),
+]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("n, causal, H, G, window, layout", CASES)
+def test_algorithm_with_the_kernel_equals_plain_attention(
+    algorithm, n, causal, H, G, window, layout
+):
+    errors = _errors(algorithm, n, causal, H, G, window, layout)
+    assert max(errors) < ATOL, errors
+
+
+def test_a_block_that_sees_no_key_ends_with_lse_near_neg():
+    """Queries wholly before a block's keys: output 0 and lse ≈ NEG, so `merge` weighs the
+    block 0; the merged result is the other block's."""
+    q, k, v, _ = _qkv(7, 1, 40, 2, 2)
+    pos_q, pos_k = jnp.arange(40), 100 + jnp.arange(40)
+    o, lse = blocks.attend(q, k, v, pos_q, pos_k, causal=True, window=None, impl="pallas")
+    assert float(jnp.abs(o).max()) == 0.0 and float(lse.max()) < blocks.NEG / 2
+    o_own, lse_own = blocks.attend(q, k, v, pos_q, pos_q, causal=True, impl="pallas")
+    merged, lse_m = blocks.merge(o_own, lse_own, o, lse)
+    np.testing.assert_allclose(merged, o_own, atol=1e-6)
+    np.testing.assert_allclose(lse_m, lse_own, atol=1e-6)
+
+
+# --- refusals -----------------------------------------------------------------------------
+
+
+def test_impls_context_parallelism_cannot_run_are_clear_errors():
+    mesh = make_mesh("data=4,seq=2")
+    q, k, v, _ = _qkv(0, 1, 32, 2, 2)
+    pos = jnp.arange(32)
+    with pytest.raises(ValueError, match="impl='cudnn' cannot compute a block"):
+        cp.context_attention(q, k, v, pos, mesh=mesh, impl="cudnn")
+    with pytest.raises(ValueError, match="choose from xla, pallas, auto"):
+        cp.context_attention(q, k, v, pos, mesh=mesh, impl="triton")
+    with pytest.raises(ValueError, match="head_dim=32 is not supported"):
+        cp.context_attention(q[..., :32], k[..., :32], v[..., :32], pos, mesh=mesh, impl="pallas")
+    assert cp.attention.block_impl("auto", 64) == "xla"  # no GPU here: the jnp math
+
+
+def test_gpt_with_cudnn_attention_under_seq_is_refused_naming_the_field():
+    mesh = make_mesh("seq=2,data=4")
+    cfg = GPTConfig(n_layers=1, d_model=128, n_heads=2, max_seq_len=32, attention_impl="cudnn")
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((4, 32), jnp.int32)
+
+    def forward(state, tokens):
+        with activation_rules(mesh, rules_for("dp", mesh)):
+            return nnx.merge(graphdef, state)(tokens)
+
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"gpt.attention_impl='cudnn'.*pallas, auto or xla"),
+    ):
+        jax.eval_shape(forward, state, tokens)
+
+
+# --- a whole GPT --------------------------------------------------------------------------
+
+T, B, STEPS = 32, 4, 3
+# SGD: parameters move by lr × gradient, so their difference bounds the gradients'; Adam's
+# normalisation would blow float rounding in near-zero gradients up to lr (the jnp ring on
+# this model differs from one device by 1.6e-4 after 3 AdamW steps at lr 1e-3).
+TX = make_optimizer(OptimConfig(optimizer="sgd", lr=0.1, warmup_steps=0), 10)
+GPT = GPTConfig(
+    style="llama", n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, max_seq_len=T,
+    attention_impl="pallas",
+)  # fmt: skip
+
+
+def _batches(cfg):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):  # noqa: B007
+        tokens = rng.integers(0, cfg.vocab_size, (B, T + 1), np.int32)
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    return out
+
+
+def _train(cfg, mesh_str, values, devices=None):
+    """STEPS steps from `values`: the losses and the final parameters."""
+    mesh = make_mesh(mesh_str, devices=devices)
+    rules = rules_for("dp", mesh, context_parallel="ring")
+
+    def ctor():
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
+        return nnx.merge(graphdef, state)
+
+    graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
+    data = _batches(cfg)
+    run = RunSpec(mesh=mesh, rules=rules)
+    step = jit_train_step(run, graphdef, TX, shardings, batch_shardings(data[0], mesh, rules))
+    losses = []
+    for batch in data:
+        state, m = step(state, shard_batch(batch, mesh, rules))
+        losses.append(float(m["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.slow
+def test_gpt_with_the_kernel_on_seq4_data2_equals_one_device(monkeypatch):
+    """3 steps with ring attention through the kernel (attention_impl='pallas') on seq=4 ×
+    data=2 equal the same model's single-device run (whose attention is the flash kernel
+    without positions): losses and parameters."""
+    cfg = dataclasses.replace(GPT, remat="full")
+    values = jax.tree.map(
+        np.asarray, jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
+    )
+    calls = []
+    for name in ("block_forward", "block_backward"):
+        real = getattr(flash, name)
+        spy = lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(flash, name, spy)
+    loss, params = _train(cfg, "seq=4,data=2", values)
+    assert {"block_forward", "block_backward"} <= set(calls)  # the blocks ran the kernel
+    loss_1, params_1 = _train(cfg, "data=1", values, devices=jax.devices()[:1])
+    np.testing.assert_allclose(loss, loss_1, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params_1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # moves ~4e-3; measured 1e-8
+    assert not np.allclose(loss[0], loss[-1])  # it trained
+
+
+# --- on a GPU -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_ring_compiles_the_kernel_on_a_gpu_and_equals_plain_attention():
+    """The ring with the Pallas kernel compiled by Triton (not interpreted), on as many GPUs
+    as divide 8 (one GPU: a ring of one), against plain attention on the same GPU."""
+    gpus = jax.devices("gpu")
+    n = max(d for d in (1, 2, 4, 8) if d <= len(gpus))
+    mesh = make_mesh(f"seq={n}", devices=gpus[:n])
+    T = 256 * n
+    whole = jax.NamedSharding(mesh, jax.P())
+    q, k, v, w = (jax.device_put(x, whole) for x in _qkv(3, 2, T, 8, 2))
+    idx = cp.order(T, n)
+    inv = cp.inverse(idx)
+
+    def split(q, k, v):
+        q, k, v = (x[:, idx] for x in (q, k, v))
+        o = cp.context_attention(q, k, v, jnp.asarray(idx), mesh=mesh, impl="pallas")
+        return (o * w[:, idx]).sum(), o
+
+    with jax.set_mesh(mesh):
+        (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
+
+    def full(q, k, v):
+        o = reference.attention(q, k, v, causal=True)
+        return (o * w).sum(), o
+
+    (_, o_want), g_want = jax.jit(jax.value_and_grad(full, (0, 1, 2), has_aux=True))(q, k, v)
+    o = jax.device_get(o)[:, inv]
+    errors = [float(jnp.abs(jnp.asarray(o) - o_want).max())]
+    errors += [float(jnp.abs(jax.device_get(a) - b).max()) for a, b in zip(g, g_want, strict=True)]
+    assert max(errors) < 1e-2, errors  # TF32 matmuls on the GPU

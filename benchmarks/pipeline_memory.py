@@ -16,11 +16,17 @@ It also compiles the unpipelined step on a ``data=8`` mesh for scale. Prints one
 
     python benchmarks/pipeline_memory.py            # p=4, m=16: about a minute on 2 cores
     python benchmarks/pipeline_memory.py --quick    # tiny sizes (the smoke test)
+    python benchmarks/pipeline_memory.py --kernels  # the stages run the Pallas kernels
+
+With ``--kernels`` the GPT's attention, norms and loss use the Pallas kernels (two heads of
+width 64, the kernels' width); on a CPU they are interpreted, so the memory is the
+interpreted kernels' and the permute count is the schedule's either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,6 +45,7 @@ from meshtrain.lower import cross_entropy, init_train_state
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss_and_grads
+from meshtrain.train.loss import cross_entropy_with
 
 
 def collective_permutes(hlo: str) -> tuple[int, int]:
@@ -49,7 +56,9 @@ def collective_permutes(hlo: str) -> tuple[int, int]:
     return sum(c.count for c in permutes), sum(c.count * c.result_bytes for c in permutes)
 
 
-def compile_pipelined(cfg: GPTConfig, mesh_spec: str, pc: PipelineConfig | None, batch: int):
+def compile_pipelined(
+    cfg: GPTConfig, mesh_spec: str, pc: PipelineConfig | None, batch: int, loss_fn=cross_entropy
+):
     """Compiles loss-and-grads of `cfg` on `mesh_spec` (pipelined by `pc`, or plain)."""
     mesh = make_mesh(mesh_spec)
     rules = rules_for("fsdp", mesh)
@@ -65,11 +74,11 @@ def compile_pipelined(cfg: GPTConfig, mesh_spec: str, pc: PipelineConfig | None,
 
                 def loss(p):
                     model = nnx.merge(graphdef, p, state.rest)
-                    return cross_entropy(model(data["inputs"]), data["targets"])
+                    return loss_fn(model(data["inputs"]), data["targets"])
 
                 return jax.value_and_grad(loss)(params)
             return pipeline_loss_and_grads(
-                graphdef, params, state.rest, data, config=pc, mesh=mesh, loss_fn=cross_entropy
+                graphdef, params, state.rest, data, config=pc, mesh=mesh, loss_fn=loss_fn
             )
 
     return jax.jit(run).lower(state.params, data).compile()
@@ -80,6 +89,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes for the smoke test")
     parser.add_argument("--pipe", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--kernels", action="store_true", help="Pallas attention, norms, loss")
     args = parser.parse_args()
     p, m = args.pipe, args.microbatches
     if args.quick:
@@ -89,6 +99,12 @@ def main() -> None:
     else:
         cfg = GPTConfig(d_model=128, n_layers=8, n_heads=4, max_seq_len=256, vocab_size=256)
         batch = 64
+    loss_fn = cross_entropy
+    if args.kernels:
+        impls = dict(attention_impl="pallas", norm_impl="pallas")
+        d = max(cfg.d_model, 128)
+        cfg = dataclasses.replace(cfg, d_model=d, n_heads=d // 64, n_kv_heads=0, **impls)
+        loss_fn = cross_entropy_with("pallas")
     data_ways = 8 // p
     mesh_spec = f"pipe={p},data={data_ways}"
     rows = batch // m // data_ways  # rows of one microbatch on one device
@@ -101,13 +117,14 @@ def main() -> None:
         "p": p,
         "m": m,
         "microbatch_activation_bytes_per_device": act_bytes,
+        "kernels": "pallas (interpreted)" if args.kernels else "xla",
     }
-    plain = compile_pipelined(cfg, "data=8", None, batch)
+    plain = compile_pipelined(cfg, "data=8", None, batch, loss_fn)
     out["unpipelined_data8_temp_bytes"] = plain.memory_analysis().temp_size_in_bytes
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("circular", 2)):
         print(f"compiling {schedule} ...", file=sys.stderr)
         pc = PipelineConfig(schedule=schedule, microbatches=m, repeats=v)
-        compiled = compile_pipelined(cfg, mesh_spec, pc, batch)
+        compiled = compile_pipelined(cfg, mesh_spec, pc, batch, loss_fn)
         count, sent = collective_permutes(compiled.as_text())
         ticks = v * m + p - 1
         expected = 2 * ticks if schedule != "1f1b" else 2 * 2 * (m + p - 1)

@@ -21,6 +21,7 @@ Nothing runs; every figure is read from a compiled program (8 simulated CPU devi
     python benchmarks/context.py            # T up to 2048: minutes on a 2-core machine
     python benchmarks/context.py --quick    # tiny sizes (the smoke test)
     python benchmarks/context.py --half     # the half_ring case alone (T = 2048)
+    python benchmarks/context.py --flash    # the ring with the Pallas kernel (T = 8192, seq 8)
     python benchmarks/context.py --plot docs/context_memory.png < results.jsonl  # the figure
 """
 
@@ -32,6 +33,7 @@ import math
 import os
 import re
 import sys
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -204,12 +206,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--plot", help="draw the memory lines read from stdin to this PNG; no compile")
     ap.add_argument("--half", action="store_true", help="only the half-work ring case")
+    ap.add_argument("--flash", action="store_true", help="only the ring with the Pallas kernel")
     args = ap.parse_args(argv)
     if args.plot:
         return plot([json.loads(line) for line in sys.stdin if line.strip()], args.plot)
     quick = args.quick
     if args.half:
         half_ring_lines(quick, jax.devices()[0].device_kind)
+        return 0
+    if args.flash:
+        flash_lines(quick, jax.devices()[0].device_kind)
         return 0
     lengths = [128, 256] if quick else [512, 1024, 2048]
     seqs = [1, 2, 4] if quick else [1, 2, 4, 8]
@@ -268,9 +274,10 @@ def plot(lines: list[dict], path: str) -> int:
 
 
 def flash_program(impl, n, B, T, H, G, K):
-    """The compiled forward + backward of ring attention whose blocks run with `impl`."""
+    """The compiled forward + backward of causal ring attention on the zig-zag layout (the
+    half-work ring) whose blocks run with `impl`."""
     mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
-    idx = jnp.asarray(cp.order(T, n))
+    idx = cp.order(T, n)
     q = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
     kv = jax.ShapeDtypeStruct((B, T, G, K), jnp.float32)
 
@@ -282,20 +289,13 @@ def flash_program(impl, n, B, T, H, G, K):
         return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, kv, kv, q).compile()
 
 
-def flash_main(argv=None) -> int:
-    """``--flash``: compiled temp memory per device of the ring with the jnp blocks and with
-    the Pallas flash kernel (T = 8192 on seq = 8; ``--quick``: T = 512 on seq = 4). Off the
-    GPU the kernel is interpreted (lowered to ordinary XLA loops), so its row measures the
-    interpreted kernel, which the row says."""
-    import time
-
-    ap = argparse.ArgumentParser(description="ring memory: jnp blocks against the kernel")
-    ap.add_argument("--flash", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    args = ap.parse_args(argv)
+def flash_lines(quick: bool, device: str):
+    """One JSON line per block impl: compiled temp memory per device of the ring with the jnp
+    blocks and with the Pallas flash kernel (T = 8192 on seq = 8; quick: T = 512 on seq = 4).
+    Off the GPU the kernel is interpreted (lowered to ordinary XLA loops), so its row measures
+    the interpreted kernel, which the row says."""
     B, H, G, K = 1, 8, 2, 64
-    T, n = (512, 4) if args.quick else (8192, 8)
-    device = jax.devices()[0].device_kind
+    T, n = (512, 4) if quick else (8192, 8)
     kernel = "interpreted" if jax.default_backend() != "gpu" else "compiled"
     for impl in ("xla", "pallas"):
         start = time.perf_counter()
@@ -306,8 +306,7 @@ def flash_main(argv=None) -> int:
         line.update(kernel=kernel if impl == "pallas" else "none", compile_s=seconds)
         line.update(device=device, jax=jax.__version__)
         print(json.dumps(line), flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(flash_main() if "--flash" in sys.argv[1:] else main())
+    sys.exit(main())

@@ -460,8 +460,7 @@ def _pallas_attention(q, k, v, seg, *, causal, window, bq, bk, interpret):
         return o[:, :T], lse[:, :, :T]
 
     def bwd_shard(q, k, v, o, lse, do, *seg, axes):
-        idx = _kv_index(q, k, heads=heads, axes=axes)
-        kl, vl = (k, v) if idx is None else (jnp.take(x, idx, axis=2) for x in (k, v))
+        kl, vl = _local_kv_heads(q, k, v, heads=heads, axes=axes)
         T, S = q.shape[1], k.shape[1]
         qp, kp, vp = _pad_inputs(q, kl, vl, bq, bk)
         Tp = qp.shape[1]
@@ -470,16 +469,8 @@ def _pallas_attention(q, k, v, seg, *, causal, window, bq, bk, interpret):
         delta = jnp.einsum("bthk,bthk->bht", op.astype(_F32), dop.astype(_F32))
         sq, sk = _pad_segments(seg[0] if seg else None, bq, bk)
         dq, dk, dv = _bwd_calls(qp, kp, vp, dop, lsep, delta, sq, sk, seq_q=T, seq_k=S, **static)
-        dq, dk, dv = dq[:, :T], dk[:, :S], dv[:, :S]
-        if idx is not None:  # back into the whole heads, summed over the shards that picked
-            q_axes = axes["heads"]
-            dk, dv = (
-                lax.psum(jnp.zeros(x.shape, _F32).at[:, :, idx].add(d.astype(_F32)), q_axes).astype(
-                    x.dtype
-                )
-                for x, d in ((k, dk), (v, dv))
-            )
-        return dq, dk, dv
+        back = functools.partial(_kv_heads_back, q, k, heads=heads, axes=axes)
+        return dq[:, :T], back(dk[:, :S]).astype(k.dtype), back(dv[:, :S]).astype(v.dtype)
 
     def run(q, k, v, *seg):
         args, names = (q, k, v, *seg), (_Q_NAMES, _KV_NAMES, _KV_NAMES, *seg_names)
@@ -686,9 +677,8 @@ def _local_kv_heads(q_BTHK, k_BSGK, v_BSGK, *, heads: int, axes):
     - otherwise (the shard's heads straddle groups unevenly) one k/v head per local query head.
 
     Picking beats repeating k/v to every query head up front: the kernels read only the k/v
-    heads a shard uses. The Pallas backward picks them again and adds their gradients back
-    into the whole heads, summed over the shards (`_pallas_attention`); cuDNN's reach them
-    through the region's transpose.
+    heads a shard uses. The Pallas backwards pick them again and `_kv_heads_back` adds their
+    gradients back into the whole heads; cuDNN's reach them through the region's transpose.
     """
     idx = _kv_index(q_BTHK, k_BSGK, heads=heads, axes=axes)
     if idx is None:
@@ -854,7 +844,7 @@ def block_forward(
         return o[:, :T], lse[:, :, :T]
 
     args, names = _block_args(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, q_segments, k_segments)
-    o, lse_BHT = _per_shard(per_shard, args, names, (_Q_NAMES, _LSE_NAMES))
+    o, lse_BHT = _common.sharded(per_shard, args, names, (_Q_NAMES, _LSE_NAMES), with_axes=True)
     return o, lse_BHT.reshape(B, G, H // G, T)
 
 
@@ -891,7 +881,7 @@ def block_backward(
     window = window if causal else None
     _check_block(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal, window, q_segments, k_segments)
     B, T, H, K = q_BTHK.shape
-    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    S = k_BSGK.shape[1]
     bq, bk = _blocks(T, S, None, None)
     interpret = _common.interpret_mode()
 
@@ -906,14 +896,15 @@ def block_backward(
             bk=bk, seq_q=T, seq_k=S, interpret=interpret, q_pos=_pad_positions(q_pos, Tp),
             k_pos=_pad_positions(k_pos, Sp), grad_dtype=_F32,
         )  # fmt: skip
-        dk, dv = (_kv_heads_back(x[:, :S], G, q.shape[2], heads=H, axes=axes) for x in (dk, dv))
-        return dq[:, :T], dk, dv
+        back = functools.partial(_kv_heads_back, q, k, heads=H, axes=axes)
+        return dq[:, :T], back(dk[:, :S]), back(dv[:, :S])
 
     args, names = _block_args(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, q_segments, k_segments)
     rows = (lse_BGRT.reshape(B, H, T), delta_BGRT.reshape(B, H, T))
     args = (*args[:5], do_BTHK.astype(q_BTHK.dtype), *rows, *args[5:])
     names = (*names[:5], _Q_NAMES, _LSE_NAMES, _LSE_NAMES, *names[5:])
-    return _per_shard(per_shard, args, names, (_Q_NAMES, _KV_NAMES, _KV_NAMES))
+    outs = (_Q_NAMES, _KV_NAMES, _KV_NAMES)
+    return _common.sharded(per_shard, args, names, outs, with_axes=True)
 
 
 def _block_args(q, k, v, q_pos, k_pos, q_segments, k_segments):
@@ -933,40 +924,12 @@ def _pad_block_segments(segs, Tp, Sp):
     return _common.pad_to(segs[0], 1, Tp), _common.pad_to(segs[1], 1, Sp)
 
 
-def _kv_heads_back(dx_BSGK, groups: int, local: int, *, heads: int, axes):
-    """The transpose of `_local_kv_heads` (inside the kernels' manual region): gradients of the
-    key/value heads this shard picked, put back at their heads among all `groups` and summed
-    over the shards of the query heads' axes (every one of them holds the whole k/v); `local`
-    is the shard's number of query heads."""
-    q_axes, kv_axes = axes.get("heads", ()), axes.get("kv_heads", ())
-    if kv_axes == q_axes:
-        return dx_BSGK
-    B, S, _, K = dx_BSGK.shape
-    R = heads // groups
-    first = lax.axis_index(q_axes) * local
-    full = jnp.zeros((B, S, groups, K), dx_BSGK.dtype)
-    if R % local == 0:
-        full = lax.dynamic_update_slice_in_dim(full, dx_BSGK, first // R, axis=2)
-    else:
-        full = full.at[:, :, (first + jnp.arange(local)) // R].add(dx_BSGK)
-    return lax.psum(full, q_axes)
-
-
-def _per_shard(fn, args, names, out_names):
-    """`_common.sharded` (with axes); inside a manual region (a context-parallel region over
-    ``seq``) without an active layout, one nested region over the axes left, with every
-    argument whole: the kernel never runs in a region that checks varying axes."""
-    from jax.sharding import PartitionSpec as P
-
-    from meshtrain.layout import active, manual_axes
-
-    if active() is None and manual_axes():
-        whole = lambda names: P(*([None] * len(names)))  # noqa: E731
-        return _common._nested(
-            functools.partial(fn, axes={}),
-            args,
-            jax.sharding.get_abstract_mesh(),
-            tuple(whole(n) for n in names),
-            tuple(whole(n) for n in out_names),
-        )
-    return _common.sharded(fn, args, names, out_names, with_axes=True)
+def _kv_heads_back(q_BTHK, k_BSGK, d_BSGK, *, heads: int, axes):
+    """The transpose of `_local_kv_heads` (inside the kernels' manual region): the gradients
+    `d_BSGK` of the key/value heads this shard picked, put back among all of `k_BSGK`'s heads
+    in float32 and summed over the query heads' axes (every shard holds the whole k/v)."""
+    idx = _kv_index(q_BTHK, k_BSGK, heads=heads, axes=axes)
+    if idx is None:
+        return d_BSGK
+    full = jnp.zeros(k_BSGK.shape, _F32).at[:, :, idx].add(d_BSGK.astype(_F32))
+    return lax.psum(full, axes["heads"])

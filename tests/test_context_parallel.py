@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cp_helpers import errors_vs_full, qkv
 from _helpers import count_compiles
 from flax import nnx
 
@@ -31,45 +32,11 @@ from meshtrain.train import OptimConfig
 ATOL = 2e-5  # float32: measured ≤ 2e-6 on outputs and gradients of unit-scale inputs
 
 
-def _qkv(seed, B, T, H, G, K):
-    """Fresh random q, k, v and an output cotangent."""
-    ks = jax.random.split(jax.random.key(seed), 4)
-    return (
-        jax.random.normal(ks[0], (B, T, H, K)),
-        jax.random.normal(ks[1], (B, T, G, K)),
-        jax.random.normal(ks[2], (B, T, G, K)),
-        jax.random.normal(ks[3], (B, T, H, K)),
-    )
-
-
 def _algorithm_vs_full(algorithms, n, causal, H, G, T, window=None):
     """Max |difference| of output and of dq, dk, dv, per algorithm, against full attention."""
-    mesh = make_mesh(f"data={8 // n},seq={n}")
-    q, k, v, w = _qkv(n * 100 + H + G + T, 2, T, H, G, 16)
-    idx = cp.order(T, n) if causal else np.arange(T)  # balanced order for causal attention
-    inv = cp.inverse(idx)
-
-    def full(q, k, v):
-        o = reference.attention(q, k, v, causal=causal, window=window)
-        return (o * w).sum(), o
-
-    (_, o_want), g_want = jax.value_and_grad(full, (0, 1, 2), has_aux=True)(q, k, v)
-    out = {}
-    for algorithm in algorithms:
-
-        def split(q, k, v, algorithm=algorithm):
-            o = cp.context_attention(
-                q[:, idx], k[:, idx], v[:, idx], idx, mesh=mesh,
-                algorithm=algorithm, causal=causal, window=window,
-            )  # fmt: skip
-            return (o * w[:, idx]).sum(), o[:, inv]
-
-        with jax.set_mesh(mesh):
-            (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
-        diffs = [float(jnp.abs(o - o_want).max())]
-        diffs += [float(jnp.abs(a - b).max()) for a, b in zip(g, g_want, strict=True)]
-        out[algorithm] = diffs
-    return out
+    return errors_vs_full(
+        algorithms, n, causal, H, G, T, K=16, B=2, window=window, seed=n * 100 + H + G + T
+    )
 
 
 # (seq, causal, heads, kv heads, T, window): MHA and GQA, causal and not, seq 2/4/8; T = 2·seq
@@ -126,7 +93,7 @@ def _half_vs_whole_vs_full(n, H, G, T, window, leaf, causal=True):
     """Max |difference| of output, dq, dk, dv: the half-work ring and the whole-block ring
     against full attention, and against each other."""
     mesh = make_mesh(f"data={8 // n},seq={n}")
-    q, k, v, w = _qkv(n * 1000 + H + G + T + leaf, 2, T, H, G, 16)
+    q, k, v, w = qkv(n * 1000 + H + G + T + leaf, 2, T, H, G, 16)
     idx = cp.order(T, n) if causal else np.arange(T)
     inv = cp.inverse(idx)
 
@@ -186,13 +153,14 @@ def test_whole_block_ring_equals_full_attention_without_a_causal_mask(n):
         assert max(d) < ATOL, (pair, d)
 
 
-def test_half_work_is_chosen_only_for_causal_zigzag_positions():
+def test_half_work_is_chosen_only_for_causal_zigzag_positions_and_jnp_blocks():
     T, n = 32, 4
 
-    def halve(positions, n, causal=True):
-        return ring.for_positions(positions, n, causal).keywords["halve"]
+    def halve(positions, n, causal=True, impl="xla"):
+        return ring.for_positions(positions, n, causal, impl).keywords["halve"]
 
     assert halve(cp.order(T, n), n)
+    assert not halve(cp.order(T, n), n, impl="pallas")  # the kernel skips empty tiles itself
     assert halve(jnp.asarray(cp.order(T, n)), n)  # a concrete jax array
     assert not halve(cp.order(T, n), n, causal=False)
     assert not halve(np.arange(T), n)  # the plain split
@@ -202,7 +170,7 @@ def test_half_work_is_chosen_only_for_causal_zigzag_positions():
     jax.jit(lambda p: seen.append(halve(p, n)) or p)(jnp.asarray(cp.order(T, n)))
     assert seen == [False]  # traced positions: the whole-block ring
     mesh = make_mesh("data=4,seq=2")
-    q, k, v, _ = _qkv(0, 1, 8, 2, 2, 8)
+    q, k, v, _ = qkv(0, 1, 8, 2, 2, 8)
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="halve=True"):
         jax.jit(_ring_region(mesh, 2, 8, False, None, halve=True)).trace(q, k, v)
 
@@ -265,7 +233,7 @@ def test_half_work_ring_computes_the_closed_form_of_pairs(n, monkeypatch):
     for name in ("attend", "grads"):
         monkeypatch.setattr(blocks, name, counted(name, getattr(blocks, name)))
     mesh = make_mesh(f"data={8 // n},seq={n}")
-    q, k, v, _ = _qkv(0, 1, T, 4, 2, 16)
+    q, k, v, _ = qkv(0, 1, T, 4, 2, 16)
     for halve, want in ((True, zigzag.half_pairs(n, c, leaf)), (False, 4 * n * c * c)):
         attend = _ring_region(mesh, n, T, True, None, halve=halve, leaf=leaf)
         loss = lambda q, k, v, attend=attend: attend(q, k, v).sum()  # noqa: E731

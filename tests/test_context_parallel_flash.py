@@ -9,21 +9,24 @@ over the whole sequence (160 to 640 keys). Inputs are fresh random float32 array
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cp_helpers import errors_vs_full, qkv
 from flax import nnx
 
 from meshtrain import context_parallel as cp
+from meshtrain.check import check_run
 from meshtrain.context_parallel import blocks
 from meshtrain.kernels import attention as flash
 from meshtrain.kernels import reference
 from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
-from meshtrain.models import GPTConfig, build_model
+from meshtrain.models import DataSpec, GPTConfig, build_model
 from meshtrain.run import RunSpec
 from meshtrain.train import OptimConfig
 
@@ -32,48 +35,12 @@ ALGORITHMS = ("ring", "allgather", "ulysses")
 PER_DEVICE, K = 80, 64
 
 
-def _qkv(seed, B, T, H, G):
-    """Fresh random q, k, v and an output cotangent."""
-    ks = jax.random.split(jax.random.key(seed), 4)
-    return (
-        jax.random.normal(ks[0], (B, T, H, K)),
-        jax.random.normal(ks[1], (B, T, G, K)),
-        jax.random.normal(ks[2], (B, T, G, K)),
-        jax.random.normal(ks[3], (B, T, H, K)),
-    )
-
-
 def _errors(algorithm, n, causal, H, G, window=None, layout=False):
     """Max |difference| of the output and of dq, dk, dv against plain attention."""
-    mesh = make_mesh(f"data={8 // n},seq={n}")
-    T, B = PER_DEVICE * n, 8 // n if layout else 1
-    q, k, v, w = _qkv(n * 1000 + H * 10 + G + causal, B, T, H, G)
-    idx = cp.order(T, n) if causal else np.arange(T)  # balanced order for causal attention
-    inv = cp.inverse(idx)
-
-    def full(q, k, v):
-        o = reference.attention(q, k, v, causal=causal, window=window)
-        return (o * w).sum(), o
-
-    (_, o_want), g_want = jax.value_and_grad(full, (0, 1, 2), has_aux=True)(q, k, v)
-
-    def split(q, k, v):
-        def run():
-            return cp.context_attention(
-                q[:, idx], k[:, idx], v[:, idx], jnp.asarray(idx), mesh=mesh,
-                algorithm=algorithm, causal=causal, window=window, impl="pallas",
-            )  # fmt: skip
-
-        if layout:  # the kernel per shard of the layout (batch over data)
-            with activation_rules(mesh, rules_for("dp", mesh)):
-                o = run()
-        else:
-            o = run()
-        return (o * w[:, idx]).sum(), o[:, inv]
-
-    with jax.set_mesh(mesh):
-        (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
-    return [float(jnp.abs(a - b).max()) for a, b in zip((o, *g), (o_want, *g_want), strict=True)]
+    return errors_vs_full(
+        [algorithm], n, causal, H, G, PER_DEVICE * n, K=K, B=8 // n if layout else 1,
+        window=window, impl="pallas", layout=layout, seed=n * 1000 + H * 10 + G + causal,
+    )[algorithm]  # fmt: skip
 
 
 # (seq, causal, heads, kv heads, window, under a layout): seq 2/4/8, causal and not, GQA and
@@ -100,7 +67,7 @@ def test_algorithm_with_the_kernel_equals_plain_attention(
 def test_a_block_that_sees_no_key_ends_with_lse_near_neg():
     """Queries wholly before a block's keys: output 0 and lse ≈ NEG, so `merge` weighs the
     block 0; the merged result is the other block's."""
-    q, k, v, _ = _qkv(7, 1, 40, 2, 2)
+    q, k, v, _ = qkv(7, 1, 40, 2, 2, 64)
     pos_q, pos_k = jnp.arange(40), 100 + jnp.arange(40)
     o, lse = blocks.attend(q, k, v, pos_q, pos_k, causal=True, window=None, impl="pallas")
     assert float(jnp.abs(o).max()) == 0.0 and float(lse.max()) < blocks.NEG / 2
@@ -115,7 +82,7 @@ def test_a_block_that_sees_no_key_ends_with_lse_near_neg():
 
 def test_impls_context_parallelism_cannot_run_are_clear_errors():
     mesh = make_mesh("data=4,seq=2")
-    q, k, v, _ = _qkv(0, 1, 32, 2, 2)
+    q, k, v, _ = qkv(0, 1, 32, 2, 2, 64)
     pos = jnp.arange(32)
     with pytest.raises(ValueError, match="impl='cudnn' cannot compute a block"):
         cp.context_attention(q, k, v, pos, mesh=mesh, impl="cudnn")
@@ -127,11 +94,17 @@ def test_impls_context_parallelism_cannot_run_are_clear_errors():
 
 
 def test_gpt_with_cudnn_attention_under_seq_is_refused_naming_the_field():
-    mesh = make_mesh("seq=2,data=4")
+    """The run check refuses the pair before anything compiles, naming the field and the fix;
+    traced anyway, the model's context-parallel attention refuses the impl."""
+    sizes = dict(pipe=1, data=4, fsdp=1, expert=1, seq=2, tensor=1)
     cfg = GPTConfig(n_layers=1, d_model=128, n_heads=2, max_seq_len=32, attention_impl="cudnn")
-    model = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, state = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((4, 32), jnp.int32)
+    data = DataSpec(kind="lm", batch_size=8, seq_len=32, vocab_size=cfg.vocab_size)
+    problems = check_run(RunSpec(model=cfg, data=data, mesh=sizes, rules=rules_for("dp", sizes)))
+    assert [p.field for p in problems] == ["gpt.attention_impl"]
+    assert re.search(r"gpt.attention_impl='cudnn'.*pallas, auto or xla", str(problems[0]))
+
+    mesh = make_mesh("seq=2,data=4")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
 
     def forward(state, tokens):
         with activation_rules(mesh, rules_for("dp", mesh)):
@@ -139,9 +112,9 @@ def test_gpt_with_cudnn_attention_under_seq_is_refused_naming_the_field():
 
     with (
         jax.set_mesh(mesh),
-        pytest.raises(ValueError, match=r"gpt.attention_impl='cudnn'.*pallas, auto or xla"),
+        pytest.raises(ValueError, match=r"impl='cudnn' cannot compute a block.*'pallas', 'auto'"),
     ):
-        jax.eval_shape(forward, state, tokens)
+        jax.eval_shape(forward, state, jax.ShapeDtypeStruct((4, 32), jnp.int32))
 
 
 # --- a whole GPT --------------------------------------------------------------------------
@@ -214,21 +187,22 @@ def test_gpt_with_the_kernel_on_seq4_data2_equals_one_device(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_ring_compiles_the_kernel_on_a_gpu_and_equals_plain_attention():
-    """The ring with the Pallas kernel compiled by Triton (not interpreted), on as many GPUs
-    as divide 8 (one GPU: a ring of one), against plain attention on the same GPU."""
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_each_algorithm_compiles_the_kernel_on_a_gpu_and_equals_plain_attention(algorithm):
+    """Each algorithm with the Pallas kernel compiled by Triton (not interpreted), on as many
+    GPUs as divide 8 (one GPU: a ring of one), against plain attention on the same GPU."""
     gpus = jax.devices("gpu")
     n = max(d for d in (1, 2, 4, 8) if d <= len(gpus))
     mesh = make_mesh(f"seq={n}", devices=gpus[:n])
     T = 256 * n
     whole = jax.NamedSharding(mesh, jax.P())
-    q, k, v, w = (jax.device_put(x, whole) for x in _qkv(3, 2, T, 8, 2))
+    q, k, v, w = (jax.device_put(x, whole) for x in qkv(3, 2, T, 8, 2, 64))
     idx = cp.order(T, n)
     inv = cp.inverse(idx)
 
     def split(q, k, v):
         q, k, v = (x[:, idx] for x in (q, k, v))
-        o = cp.context_attention(q, k, v, jnp.asarray(idx), mesh=mesh, impl="pallas")
+        o = cp.context_attention(q, k, v, idx, mesh=mesh, algorithm=algorithm, impl="pallas")
         return (o * w[:, idx]).sum(), o
 
     with jax.set_mesh(mesh):
@@ -243,3 +217,24 @@ def test_ring_compiles_the_kernel_on_a_gpu_and_equals_plain_attention():
     errors = [float(jnp.abs(jnp.asarray(o) - o_want).max())]
     errors += [float(jnp.abs(jax.device_get(a) - b).max()) for a, b in zip(g, g_want, strict=True)]
     assert max(errors) < 1e-2, errors  # TF32 matmuls on the GPU
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_the_kernel_visits_half_the_tiles_of_the_zigzag_ring(n):
+    """The ring hands the kernel whole blocks; the kernel's position test (`_sees_block`, the
+    one its loops use) skips every 64 × 64 tile the causal mask leaves empty. Per device, with
+    m tiles per block and chunks of m/2 tiles: each of the n − 1 hops visits m²/2 tiles, the
+    own block (m/2)² + 2 · (m/2)(m/2 + 1)/2, against n·m² for whole blocks."""
+    tile, m = 64, 4  # chunks of 128 positions
+    T = n * m * tile
+    pos = np.asarray(cp.order(T, n)).reshape(n, m, tile)  # device, tile, row
+    for i in range(n):
+        visited = 0
+        for j in range(n):
+            for qt in range(m):
+                sees = flash._sees_block(
+                    jnp.asarray(pos[i, qt]), lambda kt, j=j: jnp.asarray(pos[j, kt]), True, None
+                )
+                visited += sum(bool(sees(kt)) for kt in range(m))
+        half = m // 2
+        assert visited == (n - 1) * m * m // 2 + half * half + half * (half + 1)

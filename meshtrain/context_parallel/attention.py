@@ -108,7 +108,10 @@ def context_attention(
             f"context_parallel='ulysses': {H} heads are not divisible by {axis}={n}; pick a "
             "head count divisible by seq, or --context-parallel ring"
         )
-    fn = ring.for_positions(positions_T, n, causal) if algorithm == "ring" else _FNS[algorithm]
+    if algorithm == "ring":
+        fn = ring.for_positions(positions_T, n, causal, impl)
+    else:
+        fn = _FNS[algorithm]
 
     def per_device(q, k, v, pos):
         return fn(q, k, v, pos, pos, axis, causal, window, impl)

@@ -52,7 +52,7 @@ def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, *, causal=True, window=None
     (its output is 0 with ``impl="pallas"``, the mean of the values with ``"xla"``: either
     weighs nothing). `impl` picks how the block is computed (`IMPLS`).
     """
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "pallas":
         return flash.block_forward(
             q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal=causal, window=window
@@ -95,7 +95,7 @@ def grads(
 ):  # fmt: skip
     """One block's contributions to the gradients, from the whole attention's `lse` and
     `delta`: ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32."""
-    _check_impl(impl)
+    check_impl(impl)
     if impl == "pallas":
         return flash.block_backward(
             q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT,
@@ -117,7 +117,7 @@ def grads(
     return dq.reshape(B, T, H, K), dk, dv
 
 
-def _check_impl(impl: str) -> None:
+def check_impl(impl: str) -> None:
     """Raises for a block `impl` that is not one of `IMPLS`."""
     if impl not in IMPLS:
         raise ValueError(f"context-parallel block impl={impl!r}: choose from {', '.join(IMPLS)}")

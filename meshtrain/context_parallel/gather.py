@@ -34,15 +34,10 @@ def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, im
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    blocks._check_impl(impl)
-    if impl != "xla":
-        return _allgather_vjp(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
-    k_all, v_all = (_gather(x, axis, 1) for x in (k_BSGK, v_BSGK))
-    k_pos_all = _gather(k_pos_S, axis, 0)
-    o, _ = blocks.attend(
-        q_BTHK, k_all, v_all, q_pos_T, k_pos_all, causal=causal, window=window, impl=impl
-    )
-    return o.astype(v_BSGK.dtype)
+    blocks.check_impl(impl)
+    fn = _allgather_fwd if impl == "xla" else _allgather_vjp  # autodiff, or the spelled-out VJP
+    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
+    return out[0] if impl == "xla" else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -101,22 +96,10 @@ def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    blocks._check_impl(impl)
-    if impl != "xla":
-        return _ulysses_vjp(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
-    n = lax.axis_size(axis)
-    H, G = q_BTHK.shape[2], k_BSGK.shape[2]
-    if G % n:
-        k_BSGK, v_BSGK = (jnp.repeat(x, H // G, axis=2) for x in (k_BSGK, v_BSGK))
-
-    q_all, k_all, v_all = (_to_heads(x, axis) for x in (q_BTHK, k_BSGK, v_BSGK))
-    q_pos_all = _gather(q_pos_T, axis, 0)
-    k_pos_all = _gather(k_pos_S, axis, 0)
-    o, _ = blocks.attend(
-        q_all, k_all, v_all, q_pos_all, k_pos_all, causal=causal, window=window, impl=impl
-    )
-    o = o.astype(v_BSGK.dtype)
-    return _to_sequence(o, axis)
+    blocks.check_impl(impl)
+    fn = _ulysses_fwd if impl == "xla" else _ulysses_vjp  # autodiff, or the spelled-out VJP
+    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
+    return out[0] if impl == "xla" else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -132,7 +115,8 @@ def _repeats(H: int, G: int, axis: str) -> int:
 
 def _ulysses_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl):
     r = _repeats(q.shape[2], k.shape[2], axis)
-    q_h, k_h, v_h = (_to_heads(x, axis) for x in (q, jnp.repeat(k, r, 2), jnp.repeat(v, r, 2)))
+    k_r, v_r = (x if r == 1 else jnp.repeat(x, r, axis=2) for x in (k, v))
+    q_h, k_h, v_h = (_to_heads(x, axis) for x in (q, k_r, v_r))
     q_pos_all, k_pos_all = _gather(q_pos, axis, 0), _gather(k_pos, axis, 0)
     o_h, lse = blocks.attend(
         q_h, k_h, v_h, q_pos_all, k_pos_all, causal=causal, window=window, impl=impl

@@ -9,7 +9,7 @@ contribution of its queries, and after n hops the accumulators are home.
 Why a custom VJP rather than autodiff of the ring: autodiff keeps every step's probabilities
 (n blocks of [T/n, T/n] scores per layer, the same [T/n, T] as gathering all keys), while the
 custom backward keeps only q, k, v, the output and the log-sum-exp, and recomputes each
-step's scores. The README's "Context parallelism" section gives the compiled memory of both.
+step's scores. The Context parallelism guide gives the compiled memory of both.
 
 Half work (``halve=True``, causal attention on the zig-zag layout only): each hop computes the
 half of the block that the causal mask leaves visible, as two [T/2n, T/2n] pieces whose
@@ -180,19 +180,25 @@ def ring(
     return o.astype(v_BSGK.dtype)
 
 
-def for_positions(positions_T, n: int, causal: bool):
-    """`ring` with ``halve`` set when it is exact: causal attention with global
+def for_positions(positions_T, n: int, causal: bool, impl: str = "xla"):
+    """`ring` with ``halve`` set where it pays: causal attention with the jnp blocks and global
     `positions_T` concretely equal to ``zigzag.order(T, n)`` (a traced array: whole blocks).
+
+    The Pallas kernel gets whole blocks: it skips the tiles whose positions see nothing
+    itself (a 64-row tile lies inside one zig-zag chunk when the chunk is a multiple of it),
+    which halves its work without the pieces' extra buffers.
 
     Args:
         positions_T: the global positions `context_attention` was given (before the split).
         n: the size of the sequence axis.
         causal: whether the attention is causal.
+        impl: how each block is computed (`blocks.IMPLS`).
 
     Returns:
         A function with `ring`'s positional arguments.
     """
-    return functools.partial(ring, halve=bool(causal) and zigzag.is_balanced(positions_T, n))
+    halve = bool(causal) and impl == "xla" and zigzag.is_balanced(positions_T, n)
+    return functools.partial(ring, halve=halve)
 
 
 def _ring_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl, halve, leaf):
@@ -252,6 +258,9 @@ ring.defvjp(_ring_fwd, _ring_bwd)
 
 def ring_autodiff(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
     """`ring` differentiated by autodiff (kept to compare compiled memory with the custom
-    VJP; see the module docstring)."""
+    VJP; see the module docstring). The jnp blocks only: a kernel may not be differentiated
+    inside the region."""
+    if impl != "xla":
+        raise ValueError(f"ring_autodiff: impl={impl!r}; only 'xla' blocks can be differentiated")
     o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
     return o.astype(v_BSGK.dtype)

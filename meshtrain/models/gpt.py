@@ -99,12 +99,6 @@ class Attention(nnx.Module):
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         if cp is not None:
-            if self.impl == "cudnn":  # the run check refuses this pair first
-                raise ValueError(
-                    f"gpt.attention_impl='cudnn' does not run under context parallelism "
-                    f"(seq={cp.n}): cuDNN's attention takes no position mask and returns no "
-                    "log-sum-exp; use --gpt.attention-impl pallas, auto or xla, or seq=1"
-                )
             o_BTHK = context_parallel.attend_active(
                 q_BTHK, k_BTGK, v_BTGK, order, window=self.window, impl=self.impl
             )

@@ -46,11 +46,13 @@ from meshtrain import context_parallel as cp
 from meshtrain.comm import hlo as comm_hlo
 from meshtrain.context_parallel import ring as ring_mod
 from meshtrain.context_parallel import zigzag
+from meshtrain.context_parallel.blocks import Options
 from meshtrain.layout import activation_rules, manual_region, rules_for
 from meshtrain.lower import cross_entropy
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
 
+OPTS = Options(causal=True)  # the benchmarked attention: causal, no window, the jnp blocks
 OPS = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")
 
 
@@ -92,7 +94,7 @@ def attention_program(algorithm, n, B, T, H, G, K, *, autodiff_ring=False):
         seq = jax.P(None, "seq")
 
         def attend(q, k, v):
-            fn = lambda q, k, v, p: ring_mod.ring_autodiff(q, k, v, p, p, "seq", True, None)
+            fn = lambda q, k, v, p: ring_mod.ring_autodiff(q, k, v, p, p, "seq", OPTS)
             region = manual_region(
                 fn, mesh=mesh, axes={"seq"}, in_specs=(seq, seq, seq, jax.P("seq")),
                 out_specs=seq,
@@ -134,11 +136,11 @@ def half_ring_program(n, B, T, H, G, K, *, halve):
     half-work ring as `ring.for_positions` picks it, or the whole-block ring."""
     mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
     idx = cp.order(T, n)
-    fn = ring_mod.for_positions(idx, n, True) if halve else ring_mod.ring
+    fn = ring_mod.for_positions(idx, n, OPTS) if halve else ring_mod.ring
     assert not halve or fn.keywords["halve"], "the zig-zag layout must take the half-work ring"
     seq = jax.P(None, "seq")
     region = manual_region(
-        lambda q, k, v, p: fn(q, k, v, p, p, "seq", True, None), mesh=mesh, axes={"seq"},
+        lambda q, k, v, p: fn(q, k, v, p, p, "seq", OPTS), mesh=mesh, axes={"seq"},
         in_specs=(seq, seq, seq, jax.P("seq")), out_specs=seq,
     )  # fmt: skip
     q = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)

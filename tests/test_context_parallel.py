@@ -81,7 +81,8 @@ def _ring_region(mesh, n, T, causal, window, **flags):
     """`ring` in a region manual over seq, on global arrays in the zig-zag order (the form
     `context_attention` runs), with the given ring flags."""
     idx = jnp.asarray(cp.order(T, n) if causal else np.arange(T))
-    fn = lambda q, k, v, p: ring.ring(q, k, v, p, p, "seq", causal, window, **flags)  # noqa: E731
+    opts = blocks.Options(causal, window)
+    fn = lambda q, k, v, p: ring.ring(q, k, v, p, p, "seq", opts, **flags)  # noqa: E731
     seq = jax.P(None, "seq")
     region = manual_region(
         fn, mesh=mesh, axes={"seq"}, in_specs=(seq, seq, seq, jax.P("seq")), out_specs=seq
@@ -157,7 +158,7 @@ def test_half_work_is_chosen_only_for_causal_zigzag_positions_and_jnp_blocks():
     T, n = 32, 4
 
     def halve(positions, n, causal=True, impl="xla"):
-        return ring.for_positions(positions, n, causal, impl).keywords["halve"]
+        return ring.for_positions(positions, n, blocks.Options(causal, impl=impl)).keywords["halve"]
 
     assert halve(cp.order(T, n), n)
     assert not halve(cp.order(T, n), n, impl="pallas")  # the kernel skips empty tiles itself

@@ -69,9 +69,9 @@ def test_a_block_that_sees_no_key_ends_with_lse_near_neg():
     block 0; the merged result is the other block's."""
     q, k, v, _ = qkv(7, 1, 40, 2, 2, 64)
     pos_q, pos_k = jnp.arange(40), 100 + jnp.arange(40)
-    o, lse = blocks.attend(q, k, v, pos_q, pos_k, causal=True, window=None, impl="pallas")
+    o, lse = blocks.attend(q, k, v, pos_q, pos_k, blocks.Options(True, None, "pallas"))
     assert float(jnp.abs(o).max()) == 0.0 and float(lse.max()) < blocks.NEG / 2
-    o_own, lse_own = blocks.attend(q, k, v, pos_q, pos_q, causal=True, impl="pallas")
+    o_own, lse_own = blocks.attend(q, k, v, pos_q, pos_q, blocks.Options(True, None, "pallas"))
     merged, lse_m = blocks.merge(o_own, lse_own, o, lse)
     np.testing.assert_allclose(merged, o_own, atol=1e-6)
     np.testing.assert_allclose(lse_m, lse_own, atol=1e-6)

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.context_parallel import gather, ring, zigzag
+from meshtrain.context_parallel import blocks, gather, ring, zigzag
 from meshtrain.kernels.select import model_attention_impl
 from meshtrain.layout import active, manual_axes, manual_region
 from meshtrain.mesh import SEQ
@@ -74,21 +74,19 @@ def context_attention(
     algorithm: str = DEFAULT,
     causal: bool = True,
     window: int | None = None,
-    axis: str = AXIS,
     impl: str = "xla",
 ) -> jax.Array:
-    """Self-attention over a sequence split over the mesh axis `axis`.
+    """Self-attention over a sequence split over the mesh axis ``seq``.
 
     Args:
-        q_BTHK: queries [batch, T, heads, head_dim], global (T split over `axis`).
+        q_BTHK: queries [batch, T, heads, head_dim], global (T split over ``seq``).
         k_BSGK, v_BSGK: keys and values [batch, T, kv_heads, head_dim].
         positions_T: the global position of each of the T entries (int): the causal mask and
             window follow these, so a balanced (zig-zag) layout stays exact.
         mesh: the device mesh.
-        algorithm: ``ring``, ``allgather`` or ``ulysses`` (see the README).
+        algorithm: ``ring``, ``allgather`` or ``ulysses`` (see the Context parallelism guide).
         causal: mask keys at later positions.
         window: with `causal`, each query sees keys (t − window, t]; None: all earlier.
-        axis: the mesh axis the sequence is split over.
         impl: how each device computes its blocks: ``"xla"`` (jnp), ``"pallas"`` (the
             flash-attention kernel at global positions, interpreted off the GPU; head widths
             64 and 128, float32 or bfloat16) or ``"auto"`` (Pallas on a GPU where it applies,
@@ -98,7 +96,8 @@ def context_attention(
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
     """
     raise_if(algorithm_problems(algorithm))
-    impl = block_impl(impl, q_BTHK.shape[-1])
+    opts = blocks.Options(causal, window, block_impl(impl, q_BTHK.shape[-1]))
+    axis = AXIS
     n = mesh.shape[axis]
     T, H = q_BTHK.shape[1], q_BTHK.shape[2]
     if T % n:
@@ -109,12 +108,12 @@ def context_attention(
             "head count divisible by seq, or --context-parallel ring"
         )
     if algorithm == "ring":
-        fn = ring.for_positions(positions_T, n, causal, impl)
+        fn = ring.for_positions(positions_T, n, opts)
     else:
         fn = _FNS[algorithm]
 
     def per_device(q, k, v, pos):
-        return fn(q, k, v, pos, pos, axis, causal, window, impl)
+        return fn(q, k, v, pos, pos, axis, opts)
 
     seq, pos = P(None, axis), P(axis)
     region = manual_region(

@@ -8,6 +8,7 @@ R = H // G, K head width.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +46,23 @@ def scores(q_BTHK: jax.Array, k_BSGK: jax.Array, ok_TS) -> jax.Array:
 IMPLS = ("xla", "pallas")
 
 
-def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, *, causal=True, window=None, impl="xla"):
+class Options(NamedTuple):
+    """How attention is computed, block by block: the causal mask, its sliding window (keys
+    (t − window, t] with `causal`; None: all earlier), and the block impl (`IMPLS`)."""
+
+    causal: bool = True
+    window: int | None = None
+    impl: str = "xla"
+
+
+def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, opts: Options):
     """Softmax attention of one block: ``(out [B, T, H, K] float32, lse [B, G, R, T] float32)``.
 
     A query that sees no key of the block gets an lse near `NEG`, so merging weighs it 0
     (its output is 0 with ``impl="pallas"``, the mean of the values with ``"xla"``: either
-    weighs nothing). `impl` picks how the block is computed (`IMPLS`).
+    weighs nothing). `opts` gives the mask and how the block is computed.
     """
+    causal, window, impl = opts
     check_impl(impl)
     if impl == "pallas":
         return flash.block_forward(
@@ -90,11 +101,12 @@ def delta(o_BTHK, do_BTHK, groups: int) -> jax.Array:
 
 
 def grads(
-    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT, *,
-    causal=True, window=None, impl="xla",
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT,
+    opts: Options,
 ):  # fmt: skip
     """One block's contributions to the gradients, from the whole attention's `lse` and
     `delta`: ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32."""
+    causal, window, impl = opts
     check_impl(impl)
     if impl == "pallas":
         return flash.block_backward(

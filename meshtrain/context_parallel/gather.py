@@ -26,7 +26,7 @@ def _gather(x, axis: str, dim: int):
     return lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
-def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
+def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     """This device's queries against every device's keys, gathered over `axis`.
 
     Args: as `ring.ring`.
@@ -34,37 +34,35 @@ def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, im
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    blocks.check_impl(impl)
-    fn = _allgather_fwd if impl == "xla" else _allgather_vjp  # autodiff, or the spelled-out VJP
-    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
-    return out[0] if impl == "xla" else out
+    blocks.check_impl(opts.impl)
+    jnp_blocks = opts.impl == "xla"  # autodiff, or the spelled-out VJP
+    fn = _allgather_fwd if jnp_blocks else _allgather_vjp
+    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
+    return out[0] if jnp_blocks else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _allgather_vjp(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _allgather_vjp(q, k, v, q_pos, k_pos, axis, opts):
     """`allgather` with its backward spelled out (for block impls autodiff may not enter)."""
-    return _allgather_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl)[0]
+    return _allgather_fwd(q, k, v, q_pos, k_pos, axis, opts)[0]
 
 
-def _allgather_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+def _allgather_fwd(q, k, v, q_pos, k_pos, axis, opts):
     k_all, v_all = (_gather(x, axis, 1) for x in (k, v))
-    o, lse = blocks.attend(
-        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), causal=causal, window=window, impl=impl
-    )
+    o, lse = blocks.attend(q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), opts)
     o = o.astype(v.dtype)
     # Only this device's k/v are kept: the backward gathers them again rather than hold
     # the whole sequence's between the passes.
     return o, (q, k, v, q_pos, k_pos, o, lse)
 
 
-def _allgather_bwd(axis, causal, window, impl, res, do_BTHK):
+def _allgather_bwd(axis, opts, res, do_BTHK):
     q, k, v, q_pos, k_pos, o, lse_BGRT = res
     k_all, v_all = (_gather(x, axis, 1) for x in (k, v))
     delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
     dq, dk_all, dv_all = blocks.grads(
-        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), do_BTHK, lse_BGRT, delta_BGRT,
-        causal=causal, window=window, impl=impl,
-    )  # fmt: skip
+        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), do_BTHK, lse_BGRT, delta_BGRT, opts
+    )
     # Each device's queries touched every key: the owners sum the contributions.
     dk, dv = (lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
@@ -84,7 +82,7 @@ def _to_sequence(x, axis: str):
     return lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
+def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     """Attention with the heads split over `axis` instead of the sequence (DeepSpeed Ulysses).
 
     An all-to-all turns each device's [B, T/n, H, K] into [B, T, H/n, K]; attention runs over
@@ -96,16 +94,17 @@ def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    blocks.check_impl(impl)
-    fn = _ulysses_fwd if impl == "xla" else _ulysses_vjp  # autodiff, or the spelled-out VJP
-    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
-    return out[0] if impl == "xla" else out
+    blocks.check_impl(opts.impl)
+    jnp_blocks = opts.impl == "xla"  # autodiff, or the spelled-out VJP
+    fn = _ulysses_fwd if jnp_blocks else _ulysses_vjp
+    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
+    return out[0] if jnp_blocks else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _ulysses_vjp(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ulysses_vjp(q, k, v, q_pos, k_pos, axis, opts):
     """`ulysses` with its backward spelled out (for block impls autodiff may not enter)."""
-    return _ulysses_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl)[0]
+    return _ulysses_fwd(q, k, v, q_pos, k_pos, axis, opts)[0]
 
 
 def _repeats(H: int, G: int, axis: str) -> int:
@@ -113,26 +112,23 @@ def _repeats(H: int, G: int, axis: str) -> int:
     return H // G if G % lax.axis_size(axis) else 1
 
 
-def _ulysses_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl):
+def _ulysses_fwd(q, k, v, q_pos, k_pos, axis, opts):
     r = _repeats(q.shape[2], k.shape[2], axis)
     k_r, v_r = (x if r == 1 else jnp.repeat(x, r, axis=2) for x in (k, v))
     q_h, k_h, v_h = (_to_heads(x, axis) for x in (q, k_r, v_r))
     q_pos_all, k_pos_all = _gather(q_pos, axis, 0), _gather(k_pos, axis, 0)
-    o_h, lse = blocks.attend(
-        q_h, k_h, v_h, q_pos_all, k_pos_all, causal=causal, window=window, impl=impl
-    )
+    o_h, lse = blocks.attend(q_h, k_h, v_h, q_pos_all, k_pos_all, opts)
     o_h = o_h.astype(v.dtype)
     return _to_sequence(o_h, axis), (q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, o_h, lse)
 
 
-def _ulysses_bwd(axis, causal, window, impl, res, do_BTHK):
+def _ulysses_bwd(axis, opts, res, do_BTHK):
     q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, o_h, lse_BGRT = res
     do_h = _to_heads(do_BTHK, axis)
     delta_BGRT = blocks.delta(o_h, do_h, k_h.shape[2])
     dq_h, dk_h, dv_h = blocks.grads(
-        q_h, k_h, v_h, q_pos_all, k_pos_all, do_h, lse_BGRT, delta_BGRT,
-        causal=causal, window=window, impl=impl,
-    )  # fmt: skip
+        q_h, k_h, v_h, q_pos_all, k_pos_all, do_h, lse_BGRT, delta_BGRT, opts
+    )
     dq, dk, dv = (_to_sequence(x, axis) for x in (dq_h, dk_h, dv_h))
     r = _repeats(q.shape[2], k.shape[2], axis)
     if r > 1:  # the transpose of the repeat: each key/value head's copies summed

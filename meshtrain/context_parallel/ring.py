@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshtrain.context_parallel import blocks, zigzag
+from meshtrain.context_parallel.blocks import Options
 from meshtrain.context_parallel.zigzag import Piece
 
 LEAF = 128  # the half-work own block halves its diagonals while the halves keep ≥ LEAF rows
@@ -117,12 +118,12 @@ def _start(q, groups: int, plan):
     return jnp.zeros_like(q, jnp.float32), lse
 
 
-def _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl, halve=False, leaf=LEAF):
+def _forward(q, k, v, q_pos, k_pos, axis, opts, halve=False, leaf=LEAF):
     """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
     positions, one step at a time (a scan, so one step's scores are live at once)."""
-    _check_halve(halve, causal, q.shape[1])
+    _check_halve(halve, opts.causal, q.shape[1])
     n, i = lax.axis_size(axis), lax.axis_index(axis)
-    block = functools.partial(blocks.attend, causal=causal, window=window, impl=impl)
+    block = functools.partial(blocks.attend, opts=opts)
     own, hop_groups = _plans(q.shape[1], halve, leaf)
     o, lse = _start(q, k.shape[2], own)
     o, lse = _attend_groups(own, q, k, v, q_pos, k_pos, o, lse, block)
@@ -148,11 +149,8 @@ def _check_halve(halve: bool, causal: bool, rows: int) -> None:
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def ring(
-    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla", halve=False,
-    leaf=LEAF,
-):  # fmt: skip
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, halve=False, leaf=LEAF):
     """Attention of this device's queries against the keys of every device on `axis`.
 
     Call inside a region manual over `axis`; each device passes its own blocks.
@@ -162,9 +160,7 @@ def ring(
         k_BSGK, v_BSGK: this device's keys and values.
         q_pos_T, k_pos_S: the global positions of those queries and keys (int32).
         axis: the manual mesh axis the sequence is split over.
-        causal: mask keys after each query's position.
-        window: with `causal`, only keys (t − window, t] are seen; None: all.
-        impl: how each block is computed (`blocks.IMPLS`).
+        opts: the causal mask, its window and how each block is computed (`blocks.Options`).
         halve: compute only the causally visible half of each block (about half the work,
             no more memory). Exact only for causal attention with the positions of
             ``zigzag.order(T, n)``: pass ``for_positions``' choice, never a guess.
@@ -174,13 +170,11 @@ def ring(
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    o, _ = _forward(
-        q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl, halve, leaf
-    )
+    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, halve, leaf)
     return o.astype(v_BSGK.dtype)
 
 
-def for_positions(positions_T, n: int, causal: bool, impl: str = "xla"):
+def for_positions(positions_T, n: int, opts: Options):
     """`ring` with ``halve`` set where it pays: causal attention with the jnp blocks and global
     `positions_T` concretely equal to ``zigzag.order(T, n)`` (a traced array: whole blocks).
 
@@ -191,23 +185,22 @@ def for_positions(positions_T, n: int, causal: bool, impl: str = "xla"):
     Args:
         positions_T: the global positions `context_attention` was given (before the split).
         n: the size of the sequence axis.
-        causal: whether the attention is causal.
-        impl: how each block is computed (`blocks.IMPLS`).
+        opts: the attention's mask and block impl (`blocks.Options`).
 
     Returns:
         A function with `ring`'s positional arguments.
     """
-    halve = bool(causal) and impl == "xla" and zigzag.is_balanced(positions_T, n)
+    halve = bool(opts.causal) and opts.impl == "xla" and zigzag.is_balanced(positions_T, n)
     return functools.partial(ring, halve=halve)
 
 
-def _ring_fwd(q, k, v, q_pos, k_pos, axis, causal, window, impl, halve, leaf):
-    o, lse = _forward(q, k, v, q_pos, k_pos, axis, causal, window, impl, halve, leaf)
+def _ring_fwd(q, k, v, q_pos, k_pos, axis, opts, halve, leaf):
+    o, lse = _forward(q, k, v, q_pos, k_pos, axis, opts, halve, leaf)
     o = o.astype(v.dtype)
     return o, (q, k, v, q_pos, k_pos, o, lse)
 
 
-def _ring_bwd(axis, causal, window, impl, halve, leaf, res, do_BTHK):
+def _ring_bwd(axis, opts, halve, leaf, res, do_BTHK):
     q, k, v, q_pos, k_pos, o, lse_BGRT = res
     n, i = lax.axis_size(axis), lax.axis_index(axis)
     delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
@@ -223,7 +216,7 @@ def _ring_bwd(axis, causal, window, impl, halve, leaf, res, do_BTHK):
                 _stacked(q, qs, nq, 1), _stacked(k, ks, nk, 1), _stacked(v, ks, nk, 1),
                 _rows(q_pos, first.q, nq, 0), _rows(k_pos, first.k, nk, 0),
                 _stacked(do_BTHK, qs, nq, 1), _stacked(lse_BGRT, qs, nq, 3),
-                _stacked(delta_BGRT, qs, nq, 3), causal=causal, window=window, impl=impl,
+                _stacked(delta_BGRT, qs, nq, 3), opts,
             )  # fmt: skip
             dq_g, dk_g, dv_g = (_unstack(x, len(group)) for x in parts)
             for p, dq_p, dk_p, dv_p in zip(group, dq_g, dk_g, dv_g, strict=True):
@@ -256,11 +249,13 @@ def _ring_bwd(axis, causal, window, impl, halve, leaf, res, do_BTHK):
 ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_autodiff(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl="xla"):
+def ring_autodiff(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     """`ring` differentiated by autodiff (kept to compare compiled memory with the custom
     VJP; see the module docstring). The jnp blocks only: a kernel may not be differentiated
     inside the region."""
-    if impl != "xla":
-        raise ValueError(f"ring_autodiff: impl={impl!r}; only 'xla' blocks can be differentiated")
-    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, causal, window, impl)
+    if opts.impl != "xla":
+        raise ValueError(
+            f"ring_autodiff: impl={opts.impl!r}; only 'xla' blocks can be differentiated"
+        )
+    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
     return o.astype(v_BSGK.dtype)

@@ -116,9 +116,8 @@ def own_groups(c: int, leaf: int) -> list[tuple[Piece, ...]]:
     """The pieces of a device's own block (chunks of c rows), in groups: the pieces of a group
     share their shape and the shift between query and key positions, so one call computes
     them stacked on the batch axis with the first piece's positions."""
-    groups: list[tuple[Piece, ...]] = [
-        (Piece(c, 0, c, c),)
-    ]  # the second chunk against the first: all visible
+    # the second chunk against the first: all visible
+    groups: list[tuple[Piece, ...]] = [(Piece(c, 0, c, c),)]
     starts, size = [0, c], c  # diagonals: rows [s, s + size) against keys [s, s + size)
     for _ in range(diagonal_depth(c, leaf)):
         half = size // 2

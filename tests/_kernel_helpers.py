@@ -33,3 +33,15 @@ def assert_close(out, ref, tol, what, seed):
     assert out.shape == ref.shape, f"{what}: shape {out.shape} != {ref.shape}"
     err = rel_err(out, ref)
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} (seed {seed})"
+
+
+# --- lowering for an H100 on a CPU-only machine ----------------------------------------------
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call a Pallas-Triton kernel lowers to
+
+
+def h100():
+    """An abstract H100, for abstract meshes that export for ``cuda`` without a GPU."""
+    from jax.sharding import AbstractDevice
+
+    return AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")

@@ -32,3 +32,16 @@ def _eight_devices():
     # gpu-marked tests) the default backend is the GPU.
     n = len(jax.devices("cpu"))
     assert n == 8, f"tests need 8 simulated CPU devices, got {n}"
+
+
+@pytest.fixture
+def compiled_path(monkeypatch):
+    """The kernels' GPU path (interpret mode keys on the backend, which is the CPU here), for
+    the tests that lower kernels for an H100. jax caches traces per function, so the caches
+    are cleared on both sides of the switch."""
+    from meshtrain.kernels import _common
+
+    jax.clear_caches()
+    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
+    yield
+    jax.clear_caches()

@@ -10,14 +10,13 @@ It does not compile Triton to PTX: the `gpu`-marked tests do that on a GPU.
 import jax
 import jax.numpy as jnp
 import pytest
+from _kernel_helpers import TRITON_CALL, h100
 from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import kernels
-from meshtrain.kernels import _common
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
-H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+H100 = h100()
 
 
 def _spec(*shape, dtype=jnp.bfloat16):
@@ -86,16 +85,6 @@ CASES = {
         2,  # the loss (kept: its value is returned) and the gradient
     ),
 }
-
-
-@pytest.fixture
-def compiled_path(monkeypatch):
-    """The kernels' GPU path (interpret mode keys on the backend, which is the CPU here).
-    jax caches traces per function, so the caches are cleared on both sides of the switch."""
-    jax.clear_caches()
-    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
-    yield
-    jax.clear_caches()
 
 
 def _export_for_h100(fn, args):

@@ -10,17 +10,16 @@ not compile Triton to PTX: the `gpu`-marked test in tests/test_context_parallel_
 import jax
 import jax.numpy as jnp
 import pytest
+from _kernel_helpers import TRITON_CALL, h100
 from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import context_parallel as cp
-from meshtrain.kernels import _common
 from meshtrain.kernels import attention as flash
 from meshtrain.layout import manual_region
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
-H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+H100 = h100()
 MESH = AbstractMesh((2, 2), ("data", "seq"), (AxisType.Auto,) * 2, abstract_device=H100)
 B, T, H, G, K = 2, 512, 4, 2, 64
 
@@ -30,15 +29,6 @@ def _spec(*shape, dtype=jnp.bfloat16):
 
 
 ARGS = (_spec(B, T, H, K), _spec(B, T, G, K), _spec(B, T, G, K), _spec(B, T, H, K))
-
-
-@pytest.fixture
-def compiled_path(monkeypatch):
-    """The kernels' GPU path (interpret mode keys on the backend, which is the CPU here)."""
-    jax.clear_caches()
-    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
-    yield
-    jax.clear_caches()
 
 
 def _export(fn, args):

@@ -11,16 +11,15 @@ real and compares it with the jnp paths.
 import jax
 import jax.numpy as jnp
 import pytest
+from _kernel_helpers import TRITON_CALL, h100
 from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from meshtrain import kernels
-from meshtrain.kernels import _common
 from meshtrain.layout import manual_region, varying
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
-H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+H100 = h100()
 MESH = AbstractMesh((2, 2), ("pipe", "tensor"), (AxisType.Auto,) * 2, abstract_device=H100)
 B, T, H, G, K, V = 2, 256, 4, 2, 64, 512
 D = H * K
@@ -28,15 +27,6 @@ D = H * K
 
 def _spec(*shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
-
-
-@pytest.fixture
-def compiled_path(monkeypatch):
-    """The kernels' GPU path (interpret mode keys on the backend, which is the CPU here)."""
-    jax.clear_caches()
-    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
-    yield
-    jax.clear_caches()
 
 
 def _stage(x, scale, wq, wk, wv, w_out, targets):

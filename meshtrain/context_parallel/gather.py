@@ -26,6 +26,14 @@ def _gather(x, axis: str, dim: int):
     return lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
+def _either(fwd, vjp, args):
+    """The jnp blocks through `fwd` (its output; autodiff differentiates it), a kernel through
+    `vjp` (its backward spelled out)."""
+    opts = args[-1]
+    blocks.check_impl(opts.impl)
+    return fwd(*args)[0] if opts.impl == "xla" else vjp(*args)
+
+
 def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     """This device's queries against every device's keys, gathered over `axis`.
 
@@ -34,11 +42,8 @@ def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    blocks.check_impl(opts.impl)
-    jnp_blocks = opts.impl == "xla"  # autodiff, or the spelled-out VJP
-    fn = _allgather_fwd if jnp_blocks else _allgather_vjp
-    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
-    return out[0] if jnp_blocks else out
+    args = (q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
+    return _either(_allgather_fwd, _allgather_vjp, args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -94,11 +99,8 @@ def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    blocks.check_impl(opts.impl)
-    jnp_blocks = opts.impl == "xla"  # autodiff, or the spelled-out VJP
-    fn = _ulysses_fwd if jnp_blocks else _ulysses_vjp
-    out = fn(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
-    return out[0] if jnp_blocks else out
+    args = (q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
+    return _either(_ulysses_fwd, _ulysses_vjp, args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

@@ -339,7 +339,9 @@ def test_cudnn_window_argument_means_the_reference_window():
         got = jax.nn.dot_product_attention(
             q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation="xla"
         )
-        np.testing.assert_allclose(got, reference.attention(q, k, v, window=window), atol=1e-6)
+        want = reference.attention(q, k, v, window=window)
+        # Two float32 summation orders: 1.3e-6 apart has been seen on values near 1.
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_window_errors():

@@ -365,3 +365,31 @@ def test_sharded_packed_step_equals_single_device():
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_params),
                             jax.tree.leaves(want_params), strict=True):  # fmt: skip
         np.testing.assert_allclose(a, b, rtol=0, atol=5e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.pair("packed", "accumulation")
+def test_accumulated_packed_microbatches_weigh_by_their_real_tokens():
+    """Two accumulated microbatches with different numbers of real tokens give the loss and
+    update of the whole packed batch (the mean over its real tokens, not of the microbatch
+    means)."""
+    from meshtrain.run import RunSpec
+    from meshtrain.train import TrainConfig
+
+    graphdef, state = random_model(GPTS["llama"], seed=3)
+    params, rest = map(nnx.to_pure_dict, nnx.split_state(state, nnx.Param, ...))
+    rng = np.random.default_rng(4)
+    batch = packed_batch(rng, 4, GPTS["llama"].vocab_size)
+    batch["segment_ids"][1::2, T // 2 :] = 0  # microbatch 2 (rows 1, 3): far fewer real tokens
+    real = (batch["segment_ids"] > 0)[[0, 2]].sum(), (batch["segment_ids"] > 0)[[1, 3]].sum()
+    assert real[0] != real[1]
+    start = TrainState(jnp.zeros((), jnp.int32), params, TX.init(params), rest)
+
+    def step(accum):
+        run = RunSpec(train=TrainConfig(accum_steps=accum))
+        return jax.jit(lambda st, b: train_step(graphdef, TX, st, b, run=run))(start, batch)
+
+    (whole, want), (split, got) = step(1), step(2)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(got["grad_norm"]), float(want["grad_norm"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(split.params), jax.tree.leaves(whole.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)  # Adam moves them ~1e-3

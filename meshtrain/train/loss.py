@@ -108,7 +108,13 @@ def _takes_mask(loss_fn: LossFn) -> bool:
     return any(p.kind is p.VAR_KEYWORD or p.name == "mask" for p in params)
 
 
-def loss_and_metrics(loss_fn: LossFn, output, targets: jax.Array, mask: jax.Array | None = None):
+def loss_and_metrics(
+    loss_fn: LossFn,
+    output,
+    targets: jax.Array,
+    mask: jax.Array | None = None,
+    task_weight: jax.Array | None = None,
+):
     """The training loss of a model's `output` on `targets`, and the metrics beside it.
 
     `output` is bare logits, or a `meshtrain.models.ModelOutput` whose ``aux_loss`` is added
@@ -121,6 +127,8 @@ def loss_and_metrics(loss_fn: LossFn, output, targets: jax.Array, mask: jax.Arra
         output: the model's output.
         targets: the batch's targets.
         mask: the targets that count (a packed batch's `loss_mask`), or None for all.
+        task_weight: a float32 scalar the task loss (not the auxiliary terms) is multiplied by:
+            a microbatch's share of the real tokens (see `meshtrain.train.step`); None: 1.
 
     Returns:
         ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars.
@@ -143,6 +151,8 @@ def loss_and_metrics(loss_fn: LossFn, output, targets: jax.Array, mask: jax.Arra
     metrics = {}
     if isinstance(loss, tuple):
         loss, metrics = loss[0], dict(loss[1])
+    if task_weight is not None:
+        loss = loss * task_weight
     if isinstance(output, ModelOutput):
         metrics = {**metrics, **output.metrics, "task_loss": loss}
         loss = loss + output.aux_loss

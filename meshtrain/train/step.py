@@ -112,9 +112,10 @@ def train_step(
         run = run_from_legacy(call, run, legacy, accepted=_STEP_LEGACY)
     accum_steps, loss_fn, pipeline = run.train.accum_steps, run.step_loss, run.pipeline
 
-    def loss_of(params, rest, mb):
+    def loss_of(params, rest, mb, share=None):
         model = nnx.merge(graphdef, params, rest)
-        loss, extra = loss_and_metrics(loss_fn, call_model(model, mb), mb["targets"], loss_mask(mb))
+        output = call_model(model, mb)
+        loss, extra = loss_and_metrics(loss_fn, output, mb["targets"], loss_mask(mb), share)
         return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
     mesh = _pipeline_mesh(pipeline, run.mesh)
@@ -123,10 +124,12 @@ def train_step(
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     else:
 
-        def grad_fn(params, rest, mb):
+        def grad_fn(params, rest, mb, share=None):
             loss, grads = pipeline_loss_and_grads(
                 graphdef, params, rest, mb, config=pipeline, mesh=mesh, loss_fn=loss_fn
             )
+            if share is not None:
+                loss, grads = loss * share, jax.tree.map(lambda g: g * share, grads)
             return (loss, (rest, {})), grads
 
     def compute(params, rest, batch):
@@ -184,13 +187,20 @@ def train_step(
 
 
 def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
-    """`grad_fn` on `batch`, or the mean over its `accum_steps` microbatches (in float32)."""
+    """`grad_fn` on `batch`, or the mean over its `accum_steps` microbatches (in float32).
+
+    A packed batch's microbatches hold different numbers of real tokens, and its loss is the
+    mean over the real tokens of the whole batch: each microbatch's task loss is weighted by
+    ``accum_steps × its real tokens / the batch's``, so the mean of the microbatches is that
+    of the whole batch (auxiliary terms, an MoE's router losses, keep weight 1/accum_steps).
+    """
     if accum_steps == 1:
         return grad_fn(params, rest, batch)
 
-    def accumulate(carry, mb):
+    def accumulate(carry, mb_share):
         loss_sum, grad_sum, rest, extra_sum = carry
-        (loss, (rest, extra)), grads = grad_fn(params, rest, mb)
+        mb, share = mb_share
+        (loss, (rest, extra)), grads = grad_fn(params, rest, mb, share)
         grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
         extra_sum = jax.tree.map(lambda a, m: a + m, extra_sum, extra)
         return (loss_sum + loss, grad_sum, rest, extra_sum), None
@@ -208,10 +218,22 @@ def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
     # Inside a region manual over the replica axes the carry must start per replica.
     carry = varying((jnp.zeros((), jnp.float32), zeros, rest, extra0))
     microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
-    (loss, grads, rest, extra), _ = jax.lax.scan(accumulate, carry, microbatches)
+    (loss, grads, rest, extra), _ = jax.lax.scan(
+        accumulate, carry, (microbatches, _token_shares(microbatches, accum_steps))
+    )
     extra = jax.tree.map(lambda m: m / accum_steps, extra)
     grads = jax.tree.map(lambda g, p: (g / accum_steps).astype(p.dtype), grads, params)
     return (loss / accum_steps, (rest, extra)), grads
+
+
+def _token_shares(microbatches: Mapping[str, jax.Array], accum_steps: int) -> jax.Array | None:
+    """``accum_steps × real tokens of each microbatch / of the batch`` ([accum_steps] float32)
+    for packed microbatches; None for plain ones (every microbatch weighs the same)."""
+    mask = loss_mask(microbatches)
+    if mask is None:
+        return None
+    counts = mask.reshape(accum_steps, -1).sum(1).astype(jnp.float32)
+    return accum_steps * counts / jnp.maximum(counts.sum(), 1.0)
 
 
 def _replica_layout(field: str) -> dict:

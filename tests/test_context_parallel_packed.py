@@ -157,6 +157,13 @@ def _batches(cfg, seed):
     return out
 
 
+def _assert_split(step, state, batch, mesh, rules) -> None:
+    """Under seq > 1 the algorithm's collective is in the program (not silently unsplit)."""
+    if mesh.shape["seq"] > 1:
+        want = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
+        assert f"stablehlo.{want[rules.context_parallel]}" in step.lower(state, batch).as_text()
+
+
 def _train(cfg, tx, mesh_str, context, values, data, devices=None):
     """STEPS steps from `values` on `data`: the losses and the final parameters."""
     mesh = make_mesh(mesh_str, devices=devices)
@@ -170,6 +177,7 @@ def _train(cfg, tx, mesh_str, context, values, data, devices=None):
     graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules)
     run = RunSpec(mesh=mesh, rules=rules)
     step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(data[0], mesh, rules))
+    _assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)
     losses = []
     for batch in data:
         state, m = step(state, shard_batch(batch, mesh, rules))

@@ -46,6 +46,13 @@ def _batches(cfg):
     return out
 
 
+def _assert_split(step, state, batch, mesh, rules) -> None:
+    """Under seq > 1 the algorithm's collective is in the program (not silently unsplit)."""
+    if mesh.shape["seq"] > 1:
+        want = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
+        assert f"stablehlo.{want[rules.context_parallel]}" in step.lower(state, batch).as_text()
+
+
 def _train(cfg, mesh_str, values, devices=None):
     """STEPS steps from `values`: per step the metrics, and the final parameters."""
     mesh = make_mesh(mesh_str, devices=devices)
@@ -60,6 +67,7 @@ def _train(cfg, mesh_str, values, devices=None):
     data = _batches(cfg)
     run = RunSpec(mesh=mesh, rules=rules)
     step = jit_train_step(run, graphdef, TX, shardings, batch_shardings(data[0], mesh, rules))
+    _assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)
     metrics = []
     for batch in data:
         state, m = step(state, shard_batch(batch, mesh, rules))

@@ -118,4 +118,4 @@ def test_the_moe_runs_the_tokens_in_the_balanced_order_under_seq():
     np.testing.assert_allclose(back, model.head_logits(want), rtol=0, atol=1e-6)
     sizes = dict(pipe=1, data=2, fsdp=1, expert=2, seq=2, tensor=1)
     data = DataSpec("lm", B, T, 64)
-    assert check_run(model=cfg, data=data, mesh=sizes, rules=rules_for("dp", sizes)) == []
+    assert check_run(RunSpec(model=cfg, data=data, mesh=sizes, rules=rules_for("dp", sizes))) == []

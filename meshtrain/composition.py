@@ -280,16 +280,6 @@ REFUSALS: tuple[Refusal, ...] = (
         _pair({"pipe": 2, "data": 4}, {"data": 8}, data=_lm(packed=True)),
     ),
     Refusal(
-        "packed batches",
-        "context parallelism",
-        "document masks are not split over seq yet",
-        lambda run: _packed(run) and _axis(run, SEQ) > 1,
-        "data.packing",
-        "set seq=1, or train on plain windows (--data.no-packing)",
-        lambda run: True,
-        _pair({"seq": 2, "data": 4}, {"data": 8}, data=_lm(packed=True)),
-    ),
-    Refusal(
         "cuDNN attention",
         "packed batches",
         "the cuDNN path takes no document masks",

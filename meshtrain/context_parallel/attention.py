@@ -75,6 +75,7 @@ def context_attention(
     causal: bool = True,
     window: int | None = None,
     impl: str = "xla",
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Self-attention over a sequence split over the mesh axis ``seq``.
 
@@ -91,6 +92,9 @@ def context_attention(
             flash-attention kernel at global positions, interpreted off the GPU; head widths
             64 and 128, float32 or bfloat16) or ``"auto"`` (Pallas on a GPU where it applies,
             else xla). ``"cudnn"`` is refused: it cannot compute a block at given positions.
+        segment_ids: [batch, T] integers in the layout of the tokens (packed documents): a
+            query sees only keys of its own segment (padding, id 0, is one more segment, as
+            in `meshtrain.models.layers.causal_attention`). None: one sequence per row.
 
     Returns:
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
@@ -107,19 +111,27 @@ def context_attention(
             f"context_parallel='ulysses': {H} heads are not divisible by {axis}={n}; pick a "
             "head count divisible by seq, or --context-parallel ring"
         )
+    if segment_ids is not None and tuple(segment_ids.shape) != q_BTHK.shape[:2]:
+        raise ValueError(
+            f"context parallelism: segment_ids {tuple(segment_ids.shape)} must be [batch, seq] "
+            f"= {q_BTHK.shape[:2]}"
+        )
     if algorithm == "ring":
         fn = ring.for_positions(positions_T, n, opts)
     else:
         fn = _FNS[algorithm]
 
-    def per_device(q, k, v, pos):
-        return fn(q, k, v, pos, pos, axis, opts)
+    def per_device(q, k, v, pos, *seg):
+        segs = {"q_segments": seg[0], "k_segments": seg[0]} if seg else {}
+        return fn(q, k, v, pos, pos, axis, opts, **segs)
 
     seq, pos = P(None, axis), P(axis)
-    region = manual_region(
-        per_device, mesh=mesh, axes={axis}, in_specs=(seq, seq, seq, pos), out_specs=seq
-    )
-    return region(q_BTHK, k_BSGK, v_BSGK, jnp.asarray(positions_T, jnp.int32))
+    args: tuple[jax.Array, ...] = (q_BTHK, k_BSGK, v_BSGK, jnp.asarray(positions_T, jnp.int32))
+    if segment_ids is not None:
+        args += (jnp.asarray(segment_ids, jnp.int32),)
+    specs = (seq, seq, seq, pos, seq)[: len(args)]
+    region = manual_region(per_device, mesh=mesh, axes={axis}, in_specs=specs, out_specs=seq)
+    return region(*args)
 
 
 class Context(NamedTuple):
@@ -143,11 +155,12 @@ def active_context() -> Context | None:
 
 
 def attend_active(
-    q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=None, impl="xla"
+    q_BTHK, k_BSGK, v_BSGK, positions_T, *, causal=True, window=None, impl="xla",
+    segment_ids=None,
 ):  # fmt: skip
     """`context_attention` with the active layout's mesh and algorithm (see `active_context`;
-    call it only where that is not None): the form a model uses, naming no mesh. `impl` as
-    `context_attention`'s (a model passes its own attention impl)."""
+    call it only where that is not None): the form a model uses, naming no mesh. `impl` and
+    `segment_ids` as `context_attention`'s (a model passes its own attention impl)."""
     ctx = active_context()
     if ctx is None:
         raise ValueError(
@@ -156,7 +169,7 @@ def attend_active(
         )
     return context_attention(
         q_BTHK, k_BSGK, v_BSGK, positions_T, mesh=ctx.mesh, algorithm=ctx.algorithm,
-        causal=causal, window=window, impl=impl,
+        causal=causal, window=window, impl=impl, segment_ids=segment_ids,
     )  # fmt: skip
 
 

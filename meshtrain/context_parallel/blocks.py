@@ -28,8 +28,21 @@ def visible(q_pos_T: jax.Array, k_pos_S: jax.Array, *, causal: bool, window: int
     return ok_TS if window is None else ok_TS & (gap_TS < window)
 
 
+def mask(q_pos_T, k_pos_S, opts, q_seg_BT=None, k_seg_BS=None):
+    """The keys each query sees: `visible` by position, and with segment ids ([B, T] and
+    [B, S]) only keys of the query's own segment; [T, S], [B, 1, 1, T, S] (broadcasting over
+    the scores' [B, G, R, T, S]) or None (all)."""
+    ok_TS = visible(q_pos_T, k_pos_S, causal=opts.causal, window=opts.window)
+    if q_seg_BT is None:
+        return ok_TS
+    ok_BTS = q_seg_BT[:, :, None] == k_seg_BS[:, None, :]
+    if ok_TS is not None:
+        ok_BTS = ok_BTS & ok_TS
+    return ok_BTS[:, None, None]
+
+
 def scores(q_BTHK: jax.Array, k_BSGK: jax.Array, ok_TS) -> jax.Array:
-    """Scaled, masked scores [B, G, R, T, S] in float32."""
+    """Scaled, masked scores [B, G, R, T, S] in float32 (`ok_TS`: a `mask`, or None)."""
     B, T, H, K = q_BTHK.shape
     G = k_BSGK.shape[2]
     q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
@@ -55,21 +68,27 @@ class Options(NamedTuple):
     impl: str = "xla"
 
 
-def attend(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, opts: Options):
+def attend(
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, opts: Options, *, q_segments=None,
+    k_segments=None,
+):  # fmt: skip
     """Softmax attention of one block: ``(out [B, T, H, K] float32, lse [B, G, R, T] float32)``.
 
     A query that sees no key of the block gets an lse near `NEG`, so merging weighs it 0
     (its output is 0 with ``impl="pallas"``, the mean of the values with ``"xla"``: either
-    weighs nothing). `opts` gives the mask and how the block is computed.
+    weighs nothing). `opts` gives the mask and how the block is computed; `q_segments` and
+    `k_segments` ([B, T] and [B, S] integers, both or neither) keep each query to keys of its
+    own segment (packed documents).
     """
     causal, window, impl = opts
     check_impl(impl)
     if impl == "pallas":
         return flash.block_forward(
-            q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal=causal, window=window
-        )
+            q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, causal=causal, window=window,
+            q_segments=q_segments, k_segments=k_segments,
+        )  # fmt: skip
     B, T, H, K = q_BTHK.shape
-    s_BGRTS = scores(q_BTHK, k_BSGK, visible(q_pos_T, k_pos_S, causal=causal, window=window))
+    s_BGRTS = scores(q_BTHK, k_BSGK, mask(q_pos_T, k_pos_S, opts, q_segments, k_segments))
     lse_BGRT = jax.nn.logsumexp(s_BGRTS, axis=-1)
     p_BGRTS = jnp.exp(s_BGRTS - lse_BGRT[..., None])
     o = jnp.einsum(
@@ -102,22 +121,23 @@ def delta(o_BTHK, do_BTHK, groups: int) -> jax.Array:
 
 def grads(
     q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT,
-    opts: Options,
+    opts: Options, *, q_segments=None, k_segments=None,
 ):  # fmt: skip
     """One block's contributions to the gradients, from the whole attention's `lse` and
-    `delta`: ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32."""
+    `delta`: ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32; segments
+    as `attend`'s."""
     causal, window, impl = opts
     check_impl(impl)
     if impl == "pallas":
         return flash.block_backward(
             q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT,
-            causal=causal, window=window,
+            causal=causal, window=window, q_segments=q_segments, k_segments=k_segments,
         )  # fmt: skip
     B, T, H, K = q_BTHK.shape
     G = k_BSGK.shape[2]
     do_BTGRK = do_BTHK.astype(_F32).reshape(B, T, G, H // G, K)
     q_BTGRK = q_BTHK.astype(_F32).reshape(B, T, G, H // G, K)
-    ok = visible(q_pos_T, k_pos_S, causal=causal, window=window)
+    ok = mask(q_pos_T, k_pos_S, opts, q_segments, k_segments)
     p_BGRTS = jnp.exp(scores(q_BTHK, k_BSGK, ok) - lse_BGRT[..., None])
     if ok is not None:
         p_BGRTS = jnp.where(ok, p_BGRTS, 0.0)

@@ -6,6 +6,9 @@ all-gather is a reduce-scatter, of an all-to-all the reverse all-to-all); with
 custom VJP that spells the same transposes out: the forward runs one block over the gathered
 keys/values and keeps its log-sum-exp, the backward runs `blocks.grads` over them.
 
+Packed documents: the keys' segment ids are gathered with them (all-gather: the local
+queries' segments against the whole sequence's; Ulysses: the whole sequence's on both sides).
+
 Shape suffixes as in `blocks`.
 """
 
@@ -34,7 +37,30 @@ def _either(fwd, vjp, args):
     return fwd(*args)[0] if opts.impl == "xla" else vjp(*args)
 
 
-def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
+def _segments(q_segments, k_segments, caller: str):
+    """The segment ids as one argument: None, or the pair (query's, keys')."""
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError(f"{caller}: give both q_segments and k_segments, or neither")
+    return None if q_segments is None else (q_segments, k_segments)
+
+
+def _segment_kw(q_seg, k_seg) -> dict:
+    """The block functions' segment keywords (none without segments)."""
+    return {} if q_seg is None else {"q_segments": q_seg, "k_segments": k_seg}
+
+
+def _gathered_segments(segs, axis: str, *, queries: bool):
+    """(query's, keys') segment ids with the keys' gathered over `axis` (and the queries'
+    too when `queries`); (None, None) without segments."""
+    if segs is None:
+        return None, None
+    q_seg, k_seg = segs
+    return (_gather(q_seg, axis, 1) if queries else q_seg), _gather(k_seg, axis, 1)
+
+
+def allgather(
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, *, q_segments=None, k_segments=None
+):  # fmt: skip
     """This device's queries against every device's keys, gathered over `axis`.
 
     Args: as `ring.ring`.
@@ -42,36 +68,42 @@ def allgather(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    args = (q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
+    segs = _segments(q_segments, k_segments, "allgather")
+    args = (q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, segs, axis, opts)
     return _either(_allgather_fwd, _allgather_vjp, args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _allgather_vjp(q, k, v, q_pos, k_pos, axis, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _allgather_vjp(q, k, v, q_pos, k_pos, segs, axis, opts):
     """`allgather` with its backward spelled out (for block impls autodiff may not enter)."""
-    return _allgather_fwd(q, k, v, q_pos, k_pos, axis, opts)[0]
+    return _allgather_fwd(q, k, v, q_pos, k_pos, segs, axis, opts)[0]
 
 
-def _allgather_fwd(q, k, v, q_pos, k_pos, axis, opts):
+def _allgather_fwd(q, k, v, q_pos, k_pos, segs, axis, opts):
     k_all, v_all = (_gather(x, axis, 1) for x in (k, v))
-    o, lse = blocks.attend(q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), opts)
+    q_seg, k_seg_all = _gathered_segments(segs, axis, queries=False)
+    o, lse = blocks.attend(
+        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), opts, **_segment_kw(q_seg, k_seg_all)
+    )
     o = o.astype(v.dtype)
     # Only this device's k/v are kept: the backward gathers them again rather than hold
     # the whole sequence's between the passes.
-    return o, (q, k, v, q_pos, k_pos, o, lse)
+    return o, (q, k, v, q_pos, k_pos, segs, o, lse)
 
 
 def _allgather_bwd(axis, opts, res, do_BTHK):
-    q, k, v, q_pos, k_pos, o, lse_BGRT = res
+    q, k, v, q_pos, k_pos, segs, o, lse_BGRT = res
     k_all, v_all = (_gather(x, axis, 1) for x in (k, v))
+    q_seg, k_seg_all = _gathered_segments(segs, axis, queries=False)
     delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
     dq, dk_all, dv_all = blocks.grads(
-        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), do_BTHK, lse_BGRT, delta_BGRT, opts
-    )
+        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), do_BTHK, lse_BGRT, delta_BGRT, opts,
+        **_segment_kw(q_seg, k_seg_all),
+    )  # fmt: skip
     # Each device's queries touched every key: the owners sum the contributions.
     dk, dv = (lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-    return (*typed_like(grads, (q, k, v)), None, None)
+    return (*typed_like(grads, (q, k, v)), None, None, None)
 
 
 _allgather_vjp.defvjp(_allgather_fwd, _allgather_bwd)
@@ -87,7 +119,9 @@ def _to_sequence(x, axis: str):
     return lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
+def ulysses(
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, *, q_segments=None, k_segments=None
+):  # fmt: skip
     """Attention with the heads split over `axis` instead of the sequence (DeepSpeed Ulysses).
 
     An all-to-all turns each device's [B, T/n, H, K] into [B, T, H/n, K]; attention runs over
@@ -99,14 +133,15 @@ def ulysses(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    args = (q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts)
+    segs = _segments(q_segments, k_segments, "ulysses")
+    args = (q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, segs, axis, opts)
     return _either(_ulysses_fwd, _ulysses_vjp, args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ulysses_vjp(q, k, v, q_pos, k_pos, axis, opts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ulysses_vjp(q, k, v, q_pos, k_pos, segs, axis, opts):
     """`ulysses` with its backward spelled out (for block impls autodiff may not enter)."""
-    return _ulysses_fwd(q, k, v, q_pos, k_pos, axis, opts)[0]
+    return _ulysses_fwd(q, k, v, q_pos, k_pos, segs, axis, opts)[0]
 
 
 def _repeats(H: int, G: int, axis: str) -> int:
@@ -114,30 +149,33 @@ def _repeats(H: int, G: int, axis: str) -> int:
     return H // G if G % lax.axis_size(axis) else 1
 
 
-def _ulysses_fwd(q, k, v, q_pos, k_pos, axis, opts):
+def _ulysses_fwd(q, k, v, q_pos, k_pos, segs, axis, opts):
     r = _repeats(q.shape[2], k.shape[2], axis)
     k_r, v_r = (x if r == 1 else jnp.repeat(x, r, axis=2) for x in (k, v))
     q_h, k_h, v_h = (_to_heads(x, axis) for x in (q, k_r, v_r))
     q_pos_all, k_pos_all = _gather(q_pos, axis, 0), _gather(k_pos, axis, 0)
-    o_h, lse = blocks.attend(q_h, k_h, v_h, q_pos_all, k_pos_all, opts)
+    seg_all = _gathered_segments(segs, axis, queries=True)
+    o_h, lse = blocks.attend(q_h, k_h, v_h, q_pos_all, k_pos_all, opts, **_segment_kw(*seg_all))
     o_h = o_h.astype(v.dtype)
-    return _to_sequence(o_h, axis), (q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, o_h, lse)
+    res = (q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, seg_all, o_h, lse)
+    return _to_sequence(o_h, axis), res
 
 
 def _ulysses_bwd(axis, opts, res, do_BTHK):
-    q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, o_h, lse_BGRT = res
+    q, k, v, q_h, k_h, v_h, q_pos_all, k_pos_all, seg_all, o_h, lse_BGRT = res
     do_h = _to_heads(do_BTHK, axis)
     delta_BGRT = blocks.delta(o_h, do_h, k_h.shape[2])
     dq_h, dk_h, dv_h = blocks.grads(
-        q_h, k_h, v_h, q_pos_all, k_pos_all, do_h, lse_BGRT, delta_BGRT, opts
-    )
+        q_h, k_h, v_h, q_pos_all, k_pos_all, do_h, lse_BGRT, delta_BGRT, opts,
+        **_segment_kw(*seg_all),
+    )  # fmt: skip
     dq, dk, dv = (_to_sequence(x, axis) for x in (dq_h, dk_h, dv_h))
     r = _repeats(q.shape[2], k.shape[2], axis)
     if r > 1:  # the transpose of the repeat: each key/value head's copies summed
         B, S, G, K = k.shape
         dk, dv = (x.reshape(B, S, G, r, K).sum(axis=3) for x in (dk, dv))
     grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
-    return (*typed_like(grads, (q, k, v)), None, None)
+    return (*typed_like(grads, (q, k, v)), None, None, None)
 
 
 _ulysses_vjp.defvjp(_ulysses_fwd, _ulysses_bwd)

@@ -18,6 +18,11 @@ skips its masked quarter and most of its two diagonals (`zigzag.own_groups`). Ev
 one call of `blocks.attend` (forward) or `blocks.grads` (backward) on static-shaped slices,
 so no step keeps a second branch's buffers. `for_positions` decides when halving is exact.
 
+Packed documents: the queries' segment ids stay home and the keys' travel around the ring
+with their block (tiny int32 [B, T/n]); each step masks by segment as well as by position.
+Segments only remove pairs, so the half-work plan (which skips only pieces the causal mask
+hides) stays exact with them.
+
 Shape suffixes as in `blocks`.
 """
 
@@ -89,7 +94,15 @@ def _unstack(x, count: int):
     return [x] if count == 1 else jnp.split(x, count, axis=0)
 
 
-def _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block):
+def _piece_segments(q_seg, k_seg, qs, ks, nq: int, nk: int) -> dict:
+    """The segment-id keywords of one group's block call: the pieces' query and key segment
+    ids stacked like their q and k (none without segments)."""
+    if q_seg is None:
+        return {}
+    return {"q_segments": _stacked(q_seg, qs, nq, 1), "k_segments": _stacked(k_seg, ks, nk, 1)}
+
+
+def _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block, q_seg=None, k_seg=None):
     """(o, lse) with every piece of `groups` attended and merged in; (None, None) start from the
     first group, which must then be one piece spanning the block."""
     for group in groups:
@@ -98,6 +111,7 @@ def _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block):
         o_g, lse_g = block(
             _stacked(q, qs, nq, 1), _stacked(k, ks, nk, 1), _stacked(v, ks, nk, 1),
             _rows(q_pos, first.q, nq, 0), _rows(k_pos, first.k, nk, 0),
+            **_piece_segments(q_seg, k_seg, qs, ks, nq, nk),
         )  # fmt: skip
         parts = zip(group, _unstack(o_g, len(group)), _unstack(lse_g, len(group)), strict=True)
         for p, o_p, lse_p in parts:
@@ -118,25 +132,27 @@ def _start(q, groups: int, plan):
     return jnp.zeros_like(q, jnp.float32), lse
 
 
-def _forward(q, k, v, q_pos, k_pos, axis, opts, halve=False, leaf=LEAF):
+def _forward(q, k, v, q_pos, k_pos, axis, opts, halve=False, leaf=LEAF, segs=None):
     """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
-    positions, one step at a time (a scan, so one step's scores are live at once)."""
+    positions (and segment ids: `segs` = (query's, keys') or None), one step at a time (a
+    scan, so one step's scores are live at once)."""
     _check_halve(halve, opts.causal, q.shape[1])
     n, i = lax.axis_size(axis), lax.axis_index(axis)
     block = functools.partial(blocks.attend, opts=opts)
     own, hop_groups = _plans(q.shape[1], halve, leaf)
+    q_seg, k_seg = (None, None) if segs is None else segs
     o, lse = _start(q, k.shape[2], own)
-    o, lse = _attend_groups(own, q, k, v, q_pos, k_pos, o, lse, block)
+    o, lse = _attend_groups(own, q, k, v, q_pos, k_pos, o, lse, block, q_seg, k_seg)
 
     def hop(carry, step):
-        k, v, k_pos, o, lse = carry
-        k, v, k_pos = (_shift(x, axis, n) for x in (k, v, k_pos))
+        k, v, k_pos, k_seg, o, lse = carry
+        k, v, k_pos, k_seg = (_shift(x, axis, n) for x in (k, v, k_pos, k_seg))
         groups = hop_groups(i, (i - step) % n)  # the block in hand came from device i − step
-        o, lse = _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block)
-        return (k, v, k_pos, o, lse), None
+        o, lse = _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block, q_seg, k_seg)
+        return (k, v, k_pos, k_seg, o, lse), None
 
     steps = jnp.arange(1, n, dtype=jnp.int32)
-    (_, _, _, o, lse), _ = lax.scan(hop, (k, v, k_pos, o, lse), steps)
+    (_, _, _, _, o, lse), _ = lax.scan(hop, (k, v, k_pos, k_seg, o, lse), steps)
     return o, lse
 
 
@@ -149,8 +165,10 @@ def _check_halve(halve: bool, causal: bool, rows: int) -> None:
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, halve=False, leaf=LEAF):
+def ring(
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, halve=False, leaf=LEAF, *,
+    q_segments=None, k_segments=None,
+):  # fmt: skip
     """Attention of this device's queries against the keys of every device on `axis`.
 
     Call inside a region manual over `axis`; each device passes its own blocks.
@@ -166,12 +184,24 @@ def ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, halve=False, leaf
             ``zigzag.order(T, n)``: pass ``for_positions``' choice, never a guess.
         leaf: with `halve`, the own block's causal diagonals are halved while the halves keep
             at least this many rows.
+        q_segments, k_segments: this device's [B, T] segment ids of the queries and of the
+            keys (int32, both or neither; self-attention passes the same array twice): a
+            query sees only keys of its own segment (packed documents). None: no segments.
 
     Returns:
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
-    o, _ = _forward(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, halve, leaf)
-    return o.astype(v_BSGK.dtype)
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("ring: give both q_segments and k_segments, or neither")
+    segs = None if q_segments is None else (q_segments, k_segments)
+    return _ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, segs, axis, opts, halve, leaf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _ring(q, k, v, q_pos, k_pos, segs, axis, opts, halve, leaf):
+    """`ring` with its segment ids as one argument (None or a pair), under its custom VJP."""
+    o, _ = _forward(q, k, v, q_pos, k_pos, axis, opts, halve, leaf, segs)
+    return o.astype(v.dtype)
 
 
 def for_positions(positions_T, n: int, opts: Options):
@@ -194,19 +224,20 @@ def for_positions(positions_T, n: int, opts: Options):
     return functools.partial(ring, halve=halve)
 
 
-def _ring_fwd(q, k, v, q_pos, k_pos, axis, opts, halve, leaf):
-    o, lse = _forward(q, k, v, q_pos, k_pos, axis, opts, halve, leaf)
+def _ring_fwd(q, k, v, q_pos, k_pos, segs, axis, opts, halve, leaf):
+    o, lse = _forward(q, k, v, q_pos, k_pos, axis, opts, halve, leaf, segs)
     o = o.astype(v.dtype)
-    return o, (q, k, v, q_pos, k_pos, o, lse)
+    return o, (q, k, v, q_pos, k_pos, segs, o, lse)
 
 
 def _ring_bwd(axis, opts, halve, leaf, res, do_BTHK):
-    q, k, v, q_pos, k_pos, o, lse_BGRT = res
+    q, k, v, q_pos, k_pos, segs, o, lse_BGRT = res
     n, i = lax.axis_size(axis), lax.axis_index(axis)
     delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
     own, hop_groups = _plans(q.shape[1], halve, leaf)
+    q_seg, k_seg = (None, None) if segs is None else segs
 
-    def grads(groups, k, v, k_pos, dq, dk, dv):
+    def grads(groups, k, v, k_pos, k_seg, dq, dk, dv):
         """The accumulators with this device's queries' contributions against one k/v block,
         piece by piece; None accumulators start from a piece spanning the block."""
         for group in groups:
@@ -217,6 +248,7 @@ def _ring_bwd(axis, opts, halve, leaf, res, do_BTHK):
                 _rows(q_pos, first.q, nq, 0), _rows(k_pos, first.k, nk, 0),
                 _stacked(do_BTHK, qs, nq, 1), _stacked(lse_BGRT, qs, nq, 3),
                 _stacked(delta_BGRT, qs, nq, 3), opts,
+                **_piece_segments(q_seg, k_seg, qs, ks, nq, nk),
             )  # fmt: skip
             dq_g, dk_g, dv_g = (_unstack(x, len(group)) for x in parts)
             for p, dq_p, dk_p, dv_p in zip(group, dq_g, dk_g, dv_g, strict=True):
@@ -231,28 +263,28 @@ def _ring_bwd(axis, opts, halve, leaf, res, do_BTHK):
     zeros = (None, None, None) if start is None else (
         start, jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32)
     )  # fmt: skip
-    dq, dk, dv = grads(own, k, v, k_pos, *zeros)
+    dq, dk, dv = grads(own, k, v, k_pos, k_seg, *zeros)
 
     def hop(carry, step):
-        # The k/v block moves on with its gradient accumulators.
-        k, v, k_pos, dq, dk, dv = carry
-        k, v, k_pos, dk, dv = (_shift(x, axis, n) for x in (k, v, k_pos, dk, dv))
-        dq, dk, dv = grads(hop_groups(i, (i - step) % n), k, v, k_pos, dq, dk, dv)
-        return (k, v, k_pos, dq, dk, dv), None
+        # The k/v block moves on with its gradient accumulators (and its segment ids).
+        k, v, k_pos, k_seg, dq, dk, dv = carry
+        k, v, k_pos, k_seg, dk, dv = (_shift(x, axis, n) for x in (k, v, k_pos, k_seg, dk, dv))
+        dq, dk, dv = grads(hop_groups(i, (i - step) % n), k, v, k_pos, k_seg, dq, dk, dv)
+        return (k, v, k_pos, k_seg, dq, dk, dv), None
 
     steps = jnp.arange(1, n, dtype=jnp.int32)
-    (_, _, _, dq, dk, dv), _ = lax.scan(hop, (k, v, k_pos, dq, dk, dv), steps)
+    (_, _, _, _, dq, dk, dv), _ = lax.scan(hop, (k, v, k_pos, k_seg, dq, dk, dv), steps)
     dk, dv = _shift(dk, axis, n), _shift(dv, axis, n)  # the n-th hop brings them home
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
-ring.defvjp(_ring_fwd, _ring_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_autodiff(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts):
     """`ring` differentiated by autodiff (kept to compare compiled memory with the custom
-    VJP; see the module docstring). The jnp blocks only: a kernel may not be differentiated
-    inside the region."""
+    VJP; see the module docstring; no segments). The jnp blocks only: a kernel may not be
+    differentiated inside the region."""
     if opts.impl != "xla":
         raise ValueError(
             f"ring_autodiff: impl={opts.impl!r}; only 'xla' blocks can be differentiated"

@@ -78,30 +78,34 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         """Self-attention over [B, T, D]; with `segment_ids_BT` a token attends only to earlier
         tokens of its own segment, and with `positions_BT` RoPE rotates each token by its own
-        position (both [B, T] integers: a packed batch)."""
+        position (both [B, T] integers: a packed batch, in the plain order of the row even
+        when context parallelism runs the tokens in the balanced order)."""
         q_BTHK = constrain(self.q(x_BTD), ("batch", "seq", "heads", "kv"))
         k_BTGK = constrain(self.k(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         v_BTGK = constrain(self.v(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         T = x_BTD.shape[1]
         cp = context_parallel.active_context()
         order = None if cp is None else context_parallel.order(T, cp.n)  # the tokens' positions
-        if cp is not None and (segment_ids_BT is not None or positions_BT is not None):
-            raise ValueError(
-                "packed batches (segment_ids/positions) do not run under context parallelism "
-                "yet; set seq=1 or train on plain windows (--data.no-packing)"
-            )
+        if order is not None:  # the packed batch's entries follow the tokens' balanced order
+            if segment_ids_BT is not None:
+                segment_ids_BT = segment_ids_BT[:, order]
+            if positions_BT is not None:
+                positions_BT = positions_BT[:, order]
         if self.rope:
             cos, sin = layers.rope_tables(T, q_BTHK.shape[-1], self.rope_theta, llama3=self.llama3)
-            if order is not None:
-                cos, sin = cos[order], sin[order]
             if positions_BT is not None:  # a position is never past its row's: T rows suffice
                 cos, sin = cos[positions_BT], sin[positions_BT]
+            elif order is not None:
+                cos, sin = cos[order], sin[order]
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         if cp is not None:
+            # The mask: causal (and windowed) by each token's index in its row (`order`), and
+            # within one segment, as `layers.causal_attention` masks the plain order.
             o_BTHK = context_parallel.attend_active(
-                q_BTHK, k_BTGK, v_BTGK, order, window=self.window, impl=self.impl
-            )
+                q_BTHK, k_BTGK, v_BTGK, order, window=self.window, impl=self.impl,
+                segment_ids=segment_ids_BT,
+            )  # fmt: skip
         elif self.impl == "xla":
             o_BTHK = layers.causal_attention(
                 q_BTHK, k_BTGK, v_BTGK, window=self.window, segment_ids=segment_ids_BT
@@ -263,6 +267,8 @@ class GPT(nnx.Module):
         order = context_parallel.balanced_order(T)
         if order is not None:
             tokens_BT = tokens_BT[:, order]
+            if positions_BT is not None:
+                positions_BT = positions_BT[:, order]
         x_BTD = self.embed(tokens_BT)  # the table is gathered to its activation layout first
         if self.pos is not None and positions_BT is not None:
             x_BTD = x_BTD + self.pos[positions_BT].astype(x_BTD.dtype)

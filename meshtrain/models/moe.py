@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshtrain import context_parallel
 from meshtrain.layout import constrain
 from meshtrain.models import layers, token_ends
 from meshtrain.models.base import ModelOutput
 from meshtrain.models.gpt import MLP, Attention, Block
 from meshtrain.models.moe_config import MoEConfig
-from meshtrain.models.moe_dispatch import dispatch
+from meshtrain.models.moe_dispatch import Routing, dispatch
 from meshtrain.models.moe_routing import load_balance_loss, load_stats, route, z_loss
 from meshtrain.models.remat import POLICIES
 
@@ -50,11 +51,26 @@ class Experts(nnx.Module):
             self.shared = None
 
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The experts' output for [B, T, D] tokens, and the router's losses and statistics."""
         cfg = self.cfg
         T = x_BTD.shape[1]
         logits_BTE = jnp.dot(x_BTD.astype(jnp.float32), self.router[...])
         slots = cfg.capacity_slots(T) if cfg.dispatch == "capacity" else None
+        # Under context parallelism the tokens run in the balanced (zig-zag) order; capacity
+        # gives slots in position order, so the router ranks them in their own order and the
+        # routing then follows the tokens (the losses and statistics are means over tokens,
+        # the same in either order).
+        order = context_parallel.balanced_order(T)
+        if order is not None:
+            logits_BTE = logits_BTE[:, context_parallel.inverse(order)]
         routing = route(logits_BTE, cfg.top_k, renormalize=cfg.renormalize, capacity_slots=slots)
+        stats = {
+            "aux_loss": load_balance_loss(logits_BTE, routing.expert_BTK),
+            "z_loss": z_loss(logits_BTE),
+            **load_stats(routing, cfg.n_experts),
+        }
+        if order is not None:
+            routing = Routing(*(field_BTK[:, order] for field_BTK in routing))
         dtype = cfg.backbone.compute_dtype
         if jax.default_backend() == "cpu":
             # XLA's CPU compiler aborts on the bfloat16 dispatch's backward ("Invalid binary
@@ -71,11 +87,6 @@ class Experts(nnx.Module):
         )
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)
-        stats = {
-            "aux_loss": load_balance_loss(logits_BTE, routing.expert_BTK),
-            "z_loss": z_loss(logits_BTE),
-            **load_stats(routing, cfg.n_experts),
-        }
         return y_BTD.astype(x_BTD.dtype), stats
 
 
@@ -151,8 +162,7 @@ class MoE(nnx.Module):
         positions: jax.Array | None = None,
     ) -> ModelOutput:
         g = self.cfg.backbone
-        token_ends.check_length(tokens_BT.shape[1], g)
-        x_BTD = constrain(self.embed(tokens_BT), ("batch", "seq", "embed"))
+        x_BTD = self.embed_tokens(tokens_BT, positions)
 
         def body(group: Group, x_BTD: jax.Array, seg_BT, pos_BT):
             return group(x_BTD, seg_BT, pos_BT)
@@ -161,8 +171,31 @@ class MoE(nnx.Module):
             body = nnx.remat(body, policy=POLICIES[g.remat], prevent_cse=False)
         scan = nnx.scan(body, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
         x_BTD, stats = scan(self.groups, x_BTD, segment_ids, positions)
-        logits_BTV = token_ends.logits(self.norm(x_BTD), self.embed, self.head, g)
+        logits_BTV = self.head_logits(x_BTD)
         aux = self.cfg.aux_loss_coef * jnp.sum(stats["aux_loss"])
         aux = aux + self.cfg.z_loss_coef * jnp.sum(stats["z_loss"])
         metrics = {f"moe_{k}": jnp.mean(v) for k, v in stats.items()}
         return ModelOutput(logits_BTV, aux, metrics)
+
+    def embed_tokens(
+        self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None
+    ) -> jax.Array:
+        """Token ids [B, T] → input activations [B, T, D] in the compute dtype. Under context
+        parallelism the tokens take the balanced (zig-zag) order here, as the GPT's do, and
+        `head_logits` restores theirs. `positions_BT` is accepted for the GPT's signature: the
+        MoE's positions are rotary, applied in attention."""
+        del positions_BT
+        T = tokens_BT.shape[1]
+        token_ends.check_length(T, self.cfg.backbone)
+        order = context_parallel.balanced_order(T)
+        if order is not None:
+            tokens_BT = tokens_BT[:, order]
+        return constrain(self.embed(tokens_BT), ("batch", "seq", "embed"))
+
+    def head_logits(self, x_BTD: jax.Array) -> jax.Array:
+        """Final norm and output head: [B, T, D] → float32 logits [B, T, padded_vocab] (the
+        padded ids' masked), back in the tokens' own order."""
+        order = context_parallel.balanced_order(x_BTD.shape[1])
+        if order is not None:  # back from the balanced order `embed_tokens` chose
+            x_BTD = constrain(x_BTD[:, context_parallel.inverse(order)], ("batch", "seq", "embed"))
+        return token_ends.logits(self.norm(x_BTD), self.embed, self.head, self.cfg.backbone)

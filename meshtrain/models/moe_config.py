@@ -237,12 +237,6 @@ class MoEConfig:
         """Axes beyond the defaults that this model runs (the run check reads it)."""
         return (EXPERT,)
 
-    @property
-    def context_parallel(self) -> bool:
-        """False: its tokens keep the plain order (the GPT's attention under ``seq > 1``
-        expects the balanced one), so the run check refuses ``seq > 1``."""
-        return False
-
 
 def _moe(fix: str) -> str:
     """A `GPTConfig` fix, reworded for the moe flags."""

@@ -117,7 +117,9 @@ KNOWN_GAPS: dict[Cell, str] = {
         "4.14533 on one device); without packing it matches synchronous SGD"
     ),
     ("packed", "diloco"): (
-        "as packed with local-sgd: DiLoCo's replicas step on the same per-replica losses"
+        "a packed GPT with --sync-every 1 --outer-optimizer nesterov on data=4,tensor=2 "
+        "(dp+tp): as with local SGD, each replica's loss is the mean over its own real tokens "
+        "(loss 4.16725 against 4.16781 on one device)"
     ),
 }
 
@@ -128,6 +130,10 @@ KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {
         "while compiling the train step (spmd_partitioner_util.cc: 'Check failed: "
         "partition_group_list.num_replica_groups() * ... == device_groups."
         "num_devices_per_group()'); hsdp alone and dp+tp compile and match"
+    ),
+    ("hsdp", "tp", "diloco"): (
+        "--sync-every 1 --outer-optimizer nesterov on data=2,fsdp=2,tensor=2 with hsdp+tp: the "
+        "same abort of XLA's SPMD partitioner; hsdp alone and zero1+tp compile and match"
     ),
 }
 
@@ -255,7 +261,12 @@ def _is_pair(func: ast.expr, names: Mapping[str, ast.expr]) -> bool:
     """Whether `func` is ``pytest.mark.pair`` / ``mark.pair`` or a name bound to it."""
     if isinstance(func, ast.Name) and func.id in names:
         return _is_pair(names[func.id], {})
-    return isinstance(func, ast.Attribute) and func.attr == "pair"
+    if not (isinstance(func, ast.Attribute) and func.attr == "pair"):
+        return False
+    mark = func.value
+    return (isinstance(mark, ast.Attribute) and mark.attr == "mark") or (
+        isinstance(mark, ast.Name) and mark.id == "mark"
+    )
 
 
 def _marks_in(node: ast.AST, names: Mapping[str, ast.expr], seen=()) -> list[list[ast.expr]]:

@@ -17,11 +17,12 @@ row settles them (`KNOWN_GAPS_BEYOND_PAIRS`: combinations of three or more whose
 
 from __future__ import annotations
 
-import ast
 import itertools
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
+
+from meshtrain.pair_markers import markers
 
 __all__ = [
     "EXCLUSIVE",
@@ -173,29 +174,27 @@ class Evidence(NamedTuple):
 
 
 def evidence(root: str | Path = "tests") -> Evidence:
-    """The ``pair`` markers of the test files ``root/test_*.py``, read with `ast`.
+    """The ``pair`` markers of the test files ``root/test_*.py``, read with `ast` (see
+    `meshtrain.pair_markers.markers` for where a marker counts).
 
-    A marker counts where it decorates a test function (``@pytest.mark.pair("a", "b")``, also
-    through a module-level name bound to such a mark) or sits in the ``marks=`` of a
-    ``pytest.param`` among the function's ``parametrize`` values (written there, or in a
-    module-level list the decorator names).
+    Args:
+        root: the folder of the test files.
+
+    Returns:
+        The proven cells and the markers that name no cell.
     """
-    root = Path(root)
     proofs: dict[Cell, list[str]] = {}
     bad: list[str] = []
-    for path in sorted(root.glob("test_*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        names = _module_names(tree)
-        for fn in _test_functions(tree):
-            where = f"{root.name}/{path.name}::{fn.name}"
-            for args in _pair_marks(fn, names):
-                try:
-                    found = cell(*_literals(args))
-                except ValueError as e:
-                    bad.append(f"{where}: {e}")
-                    continue
-                if where not in proofs.setdefault(found, []):
-                    proofs[found].append(where)
+    for where, found in markers(root):
+        try:
+            if isinstance(found, str):
+                raise ValueError(found)
+            c = cell(*found)
+        except (TypeError, ValueError) as e:
+            bad.append(f"{where}: {e}")
+            continue
+        if where not in proofs.setdefault(c, []):
+            proofs[c].append(where)
     return Evidence(proofs, bad)
 
 
@@ -232,89 +231,3 @@ def missing(proofs: Mapping[Cell, object], refusals: Iterable | None = None) -> 
     """
     settled = set(proofs) | set(refused(refusals))
     return [c for c in cells() if c not in settled]
-
-
-def _module_names(tree: ast.Module) -> dict[str, ast.expr]:
-    """Module-level ``NAME = value`` assignments (lists of cases, marks bound to names)."""
-    out: dict[str, ast.expr] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    out[target.id] = node.value
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
-            out[node.target.id] = node.value
-    return out
-
-
-def _test_functions(tree: ast.Module) -> Iterable[ast.FunctionDef | ast.AsyncFunctionDef]:
-    """The ``test_*`` functions at module level and in ``Test*`` classes."""
-    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
-    for node in tree.body:
-        if isinstance(node, kinds) and node.name.startswith("test"):
-            yield node
-        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-            yield from (n for n in node.body if isinstance(n, kinds) and n.name.startswith("test"))
-
-
-def _is_pair(func: ast.expr, names: Mapping[str, ast.expr]) -> bool:
-    """Whether `func` is ``pytest.mark.pair`` / ``mark.pair`` or a name bound to it."""
-    if isinstance(func, ast.Name) and func.id in names:
-        return _is_pair(names[func.id], {})
-    if not (isinstance(func, ast.Attribute) and func.attr == "pair"):
-        return False
-    mark = func.value
-    return (isinstance(mark, ast.Attribute) and mark.attr == "mark") or (
-        isinstance(mark, ast.Name) and mark.id == "mark"
-    )
-
-
-def _marks_in(node: ast.AST, names: Mapping[str, ast.expr], seen=()) -> list[list[ast.expr]]:
-    """The argument lists of the pair marks written anywhere inside `node` (following names
-    of module-level values once)."""
-    found = []
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Call) and _is_pair(sub.func, names):
-            found.append(list(sub.args))
-        elif isinstance(sub, ast.Name) and sub.id in names and sub.id not in seen:
-            found += _marks_in(names[sub.id], names, (*seen, sub.id))
-    return found
-
-
-def _pair_marks(fn, names: Mapping[str, ast.expr]) -> list[list[ast.expr]]:
-    """The pair marks of one test function: its decorators (``pair`` marks directly, and the
-    ``pytest.param(..., marks=...)`` cases of its ``parametrize`` decorators)."""
-    found = []
-    for dec in fn.decorator_list:
-        if isinstance(dec, ast.Call) and _is_pair(dec.func, names):
-            found.append(list(dec.args))
-        elif isinstance(dec, ast.Name) and dec.id in names:
-            found += _marks_in(names[dec.id], names, (dec.id,))
-        elif isinstance(dec, ast.Call) and getattr(dec.func, "attr", None) == "parametrize":
-            for value in (*dec.args[1:], *(k.value for k in dec.keywords)):
-                for param in _params(value, names):
-                    for kw in param.keywords:
-                        if kw.arg == "marks":
-                            found += _marks_in(kw.value, names)
-    return found
-
-
-def _params(node: ast.expr, names: Mapping[str, ast.expr], seen=()) -> list[ast.Call]:
-    """The ``pytest.param(...)`` calls among a parametrize argument (following names)."""
-    out = []
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Call) and getattr(sub.func, "attr", None) == "param":
-            out.append(sub)
-        elif isinstance(sub, ast.Name) and sub.id in names and sub.id not in seen:
-            out += _params(names[sub.id], names, (*seen, sub.id))
-    return out
-
-
-def _literals(args: list[ast.expr]) -> tuple[str, str]:
-    """The two string literals of a pair marker; raises ``ValueError`` otherwise."""
-    if len(args) != 2 or not all(
-        isinstance(a, ast.Constant) and isinstance(a.value, str) for a in args
-    ):
-        shown = ", ".join(ast.unparse(a) for a in args)
-        raise ValueError(f"pair({shown}): give exactly two feature ids as string literals")
-    return args[0].value, args[1].value  # type: ignore[attr-defined]

@@ -78,22 +78,43 @@ def test_markers_are_read_from_decorators_params_and_names(tmp_path):
 
             def helper():  # not a test: its marks count for nothing
                 pytest.mark.pair("zero1", "remat")
+
+            SCHEDULES = ("gpipe", "1f1b")
+
+            @pytest.mark.parametrize("s, d", [
+                pytest.param(s, d, marks=[pytest.mark.pair(f"moe-{d}", s)])
+                for s in SCHEDULES for d in ("capacity", "dropless")
+            ])
+            def test_d(s, d):
+                pass
+
+            @pytest.mark.parametrize("a", [
+                pytest.param(a, marks=pytest.mark.pair("packed", a)) for a in algorithms()
+            ])
+            def test_e(a):
+                pass
             """
         )
     )
     found = cm.evidence(tmp_path)
-    a, b = f"{tmp_path.name}/test_x.py::test_a", f"{tmp_path.name}/test_x.py::test_b"
+    a, b, d = (f"{tmp_path.name}/test_x.py::test_{x}" for x in "abd")
     assert found.proofs == {
         ("dp", "tp"): [a],
         ("dp", "gpipe"): [a],
         ("fsdp", "1f1b"): [a],
         ("ring", "packed"): [a, b],
         ("remat", "bf16"): [b],
+        ("gpipe", "moe-capacity"): [d],
+        ("gpipe", "moe-dropless"): [d],
+        ("1f1b", "moe-capacity"): [d],
+        ("1f1b", "moe-dropless"): [d],
     }
-    assert len(found.bad) == 3 and all("test_x.py::test_c" in line for line in found.bad)
+    assert len(found.bad) == 4, found.bad
+    assert all("test_x.py::test_c" in line for line in found.bad[:3])
     assert "one run has only one of them" in found.bad[0]
     assert "'spiral': not a feature id" in found.bad[1]
-    assert "pair('dp', name): give exactly two feature ids as string literals" in found.bad[2]
+    assert "pair('dp', name): give exactly two feature ids as literal strings" in found.bad[2]
+    assert "test_x.py::test_e: pair('packed', a): give exactly two" in found.bad[3]
 
 
 def test_every_refusal_row_names_real_cells():

@@ -199,6 +199,7 @@ def _cells(firsts: tuple[str, ...], seconds: tuple[str, ...]) -> tuple[tuple[str
 # strategy without replicas).
 _SYNC_SECONDS = {
     "pipelines": _PIPELINES,
+    "the circular schedule": ("circular",),
     "context parallelism": _CONTEXT,
     "expert parallelism (MoE)": _MOE,
     "a strategy without replicas": ("fsdp",),

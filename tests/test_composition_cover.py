@@ -494,6 +494,46 @@ CASES = [
         ],
         id="zero1-moe-capacity",
     ),
+    # mixtures of experts under context parallelism (the MoE under seq > 1)
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", model="moe-capacity", context="allgather",
+             remat=True),
+        marks=[
+            pair("hsdp", "allgather"), pair("hsdp", "moe-capacity"), pair("hsdp", "remat"),
+            pair("allgather", "moe-capacity"), pair("allgather", "remat"),
+            pair("moe-capacity", "remat"),
+        ],
+        id="hsdp-moe-capacity-allgather-remat",
+    ),
+    pytest.param(
+        Case("fsdp=4,seq=2", "fsdp", model="moe-dropless", context="allgather"),
+        marks=[
+            pair("fsdp", "allgather"), pair("fsdp", "moe-dropless"),
+            pair("allgather", "moe-dropless"),
+        ],
+        id="fsdp-moe-dropless-allgather",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "dp", model="moe-capacity", context="ulysses", bf16=True,
+             resume=True),
+        marks=[
+            pair("dp", "ulysses"), pair("dp", "moe-capacity"), pair("dp", "bf16"),
+            pair("dp", "resume-relayout"), pair("ulysses", "moe-capacity"),
+            pair("ulysses", "bf16"), pair("ulysses", "resume-relayout"),
+            pair("moe-capacity", "bf16"), pair("moe-capacity", "resume-relayout"),
+            pair("bf16", "resume-relayout"),
+        ],
+        id="dp-moe-capacity-ulysses-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", model="moe-dropless", context="ulysses", accum=2),
+        marks=[
+            pair("zero1", "ulysses"), pair("zero1", "moe-dropless"),
+            pair("zero1", "accumulation"), pair("ulysses", "moe-dropless"),
+            pair("ulysses", "accumulation"), pair("moe-dropless", "accumulation"),
+        ],
+        id="zero1-moe-dropless-ulysses-accum",
+    ),
     # communicating less (the one-device reference as `_reference` says), packed documents
     pytest.param(
         Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, bf16=True,

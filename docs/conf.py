@@ -24,6 +24,7 @@ extensions = [
     "api_reference",
     "cli_reference",
     "refusals",
+    "composition",
 ]
 
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}

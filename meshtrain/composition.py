@@ -46,6 +46,8 @@ class Refusal:
         example: ``() → (with_pair, without_pair)``: two dicts of run attributes, the first
             refused for this pair, the second the same run with one of the two features
             removed (the table's test builds runs from them).
+        cells: the cells of the composition matrix this row refuses, as pairs of feature ids
+            (`meshtrain.composition_matrix.FEATURES`); empty where neither feature is one.
     """
 
     first: str
@@ -56,6 +58,7 @@ class Refusal:
     fix: str
     value: Callable[[RunSpec], object] = lambda run: None
     example: Callable[[], tuple[dict, dict]] | None = None
+    cells: tuple[tuple[str, str], ...] = ()
 
     def problem(self, run: RunSpec) -> Problem:
         """The one-line `Problem` for `run` (which `applies`)."""
@@ -181,6 +184,35 @@ def _model_value(field: str) -> Callable[[RunSpec], object]:
     return lambda run: getattr(run.model, field)
 
 
+_PIPELINES = ("gpipe", "circular", "1f1b")  # the matrix's feature ids of each family
+_CONTEXT = ("ring", "allgather", "ulysses")
+_MOE = ("moe-capacity", "moe-dropless")
+_LOCAL = ("local-sgd", "diloco")
+
+
+def _cells(firsts: tuple[str, ...], seconds: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Every matrix cell of one id of `firsts` with one of `seconds`."""
+    return tuple((a, b) for a in firsts for b in seconds)
+
+
+# The features each sync row's second feature stands for in the matrix (pure fsdp is the
+# strategy without replicas).
+_SYNC_SECONDS = {
+    "pipelines": _PIPELINES,
+    "the circular schedule": ("circular",),
+    "context parallelism": _CONTEXT,
+    "expert parallelism (MoE)": _MOE,
+    "a strategy without replicas": ("fsdp",),
+}
+
+
+def _with_cells(rows: tuple[Refusal, ...], firsts: tuple[str, ...]) -> tuple[Refusal, ...]:
+    """`rows` (of one sync feature, `firsts` its ids) naming their matrix cells."""
+    return tuple(
+        dataclasses.replace(r, cells=_cells(firsts, _SYNC_SECONDS.get(r.second, ()))) for r in rows
+    )
+
+
 def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refusal, ...]:
     """A sync feature with pipelines, context parallelism, MoE and a strategy without replicas."""
     rows = []
@@ -255,6 +287,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "set seq=1 or pipe=1 in --mesh",
         _mesh_value(SEQ),
         _pair({"seq": 2, "pipe": 2, "data": 2}, {"seq": 2, "data": 4}),
+        cells=_cells(_CONTEXT, _PIPELINES),
     ),
     Refusal(
         "context parallelism",
@@ -278,6 +311,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "set pipe=1, or train on plain windows (--data.no-packing)",
         lambda run: True,
         _pair({"pipe": 2, "data": 4}, {"data": 8}, data=_lm(packed=True)),
+        cells=_cells(("packed",), _PIPELINES),
     ),
     Refusal(
         "cuDNN attention",
@@ -295,6 +329,7 @@ REFUSALS: tuple[Refusal, ...] = (
             ),
             _run({"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)()),
         ),
+        cells=(("cudnn", "packed"),),
     ),
     Refusal(
         "cuDNN attention",
@@ -306,6 +341,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "use --{model}.attention-impl pallas, auto or xla, or set seq=1",
         lambda run: "cudnn",
         _pair({"seq": 2, "data": 4}, {"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)),
+        cells=_cells(("cudnn",), _CONTEXT),
     ),
     Refusal(
         "cuDNN attention",
@@ -317,6 +353,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "use pallas (or auto) inside pipelines, or set pipe=1",
         lambda run: "cudnn",
         _pair({"pipe": 2, "data": 4}, {"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)),
+        cells=_cells(("cudnn",), _PIPELINES),
     ),
     Refusal(
         "local SGD",
@@ -327,6 +364,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "drop one of --grad-compression and --sync-every",
         _grad_compression,
         _sync_example({"sync_every": 4, "grad_compression": "int8"}, {"sync_every": 4}),
+        cells=_cells(_LOCAL, ("compression",)),
     ),
     Refusal(
         "bounded staleness",
@@ -337,6 +375,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "drop one of --staleness and --sync-every",
         lambda run: run.sync.staleness,
         _sync_example({"sync_every": 4, "staleness": 2}, {"staleness": 2}),
+        cells=_cells(("staleness",), _LOCAL),
     ),
     Refusal(
         "an outer optimizer",
@@ -350,16 +389,22 @@ REFUSALS: tuple[Refusal, ...] = (
             {"outer_optimizer": "nesterov"}, {"outer_optimizer": "nesterov", "sync_every": 4}
         ),
     ),
-    *_sync_axis_rows(
-        "gradient compression",
-        "grad_compression",
-        _grad_compression,
-        "--grad-compression",
-        _compresses,
-        {"grad_compression": "int8"},
+    *_with_cells(
+        _sync_axis_rows(
+            "gradient compression",
+            "grad_compression",
+            _grad_compression,
+            "--grad-compression",
+            _compresses,
+            {"grad_compression": "int8"},
+        ),
+        ("compression",),
     ),
-    *_sync_axis_rows(
-        "local SGD", "sync_every", _sync_every, "--sync-every", _local, {"sync_every": 4}
+    *_with_cells(
+        _sync_axis_rows(
+            "local SGD", "sync_every", _sync_every, "--sync-every", _local, {"sync_every": 4}
+        ),
+        _LOCAL,
     ),
     Refusal(
         "a custom loss_fn",

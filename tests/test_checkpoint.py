@@ -175,6 +175,10 @@ def saved_layouts(layouts, tmp_path_factory):
 
 
 @pytest.mark.parametrize(("source", "target"), RESHARDS, ids=lambda x: x)
+@pytest.mark.pair("dp", "resume-relayout")
+@pytest.mark.pair("fsdp", "resume-relayout")
+@pytest.mark.pair("zero1", "resume-relayout")
+@pytest.mark.pair("tp", "resume-relayout")
 def test_restore_onto_another_layout(layouts, saved_layouts, source, target):
     src_mesh, _, src_state, _ = layouts[source]
     mesh, _, like, shardings = layouts[target]

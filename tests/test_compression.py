@@ -133,6 +133,8 @@ def compiled(models):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.pair("dp", "compression")
+@pytest.mark.pair("tp", "compression")
 def test_none_equals_the_automatic_data_parallel_gradient(models, compiled, layout):
     m = models(layout)
     assert m.axes == (("data", "fsdp") if layout == "dp" else ("data",))
@@ -151,6 +153,7 @@ def test_none_equals_the_automatic_data_parallel_gradient(models, compiled, layo
         assert err <= GRAD_RTOL * scale, (jax.tree_util.keystr(path), err, scale)
 
 
+@pytest.mark.pair("tp", "compression")
 def test_int8_under_tensor_parallelism_encodes_each_shard_and_gathers_nothing(models, compiled):
     # With the parameters' specs each tensor shard encodes its own part: the tensor-axis
     # traffic is the model's own (as with codec none) and the data-axis bytes are a quarter.

@@ -327,6 +327,11 @@ def _assert_same(got, want):
 
 
 @pytest.mark.slow
+@pytest.mark.pair("dp", "ring")
+@pytest.mark.pair("remat", "ring")
+@pytest.mark.pair("resume-relayout", "ring")
+@pytest.mark.pair("dp", "remat")
+@pytest.mark.pair("dp", "resume-relayout")
 def test_gpt_on_seq4_data2_equals_one_device_and_resumes_on_seq1(tmp_path):
     """3 steps with ring attention (and full remat, which recomputes the ring's custom-VJP
     forward) on seq=4 × data=2 equal one device (losses, parameters); the state saved there
@@ -345,6 +350,9 @@ def test_gpt_on_seq4_data2_equals_one_device_and_resumes_on_seq1(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pair("fsdp", "ulysses")
+@pytest.mark.pair("tp", "ulysses")
+@pytest.mark.pair("fsdp", "tp")
 def test_gpt_on_seq2_tensor2_data2_with_ulysses_equals_one_device():
     _assert_same(_train(GPT, "seq=2,tensor=2,data=2", "fsdp+tp", "ulysses"), _reference(GPT))
 
@@ -409,6 +417,9 @@ def _cli_losses(tmp_path, name, *argv):
 
 
 @pytest.mark.slow
+@pytest.mark.pair("bf16", "ring")
+@pytest.mark.pair("resume-relayout", "ring")
+@pytest.mark.pair("resume-relayout", "bf16")
 def test_cli_trainer_bf16_on_seq4_resumes_on_seq1_as_data8_runs(tmp_path):
     """The CLI and Trainer with a bf16 GPT on seq=4 × data=2 (no --strategy: auto), and its
     checkpoint resumed on a mesh without seq: the losses of a straight data=8 run."""

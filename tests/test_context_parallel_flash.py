@@ -57,6 +57,9 @@ CASES = [
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("n, causal, H, G, window, layout", CASES)
+@pytest.mark.pair("pallas", "ring")
+@pytest.mark.pair("pallas", "allgather")
+@pytest.mark.pair("pallas", "ulysses")
 def test_algorithm_with_the_kernel_equals_plain_attention(
     algorithm, n, causal, H, G, window, layout
 ):
@@ -161,6 +164,11 @@ def _train(cfg, mesh_str, values, devices=None):
 
 
 @pytest.mark.slow
+@pytest.mark.pair("pallas", "ring")
+@pytest.mark.pair("dp", "pallas")
+@pytest.mark.pair("remat", "pallas")
+@pytest.mark.pair("dp", "ring")
+@pytest.mark.pair("remat", "ring")
 def test_gpt_with_the_kernel_on_seq4_data2_equals_one_device(monkeypatch):
     """3 steps with ring attention through the kernel (attention_impl='pallas') on seq=4 ×
     data=2 equal the same model's single-device run (whose attention is the flash kernel

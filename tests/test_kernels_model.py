@@ -51,6 +51,8 @@ NEWER = dict(sliding_window=20, qkv_bias=True, rope_scaling="llama3", rope_origi
 @pytest.mark.parametrize(
     "style,extra", [("llama", {}), ("gpt2", {}), ("llama", NEWER)], ids=["llama", "gpt2", "newer"]
 )
+@pytest.mark.pair("fsdp", "pallas")
+@pytest.mark.pair("tp", "pallas")
 def test_gpt_with_pallas_kernels_equals_reference_on_2x2x2_mesh(style, extra):
     key, seed = fresh_key()
     mesh = make_mesh("data=2,fsdp=2,tensor=2")

@@ -148,6 +148,9 @@ LOSS_ATOL = 1e-6
     # zero1: the inner momentum is split over the replica axes, which comm["local"] moves to dim 0
     [("data=4,fsdp=2", "dp"), ("data=4,tensor=2", "dp+tp"), ("data=8", "zero1")],
 )
+@pytest.mark.pair("dp", "local-sgd")
+@pytest.mark.pair("tp", "local-sgd")
+@pytest.mark.pair("zero1", "local-sgd")
 def test_sync_every_1_with_averaging_equals_synchronous_dp(mesh_str, strategy):
     compute = mlp_compute(GRAPHDEF)
     run = setup(mesh_str, strategy, mlp, compute, INNER, outer_optimizer("average", 0.7, 0.9), 1)
@@ -251,6 +254,7 @@ def replica_reference(theta0, n):
     return per_step, losses
 
 
+@pytest.mark.pair("dp", "diloco")
 def test_diloco_outer_step_is_the_nesterov_formula(diloco):
     run, start, after = diloco
     want, losses = replica_reference(dict(start.params), run.n)

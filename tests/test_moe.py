@@ -91,6 +91,12 @@ def layer():
         ("fsdp=2,expert=4", "fsdp"),
     ],
 )
+@pytest.mark.pair("dp", "moe-capacity")
+@pytest.mark.pair("dp", "moe-dropless")
+@pytest.mark.pair("tp", "moe-capacity")
+@pytest.mark.pair("tp", "moe-dropless")
+@pytest.mark.pair("fsdp", "moe-capacity")
+@pytest.mark.pair("fsdp", "moe-dropless")
 def test_expert_parallel_loss_and_grads_equal_one_device(layer, spec, strategy):
     graphdefs, state, x_BTD, r_BTD, reference = layer
     mesh, rules = _mesh(spec, strategy)
@@ -112,6 +118,8 @@ def test_expert_parallel_loss_and_grads_equal_one_device(layer, spec, strategy):
             assert gate.sharding.shard_shape(gate.shape)[0] == 8 // mesh.shape["expert"]
 
 
+@pytest.mark.pair("fsdp", "moe-capacity")
+@pytest.mark.pair("tp", "moe-capacity")
 def test_model_loss_and_grads_equal_one_device_on_a_hybrid_mesh():
     cfg = MoEConfig(
         d_model=32, n_heads=2, n_experts=4, top_k=2, d_expert=32, moe_every=2, n_layers=2,
@@ -213,6 +221,7 @@ def test_router_losses_equal_their_closed_forms():
     np.testing.assert_array_equal(routing.expert_BTK[0, :, 0], 0)
 
 
+@pytest.mark.pair("moe-capacity", "resume-relayout")
 def test_checkpoint_restores_from_expert_4_onto_expert_2_data_2_bit_equal(tmp_path):
     cfg = MoEConfig(d_model=32, n_heads=2, n_experts=4, d_expert=16, vocab_size=64)
     tx = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=1), 10)

@@ -108,6 +108,7 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # max |error| / max |reference|
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.pair("packed", "pallas")
 def test_flash_kernel_with_segments_matches_reference(dtype):
     """Forward and the three gradients on random segment layouts (padding included), GQA, a
     length that is no multiple of the blocks; and a token's output ignores other documents."""
@@ -243,6 +244,7 @@ def test_restart_positions_off_counts_along_the_row():
     np.testing.assert_allclose(off(changed, seg, pos)[mine], got[mine], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.pair("moe-capacity", "packed")
 def test_moe_takes_packed_batches():
     cfg = MoEConfig(vocab_size=64, max_seq_len=T, d_model=32, n_layers=1, n_heads=2,
                     n_kv_heads=1, n_experts=4, capacity_factor=2.0)  # fmt: skip
@@ -335,6 +337,8 @@ TX = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)
 
 
 @pytest.mark.slow  # two compiled train steps: ~50 s on this loaded 2-core machine
+@pytest.mark.pair("fsdp", "packed")
+@pytest.mark.pair("tp", "packed")
 def test_sharded_packed_step_equals_single_device():
     """One AdamW step on a packed batch under fsdp+tp (2 × 2 × 2) equals the plain jitted
     step on one device: loss, gradient norm and every updated parameter; evaluation gives

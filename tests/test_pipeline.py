@@ -212,6 +212,9 @@ MATRIX += [("gpipe", 2, 1, 1), ("circular", 2, 2, 1)]  # fewer microbatches than
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule,p,m,v", MATRIX)
+@pytest.mark.pair("dp", "gpipe")
+@pytest.mark.pair("dp", "circular")
+@pytest.mark.pair("dp", "1f1b")
 def test_pipe_x_data_matches_unpipelined(layouts, schedule, p, m, v):
     # dp: data is a replica axis, manual inside the loop, each replica its own rows
     env = layouts(f"pipe={p},data={8 // p}", strategy="dp")
@@ -229,6 +232,9 @@ def test_pipe_alone_matches_unpipelined(layouts, schedule, v):
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+@pytest.mark.pair("tp", "gpipe")
+@pytest.mark.pair("tp", "circular")
+@pytest.mark.pair("tp", "1f1b")
 def test_nan_filled_bubbles_never_reach_the_result(layouts, schedule, v):
     """Idle slots and unused buffer entries hold NaN; on pipe × data × tensor (data a replica
     axis) the loss and all gradients stay finite and equal to the unpipelined ones."""
@@ -256,6 +262,17 @@ def test_pipe_x_data_x_tensor_matches_unpipelined(layouts, schedule, v):
         ("gpipe", "save-attention-out", "bfloat16", "fsdp"),
     ],
 )
+@pytest.mark.pair("hsdp", "1f1b")
+@pytest.mark.pair("fsdp", "1f1b")
+@pytest.mark.pair("fsdp", "gpipe")
+@pytest.mark.pair("remat", "1f1b")
+@pytest.mark.pair("remat", "gpipe")
+@pytest.mark.pair("bf16", "1f1b")
+@pytest.mark.pair("bf16", "gpipe")
+@pytest.mark.pair("remat", "hsdp")
+@pytest.mark.pair("remat", "fsdp")
+@pytest.mark.pair("bf16", "fsdp")
+@pytest.mark.pair("remat", "bf16")
 def test_remat_and_mixed_precision(schedule, remat, dtype, strategy):
     cfg = GPTConfig(
         d_model=32,
@@ -337,6 +354,26 @@ def _kernel_batch(seed):
         ("pipe=2,fsdp=2,tensor=2", "fsdp+tp"),
     ],
 )
+@pytest.mark.pair("pallas", "gpipe")
+@pytest.mark.pair("pallas", "circular")
+@pytest.mark.pair("pallas", "1f1b")
+@pytest.mark.pair("dp", "pallas")
+@pytest.mark.pair("fsdp", "pallas")
+@pytest.mark.pair("hsdp", "pallas")
+@pytest.mark.pair("tp", "pallas")
+@pytest.mark.pair("dp", "gpipe")
+@pytest.mark.pair("dp", "circular")
+@pytest.mark.pair("dp", "1f1b")
+@pytest.mark.pair("fsdp", "gpipe")
+@pytest.mark.pair("fsdp", "circular")
+@pytest.mark.pair("fsdp", "1f1b")
+@pytest.mark.pair("hsdp", "gpipe")
+@pytest.mark.pair("hsdp", "circular")
+@pytest.mark.pair("hsdp", "1f1b")
+@pytest.mark.pair("tp", "gpipe")
+@pytest.mark.pair("tp", "circular")
+@pytest.mark.pair("tp", "1f1b")
+@pytest.mark.pair("fsdp", "tp")
 def test_pallas_kernels_inside_stages_match_the_plain_math(schedule, v, spec, strategy):
     """Pallas attention, norms and (as the loss) cross-entropy run inside every stage; the
     loss and every gradient equal the unpipelined jnp model's on one device."""
@@ -373,6 +410,12 @@ def test_pallas_kernels_inside_stages_match_the_plain_math(schedule, v, spec, st
     _assert_matches(env, run(state.params, batch))
 
 
+@pytest.mark.pair("pallas", "1f1b")
+@pytest.mark.pair("tp", "1f1b")
+@pytest.mark.pair("dp", "1f1b")
+@pytest.mark.pair("dp", "pallas")
+@pytest.mark.pair("tp", "pallas")
+@pytest.mark.pair("dp", "tp")
 def test_trainer_with_pallas_kernels_on_pipe_data_tensor_equals_one_device():
     """A GPT trained 3 steps with the Pallas kernels on pipe=2,data=2,tensor=2 (1f1b) takes
     the losses of the jnp GPT trained on one device, and ends with its parameters."""

@@ -78,6 +78,9 @@ def _reference_stale(s, batches):
 @pytest.mark.parametrize(
     ("mesh_str", "strategy"), [("data=8", "dp"), ("data=2,fsdp=2,tensor=2", "fsdp+tp")]
 )
+@pytest.mark.pair("dp", "staleness")
+@pytest.mark.pair("fsdp", "staleness")
+@pytest.mark.pair("tp", "staleness")
 def test_staleness_applies_the_gradient_of_s_steps_before(mesh_str, strategy):
     batches = _batches()
     want = _reference_stale(2, batches)
@@ -104,6 +107,8 @@ def test_staleness_zero_is_the_normal_step():
     assert not np.allclose(jax.tree.leaves(stale[-1])[0], jax.tree.leaves(plain[-1])[0])
 
 
+@pytest.mark.pair("hsdp", "compression")
+@pytest.mark.pair("compression", "accumulation")
 def test_compressed_step_with_accumulation_matches_one_microbatch_on_hsdp():
     """The manual step accumulates per replica, then compresses once: two microbatches give
     the one-microbatch update up to int8's rounding (a block's values move by at most

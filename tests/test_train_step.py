@@ -187,6 +187,10 @@ EQUIVALENCE = [
 
 
 @pytest.mark.parametrize("model, mesh_str, strategy", EQUIVALENCE)
+@pytest.mark.pair("dp", "tp")
+@pytest.mark.pair("fsdp", "tp")
+@pytest.mark.pair("hsdp", "tp")
+@pytest.mark.pair("zero1", "tp")
 def test_layout_matches_single_device(model, mesh_str, strategy):
     got = run(model, mesh_str, strategy, batches(model))
     assert_same_run(
@@ -291,6 +295,8 @@ def microbatch_grads(rows: int):
 
 @slow
 @pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.pair("fsdp", "accumulation")
+@pytest.mark.pair("tp", "accumulation")
 def test_accumulation_averages_the_microbatch_gradients(k):
     """The accumulated step applies the mean of the k microbatch gradients (and reports the mean
     loss), computed here independently, one chunk at a time on one device."""

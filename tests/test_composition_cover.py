@@ -1,0 +1,659 @@
+"""Several features at once against one device: each case trains a tiny GPT or MoE for 2 steps
+on 8 simulated devices with a combination of features and compares losses and parameters
+with the same run on one device, so one case proves every pair it combines (its ``pair``
+marks, checked against its features below). Cases were chosen greedily to cover the cells of
+the composition matrix that no feature's own tests cover.
+
+Tolerances: float32 as the context-parallel GPT tests (loss 1e-5, parameters 5e-5 absolute
+after plain SGD steps of lr 0.1, which move them by ~1e-2); bf16 compute as the
+context-parallel CLI test (2e-2 on the loss) and, on the parameters, each leaf's update within
+5% in relative Frobenius norm (bf16 rounds each product to ~0.4% and the 8-device run sums in
+another order; in an MoE a token near a routing tie may pick another expert); the bf16 codec
+of gradient compression rounds the exchanged gradient twice (<= 0.8% of it), so each entry of
+an update is held to 2% of the leaf's largest. With ``resume``, the 8-device state is saved and
+restored onto another layout (one device, or the same replicas where compression or local
+SGD keep per-replica state), bit-equal, and its next step equals the one-device run's third.
+
+The one-device reference of a feature whose reference is not one device: staleness runs the
+same way on one device; gradient compression is compared with the uncompressed run (its
+codec's tolerance); local SGD and DiLoCo synchronise every step (H = 1), which is synchronous
+SGD (DiLoCo: the inner update passed through the outer Nesterov SGD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from meshtrain.check import check_run
+from meshtrain.checkpoint import CheckpointManager, restore
+from meshtrain.layout import batch_shardings, rules_for, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step
+from meshtrain.mesh import make_mesh, mesh_sizes
+from meshtrain.models import DataSpec, GPTConfig, MoEConfig, build_model
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.replicas import SyncConfig, with_sync
+from meshtrain.run import RunSpec
+from meshtrain.state import abstract_target
+from meshtrain.train.config import TrainConfig
+from meshtrain.train.optim import OptimConfig, make_optimizer
+
+B, T, STEPS = 16, 16, 2
+MICROBATCHES = 2  # a pipeline's (pipe = 2)
+LR = 0.1
+# Plain SGD (no momentum, decay or clipping): the update is -lr · gradient, so the parameters'
+# difference bounds the gradients', and a replica's clipping cannot differ from the whole's.
+TX = make_optimizer(
+    OptimConfig(
+        optimizer="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_norm=0.0, warmup_steps=0
+    ),
+    10,
+)
+GPT = GPTConfig(
+    style="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=T, vocab_size=64,
+    vocab_multiple=16,
+)  # fmt: skip
+# The Pallas kernels' head width is 64: two heads, one key/value head.
+PALLAS = dataclasses.replace(
+    GPT, n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, attention_impl="pallas",
+    norm_impl="pallas",
+)  # fmt: skip
+MOE = MoEConfig(
+    d_model=32, n_heads=2, n_experts=4, top_k=2, d_expert=16, n_layers=2, vocab_size=64,
+    vocab_multiple=16, max_seq_len=T, capacity_factor=4.0,
+)  # fmt: skip
+LOSS_ATOL, PARAM_ATOL = 1e-5, 5e-5  # float32
+BF16_LOSS_ATOL, BF16_UPDATE_RTOL = 2e-2, 5e-2
+CODEC_UPDATE_RTOL = 2e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One combination of features (see `features`)."""
+
+    mesh: str
+    strategy: str
+    model: str = "gpt"  # gpt, pallas (the GPT with the Pallas kernels), moe-capacity, moe-dropless
+    pallas: bool = False  # an MoE with the Pallas attention
+    context: str | None = None  # ring, allgather, ulysses (with seq > 1 in `mesh`)
+    schedule: str | None = None  # gpipe, circular, 1f1b (with pipe > 1 in `mesh`)
+    packed: bool = False
+    sync: SyncConfig = SyncConfig()
+    remat: bool = False
+    accum: int = 1
+    bf16: bool = False
+    resume: bool = False
+    # Where to resume: one device, or (mesh, strategy) with the same replicas, for the
+    # per-replica state of compression and local SGD.
+    resume_onto: tuple[str, str] | None = None
+
+    def features(self) -> set[str]:
+        """The matrix feature ids this case combines."""
+        parts = self.strategy.split("+")
+        out = {parts[0] if parts[0] != "tp" else "dp", *(["tp"] if "tp" in parts else [])}
+        out |= {f for f in (self.context, self.schedule) if f}
+        out |= {self.model} if self.model.startswith("moe") else set()
+        out |= {"pallas"} if self.model == "pallas" or self.pallas else set()
+        sync = self.sync
+        flags = {
+            "packed": self.packed,
+            "compression": sync.compresses,
+            "local-sgd": sync.local and sync.outer_optimizer == "average",
+            "diloco": sync.local and sync.outer_optimizer != "average",
+            "staleness": bool(sync.staleness),
+            "remat": self.remat,
+            "accumulation": self.accum > 1,
+            "bf16": self.bf16,
+            "resume-relayout": self.resume,
+        }
+        return out | {f for f, on in flags.items() if on}
+
+    def config(self):
+        """The model config."""
+        base = {"gpt": GPT, "pallas": PALLAS}.get(self.model)
+        if base is None:
+            base = dataclasses.replace(MOE, dispatch=self.model.removeprefix("moe-"))
+            if self.pallas:
+                base = dataclasses.replace(base, d_model=128, attention_impl="pallas")
+        return dataclasses.replace(
+            base,
+            remat="full" if self.remat else "none",
+            dtype="bfloat16" if self.bf16 else "float32",
+        )
+
+
+def _packed_layout(rng, rows):
+    """Random segment ids and positions: documents of 1..T/3 tokens crossing every shard and
+    microbatch boundary, then some padding (segment 0)."""
+    seg = np.zeros((rows, T), np.int32)
+    pos = np.zeros((rows, T), np.int32)
+    for r in range(rows):
+        end, start, doc = T - int(rng.integers(1, T // 4)), 0, 1
+        while start < end:
+            n = min(int(rng.integers(1, T // 3 + 1)), end - start)
+            seg[r, start : start + n], pos[r, start : start + n] = doc, np.arange(n)
+            start, doc = start + n, doc + 1
+    return seg, pos
+
+
+def _batches(case, vocab, n):
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    out = []
+    for _ in range(n):  # noqa: B007
+        tokens = rng.integers(0, vocab, (B, T + 1), np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        if case.packed:
+            batch["segment_ids"], batch["positions"] = _packed_layout(rng, B)
+        out.append(batch)
+    return out
+
+
+_INIT: dict = {}
+
+
+def _initial(cfg):
+    """The model's initial values on the host (the same for every layout)."""
+    if cfg not in _INIT:
+        state = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
+        _INIT[cfg] = jax.tree.map(np.asarray, state)
+    return _INIT[cfg]
+
+
+def _reference(case):
+    """The one-device run's sync settings and optimizer: staleness as the case (it needs no
+    replicas); no compression (its codec's tolerance applies); for local SGD with H = 1,
+    synchronous SGD, and for DiLoCo with H = 1, the inner step's change applied through the
+    outer Nesterov SGD (the outer gradient θ̄ − mean θ_r is minus the mean inner update)."""
+    sync = case.sync
+    tx = TX
+    if sync.local and sync.outer_optimizer == "nesterov":
+        assert sync.sync_every == 1
+        outer = optax.sgd(sync.outer_lr, momentum=sync.outer_momentum, nesterov=True)
+        tx = optax.chain(TX, optax.scale(-1.0), outer)
+    return SyncConfig(staleness=sync.staleness), tx
+
+
+def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX):
+    """State, shardings and the jitted step of `case` on one layout (`sync`: the case's)."""
+    sync = case.sync if sync is None else sync
+    cfg = case.config()
+    mesh = make_mesh(mesh_str, devices=devices)
+    rules = rules_for(strategy, mesh, context_parallel=case.context or "ring")
+    values = _initial(cfg)
+
+    def ctor():
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
+        return nnx.merge(graphdef, state)
+
+    graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules)
+    state, shardings = with_sync(sync, tx, state, shardings, mesh, rules)
+    pipeline = PipelineConfig(
+        schedule=case.schedule or "gpipe",
+        microbatches=MICROBATCHES,
+        repeats=2 if case.schedule == "circular" else 1,
+    )
+    train = TrainConfig(accum_steps=accum, run_dir="")
+    run = RunSpec(mesh=mesh, rules=rules, train=train, pipeline=pipeline, sync=sync)
+    data = DataSpec("lm", B, T, cfg.vocab_size, packed=case.packed)
+    # the run check accepts the combination: nothing refused is run here
+    assert check_run(run.replace(model=cfg, data=data, mesh=mesh_sizes(mesh))) == []
+    example = _batches(case, cfg.vocab_size, 1)[0]
+    step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(example, mesh, rules))
+    return state, shardings, lambda s, b: step(s, shard_batch(b, mesh, rules))
+
+
+def _train(case, state, step, batches):
+    """Losses and host parameters after each of `batches`; the final state."""
+    losses, params = [], []
+    for b in batches:
+        state, m = step(state, b)
+        assert int(m["skipped"]) == 0
+        losses.append(float(m["loss"]))
+        params.append(jax.tree.map(np.asarray, state.params))
+    return np.array(losses), params, state
+
+
+def _assert_same(case, loss, params, want_loss, want_params, start):
+    """Losses and parameters agree (float32); under bf16, each leaf's update in relative
+    Frobenius norm (a token near a routing tie may pick another expert, moving a few
+    entries); under a lossy codec, each entry of each update."""
+    atol = BF16_LOSS_ATOL if case.bf16 else LOSS_ATOL
+    if case.sync.compresses:
+        atol = max(atol, 1e-3)
+    np.testing.assert_allclose(loss, want_loss, rtol=0, atol=atol)
+    leaves = jax.tree_util.tree_leaves_with_path(want_params)
+    got, flat_start = jax.tree.leaves(params), jax.tree.leaves(start)
+    updates = [np.asarray(w - s, np.float64) for (_, w), s in zip(leaves, flat_start, strict=True)]
+    largest = max(float(np.abs(u).max()) for u in updates)
+    largest_norm = max(float(np.linalg.norm(u)) for u in updates)
+    for (path, w), g, s, u in zip(leaves, got, flat_start, updates, strict=True):
+        name = jax.tree_util.keystr(path)
+        assert g.shape == w.shape, name
+        if case.bf16:
+            # a leaf whose updates are tiny is held to a share of the largest leaf's
+            err = float(np.linalg.norm((g - s) - u))
+            bound = BF16_UPDATE_RTOL * max(float(np.linalg.norm(u)), 0.02 * largest_norm)
+            assert err <= bound, f"{name}: |Δ got − Δ want| = {err:.2e} > {bound:.2e}"
+        elif case.sync.compresses:
+            bound = CODEC_UPDATE_RTOL * max(float(np.abs(u).max()), 0.02 * largest)
+            np.testing.assert_allclose(g - s, u, rtol=0, atol=bound, err_msg=name)
+        else:
+            np.testing.assert_allclose(g, w, rtol=0, atol=PARAM_ATOL, err_msg=name)
+    assert largest > 20 * PARAM_ATOL  # it trained: the comparison is not of two idle runs
+
+
+def _check(case, tmp_path):
+    """Trains `case` on 8 devices and on one; compares; resumes onto one device if asked."""
+    cfg = case.config()
+    one_accum = case.accum
+    if case.schedule and case.model.startswith("moe"):
+        one_accum *= MICROBATCHES  # the router losses are per microbatch
+    batches = _batches(case, cfg.vocab_size, STEPS + 1)
+    one = jax.devices()[:1]
+    ref_state, ref_shardings, ref_step = _setup(
+        case, "data=1", "dp", one, one_accum, *_reference(case)
+    )
+    target, next_step = abstract_target(ref_state, ref_shardings), ref_step
+    if case.resume_onto:
+        other, other_shardings, next_step = _setup(case, *case.resume_onto, None, case.accum)
+        target = abstract_target(other, other_shardings)
+    start = jax.tree.map(np.asarray, ref_state.params)
+    want_loss, want_params, _ = _train(case, ref_state, ref_step, batches)
+
+    state, _, step = _setup(case, case.mesh, case.strategy, None, case.accum)
+    loss, params, state = _train(case, state, step, batches[:STEPS])
+    _assert_same(case, loss, params[-1], want_loss[:STEPS], want_params[STEPS - 1], start)
+    if not case.resume:
+        return
+    saved = jax.device_get(state)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(STEPS, state)
+    restored = restore(tmp_path / "ck", target)
+    assert restored.step == STEPS
+    for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    loss3, params3, _ = _train(case, restored.state, next_step, batches[STEPS:])
+    _assert_same(case, loss3, params3[-1], want_loss[STEPS:], want_params[STEPS], start)
+
+
+def _pairs(features) -> set[tuple[str, str]]:
+    from meshtrain.composition_matrix import cell
+
+    return {cell(a, b) for a, b in itertools.combinations(sorted(features), 2)}
+
+
+pair = pytest.mark.pair
+# Written out from a greedy cover; each case's pair marks are exactly the pairs of its
+# features (the test checks it).
+CASES = [
+    # context parallelism with each strategy
+    pytest.param(
+        Case("data=2,seq=2,tensor=2", "zero1+tp", context="ring", remat=True, accum=2,
+             resume=True),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "ring"), pair("zero1", "remat"),
+            pair("zero1", "accumulation"), pair("zero1", "resume-relayout"), pair("tp", "ring"),
+            pair("tp", "remat"), pair("tp", "accumulation"), pair("tp", "resume-relayout"),
+            pair("ring", "remat"), pair("ring", "accumulation"), pair("ring", "resume-relayout"),
+            pair("remat", "accumulation"), pair("remat", "resume-relayout"),
+            pair("accumulation", "resume-relayout"),
+        ],
+        id="zero1+tp-ring-remat-accum-resume",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather", remat=True, resume=True),
+        marks=[
+            pair("hsdp", "allgather"), pair("hsdp", "remat"), pair("hsdp", "resume-relayout"),
+            pair("allgather", "remat"), pair("allgather", "resume-relayout"),
+            pair("remat", "resume-relayout"),
+        ],
+        id="hsdp-allgather-remat-resume",
+    ),
+    pytest.param(
+        Case("fsdp=2,seq=2,tensor=2", "fsdp+tp", context="ulysses", remat=True, accum=2,
+             bf16=True, resume=True),
+        marks=[
+            pair("fsdp", "tp"), pair("fsdp", "ulysses"), pair("fsdp", "remat"),
+            pair("fsdp", "accumulation"), pair("fsdp", "bf16"), pair("fsdp", "resume-relayout"),
+            pair("tp", "ulysses"), pair("tp", "remat"), pair("tp", "accumulation"),
+            pair("tp", "bf16"), pair("tp", "resume-relayout"), pair("ulysses", "remat"),
+            pair("ulysses", "accumulation"), pair("ulysses", "bf16"),
+            pair("ulysses", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "bf16"), pair("remat", "resume-relayout"),
+            pair("accumulation", "bf16"), pair("accumulation", "resume-relayout"),
+            pair("bf16", "resume-relayout"),
+        ],
+        id="fsdp+tp-ulysses-remat-accum-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=2,seq=2,tensor=2", "dp+tp", context="allgather", accum=2,
+             sync=SyncConfig(staleness=1)),
+        marks=[
+            pair("dp", "tp"), pair("dp", "allgather"), pair("dp", "staleness"),
+            pair("dp", "accumulation"), pair("tp", "allgather"), pair("tp", "staleness"),
+            pair("tp", "accumulation"), pair("allgather", "staleness"),
+            pair("allgather", "accumulation"), pair("staleness", "accumulation"),
+        ],
+        id="dp+tp-allgather-accum-staleness",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "dp", context="ulysses", sync=SyncConfig(staleness=1),
+             resume=True),
+        marks=[
+            pair("dp", "ulysses"), pair("dp", "staleness"), pair("dp", "resume-relayout"),
+            pair("ulysses", "staleness"), pair("ulysses", "resume-relayout"),
+            pair("staleness", "resume-relayout"),
+        ],
+        id="dp-ulysses-staleness-resume",
+    ),
+    pytest.param(
+        Case("fsdp=4,seq=2", "fsdp", context="ring", bf16=True, sync=SyncConfig(staleness=1)),
+        marks=[
+            pair("fsdp", "ring"), pair("fsdp", "staleness"), pair("fsdp", "bf16"),
+            pair("ring", "staleness"), pair("ring", "bf16"), pair("staleness", "bf16"),
+        ],
+        id="fsdp-ring-bf16-staleness",
+    ),
+    pytest.param(
+        Case("fsdp=4,seq=2", "fsdp", context="allgather", accum=2),
+        marks=[
+            pair("fsdp", "allgather"), pair("fsdp", "accumulation"),
+            pair("allgather", "accumulation"),
+        ],
+        id="fsdp-allgather-accum",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="ring", accum=2, bf16=True),
+        marks=[
+            pair("hsdp", "ring"), pair("hsdp", "accumulation"), pair("hsdp", "bf16"),
+            pair("ring", "accumulation"), pair("ring", "bf16"), pair("accumulation", "bf16"),
+        ],
+        id="hsdp-ring-accum-bf16",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="ulysses"),
+        marks=[
+            pair("hsdp", "ulysses"),
+        ],
+        id="hsdp-ulysses",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="allgather"),
+        marks=[
+            pair("zero1", "allgather"),
+        ],
+        id="zero1-allgather",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ulysses"),
+        marks=[
+            pair("zero1", "ulysses"),
+        ],
+        id="zero1-ulysses",
+    ),
+    # pipelines
+    pytest.param(
+        Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="circular", remat=True, accum=2,
+             bf16=True, resume=True),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "circular"), pair("zero1", "remat"),
+            pair("zero1", "accumulation"), pair("zero1", "bf16"),
+            pair("zero1", "resume-relayout"), pair("tp", "circular"), pair("tp", "remat"),
+            pair("tp", "accumulation"), pair("tp", "bf16"), pair("tp", "resume-relayout"),
+            pair("circular", "remat"), pair("circular", "accumulation"),
+            pair("circular", "bf16"), pair("circular", "resume-relayout"),
+            pair("remat", "accumulation"), pair("remat", "bf16"),
+            pair("remat", "resume-relayout"), pair("accumulation", "bf16"),
+            pair("accumulation", "resume-relayout"), pair("bf16", "resume-relayout"),
+        ],
+        id="zero1+tp-circular-remat-accum-bf16-resume",
+    ),
+    pytest.param(
+        Case("pipe=2,data=4", "zero1", schedule="gpipe", accum=2, sync=SyncConfig(staleness=1),
+             resume=True),
+        marks=[
+            pair("zero1", "gpipe"), pair("zero1", "staleness"), pair("zero1", "accumulation"),
+            pair("zero1", "resume-relayout"), pair("gpipe", "staleness"),
+            pair("gpipe", "accumulation"), pair("gpipe", "resume-relayout"),
+            pair("staleness", "accumulation"), pair("staleness", "resume-relayout"),
+            pair("accumulation", "resume-relayout"),
+        ],
+        id="zero1-gpipe-accum-staleness-resume",
+    ),
+    pytest.param(
+        Case("pipe=2,data=4", "zero1", schedule="1f1b", accum=2, sync=SyncConfig(staleness=1),
+             resume=True),
+        marks=[
+            pair("zero1", "1f1b"), pair("zero1", "staleness"), pair("zero1", "accumulation"),
+            pair("zero1", "resume-relayout"), pair("1f1b", "staleness"),
+            pair("1f1b", "accumulation"), pair("1f1b", "resume-relayout"),
+            pair("staleness", "accumulation"), pair("staleness", "resume-relayout"),
+            pair("accumulation", "resume-relayout"),
+        ],
+        id="zero1-1f1b-accum-staleness-resume",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="circular", sync=SyncConfig(staleness=1)),
+        marks=[
+            pair("hsdp", "circular"), pair("hsdp", "staleness"), pair("circular", "staleness"),
+        ],
+        id="hsdp-circular-staleness",
+    ),
+    # mixtures of experts
+    pytest.param(
+        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-capacity", remat=True, accum=2,
+             bf16=True, sync=SyncConfig(staleness=1)),
+        marks=[
+            pair("hsdp", "moe-capacity"), pair("hsdp", "staleness"), pair("hsdp", "remat"),
+            pair("hsdp", "accumulation"), pair("hsdp", "bf16"),
+            pair("moe-capacity", "staleness"), pair("moe-capacity", "remat"),
+            pair("moe-capacity", "accumulation"), pair("moe-capacity", "bf16"),
+            pair("staleness", "remat"), pair("staleness", "accumulation"),
+            pair("staleness", "bf16"), pair("remat", "accumulation"), pair("remat", "bf16"),
+            pair("accumulation", "bf16"),
+        ],
+        id="hsdp-moe-capacity-remat-accum-bf16-staleness",
+    ),
+    pytest.param(
+        Case("data=4,expert=2", "zero1", model="moe-dropless", packed=True, remat=True,
+             accum=2, sync=SyncConfig(staleness=1), resume=True),
+        marks=[
+            pair("zero1", "moe-dropless"), pair("zero1", "packed"), pair("zero1", "staleness"),
+            pair("zero1", "remat"), pair("zero1", "accumulation"),
+            pair("zero1", "resume-relayout"), pair("moe-dropless", "packed"),
+            pair("moe-dropless", "staleness"), pair("moe-dropless", "remat"),
+            pair("moe-dropless", "accumulation"), pair("moe-dropless", "resume-relayout"),
+            pair("packed", "staleness"), pair("packed", "remat"), pair("packed", "accumulation"),
+            pair("packed", "resume-relayout"), pair("staleness", "remat"),
+            pair("staleness", "accumulation"), pair("staleness", "resume-relayout"),
+            pair("remat", "accumulation"), pair("remat", "resume-relayout"),
+            pair("accumulation", "resume-relayout"),
+        ],
+        id="zero1-moe-dropless-packed-remat-accum-staleness-resume",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-dropless", packed=True, bf16=True),
+        marks=[
+            pair("hsdp", "moe-dropless"), pair("hsdp", "packed"), pair("hsdp", "bf16"),
+            pair("moe-dropless", "packed"), pair("moe-dropless", "bf16"), pair("packed", "bf16"),
+        ],
+        id="hsdp-moe-dropless-packed-bf16",
+    ),
+    pytest.param(
+        Case("data=4,expert=2", "zero1", model="moe-capacity"),
+        marks=[
+            pair("zero1", "moe-capacity"),
+        ],
+        id="zero1-moe-capacity",
+    ),
+    # mixtures of experts under context parallelism (the MoE under seq > 1)
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", model="moe-capacity", context="allgather",
+             remat=True),
+        marks=[
+            pair("hsdp", "allgather"), pair("hsdp", "moe-capacity"), pair("hsdp", "remat"),
+            pair("allgather", "moe-capacity"), pair("allgather", "remat"),
+            pair("moe-capacity", "remat"),
+        ],
+        id="hsdp-moe-capacity-allgather-remat",
+    ),
+    pytest.param(
+        Case("fsdp=4,seq=2", "fsdp", model="moe-dropless", context="allgather"),
+        marks=[
+            pair("fsdp", "allgather"), pair("fsdp", "moe-dropless"),
+            pair("allgather", "moe-dropless"),
+        ],
+        id="fsdp-moe-dropless-allgather",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "dp", model="moe-capacity", context="ulysses", bf16=True,
+             resume=True),
+        marks=[
+            pair("dp", "ulysses"), pair("dp", "moe-capacity"), pair("dp", "bf16"),
+            pair("dp", "resume-relayout"), pair("ulysses", "moe-capacity"),
+            pair("ulysses", "bf16"), pair("ulysses", "resume-relayout"),
+            pair("moe-capacity", "bf16"), pair("moe-capacity", "resume-relayout"),
+            pair("bf16", "resume-relayout"),
+        ],
+        id="dp-moe-capacity-ulysses-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", model="moe-dropless", context="ulysses", accum=2),
+        marks=[
+            pair("zero1", "ulysses"), pair("zero1", "moe-dropless"),
+            pair("zero1", "accumulation"), pair("ulysses", "moe-dropless"),
+            pair("ulysses", "accumulation"), pair("moe-dropless", "accumulation"),
+        ],
+        id="zero1-moe-dropless-ulysses-accum",
+    ),
+    # communicating less (the one-device reference as `_reference` says), packed documents
+    pytest.param(
+        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, bf16=True,
+             sync=SyncConfig(sync_every=1), resume=True, resume_onto=("data=2,tensor=4", "tp")),
+        marks=[
+            pair("hsdp", "local-sgd"), pair("hsdp", "remat"), pair("hsdp", "accumulation"),
+            pair("hsdp", "bf16"), pair("hsdp", "resume-relayout"), pair("local-sgd", "remat"),
+            pair("local-sgd", "accumulation"), pair("local-sgd", "bf16"),
+            pair("local-sgd", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "bf16"), pair("remat", "resume-relayout"),
+            pair("accumulation", "bf16"), pair("accumulation", "resume-relayout"),
+            pair("bf16", "resume-relayout"),
+        ],
+        id="hsdp-local-sgd-remat-accum-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, bf16=True,
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), resume=True,
+             resume_onto=("data=2,tensor=4", "tp")),
+        marks=[
+            pair("hsdp", "diloco"), pair("hsdp", "remat"), pair("hsdp", "accumulation"),
+            pair("hsdp", "bf16"), pair("hsdp", "resume-relayout"), pair("diloco", "remat"),
+            pair("diloco", "accumulation"), pair("diloco", "bf16"),
+            pair("diloco", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "bf16"), pair("remat", "resume-relayout"),
+            pair("accumulation", "bf16"), pair("accumulation", "resume-relayout"),
+            pair("bf16", "resume-relayout"),
+        ],
+        id="hsdp-diloco-remat-accum-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=8", "dp", remat=True, bf16=True,
+             sync=SyncConfig(grad_compression="bf16", staleness=1), resume=True,
+             resume_onto=("data=8", "zero1")),
+        marks=[
+            pair("dp", "compression"), pair("dp", "staleness"), pair("dp", "remat"),
+            pair("dp", "bf16"), pair("dp", "resume-relayout"), pair("compression", "staleness"),
+            pair("compression", "remat"), pair("compression", "bf16"),
+            pair("compression", "resume-relayout"), pair("staleness", "remat"),
+            pair("staleness", "bf16"), pair("staleness", "resume-relayout"),
+            pair("remat", "bf16"), pair("remat", "resume-relayout"),
+            pair("bf16", "resume-relayout"),
+        ],
+        id="dp-compression-staleness-remat-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=4,fsdp=2", "zero1", packed=True, accum=2, bf16=True,
+             sync=SyncConfig(staleness=1), resume=True),
+        marks=[
+            pair("zero1", "packed"), pair("zero1", "staleness"), pair("zero1", "accumulation"),
+            pair("zero1", "bf16"), pair("zero1", "resume-relayout"), pair("packed", "staleness"),
+            pair("packed", "accumulation"), pair("packed", "bf16"),
+            pair("packed", "resume-relayout"), pair("staleness", "accumulation"),
+            pair("staleness", "bf16"), pair("staleness", "resume-relayout"),
+            pair("accumulation", "bf16"), pair("accumulation", "resume-relayout"),
+            pair("bf16", "resume-relayout"),
+        ],
+        id="zero1-packed-accum-bf16-staleness-resume",
+    ),
+    # the Pallas kernels
+    pytest.param(
+        Case("data=4,tensor=2", "zero1+tp", model="pallas", accum=2, bf16=True,
+             sync=SyncConfig(grad_compression="bf16", staleness=1)),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "compression"), pair("zero1", "staleness"),
+            pair("zero1", "pallas"), pair("zero1", "accumulation"), pair("zero1", "bf16"),
+            pair("tp", "compression"), pair("tp", "staleness"), pair("tp", "pallas"),
+            pair("tp", "accumulation"), pair("tp", "bf16"), pair("compression", "staleness"),
+            pair("compression", "pallas"), pair("compression", "accumulation"),
+            pair("compression", "bf16"), pair("staleness", "pallas"),
+            pair("staleness", "accumulation"), pair("staleness", "bf16"),
+            pair("pallas", "accumulation"), pair("pallas", "bf16"), pair("accumulation", "bf16"),
+        ],
+        id="zero1+tp-pallas-compression-staleness-accum-bf16",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-capacity", pallas=True, remat=True,
+             resume=True),
+        marks=[
+            pair("hsdp", "moe-capacity"), pair("hsdp", "pallas"), pair("hsdp", "remat"),
+            pair("hsdp", "resume-relayout"), pair("moe-capacity", "pallas"),
+            pair("moe-capacity", "remat"), pair("moe-capacity", "resume-relayout"),
+            pair("pallas", "remat"), pair("pallas", "resume-relayout"),
+            pair("remat", "resume-relayout"),
+        ],
+        id="hsdp-moe-capacity-pallas-remat-resume",
+    ),
+    pytest.param(
+        Case("data=4,expert=2", "dp", model="moe-dropless", pallas=True, packed=True),
+        marks=[
+            pair("dp", "moe-dropless"), pair("dp", "packed"), pair("dp", "pallas"),
+            pair("moe-dropless", "packed"), pair("moe-dropless", "pallas"),
+            pair("packed", "pallas"),
+        ],
+        id="dp-moe-dropless-pallas-packed",
+    ),
+    pytest.param(
+        Case("data=8", "zero1", model="pallas", sync=SyncConfig(sync_every=1)),
+        marks=[
+            pair("zero1", "local-sgd"), pair("zero1", "pallas"), pair("local-sgd", "pallas"),
+        ],
+        id="zero1-pallas-local-sgd",
+    ),
+    pytest.param(
+        Case("data=4,tensor=2", "zero1+tp", model="pallas",
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov")),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "diloco"), pair("zero1", "pallas"),
+            pair("tp", "diloco"), pair("tp", "pallas"), pair("diloco", "pallas"),
+        ],
+        id="zero1+tp-pallas-diloco",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_combination_equals_one_device(case, request, tmp_path):
+    from meshtrain.composition_matrix import cell
+
+    marked = {cell(*m.args) for m in request.node.iter_markers("pair")}
+    assert marked == _pairs(case.features())  # the marks say what the case combines
+    _check(case, tmp_path)

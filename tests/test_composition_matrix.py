@@ -1,0 +1,139 @@
+"""The composition matrix: every cell is proven by a test's ``pair`` marker or refused by a row
+of `meshtrain.composition.REFUSALS`; the check can fail; the rows name real cells."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from meshtrain import composition_matrix as cm
+from meshtrain.composition import REFUSALS
+
+TESTS = Path(__file__).parent
+
+
+def _explain(cells) -> str:
+    """One line per cell: what is missing and what to add."""
+    lines = []
+    for a, b in cells:
+        gap = cm.KNOWN_GAPS.get((a, b))
+        why = f"known not to work: {gap}" if gap else "no evidence"
+        lines.append(
+            f'({a}, {b}): {why}; add an equivalence test marked @pytest.mark.pair("{a}", "{b}"), '
+            f'or a REFUSALS row with cells=(("{a}", "{b}"),) saying why'
+        )
+    return "\n".join(lines)
+
+
+def test_every_cell_is_proven_or_refused():
+    found = cm.evidence(TESTS)
+    assert found.bad == [], "\n".join(found.bad)
+    missing = cm.missing(found.proofs)
+    assert missing == [], f"{len(missing)} cells neither proven nor refused:\n" + _explain(missing)
+
+
+def test_the_check_names_exactly_the_cell_a_suite_lacks():
+    proofs = cm.evidence(TESTS).proofs
+    refused = cm.refused()
+    assert len(proofs) > 50 and len(refused) > 10
+    complete = {c: ["a test"] for c in cm.cells() if c not in refused}
+    assert cm.missing(complete) == []
+    for drop in (("dp", "tp"), ("packed", "bf16"), ("staleness", "resume-relayout")):
+        fewer = {c: t for c, t in complete.items() if c != drop}
+        assert cm.missing(fewer) == [drop]
+    # a refused cell is settled by its row, and missing again without it
+    cudnn = cm.cell("cudnn", "packed")
+    assert cudnn in refused and cudnn not in complete
+    rows = [r for r in REFUSALS if ("cudnn", "packed") not in r.cells]
+    assert cm.missing(complete, rows) == [cudnn]
+
+
+def test_markers_are_read_from_decorators_params_and_names(tmp_path):
+    (tmp_path / "test_x.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+
+            pair = pytest.mark.pair
+            RING = pytest.mark.pair("packed", "ring")
+            CASES = [pytest.param(1, marks=pytest.mark.pair("dp", "gpipe")),
+                     pytest.param(2, marks=[pair("1f1b", "fsdp"), RING])]
+
+            @pytest.mark.pair("tp", "dp")
+            @pytest.mark.parametrize("n", CASES)
+            def test_a(n):
+                pass
+
+            @pytest.mark.parametrize("m", [pytest.param(0, marks=pair("bf16", "remat"))])
+            @RING
+            def test_b(m):
+                pass
+
+            class TestC:
+                @pair("ring", "allgather")
+                @pair("dp", "spiral")
+                @pair("dp", name)
+                def test_c(self):
+                    pass
+
+            def helper():  # not a test: its marks count for nothing
+                pytest.mark.pair("zero1", "remat")
+
+            SCHEDULES = ("gpipe", "1f1b")
+
+            @pytest.mark.parametrize("s, d", [
+                pytest.param(s, d, marks=[pytest.mark.pair(f"moe-{d}", s)])
+                for s in SCHEDULES for d in ("capacity", "dropless")
+            ])
+            def test_d(s, d):
+                pass
+
+            @pytest.mark.parametrize("a", [
+                pytest.param(a, marks=pytest.mark.pair("packed", a)) for a in algorithms()
+            ])
+            def test_e(a):
+                pass
+            """
+        )
+    )
+    found = cm.evidence(tmp_path)
+    a, b, d = (f"{tmp_path.name}/test_x.py::test_{x}" for x in "abd")
+    assert found.proofs == {
+        ("dp", "tp"): [a],
+        ("dp", "gpipe"): [a],
+        ("fsdp", "1f1b"): [a],
+        ("ring", "packed"): [a, b],
+        ("remat", "bf16"): [b],
+        ("gpipe", "moe-capacity"): [d],
+        ("gpipe", "moe-dropless"): [d],
+        ("1f1b", "moe-capacity"): [d],
+        ("1f1b", "moe-dropless"): [d],
+    }
+    assert len(found.bad) == 4, found.bad
+    assert all("test_x.py::test_c" in line for line in found.bad[:3])
+    assert "one run has only one of them" in found.bad[0]
+    assert "'spiral': not a feature id" in found.bad[1]
+    assert "pair('dp', name): give exactly two feature ids as literal strings" in found.bad[2]
+    assert "test_x.py::test_e: pair('packed', a): give exactly two" in found.bad[3]
+
+
+def test_every_refusal_row_names_real_cells():
+    named = 0
+    for row in REFUSALS:
+        for a, b in row.cells:
+            cm.cell(a, b)  # raises on an unknown id or a pair that is not a cell
+            named += 1
+    assert named >= 20
+
+
+def test_known_gaps_and_exclusive_groups_are_cells_of_the_vocabulary():
+    for a, b in cm.KNOWN_GAPS:
+        assert cm.cell(a, b) == (a, b)
+    grouped = set().union(*cm.EXCLUSIVE)
+    assert grouped <= set(cm.FEATURES) and "tp" not in grouped
+    assert cm.cell("tp", "dp") == ("dp", "tp")
+    with pytest.raises(ValueError, match="only one of them"):
+        cm.cell("gpipe", "1f1b")
+    n = len(cm.FEATURES)
+    excluded = sum(len(g) * (len(g) - 1) // 2 for g in cm.EXCLUSIVE)
+    assert len(cm.cells()) == n * (n - 1) // 2 - excluded

@@ -1,0 +1,123 @@
+"""Packed documents through every pipeline schedule: three training steps on ``pipe=2,data=4``
+equal the single-device steps (losses and every parameter).
+
+The batches come from the packer's own row cutter over a random stream of documents, some
+longer than a row (so they continue in the next row) and some rows padded at the end, so the
+microbatches hold different numbers of real tokens: their loss must be the sum over real tokens
+divided by the count of the whole batch's, not a mean of microbatch means. Tolerances are
+tests/test_pipeline.py's (fp32: 1e-5 relative on the loss, 2e-5 of each parameter's largest
+entry).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from meshtrain.data.packing import row_segments
+from meshtrain.layout import batch_shardings, rules_for, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step
+from meshtrain.mesh import make_mesh
+from meshtrain.models import GPTConfig, build_model
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.run import RunSpec
+from meshtrain.state import TrainState
+from meshtrain.train.step import eval_loss, train_step
+
+GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32, as tests/test_pipeline.py
+B, T, VOCAB, STEPS = 16, 16, 64, 3
+TX = optax.sgd(0.5)
+
+
+def _cfg(style: str) -> GPTConfig:
+    return GPTConfig(style=style, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                     max_seq_len=T, vocab_size=VOCAB, vocab_multiple=64)  # fmt: skip
+
+
+def packed_batch(rng) -> dict:
+    """B rows cut from a random stream of documents of 2..2T tokens (so some continue into the
+    next row); every third row also ends in padding (segment 0)."""
+    n = B * T + 1
+    lengths = rng.integers(2, 2 * T, n)
+    starts = np.cumsum(lengths)
+    starts = starts[starts < n]
+    stream = rng.integers(0, VOCAB, n)
+    rows = [row_segments(r * T, starts, T) for r in range(B)]
+    seg, pos = (np.stack(a).astype(np.int32) for a in zip(*rows, strict=True))
+    for r in range(0, B, 3):
+        pad = int(rng.integers(1, T // 2))
+        seg[r, -pad:], pos[r, -pad:] = 0, 0
+    windows = np.stack([stream[r * T : r * T + T + 1] for r in range(B)]).astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "segment_ids": seg,
+            "positions": pos}  # fmt: skip
+
+
+def _random_params(cfg, seed):
+    """``(graphdef, params)`` of `cfg`'s model with random float32 parameters from numpy."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+    rng = np.random.default_rng(seed)
+    shapes = nnx.to_pure_dict(state)
+    values = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype), shapes)
+    return graphdef, values
+
+
+def _close(got, want, what):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
+                            strict=True):  # fmt: skip
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.all(np.isfinite(a)), f"{what} {jax.tree_util.keystr(path)}"
+        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)
+        assert err <= GRAD_RTOL, f"{what} {jax.tree_util.keystr(path)}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "schedule,style,v",
+    [
+        pytest.param("gpipe", "llama", 1, marks=pytest.mark.pair("packed", "gpipe")),
+        pytest.param("circular", "gpt2", 2, marks=pytest.mark.pair("packed", "circular")),
+        pytest.param("1f1b", "gpt2", 1, marks=pytest.mark.pair("packed", "1f1b")),
+    ],
+)
+def test_packed_pipeline_steps_equal_one_device(schedule, style, v):
+    cfg = _cfg(style)
+    graphdef, params = _random_params(cfg, seed=3)
+    rng = np.random.default_rng(17)
+    batches = [packed_batch(rng) for _ in range(STEPS)]
+    counts = [int((b["segment_ids"] > 0).sum()) for b in batches]
+    assert all(0 < c < B * T for c in counts)  # padding and real tokens in every batch
+
+    # One device: the plain step, the loss the masked mean over the batch's real tokens.
+    state = TrainState(jnp.zeros((), jnp.int32), params, TX.init(params), {})
+    plain = jax.jit(lambda st, b: train_step(graphdef, TX, st, b, run=RunSpec()))
+    want_losses = []
+    for batch in batches:
+        state, metrics = plain(state, batch)
+        want_losses.append(float(metrics["loss"]))
+    want_params = jax.tree.map(np.asarray, state.params)
+
+    mesh = make_mesh("pipe=2,data=4")
+    rules = rules_for("dp", mesh)
+    pipeline = PipelineConfig(schedule=schedule, microbatches=4, repeats=v)
+    model = nnx.merge(graphdef, params)
+    graphdef, sharded, shardings = init_train_state(lambda: model, TX, mesh, rules)
+    shard = batch_shardings(batches[0], mesh, rules)
+    step = jit_train_step(RunSpec(mesh=mesh, rules=rules, pipeline=pipeline), graphdef, TX,
+                          shardings, shard)  # fmt: skip
+    first = shard_batch(batches[0], mesh, rules)
+    with jax.set_mesh(mesh):
+        from meshtrain.layout import activation_rules
+
+        def evaluate(st, b):
+            with activation_rules(mesh, rules):
+                return eval_loss(graphdef, st, b, pipeline=pipeline)
+
+        evaluated = jax.jit(evaluate)(sharded, first)
+    np.testing.assert_allclose(float(evaluated), want_losses[0], rtol=LOSS_RTOL)
+    got_losses = []
+    for batch in batches:
+        sharded, metrics = step(sharded, shard_batch(batch, mesh, rules))
+        got_losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(got_losses, want_losses, rtol=LOSS_RTOL)
+    _close(jax.tree.map(np.asarray, sharded.params), want_params, schedule)

@@ -24,7 +24,7 @@ from meshtrain.models import GPTConfig, build_model
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.run import RunSpec
 from meshtrain.state import TrainState
-from meshtrain.train.step import eval_loss, train_step
+from meshtrain.train.step import jit_eval_step, train_step
 
 GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32, as tests/test_pipeline.py
 B, T, VOCAB, STEPS = 16, 16, 64, 3
@@ -105,15 +105,9 @@ def test_packed_pipeline_steps_equal_one_device(schedule, style, v):
     shard = batch_shardings(batches[0], mesh, rules)
     step = jit_train_step(RunSpec(mesh=mesh, rules=rules, pipeline=pipeline), graphdef, TX,
                           shardings, shard)  # fmt: skip
-    first = shard_batch(batches[0], mesh, rules)
-    with jax.set_mesh(mesh):
-        from meshtrain.layout import activation_rules
-
-        def evaluate(st, b):
-            with activation_rules(mesh, rules):
-                return eval_loss(graphdef, st, b, pipeline=pipeline)
-
-        evaluated = jax.jit(evaluate)(sharded, first)
+    # Evaluation takes the packed entries the same way: the loss before the first update.
+    evaluate = jit_eval_step(graphdef, mesh, rules, shardings, shard, pipeline=pipeline)
+    evaluated = evaluate(sharded, shard_batch(batches[0], mesh, rules))
     np.testing.assert_allclose(float(evaluated), want_losses[0], rtol=LOSS_RTOL)
     got_losses = []
     for batch in batches:

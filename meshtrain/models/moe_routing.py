@@ -30,8 +30,13 @@ def _row_axes() -> tuple[str, ...]:
 
 def _mean_over_rows(x: jax.Array) -> jax.Array:
     """`x`, a mean over this shard's rows, as the mean over the rows of every shard."""
+    return _over_rows(lax.pmean, x)
+
+
+def _over_rows(reduce, x: jax.Array) -> jax.Array:
+    """``reduce(x, axes)`` over the manual batch axes; `x` unchanged outside such a region."""
     axes = _row_axes()
-    return lax.pmean(x, axes) if axes else x
+    return reduce(x, axes) if axes else x
 
 
 def capacity(seq_len: int, n_experts: int, top_k: int, factor: float) -> int:
@@ -98,9 +103,7 @@ def z_loss(logits_BTE: jax.Array) -> jax.Array:
 def load_stats(routing: Routing, n_experts: int) -> dict[str, jax.Array]:
     """Choices per expert (min / mean / max over experts) and the fraction of choices dropped."""
     counts_E = jnp.sum(jax.nn.one_hot(routing.expert_BTK, n_experts, dtype=jnp.float32), (0, 1, 2))
-    axes = _row_axes()
-    if axes:
-        counts_E = lax.psum(counts_E, axes)
+    counts_E = _over_rows(lax.psum, counts_E)
     return {
         "tokens_per_expert_min": jnp.min(counts_E),
         "tokens_per_expert_mean": jnp.mean(counts_E),

@@ -33,6 +33,7 @@ layers per chunk.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -89,6 +90,11 @@ def _stage_totals(stats: dict, rows: tuple[str, ...]) -> dict:
         return lax.pmean(a, axes) if axes else a
 
     return jax.tree.map(total, stats)
+
+
+def _size(axes) -> int:
+    """The number of devices along manual `axes`."""
+    return math.prod(lax.axis_size(a) for a in axes)
 
 
 def _ring(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
@@ -232,17 +238,24 @@ def one_f_one_b(
         return y, stats, kept, (treedef, where)
 
     # Trace once to learn the residuals' and statistics' shapes (this compiles to nothing).
+    # Each residual keeps the manual axes it varies over (plus pipe, as the ring's writes
+    # depend on the stage): a residual the same on every replica (an MoE's router statistics,
+    # averaged over the rows) must not come back varying, or its cotangents would not type.
+    res_axes: list[frozenset[str]] = []
+
     def kept_and_stats(c, x, side):
         _, stats, kept, _ = forward(c, x, side)
+        res_axes[:] = [varying_axes(k) | {AXIS} for k in kept]
         return kept, stats
 
     res_shapes, stats_shape = jax.eval_shape(kept_and_stats, chunk, x0, side0)
-    residuals = [_fill(jnp.zeros((depth_r, *r.shape), r.dtype), poison) for r in res_shapes]
+    residuals = [
+        varying(_fill(jnp.zeros((depth_r, *r.shape), r.dtype), poison), a)
+        for r, a in zip(res_shapes, res_axes, strict=True)
+    ]
     head_zero = jax.tree.map(jnp.zeros_like, head)
     chunk_zero = jax.tree.map(jnp.zeros_like, chunk)
     stats_zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats_shape)
-    # d loss / d stats of one microbatch: a constant, as `aux_fn` is linear.
-    stats_cot = stats_zero if aux_fn is None else jax.grad(aux_fn)(stats_zero)
 
     # The three things a stage can do in a slot; `lax.switch` picks one per stage.
 
@@ -265,10 +278,11 @@ def one_f_one_b(
         _, stats, _, (treedef, where) = forward(chunk, x0, side)
         it, params = iter(stored), jax.tree.leaves(chunk)
         leaves = [params[j] if j is not None else next(it) for j in where]
-        # The statistics' cotangent takes their type (which manual axes they vary over).
-        d_stats = jax.tree.map(
-            lambda w, a: varying(w.astype(a.dtype), varying_axes(a)), stats_cot, stats
-        )
+        # d loss / d stats of one microbatch: a constant, as `aux_fn` is linear (so none of
+        # the structural forward's math is needed). A statistic that varies over replica axes
+        # counts as their mean (`_stage_totals`), so each replica's share is 1/n of it.
+        d_stats = {} if aux_fn is None else jax.grad(aux_fn)(stats)
+        d_stats = jax.tree.map(lambda d, a: d / _size(varying_axes(a) & set(replicas)), d_stats, stats)
         g_chunk, g_x = jax.tree.unflatten(treedef, leaves)((cot, d_stats))
         zeros = [jnp.zeros_like(r[0]) for r in residuals]
         return (jnp.zeros_like(x0), stats_zero, g_x, zeros, g_chunk)
@@ -287,21 +301,22 @@ def one_f_one_b(
     def no_head(head, y, labels):
         return varying((jnp.zeros((), jnp.float32), head_zero, jnp.zeros_like(y)))
 
+    def typed(out):
+        """A branch's outputs, typed alike in every branch: varying over every manual axis,
+        except the residuals, which keep their own axes."""
+        y, stats, dx, kept, g_chunk = out
+        kept = [varying(k, a) for k, a in zip(kept, res_axes, strict=True)]
+        return (*varying((y, stats, dx)), kept, varying(g_chunk))
+
     # Every branch's outputs differ between stages, so mark them so: the types must agree.
-    branches = [lambda *a, f=f: varying(f(*a)) for f in (idle, fwd, bwd)]
+    branches = [lambda *a, f=f: typed(f(*a)) for f in (idle, fwd, bwd)]
     fin = _fill(jnp.zeros((depth_f, *x0.shape), x0.dtype), poison)
     bin_ = _fill(jnp.zeros((depth_b, *x0.shape), x0.dtype), poison)
-    carry = varying(
-        (
-            fin,
-            bin_,
-            residuals,
-            jnp.zeros((), jnp.float32),
-            stats_zero,
-            chunk_zero,
-            head_zero,
-            _fill(x_MbTD, poison),
-        )
+    carry = (
+        *varying((fin, bin_)),
+        residuals,
+        *varying((jnp.zeros((), jnp.float32), stats_zero, chunk_zero, head_zero)),
+        varying(_fill(x_MbTD, poison)),
     )
 
     def slot(carry, row):

@@ -171,7 +171,9 @@ class MoE(nnx.Module):
     # The forward in pieces, so a pipeline can run the groups stage by stage and the
     # embedding and head around them.
 
-    def embed_tokens(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None) -> jax.Array:
+    def embed_tokens(
+        self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None
+    ) -> jax.Array:
         """Token ids [B, T] → input activations [B, T, D] (RoPE applies `positions_BT` in
         attention; the embedding itself has no positions)."""
         token_ends.check_length(tokens_BT.shape[1], self.cfg.backbone)

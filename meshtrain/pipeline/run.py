@@ -332,9 +332,7 @@ def pipeline_loss_and_grads(
 
     specs_in = (specs, P(), rows, rows, rows, P())
     run = _over_pipe(body, mesh, rows_axes, specs_in, (P(), P(), specs, P(), rows))
-    task, totals, g_blocks, g_head, g_x = run(
-        params[key], outer, x_MbTD, side_Mb, labels_Mb, count
-    )
+    task, totals, g_blocks, g_head, g_x = run(params[key], outer, x_MbTD, side_Mb, labels_Mb, count)
     (grads,) = embed_vjp(constrain(merge_microbatches(g_x), ("batch", "seq", "embed")))
     for k in cut.head_keys:
         grads[k] = jax.tree.map(jnp.add, grads[k], g_head[k])

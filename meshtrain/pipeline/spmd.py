@@ -282,7 +282,9 @@ def one_f_one_b(
         # the structural forward's math is needed). A statistic that varies over replica axes
         # counts as their mean (`_stage_totals`), so each replica's share is 1/n of it.
         d_stats = {} if aux_fn is None else jax.grad(aux_fn)(stats)
-        d_stats = jax.tree.map(lambda d, a: d / _size(varying_axes(a) & set(replicas)), d_stats, stats)
+        d_stats = jax.tree.map(
+            lambda d, a: d / _size(varying_axes(a) & set(replicas)), d_stats, stats
+        )
         g_chunk, g_x = jax.tree.unflatten(treedef, leaves)((cot, d_stats))
         zeros = [jnp.zeros_like(r[0]) for r in residuals]
         return (jnp.zeros_like(x0), stats_zero, g_x, zeros, g_chunk)

@@ -55,6 +55,36 @@ def _close(got, want, what):
         assert err <= GRAD_RTOL, f"{what} {jax.tree_util.keystr(path)}: rel err {err:.2e}"
 
 
+@pytest.fixture(scope="module")
+def one_device():
+    """Per dispatch kind (built once, shared by both schedules): the random parameters, the
+    batches, and the single-device steps' metrics and final parameters."""
+    cache = {}
+
+    def get(dispatch):
+        if dispatch in cache:
+            return cache[dispatch]
+        cfg = dataclasses.replace(CFG, dispatch=dispatch)
+        graphdef, params = _random_params(cfg, seed=5)
+        rng = np.random.default_rng(23)
+        batches = []
+        for _ in range(STEPS):
+            tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+            batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+        state = TrainState(jnp.zeros((), jnp.int32), params, TX.init(params), {})
+        run = RunSpec(train=TrainConfig(accum_steps=M))
+        plain = jax.jit(lambda st, b: train_step(graphdef, TX, st, b, run=run))
+        want = []
+        for batch in batches:
+            state, metrics = plain(state, batch)
+            want.append(jax.tree.map(float, metrics))
+        want_params = jax.tree.map(np.asarray, state.params)
+        cache[dispatch] = (graphdef, params, batches, want, want_params)
+        return cache[dispatch]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "schedule,dispatch",
     [
@@ -64,23 +94,8 @@ def _close(got, want, what):
         for d in ("capacity", "dropless")
     ],
 )  # fmt: skip
-def test_moe_pipeline_steps_equal_one_device_with_accumulation(schedule, dispatch):
-    cfg = dataclasses.replace(CFG, dispatch=dispatch)
-    graphdef, params = _random_params(cfg, seed=5)
-    rng = np.random.default_rng(23)
-    batches = []
-    for _ in range(STEPS):
-        tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
-        batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-
-    state = TrainState(jnp.zeros((), jnp.int32), params, TX.init(params), {})
-    run = RunSpec(train=TrainConfig(accum_steps=M))
-    plain = jax.jit(lambda st, b: train_step(graphdef, TX, st, b, run=run))
-    want = []
-    for batch in batches:
-        state, metrics = plain(state, batch)
-        want.append(jax.tree.map(float, metrics))
-    want_params = jax.tree.map(np.asarray, state.params)
+def test_moe_pipeline_steps_equal_one_device_with_accumulation(one_device, schedule, dispatch):
+    graphdef, params, batches, want, want_params = one_device(dispatch)
     assert {"task_loss", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction"} <= set(want[0])
     assert want[0]["loss"] > want[0]["task_loss"]  # the router losses are in the loss
     if dispatch == "capacity":
@@ -98,9 +113,7 @@ def test_moe_pipeline_steps_equal_one_device_with_accumulation(schedule, dispatc
                           shardings, shard)  # fmt: skip
     for i, batch in enumerate(batches):
         sharded, metrics = step(sharded, shard_batch(batch, mesh, rules))
+        assert set(metrics) == set(want[i])  # task_loss and every moe_* metric come out
         for k, w in want[i].items():
-            if k in ("grad_norm", "skipped"):
-                continue
             np.testing.assert_allclose(float(metrics[k]), w, rtol=LOSS_RTOL, err_msg=f"{i} {k}")
-        np.testing.assert_allclose(float(metrics["grad_norm"]), want[i]["grad_norm"], rtol=1e-4)
     _close(jax.tree.map(np.asarray, sharded.params), want_params, f"{schedule} {dispatch}")

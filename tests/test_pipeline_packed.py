@@ -16,14 +16,16 @@ import optax
 import pytest
 from flax import nnx
 
+from meshtrain.check import check_run
 from meshtrain.data.packing import row_segments
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
-from meshtrain.models import GPTConfig, build_model
-from meshtrain.pipeline import PipelineConfig
+from meshtrain.models import GPT, DataSpec, GPTConfig, PipelineParts, build_model
+from meshtrain.pipeline import PipelineConfig, pipeline_loss
 from meshtrain.run import RunSpec
-from meshtrain.state import TrainState
+from meshtrain.state import TrainState, abstract_model
+from meshtrain.train.loss import cross_entropy
 from meshtrain.train.step import jit_eval_step, train_step
 
 GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32, as tests/test_pipeline.py
@@ -115,3 +117,37 @@ def test_packed_pipeline_steps_equal_one_device(schedule, style, v):
         got_losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(got_losses, want_losses, rtol=LOSS_RTOL)
     _close(jax.tree.map(np.asarray, sharded.params), want_params, schedule)
+
+
+class _PlainParts(GPT):
+    """A GPT whose pipeline parts predate packed batches: ``run_blocks(blocks, x)`` only."""
+
+    def pipeline_parts(self):
+        parts = super().pipeline_parts()
+        return PipelineParts(
+            blocks=parts.blocks,
+            embed=lambda tokens: parts.embed(tokens),
+            run_blocks=lambda blocks, x: parts.run_blocks(blocks, x),
+            head=parts.head,
+            head_params=parts.head_params,
+        )
+
+
+def test_parts_without_packed_inputs_refuse_packed_batches_before_compiling():
+    cfg = _cfg("llama")
+    sizes = dict(pipe=2, data=4, fsdp=1, expert=1, seq=1, tensor=1)
+    rules = rules_for("dp", sizes)
+    abstract = abstract_model(lambda: _PlainParts(cfg, rngs=nnx.Rngs(0)))
+    data = DataSpec("lm", B, T, VOCAB, packed=True)
+    problems = check_run(RunSpec(data=data, mesh=sizes, rules=rules), abstract=abstract)
+    assert [p.field for p in problems] == ["data.packing"], problems
+    assert "_PlainParts's pipeline_parts() takes no packed batches" in problems[0].message
+    # Plain windows still pipeline through the old two-argument run_blocks.
+    plain = DataSpec("lm", B, T, VOCAB)
+    assert check_run(RunSpec(data=plain, mesh=sizes, rules=rules), abstract=abstract) == []
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: _PlainParts(cfg, rngs=nnx.Rngs(0))))
+    batch = packed_batch(np.random.default_rng(0))
+    with pytest.raises(ValueError, match="model _PlainParts: a packed batch"):
+        pipeline_loss(graphdef, nnx.to_pure_dict(state), {}, batch,
+                      config=PipelineConfig(), mesh=make_mesh("pipe=2,data=4"),
+                      loss_fn=cross_entropy)  # fmt: skip

@@ -95,9 +95,7 @@ def load_balance_loss(logits_BTE: jax.Array, expert_BTK: jax.Array) -> jax.Array
 
 def z_loss(logits_BTE: jax.Array) -> jax.Array:
     """Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)²``."""
-    return _mean_over_rows(
-        jnp.mean(jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1) ** 2)
-    )
+    return _mean_over_rows(jnp.mean(jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1) ** 2))
 
 
 def load_stats(routing: Routing, n_experts: int) -> dict[str, jax.Array]:

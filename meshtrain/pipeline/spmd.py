@@ -81,8 +81,9 @@ def _at(tree, i):
 
 
 def _stage_totals(stats: dict, rows: tuple[str, ...]) -> dict:
-    """Per-stage sums of `stats` → their sum over the stages, the same on every device (the
-    replicas of `rows` already agree on them; averaging makes that their type too)."""
+    """Per-stage sums of `stats` → their sum over the stages, the same on every device. A
+    statistic that differs between the shards of `rows` counts as its mean over them (an MoE's
+    router statistics are already reduced over the rows inside the stage, so it is none)."""
 
     def total(a):
         a = lax.psum(a, AXIS)
@@ -167,8 +168,8 @@ def forward_loop(
         recv = lax.ppermute(y, AXIS, _ring(p, 1, wrap=v > 1))
         return (recv, pending, outputs, totals), None
 
-    rows_ = (jnp.arange(len(valid)), jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(chunk))
-    (_, _, outputs, totals), _ = lax.scan(tick, (recv, pending, outputs, totals), rows_)
+    ticks = (jnp.arange(len(valid)), jnp.asarray(valid), jnp.asarray(micro), jnp.asarray(chunk))
+    (_, _, outputs, totals), _ = lax.scan(tick, (recv, pending, outputs, totals), ticks)
     # Only the last stage holds the outputs; the others contribute zeros.
     return _from_stage(outputs, p - 1), _stage_totals(totals, rows)
 

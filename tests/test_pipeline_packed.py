@@ -18,11 +18,17 @@ from flax import nnx
 
 from meshtrain.check import check_run
 from meshtrain.data.packing import row_segments
-from meshtrain.layout import batch_shardings, rules_for, shard_batch
+from meshtrain.layout import (
+    activation_rules,
+    batch_shardings,
+    rules_for,
+    shard_batch,
+    split_microbatches,
+)
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
-from meshtrain.models import GPT, DataSpec, GPTConfig, PipelineParts, build_model
-from meshtrain.pipeline import PipelineConfig, pipeline_loss
+from meshtrain.models import GPT, DataSpec, GPTConfig, MoEConfig, PipelineParts, build_model
+from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.run import RunSpec
 from meshtrain.state import TrainState, abstract_model
 from meshtrain.train.loss import cross_entropy
@@ -80,6 +86,7 @@ def _close(got, want, what):
         pytest.param("gpipe", "llama", 1, marks=pytest.mark.pair("packed", "gpipe")),
         pytest.param("circular", "gpt2", 2, marks=pytest.mark.pair("packed", "circular")),
         pytest.param("1f1b", "gpt2", 1, marks=pytest.mark.pair("packed", "1f1b")),
+        pytest.param("1f1b", "llama", 1, marks=pytest.mark.pair("packed", "1f1b")),
     ],
 )
 def test_packed_pipeline_steps_equal_one_device(schedule, style, v):
@@ -151,3 +158,56 @@ def test_parts_without_packed_inputs_refuse_packed_batches_before_compiling():
         pipeline_loss(graphdef, nnx.to_pure_dict(state), {}, batch,
                       config=PipelineConfig(), mesh=make_mesh("pipe=2,data=4"),
                       loss_fn=cross_entropy)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param("llama", marks=pytest.mark.pair("packed", "1f1b")),
+        pytest.param("moe", marks=[pytest.mark.pair("packed", "moe-capacity")]),
+    ],
+)
+def test_nan_filled_1f1b_bubbles_with_packed_batches_equal_one_device(model):
+    """1F1B with NaN in every idle slot and unused buffer entry, on a packed batch: the loss
+    and every gradient equal the one-device math. For the MoE (``pipe=2,expert=2,data=2``)
+    that is the task loss over the batch's real tokens plus the mean over the 4 microbatches
+    of each one's router losses (computed on its own rows, padding included)."""
+    if model == "moe":
+        cfg = MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=16,
+                        vocab_size=VOCAB, vocab_multiple=64, max_seq_len=T,
+                        capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01)  # fmt: skip
+        spec = "pipe=2,expert=2,data=2"
+    else:
+        cfg, spec = _cfg("llama"), "pipe=2,data=4"
+    graphdef, params = _random_params(cfg, seed=11)
+    batch = packed_batch(np.random.default_rng(29))
+
+    def reference(params):
+        mask = batch["segment_ids"] > 0
+        whole = nnx.merge(graphdef, params)(batch["inputs"], segment_ids=batch["segment_ids"],
+                                            positions=batch["positions"])  # fmt: skip
+        loss = cross_entropy(getattr(whole, "logits", whole), batch["targets"], mask=mask)
+        if model == "moe":  # the router losses of each microbatch's rows, averaged
+            parts = {k: split_microbatches(v, 4) for k, v in batch.items()}
+            aux = [nnx.merge(graphdef, params)(parts["inputs"][i],
+                                               segment_ids=parts["segment_ids"][i],
+                                               positions=parts["positions"][i]).aux_loss
+                   for i in range(4)]  # fmt: skip
+            loss = loss + sum(aux) / 4
+        return loss
+
+    want_loss, want_grads = jax.jit(jax.value_and_grad(reference))(params)
+    mesh = make_mesh(spec)
+    rules = rules_for("dp", mesh)
+    _, sharded, _ = init_train_state(lambda: nnx.merge(graphdef, params), TX, mesh, rules)
+
+    @jax.jit
+    def piped(params, batch):
+        with activation_rules(mesh, rules):
+            config = PipelineConfig(schedule="1f1b", microbatches=4)
+            return pipeline_loss_and_grads(graphdef, params, {}, batch, config=config, mesh=mesh,
+                                           loss_fn=cross_entropy, poison=True)  # fmt: skip
+
+    loss, grads = piped(sharded.params, shard_batch(batch, mesh, rules))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=LOSS_RTOL)
+    _close(jax.tree.map(np.asarray, grads), want_grads, model)

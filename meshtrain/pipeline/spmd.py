@@ -218,7 +218,9 @@ def one_f_one_b(
     s = lax.axis_index(AXIS)
     depth_f, depth_b, depth_r = (buffer_depth(table, k) for k in ("fwd", "bwd", "res"))
     x0 = varying(x_MbTD[0])
-    side0 = _at(side_Mb, 0)
+    # Typed as in a slot, where the microbatch index varies over pipe: a stage traced on
+    # inputs of other types keeps other residuals.
+    side0 = varying(_at(side_Mb, 0))
     # Differentiating an input that is the same on every stage would sum its gradient over
     # the stages inside the branch, a collective only the last stage reaches; keep it local.
     # The same mark on both keeps their gradients per replica until the end.

@@ -88,8 +88,7 @@ def one_device():
 @pytest.mark.parametrize(
     "schedule,dispatch",
     [
-        pytest.param(s, d, marks=[pytest.mark.pair(f"moe-{d}", s),
-                                  pytest.mark.pair(f"moe-{d}", "accumulation")])
+        pytest.param(s, d, marks=pytest.mark.pair(f"moe-{d}", s))
         for s in ("gpipe", "1f1b")
         for d in ("capacity", "dropless")
     ],

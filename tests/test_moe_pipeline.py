@@ -30,10 +30,10 @@ from meshtrain.train.step import train_step
 GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32, as tests/test_pipeline.py
 B, T, M, STEPS = 16, 8, 4, 3
 TX = optax.sgd(0.5)
-# Two groups (a dense block, then an MoE block), one per stage; a shared expert too. The
-# capacity factor drops some choices, so the drop statistics are live.
-CFG = MoEConfig(d_model=32, n_layers=4, moe_every=2, n_heads=2, n_experts=4, top_k=2,
-                d_expert=16, shared_expert=16, vocab_size=64, vocab_multiple=16, max_seq_len=T,
+# Two MoE blocks, one per stage, four experts, two per expert shard. The capacity factor drops
+# some choices, so the drop statistics are live.
+CFG = MoEConfig(d_model=32, n_layers=2, moe_every=1, n_heads=2, n_experts=4, top_k=2,
+                d_expert=16, vocab_size=64, vocab_multiple=16, max_seq_len=T,
                 capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01)  # fmt: skip
 
 

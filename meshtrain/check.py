@@ -167,6 +167,16 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) ->
                     "meshtrain.models.PipelineParts); set pipe=1",
                 )
             ]
+        if spec.packed and not parts.packed:
+            return [
+                Problem(
+                    "data.packing",
+                    True,
+                    f"model {type(module).__name__}'s pipeline_parts() takes no packed batches "
+                    "(PipelineParts.packed=False); give its embed and run_blocks the segment ids "
+                    "and positions, set pipe=1, or train on plain windows (--data.no-packing)",
+                )
+            ]
         leaves = nnx.to_flat_state(nnx.state(getattr(module, parts.blocks)))
         layers = leaves[0][1].get_value().shape[0] if leaves else layers
     elif model is not None and layers is None:

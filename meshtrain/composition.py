@@ -304,14 +304,6 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "packed batches",
-        "pipelines",
-        "segment ids and positions are not passed through pipeline stages yet",
-        lambda run: _packed(run) and _axis(run, PIPE) > 1,
-        "data.packing",
-        "set pipe=1, or train on plain windows (--data.no-packing)",
-        lambda run: True,
-        _pair({"pipe": 2, "data": 4}, {"data": 8}, data=_lm(packed=True)),
-        cells=_cells(("packed",), _PIPELINES),
     ),
     Refusal(
         "cuDNN attention",

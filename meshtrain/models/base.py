@@ -92,19 +92,31 @@ class PipelineParts:
     Attributes:
         blocks: the attribute holding the stacked blocks (parameters with a leading ``layers``
             dimension); the pipeline cuts that dimension into chunks.
-        embed: inputs → activations entering the first block.
+        embed: inputs → activations entering the first block; with `packed`, also
+            ``embed(inputs, positions)``.
         run_blocks: ``(stacked blocks module of any length, activations) → activations``; a
-            plain function of its arguments (no reference to the model).
+            plain function of its arguments (no reference to the model). With `packed` it
+            also takes ``(blocks, x, segment_ids, positions)`` (one microbatch's [b, T]
+            entries); with `stats` it returns ``(activations, stats)``.
         head: activations leaving the last block → logits.
         head_params: the model's top-level attributes `head` reads (their gradients flow
             through the loss head).
+        packed: `embed` and `run_blocks` take a packed batch's `PACKED_KEYS` (see above);
+            False: the pipeline refuses packed batches for this model.
+        stats: set when `run_blocks` also returns statistics: a dict of float32 scalars summed
+            over the blocks it ran (an MoE's router losses and load). The pipeline sums them
+            over the stages and averages them over the microbatches, and ``stats(totals)``
+            gives ``(aux_loss, metrics)``: the weighted loss terms to add to the task loss,
+            which must be linear in `totals`, and the metrics to report.
     """
 
     blocks: str
-    embed: Callable[[jax.Array], jax.Array]
-    run_blocks: Callable[[Any, jax.Array], jax.Array]
+    embed: Callable[..., jax.Array]
+    run_blocks: Callable[..., Any]
     head: Callable[[jax.Array], jax.Array]
     head_params: tuple[str, ...]
+    packed: bool = False
+    stats: Callable[[dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]] | None = None
 
 
 class ModelOutput(NamedTuple):

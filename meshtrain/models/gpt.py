@@ -246,12 +246,22 @@ class GPT(nnx.Module):
     def pipeline_parts(self) -> PipelineParts:
         """The embedding, the stacked blocks and the head, for `meshtrain.pipeline`."""
         head = ("norm", "head") if self.head is not None else ("norm", "embed")
+        remat, restart = self.cfg.remat, self.cfg.restart_positions
+
+        def embed(tokens_BT, positions_BT=None):
+            return self.embed_tokens(tokens_BT, positions_BT if restart else None)
+
+        def run_blocks(blocks, x_BTD, segment_ids_BT=None, positions_BT=None):
+            positions_BT = positions_BT if restart else None
+            return scan_blocks(blocks, x_BTD, remat, segment_ids_BT, positions_BT)
+
         return PipelineParts(
             blocks="blocks",
-            embed=self.embed_tokens,
-            run_blocks=functools.partial(scan_blocks, remat=self.cfg.remat),
+            embed=embed,
+            run_blocks=run_blocks,
             head=self.head_logits,
             head_params=head,
+            packed=True,
         )
 
     def embed_tokens(

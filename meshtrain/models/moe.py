@@ -11,6 +11,7 @@ a `ModelOutput`: logits, the weighted router losses, and the per-step statistics
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -20,7 +21,7 @@ from flax import nnx
 from meshtrain import context_parallel
 from meshtrain.layout import constrain
 from meshtrain.models import layers, token_ends
-from meshtrain.models.base import ModelOutput
+from meshtrain.models.base import ModelOutput, PipelineParts
 from meshtrain.models.gpt import MLP, Attention, Block
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.models.moe_dispatch import Routing, dispatch
@@ -177,6 +178,9 @@ class MoE(nnx.Module):
         metrics = {f"moe_{k}": jnp.mean(v) for k, v in stats.items()}
         return ModelOutput(logits_BTV, aux, metrics)
 
+    # The forward in pieces, so a pipeline can run the groups stage by stage and the
+    # embedding and head around them.
+
     def embed_tokens(
         self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None
     ) -> jax.Array:
@@ -199,3 +203,55 @@ class MoE(nnx.Module):
         if order is not None:  # back from the balanced order `embed_tokens` chose
             x_BTD = constrain(x_BTD[:, context_parallel.inverse(order)], ("batch", "seq", "embed"))
         return token_ends.logits(self.norm(x_BTD), self.embed, self.head, self.cfg.backbone)
+
+    def pipeline_parts(self) -> PipelineParts:
+        """The embedding, the stacked groups and the head, for `meshtrain.pipeline`; the groups
+        return their router statistics, which `pipeline_stats` turns into the weighted router
+        losses and the ``moe_*`` metrics."""
+        cfg = self.cfg
+        head = ("norm", "head") if self.head is not None else ("norm", "embed")
+        return PipelineParts(
+            blocks="groups",
+            embed=self.embed_tokens,
+            run_blocks=functools.partial(scan_groups, remat=cfg.backbone.remat),
+            head=self.head_logits,
+            head_params=head,
+            packed=True,
+            stats=functools.partial(
+                pipeline_stats,
+                aux_loss_coef=cfg.aux_loss_coef,
+                z_loss_coef=cfg.z_loss_coef,
+                n_blocks=cfg.n_moe_layers,
+            ),
+        )
+
+
+def scan_groups(
+    groups: Group,
+    x_BTD: jax.Array,
+    segment_ids_BT: jax.Array | None = None,
+    positions_BT: jax.Array | None = None,
+    *,
+    remat: str = "none",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Scans stacked `groups` (a leading dimension of any length) over `x_BTD`; returns the
+    output and each router statistic summed over the groups."""
+
+    def body(group: Group, x_BTD: jax.Array, seg_BT, pos_BT):
+        return group(x_BTD, seg_BT, pos_BT)
+
+    if remat != "none":
+        body = nnx.remat(body, policy=POLICIES[remat], prevent_cse=False)
+    scan = nnx.scan(body, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
+    x_BTD, stats = scan(groups, x_BTD, segment_ids_BT, positions_BT)
+    return x_BTD, {k: jnp.sum(v) for k, v in stats.items()}
+
+
+def pipeline_stats(
+    totals: dict[str, jax.Array], *, aux_loss_coef: float, z_loss_coef: float, n_blocks: int
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Router statistics summed over the MoE blocks → ``(aux_loss, metrics)`` as `MoE.__call__`
+    weighs and reports them: the coefficients times the summed losses, and the ``moe_*``
+    metrics as means over the blocks."""
+    aux = aux_loss_coef * totals["aux_loss"] + z_loss_coef * totals["z_loss"]
+    return aux, {f"moe_{k}": v / n_blocks for k, v in totals.items()}

@@ -233,6 +233,11 @@ class MoEConfig:
         )
 
     @property
+    def pipeline_layers(self) -> int:
+        """Stacked layers a pipeline cuts into stages: the groups (``moe_every`` blocks each)."""
+        return self.n_moe_layers
+
+    @property
     def supported_axes(self) -> tuple[str, ...]:
         """Axes beyond the defaults that this model runs (the run check reads it)."""
         return (EXPERT,)

@@ -3,7 +3,9 @@
 Both run per shard inside a region manual over ``expert`` and the batch axes
 (`meshtrain.layout.manual_in_layout`); each shard holds its rows of the batch and its
 ``E / expert`` experts, and exchanges tokens with the other ``expert`` shards by
-``all_to_all``. Outside any layout they run whole, with no exchange.
+``all_to_all``. Inside a pipeline stage, whose region is already manual over ``expert`` and
+the replica axes, they run there directly. Outside any layout they run whole, with no
+exchange.
 
 - **capacity**: each choice goes to slot ``slot`` of its expert's buffer ``[B, E, C, D]``
   (choices past the capacity C are dropped: they add nothing, so the token passes through
@@ -27,7 +29,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshtrain.layout import EXPERT, Spec, active, axes_of, axis_size, manual_in_layout
+from meshtrain.layout import (
+    EXPERT,
+    Spec,
+    active,
+    axes_of,
+    axis_size,
+    manual_axes,
+    manual_in_layout,
+)
 
 DISPATCH = ("capacity", "dropless")
 
@@ -153,6 +163,17 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)
     shards = axis_size(EXPERT)
+    inside = manual_axes() & {EXPERT, *layout.rules.batch_axes(dict(layout.mesh.shape))}
+    if inside:
+        # Inside a region already manual over the rows (a pipeline stage): these are this
+        # shard's rows and, over expert, its experts; exchange with the other expert shards
+        # directly (a region nested here could not be differentiated).
+        if shards > 1 and EXPERT not in inside:
+            raise ValueError(
+                f"the expert dispatch inside a region manual over {', '.join(sorted(inside))} "
+                "needs that region manual over expert too"
+            )
+        return local(x_BTD, routing, weights, axis=EXPERT, shards=shards)
     batch = axes_of(layout.activation_spec(("batch", None, None), x_BTD.shape)[0])
     rows = tuple(a for a in batch if a != EXPERT) + ((EXPERT,) if shards > 1 else ())
     if not rows:

@@ -1,6 +1,9 @@
 """Mixture-of-experts routing math: top-k choice, capacity slots, router losses and load stats.
 
-Everything here is plain jnp on global arrays, so it means the same under every layout.
+Everything here is plain jnp on global arrays, so it means the same under every layout. Inside
+a region manual over batch axes (a pipeline stage, whose rows are split over the replica and
+``expert`` axes) the losses and statistics are reduced over those axes, so they still describe
+every row the region sees as one batch.
 Shape suffixes: B batch rows, T positions, E experts, K choices per token (top-k), C capacity
 slots per expert and sequence.
 """
@@ -11,8 +14,29 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from meshtrain.layout import active, manual_axes
 from meshtrain.models.moe_dispatch import Routing
+
+
+def _row_axes() -> tuple[str, ...]:
+    """The manual batch axes the rows here are split over (none outside a manual region)."""
+    layout, manual = active(), manual_axes()
+    if layout is None or not manual:
+        return ()
+    return tuple(a for a in layout.rules.batch_axes(dict(layout.mesh.shape)) if a in manual)
+
+
+def _mean_over_rows(x: jax.Array) -> jax.Array:
+    """`x`, a mean over this shard's rows, as the mean over the rows of every shard."""
+    return _over_rows(lax.pmean, x)
+
+
+def _over_rows(reduce, x: jax.Array) -> jax.Array:
+    """``reduce(x, axes)`` over the manual batch axes; `x` unchanged outside such a region."""
+    axes = _row_axes()
+    return reduce(x, axes) if axes else x
 
 
 def capacity(seq_len: int, n_experts: int, top_k: int, factor: float) -> int:
@@ -65,20 +89,22 @@ def load_balance_loss(logits_BTE: jax.Array, expert_BTK: jax.Array) -> jax.Array
     E = logits_BTE.shape[-1]
     probs_E = jnp.mean(jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1), axis=(0, 1))
     frac_E = jnp.mean(jax.nn.one_hot(expert_BTK, E, dtype=jnp.float32), axis=(0, 1, 2))
+    probs_E, frac_E = _mean_over_rows(probs_E), _mean_over_rows(frac_E)
     return E * jnp.sum(frac_E * probs_E)
 
 
 def z_loss(logits_BTE: jax.Array) -> jax.Array:
     """Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)²``."""
-    return jnp.mean(jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1) ** 2)
+    return _mean_over_rows(jnp.mean(jax.nn.logsumexp(logits_BTE.astype(jnp.float32), axis=-1) ** 2))
 
 
 def load_stats(routing: Routing, n_experts: int) -> dict[str, jax.Array]:
     """Choices per expert (min / mean / max over experts) and the fraction of choices dropped."""
     counts_E = jnp.sum(jax.nn.one_hot(routing.expert_BTK, n_experts, dtype=jnp.float32), (0, 1, 2))
+    counts_E = _over_rows(lax.psum, counts_E)
     return {
         "tokens_per_expert_min": jnp.min(counts_E),
         "tokens_per_expert_mean": jnp.mean(counts_E),
         "tokens_per_expert_max": jnp.max(counts_E),
-        "dropped_fraction": 1.0 - jnp.mean(routing.keep_BTK.astype(jnp.float32)),
+        "dropped_fraction": 1.0 - _mean_over_rows(jnp.mean(routing.keep_BTK.astype(jnp.float32))),
     }

@@ -1,10 +1,11 @@
 """Pipeline parallelism over the ``pipe`` mesh axis: gpipe, circular and 1F1B, in pure SPMD.
 
-Any model that offers `meshtrain.models.PipelineParts` (the GPT does) can be pipelined: its
-stacked blocks are cut into ``pipe × repeats`` contiguous chunks, one region manual over
-``pipe`` runs the schedule, and the embedding and head run outside it, partitioned by the
-compiler. The train state is the same pytree as without a pipeline: the rules put the
-``layers`` dimension on ``pipe``, so each stage already holds its own layers.
+Any model that offers `meshtrain.models.PipelineParts` (the GPT and the MoE do) can be
+pipelined: its stacked blocks are cut into ``pipe × repeats`` contiguous chunks, one region
+manual over ``pipe`` runs the schedule, and the embedding and head run outside it, partitioned
+by the compiler; a packed batch's segment ids and positions travel with the microbatches.
+The train state is the same pytree as without a pipeline: the rules put the ``layers``
+dimension on ``pipe``, so each stage already holds its own layers.
 
 - `config`: `PipelineConfig` and `pipeline_problems` (the checks before compiling);
 - `schedules`: the schedule tables, bubble counts and Gantt charts;

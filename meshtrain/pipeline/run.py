@@ -4,8 +4,15 @@ The model's stacked blocks are cut into ``pipe × repeats`` contiguous chunks of
 s holds chunks s, s+p, s+2p, ... (just chunk s unless the schedule is circular). The
 embedding and the head run outside the pipelined loop, partitioned by the compiler like the
 rest of the model. The loop is manual over ``pipe`` and the replica axes
-(`Rules.replica_axes`), each replica running its own rows of every microbatch. The executors
-are in `meshtrain.pipeline.spmd`.
+(`Rules.replica_axes`) and, for a model with experts, ``expert`` (which splits the batch as
+well as the experts), each shard running its own rows of every microbatch. The executors are
+in `meshtrain.pipeline.spmd`.
+
+A packed batch's segment ids and positions are split into microbatches like the inputs and
+reach each stage with the microbatch it runs; its loss is the sum over the real tokens of the
+whole batch divided by their count. A model whose blocks return statistics (an MoE's router
+losses) has them summed over the stages, averaged over the microbatches, and turned into its
+loss terms and metrics by `PipelineParts.stats`.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -26,15 +34,16 @@ from meshtrain.layout import (
     merge_microbatches,
     override_activations,
     split_microbatches,
+    state_specs,
     varying,
 )
-from meshtrain.mesh import PIPE, mesh_sizes
-from meshtrain.models.base import PipelineParts, pipeline_parts
+from meshtrain.mesh import EXPERT, PIPE, mesh_sizes
+from meshtrain.models.base import PACKED_KEYS, PipelineParts, pipeline_parts
 from meshtrain.pipeline import spmd
 from meshtrain.pipeline.config import PipelineConfig
 from meshtrain.pipeline.schedules import schedule_table
 
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+LossFn = Callable[..., jax.Array]
 
 
 def _circular_order(n_layers: int, p: int, v: int) -> jax.Array:
@@ -47,7 +56,7 @@ def _circular_order(n_layers: int, p: int, v: int) -> jax.Array:
 class _Cut:
     """A model in pieces: its parts, and its stacked blocks as chunks the stages run."""
 
-    def __init__(self, graphdef: nnx.GraphDef, params: dict, rest: dict):
+    def __init__(self, graphdef: nnx.GraphDef, params: dict, rest: dict, batch: Mapping):
         self.graphdef, self.rest = graphdef, rest
         model = nnx.merge(graphdef, params, rest)
         parts = pipeline_parts(model)
@@ -61,8 +70,17 @@ class _Cut:
                 "pipelining supports models whose only variables are parameters; this model "
                 f"also has {', '.join(rest)}"
             )
-        self.key, self.run_blocks = parts.blocks, parts.run_blocks
-        self.blocks_def = nnx.split(getattr(model, parts.blocks))[0]
+        self.packed = any(k in batch for k in PACKED_KEYS)
+        if self.packed and not parts.packed:
+            raise ValueError(
+                f"model {type(model).__name__}: a packed batch (segment_ids/positions) needs "
+                "pipeline_parts() with packed=True, whose embed and run_blocks take them (see "
+                "meshtrain.models.PipelineParts); or train on plain windows (--data.no-packing)"
+            )
+        self.key, self.run_blocks, self.stats = parts.blocks, parts.run_blocks, parts.stats
+        blocks = getattr(model, parts.blocks)
+        self.blocks_def = nnx.split(blocks)[0]
+        self.blocks_state = nnx.state(blocks)  # their logical names, for `block_specs`
         self.n_layers = jax.tree.leaves(params[parts.blocks])[0].shape[0]
         self.head_keys = tuple(k for k in parts.head_params if k in params)
 
@@ -70,21 +88,85 @@ class _Cut:
         """The parts of the model over `params` (its blocks may be any chunk of the layers)."""
         return nnx.merge(self.graphdef, params, self.rest).pipeline_parts()
 
-    def stage(self, chunk: dict, x: jax.Array) -> jax.Array:
-        """Runs one chunk of stacked blocks."""
-        return self.run_blocks(nnx.merge(self.blocks_def, chunk), x)
+    def embed(self, parts: PipelineParts, batch: Mapping) -> jax.Array:
+        """The embedded batch (with its positions, when packed)."""
+        if self.packed:
+            return parts.embed(batch["inputs"], batch["positions"])
+        return parts.embed(batch["inputs"])
+
+    def side(self, batch: Mapping, m: int) -> dict:
+        """The batch's inputs to the blocks, as microbatches [M, b, T] (none unless packed)."""
+        keys = PACKED_KEYS if self.packed else ()
+        return {k: split_microbatches(batch[k], m) for k in keys}
+
+    def stage(self, chunk: dict, x: jax.Array, side: dict) -> tuple[jax.Array, dict]:
+        """Runs one chunk of stacked blocks on one microbatch; its output and statistics."""
+        blocks = nnx.merge(self.blocks_def, chunk)
+        args = tuple(side[k] for k in PACKED_KEYS) if side else ()
+        out = self.run_blocks(blocks, x, *args)
+        return out if self.stats is not None else (out, {})
+
+    def finish(self, totals: dict, m: int) -> tuple[jax.Array, dict]:
+        """The loss terms and metrics of the statistics summed over `m` microbatches."""
+        if self.stats is None:
+            return jnp.zeros((), jnp.float32), {}
+        return self.stats(jax.tree.map(lambda t: t / m, totals))
+
+    def block_specs(self, mesh: Mesh, manual: set[str]) -> dict:
+        """The blocks' specs over the region's manual axes: ``layers`` over pipe, and any
+        dimension the rules split over another manual axis (experts over expert)."""
+        layout = active()
+        if layout is None:
+            return jax.tree.map(lambda _: P(PIPE), nnx.to_pure_dict(self.blocks_state))
+
+        def keep(spec: P) -> P:
+            kept = []
+            for entry in spec:
+                axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()))
+                axes = tuple(a for a in axes if a in manual)
+                kept.append(axes[0] if len(axes) == 1 else (axes or None))
+            return P(*kept)
+
+        specs = state_specs(self.blocks_state, layout.rules.params, mesh, warn=False)
+        return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _replicas(mesh: Mesh) -> tuple[str, ...]:
-    """The replica axes of the active layout (none outside `activation_rules`)."""
+def _rows(mesh: Mesh) -> tuple[str, ...]:
+    """The axes the loop's rows are split over by hand: the replica axes of the active layout,
+    and ``expert`` where it splits the batch (none outside `activation_rules`)."""
     layout = active()
-    return () if layout is None else layout.rules.replica_axes(mesh_sizes(mesh))
+    if layout is None:
+        return ()
+    sizes = mesh_sizes(mesh)
+    replicas = layout.rules.replica_axes(sizes)
+    extra = (EXPERT,) if EXPERT in layout.rules.batch_axes(sizes) else ()
+    return tuple(replicas) + tuple(a for a in extra if a not in replicas)
 
 
-def _over_pipe(fn, mesh: Mesh, replicas: tuple[str, ...], in_specs, out_specs):
-    """`fn` manual over ``pipe`` and `replicas`; the other axes stay with the compiler."""
-    axes = {spmd.AXIS, *replicas}
+def _over_pipe(fn, mesh: Mesh, rows: tuple[str, ...], in_specs, out_specs):
+    """`fn` manual over ``pipe`` and `rows`; the other axes stay with the compiler."""
+    axes = {spmd.AXIS, *rows}
     return manual_region(fn, mesh=mesh, axes=axes, in_specs=in_specs, out_specs=out_specs)
+
+
+def _mask(batch: Mapping) -> jax.Array | None:
+    """The tokens a packed batch's loss counts (``segment_ids > 0``); None when not packed."""
+    seg = batch.get("segment_ids")
+    return None if seg is None else seg > 0
+
+
+def _task_loss(loss_fn: LossFn, logits: jax.Array, targets: jax.Array, mask) -> jax.Array:
+    """`loss_fn` on the logits, over the real tokens when there is a `mask`."""
+    return loss_fn(logits, targets) if mask is None else loss_fn(logits, targets, mask=mask)
+
+
+def _with_stats(cut: _Cut, task: jax.Array, totals: dict, m: int):
+    """``(loss, metrics)``: the task loss plus the statistics' loss terms, and the metrics
+    (with ``task_loss`` when there are statistics, as `meshtrain.train.loss` reports it)."""
+    if cut.stats is None:
+        return task, {}
+    aux, metrics = cut.finish(totals, m)
+    return task + aux, {**metrics, "task_loss": task}
 
 
 def pipeline_loss(
@@ -97,40 +179,55 @@ def pipeline_loss(
     mesh: Mesh,
     loss_fn: LossFn,
     poison: bool = False,
-) -> jax.Array:
+    with_metrics: bool = False,
+):
     """Mean loss of the model over `batch`, its blocks run by the gpipe / circular forward loop
     (1f1b evaluates with the gpipe loop). Differentiable with `jax.grad`.
 
+    A packed batch (``segment_ids`` and ``positions``) averages over its real tokens: `loss_fn`
+    is called with ``mask=segment_ids > 0``. A model whose blocks return statistics (an MoE)
+    adds their loss terms (`PipelineParts.stats`), each microbatch's weighted 1/M.
+
     Call it inside `jax.jit` under `meshtrain.layout.activation_rules(mesh, rules)`.
+
+    Returns:
+        The loss; with `with_metrics`, ``(loss, metrics)`` (the model's statistics and
+        ``task_loss``; empty for a model without statistics).
     """
     p = mesh_sizes(mesh)[PIPE]
     m = config.num_microbatches(p)
     v = config.chunks_per_stage()
-    cut = _Cut(graphdef, params, rest)
+    cut = _Cut(graphdef, params, rest, batch)
     parts = cut.parts(params)
-    x_MbTD = split_microbatches(parts.embed(batch["inputs"]), m)
+    x_MbTD = split_microbatches(cut.embed(parts, batch), m)
+    side_Mb = cut.side(batch, m)
     blocks = params[cut.key]
     if v > 1:
         order = _circular_order(cut.n_layers, p, v)
         blocks = jax.tree.map(lambda w: jnp.take(w, order, axis=0), blocks)
 
     dtype = x_MbTD.dtype
-    replicas = _replicas(mesh)
-    rows = P(None, replicas or None)  # [M, b, ...]: each replica its rows of every microbatch
+    rows_axes = _rows(mesh)
+    rows = P(None, rows_axes or None)  # [M, b, ...]: each shard its rows of every microbatch
+    specs = cut.block_specs(mesh, {spmd.AXIS, *rows_axes})
 
-    def body(blocks, x_MbTD):
+    def body(blocks, x_MbTD, side_Mb):
         chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), blocks)
         chunks = varying(chunks)  # their gradient is summed over replicas after the loop
         # Cast after marking it per-stage, so its gradient's sum over stages is in float32.
         x_MbTD = varying(x_MbTD).astype(dtype)
-        return spmd.forward_loop(cut.stage, chunks, x_MbTD, stages=p, repeats=v, poison=poison)
+        return spmd.forward_loop(
+            cut.stage, chunks, x_MbTD, side_Mb, stages=p, repeats=v, rows=rows_axes, poison=poison
+        )
 
     # The embedded batch crosses into the loop in float32: its gradient is summed over the
     # stages on the way out, and XLA's CPU backend aborts on a bfloat16 all-reduce there.
-    run = _over_pipe(body, mesh, replicas, (P(spmd.AXIS), rows), rows)
-    y_BTD = merge_microbatches(run(blocks, x_MbTD.astype(jnp.float32)))
-    y_BTD = constrain(y_BTD, ("batch", "seq", "embed"))
-    return loss_fn(parts.head(y_BTD), batch["targets"])
+    run = _over_pipe(body, mesh, rows_axes, (specs, rows, rows), (rows, P()))
+    y_MbTD, totals = run(blocks, x_MbTD.astype(jnp.float32), side_Mb)
+    y_BTD = constrain(merge_microbatches(y_MbTD), ("batch", "seq", "embed"))
+    task = _task_loss(loss_fn, parts.head(y_BTD), batch["targets"], _mask(batch))
+    loss, metrics = _with_stats(cut, task, totals, m)
+    return (loss, metrics) if with_metrics else loss
 
 
 def pipeline_loss_and_grads(
@@ -143,57 +240,115 @@ def pipeline_loss_and_grads(
     mesh: Mesh,
     loss_fn: LossFn,
     poison: bool = False,
-) -> tuple[jax.Array, dict]:
+    with_metrics: bool = False,
+):
     """Mean loss and its gradient with respect to `params`, pipelined by ``config.schedule``.
 
     gpipe and circular differentiate `pipeline_loss`; 1f1b runs its hand-scheduled backward.
     `loss_fn` must be a mean over examples (as cross-entropy is), so that the mean of the
-    microbatch losses is the loss of the whole batch.
+    microbatch losses is the loss of the whole batch; on a packed batch it is called with
+    ``mask=`` and each microbatch's mean is weighted by its share of the batch's real tokens.
+    The loss terms of the blocks' statistics (an MoE's router losses) are each microbatch's,
+    weighted 1/M, as gradient accumulation over M microbatches weighs them.
 
     Returns:
-        ``(loss, grads)``, `grads` shaped like `params`.
+        ``(loss, grads)``, `grads` shaped like `params`; with `with_metrics`,
+        ``((loss, metrics), grads)`` (see `pipeline_loss`).
     """
     kwargs = dict(config=config, mesh=mesh, loss_fn=loss_fn, poison=poison)
     if config.schedule != "1f1b":
-        return jax.value_and_grad(lambda prm: pipeline_loss(graphdef, prm, rest, batch, **kwargs))(
-            params
-        )
+        (loss, metrics), grads = jax.value_and_grad(
+            lambda prm: pipeline_loss(graphdef, prm, rest, batch, with_metrics=True, **kwargs),
+            has_aux=True,
+        )(params)
+        return ((loss, metrics), grads) if with_metrics else (loss, grads)
 
     p = mesh_sizes(mesh)[PIPE]
     m = config.num_microbatches(p)
     table = schedule_table("1f1b", p, m)
-    cut = _Cut(graphdef, params, rest)
+    cut = _Cut(graphdef, params, rest, batch)
     key = cut.key
     outer = {k: w for k, w in params.items() if k != key}
 
     def embed(outer):
-        return cut.parts({**outer, key: params[key]}).embed(batch["inputs"])
+        return cut.embed(cut.parts({**outer, key: params[key]}), batch)
 
     x_BTD, embed_vjp = jax.vjp(embed, outer)
     x_MbTD = split_microbatches(x_BTD, m)
-    tgt_MbT = split_microbatches(batch["targets"], m)
-    replicas = _replicas(mesh)
-    n = math.prod(mesh_sizes(mesh)[a] for a in replicas)  # each replica's loss is 1/n of it
-    rows = P(None, replicas or None)
+    side_Mb = cut.side(batch, m)
+    labels_Mb = {"targets": split_microbatches(batch["targets"], m)}
+    mask = _mask(batch)
+    if mask is not None:
+        labels_Mb["mask"] = split_microbatches(mask, m)
+        count = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)  # the whole batch's
+    else:
+        count = jnp.ones((), jnp.float32)
+    rows_axes = _rows(mesh)
+    n = math.prod(mesh_sizes(mesh)[a] for a in rows_axes)  # each shard's loss is 1/n of it
+    rows = P(None, rows_axes or None)
+    specs = cut.block_specs(mesh, {spmd.AXIS, *rows_axes})
 
-    def body(chunk, outer, x_MbTD, tgt_MbT):
-        def head_fn(h, y_bTD, tgt_bT):
+    def aux_fn(stats):
+        """One microbatch's loss terms: the statistics' terms weighted 1/M."""
+        return cut.finish(stats, m)[0]
+
+    def body(chunk, outer, x_MbTD, side_Mb, labels_Mb, count):
+        def head_fn(h, y_bTD, labels):
             parts = cut.parts({**outer, **h, key: chunk})
             # Logits split over vocab inside the stage loop trip XLA's partitioner (a failed
             # check in spmd_partitioner_util on jax 0.12); keep them whole over tensor here.
             with override_activations(vocab=None):
-                return loss_fn(parts.head(y_bTD), tgt_bT) / (m * n)
+                logits = parts.head(y_bTD)
+                if "mask" not in labels:
+                    return loss_fn(logits, labels["targets"]) / (m * n)
+                # This shard's mean over its real tokens, weighted by their share of the
+                # batch's: the sum over the microbatches and shards is the batch's mean.
+                share = jnp.sum(labels["mask"]).astype(jnp.float32) / count
+                return loss_fn(logits, labels["targets"], mask=labels["mask"]) * share
 
         h = {k: outer[k] for k in cut.head_keys}
-        return spmd.one_f_one_b(
-            cut.stage, head_fn, chunk, h, x_MbTD, tgt_MbT, table, replicas=replicas, poison=poison
+        loss, totals, g_chunk, g_head, g_x = spmd.one_f_one_b(
+            cut.stage,
+            head_fn,
+            chunk,
+            h,
+            x_MbTD,
+            side_Mb,
+            labels_Mb,
+            table,
+            aux_fn=aux_fn if cut.stats is not None else None,
+            replicas=rows_axes,
+            poison=poison,
         )
+        # Each block's gradient summed over the shards that share it: every row axis its
+        # spec does not split (the experts' own shards keep theirs).
+        g_chunk = jax.tree.map(
+            lambda g, spec: _sum_over(g, tuple(a for a in rows_axes if a not in _axes(spec))),
+            g_chunk,
+            specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        return loss, totals, g_chunk, g_head, g_x
 
-    specs_in = (P(spmd.AXIS), P(), rows, rows)
-    run = _over_pipe(body, mesh, replicas, specs_in, (P(), P(spmd.AXIS), P(), rows))
-    loss, g_blocks, g_head, g_x = run(params[key], outer, x_MbTD, tgt_MbT)
+    specs_in = (specs, P(), rows, rows, rows, P())
+    run = _over_pipe(body, mesh, rows_axes, specs_in, (P(), P(), specs, P(), rows))
+    task, totals, g_blocks, g_head, g_x = run(params[key], outer, x_MbTD, side_Mb, labels_Mb, count)
     (grads,) = embed_vjp(constrain(merge_microbatches(g_x), ("batch", "seq", "embed")))
     for k in cut.head_keys:
         grads[k] = jax.tree.map(jnp.add, grads[k], g_head[k])
     grads[key] = g_blocks
-    return loss, grads
+    loss, metrics = _with_stats(cut, task, totals, m)
+    return ((loss, metrics), grads) if with_metrics else (loss, grads)
+
+
+def _axes(spec: P) -> set[str]:
+    """The mesh axes a spec splits over."""
+    out: set[str] = set()
+    for entry in spec:
+        out.update((entry,) if isinstance(entry, str) else entry or ())
+    return out
+
+
+def _sum_over(g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """`g` summed over `axes` (unchanged when there are none)."""
+    return lax.psum(g, axes) if axes else g

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain import layout, replicas
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
 from meshtrain.mesh import PIPE, mesh_sizes
-from meshtrain.models.base import PACKED_KEYS, call_model
+from meshtrain.models.base import call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import TrainState
@@ -119,18 +119,25 @@ def train_step(
         return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
     mesh = _pipeline_mesh(pipeline, run.mesh)
-    _refuse_packed_pipeline(mesh, batch)
     if mesh is None:
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     else:
 
         def grad_fn(params, rest, mb, share=None):
-            loss, grads = pipeline_loss_and_grads(
-                graphdef, params, rest, mb, config=pipeline, mesh=mesh, loss_fn=loss_fn
+            (loss, extra), grads = pipeline_loss_and_grads(
+                graphdef,
+                params,
+                rest,
+                mb,
+                config=pipeline,
+                mesh=mesh,
+                loss_fn=loss_fn,
+                with_metrics=True,
             )
-            if share is not None:
+            if share is not None:  # accumulated packed microbatches: see `_accumulated`
                 loss, grads = loss * share, jax.tree.map(lambda g: g * share, grads)
-            return (loss, (rest, {})), grads
+                extra = {**extra, "task_loss": extra["task_loss"] * share}
+            return (loss, (rest, extra)), grads
 
     def compute(params, rest, batch):
         """Loss, new variables, metrics and gradient of `batch` (accumulated over microbatches)."""
@@ -253,15 +260,6 @@ def _replica_layout(field: str) -> dict:
     return {"mesh": active.mesh, "axes": axes}
 
 
-def _refuse_packed_pipeline(mesh, batch) -> None:
-    """A clear error for a packed batch on a pipelined step (the run check says so first)."""
-    if mesh is not None and any(k in batch for k in PACKED_KEYS):
-        raise ValueError(
-            "packed batches (segment_ids/positions) do not run pipelined yet; set pipe=1 or "
-            "train on plain windows (--data.no-packing)"
-        )
-
-
 def _keep_if_not(ok: jax.Array, new: tuple, state: TrainState) -> tuple:
     """`new` (params, opt_state, rest) where `ok`; else the old values, but the new counters."""
     params, opt_state, rest = new
@@ -294,11 +292,18 @@ def eval_loss(
 ) -> jax.Array:
     """Mean loss of the model in `state` on `batch` (no update); `pipeline` as in `train_step`."""
     mesh = _pipeline_mesh(pipeline)
-    _refuse_packed_pipeline(mesh, batch)
     if mesh is not None:
-        return pipeline_loss(
-            graphdef, state.params, state.rest, batch, config=pipeline, mesh=mesh, loss_fn=loss_fn
+        loss, metrics = pipeline_loss(
+            graphdef,
+            state.params,
+            state.rest,
+            batch,
+            config=pipeline,
+            mesh=mesh,
+            loss_fn=loss_fn,
+            with_metrics=True,
         )
+        return metrics.get("task_loss", loss)
     model = nnx.merge(graphdef, state.params, state.rest)
     output = call_model(model, batch)
     loss, metrics = loss_and_metrics(loss_fn, output, batch["targets"], loss_mask(batch))

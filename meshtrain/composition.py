@@ -303,9 +303,6 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        "packed batches",
-    ),
-    Refusal(
         "cuDNN attention",
         "packed batches",
         "the cuDNN path takes no document masks",

@@ -100,12 +100,6 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
 # Cells found not to work (cell → the configuration and the error), until a fix lands or a
 # refusal row names them.
 KNOWN_GAPS: dict[Cell, str] = {
-    ("allgather", "bf16"): (
-        "a GPT computing in bfloat16 with context_parallel='allgather' on data=4,seq=2 (dp): "
-        "XLA's CPU compiler aborts while compiling the train step (AllReducePromotion: "
-        "'Invalid binary instruction opcode copy', hlo_instruction.cc); ring and ulysses "
-        "compile and match one device in bfloat16"
-    ),
     ("packed", "compression"): (
         "a packed GPT with --grad-compression bf16 on data=8 (dp): each replica averages its "
         "loss over its own real tokens, so the exchanged gradient weighs the replicas' tokens "

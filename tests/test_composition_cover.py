@@ -120,6 +120,8 @@ class Case:
         base = {"gpt": GPT, "pallas": PALLAS}.get(self.model)
         if base is None:
             base = dataclasses.replace(MOE, dispatch=self.model.removeprefix("moe-"))
+            if self.schedule == "circular":  # 2 stages × 2 chunks of layers
+                base = dataclasses.replace(base, n_layers=4)
             if self.pallas:
                 base = dataclasses.replace(base, d_model=128, attention_impl="pallas")
         return dataclasses.replace(
@@ -363,12 +365,13 @@ CASES = [
         id="fsdp-ring-bf16-staleness",
     ),
     pytest.param(
-        Case("fsdp=4,seq=2", "fsdp", context="allgather", accum=2),
+        Case("fsdp=4,seq=2", "fsdp", context="allgather", accum=2, bf16=True),
         marks=[
-            pair("fsdp", "allgather"), pair("fsdp", "accumulation"),
-            pair("allgather", "accumulation"),
+            pair("fsdp", "allgather"), pair("fsdp", "accumulation"), pair("fsdp", "bf16"),
+            pair("allgather", "accumulation"), pair("allgather", "bf16"),
+            pair("accumulation", "bf16"),
         ],
-        id="fsdp-allgather-accum",
+        id="fsdp-allgather-accum-bf16",
     ),
     pytest.param(
         Case("data=2,fsdp=2,seq=2", "hsdp", context="ring", accum=2, bf16=True),
@@ -441,11 +444,22 @@ CASES = [
         id="zero1-1f1b-accum-staleness-resume",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="circular", sync=SyncConfig(staleness=1)),
+        Case("pipe=2,data=2,fsdp=2", "hsdp", model="moe-capacity", schedule="circular",
+             sync=SyncConfig(staleness=1)),
         marks=[
             pair("hsdp", "circular"), pair("hsdp", "staleness"), pair("circular", "staleness"),
+            pair("hsdp", "moe-capacity"), pair("moe-capacity", "circular"),
+            pair("moe-capacity", "staleness"),
         ],
-        id="hsdp-circular-staleness",
+        id="hsdp-moe-capacity-circular-staleness",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,expert=2", "dp", model="moe-dropless", schedule="circular"),
+        marks=[
+            pair("dp", "circular"), pair("dp", "moe-dropless"),
+            pair("moe-dropless", "circular"),
+        ],
+        id="dp-moe-dropless-circular",
     ),
     # mixtures of experts
     pytest.param(

@@ -69,13 +69,16 @@ def allgather(
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
     segs = _segments(q_segments, k_segments, "allgather")
-    args = (q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, segs, axis, opts)
-    return _either(_allgather_fwd, _allgather_vjp, args)
+    blocks.check_impl(opts.impl)
+    # Every block impl takes the spelled-out backward: it sums the keys' gradients over `axis`
+    # in float32 (autodiff would reduce them in the inputs' dtype, and XLA's CPU compiler
+    # aborts on that bfloat16 reduce-scatter).
+    return _allgather_vjp(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, segs, axis, opts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _allgather_vjp(q, k, v, q_pos, k_pos, segs, axis, opts):
-    """`allgather` with its backward spelled out (for block impls autodiff may not enter)."""
+    """`allgather` with its backward spelled out."""
     return _allgather_fwd(q, k, v, q_pos, k_pos, segs, axis, opts)[0]
 
 

@@ -140,12 +140,15 @@ def _build(kw: dict) -> dict:
     return {k: v() if callable(v) else v for k, v in kw.items()}
 
 
-def _sync_example(sync: dict, other: dict, mesh=None, rules=None):
-    """An example for a sync pair: `sync` (SyncConfig fields) refused, `other` accepted."""
+def _sync_example(sync: dict, other: dict, mesh=None, rules=None, model=None):
+    """An example for a sync pair: `sync` (SyncConfig fields) refused, `other` accepted (on
+    `model`, built late, when given)."""
 
     def build():
         base = mesh or {"data": 8}
         made = {"rules": rules_for(rules, _run(base)["mesh"])} if rules else {}
+        if model is not None:
+            made["model"] = model()
         return (
             _run(base, sync=SyncConfig(**sync), **made),
             _run(base, sync=SyncConfig(**other), **made),
@@ -343,6 +346,25 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda run: "cudnn",
         _pair({"pipe": 2, "data": 4}, {"data": 8}, model=_gpt(attention_impl="cudnn", d_model=256)),
         cells=_cells(("cudnn",), _PIPELINES),
+    ),
+    Refusal(
+        "cuDNN attention",
+        "the replicas' own step (gradient compression, local SGD, DiLoCo)",
+        "jax differentiates cuDNN's fused attention itself, which a region manual over the "
+        "replicas cannot (the Pallas kernel's own backward can)",
+        lambda run: (
+            (_compresses(run) or _local(run))
+            and getattr(run.model, "attention_impl", None) == "cudnn"
+        ),
+        "{model}.attention_impl",
+        "use pallas (or auto) with --grad-compression or --sync-every, or drop them",
+        lambda run: "cudnn",
+        _sync_example(
+            {"grad_compression": "int8"},
+            {},
+            model=_gpt(attention_impl="cudnn", d_model=256),
+        ),
+        cells=_cells(("cudnn",), ("compression", "local-sgd", "diloco")),
     ),
     Refusal(
         "local SGD",

@@ -34,6 +34,7 @@ from flax import nnx
 
 from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointManager, restore
+from meshtrain.kernels import _common
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
@@ -82,6 +83,7 @@ class Case:
     strategy: str
     model: str = "gpt"  # gpt, pallas (the GPT with the Pallas kernels), moe-capacity, moe-dropless
     pallas: bool = False  # an MoE with the Pallas attention
+    cudnn: bool = False  # the GPT or MoE with cuDNN's attention
     context: str | None = None  # ring, allgather, ulysses (with seq > 1 in `mesh`)
     schedule: str | None = None  # gpipe, circular, 1f1b (with pipe > 1 in `mesh`)
     packed: bool = False
@@ -101,6 +103,7 @@ class Case:
         out |= {f for f in (self.context, self.schedule) if f}
         out |= {self.model} if self.model.startswith("moe") else set()
         out |= {"pallas"} if self.model == "pallas" or self.pallas else set()
+        out |= {"cudnn"} if self.cudnn else set()
         sync = self.sync
         flags = {
             "packed": self.packed,
@@ -124,6 +127,10 @@ class Case:
                 base = dataclasses.replace(base, n_layers=4)
             if self.pallas:
                 base = dataclasses.replace(base, d_model=128, attention_impl="pallas")
+        if self.cudnn:  # cuDNN's head width: 64 (the Pallas GPT's shape)
+            shape = PALLAS if self.model == "gpt" else {"d_model": 128}
+            shape = {"d_model": 128, "n_heads": 2, "n_kv_heads": 1} if shape is PALLAS else shape
+            base = dataclasses.replace(base, attention_impl="cudnn", **shape)
         return dataclasses.replace(
             base,
             remat="full" if self.remat else "none",
@@ -660,14 +667,76 @@ CASES = [
         ],
         id="zero1+tp-pallas-diloco",
     ),
+    # cuDNN attention (on CPU: jax's XLA implementation of the same call, see the test)
+    pytest.param(
+        Case("data=4,tensor=2", "dp+tp", cudnn=True, remat=True, accum=2, bf16=True, resume=True),
+        marks=[
+            pair("dp", "tp"), pair("dp", "cudnn"), pair("dp", "remat"),
+            pair("dp", "accumulation"), pair("dp", "bf16"), pair("dp", "resume-relayout"),
+            pair("tp", "cudnn"), pair("tp", "remat"), pair("tp", "accumulation"),
+            pair("tp", "bf16"), pair("tp", "resume-relayout"), pair("cudnn", "remat"),
+            pair("cudnn", "accumulation"), pair("cudnn", "bf16"),
+            pair("cudnn", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "bf16"), pair("remat", "resume-relayout"), pair("accumulation", "bf16"),
+            pair("accumulation", "resume-relayout"), pair("bf16", "resume-relayout"),
+        ],
+        id="dp+tp-cudnn-remat-accum-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=4", "fsdp", cudnn=True, sync=SyncConfig(staleness=1)),
+        marks=[
+            pair("fsdp", "cudnn"), pair("fsdp", "staleness"), pair("cudnn", "staleness"),
+        ],
+        id="fsdp-cudnn-staleness",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-capacity", cudnn=True),
+        marks=[
+            pair("hsdp", "moe-capacity"), pair("hsdp", "cudnn"), pair("moe-capacity", "cudnn"),
+        ],
+        id="hsdp-moe-capacity-cudnn",
+    ),
+    pytest.param(
+        Case("data=4,expert=2", "zero1", model="moe-dropless", cudnn=True),
+        marks=[
+            pair("zero1", "moe-dropless"), pair("zero1", "cudnn"), pair("moe-dropless", "cudnn"),
+        ],
+        id="zero1-moe-dropless-cudnn",
+    ),
+
 ]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
-def test_combination_equals_one_device(case, request, tmp_path):
+def test_combination_equals_one_device(case, request, tmp_path, monkeypatch):
     from meshtrain.composition_matrix import cell
 
     marked = {cell(*m.args) for m in request.node.iter_markers("pair")}
     assert marked == _pairs(case.features())  # the marks say what the case combines
+    calls = _cudnn_stand_in(monkeypatch) if case.cudnn else None
     _check(case, tmp_path)
+    if calls is not None:
+        assert calls  # the model's attention went through the cuDNN path
+
+
+def _cudnn_stand_in(monkeypatch) -> list | None:
+    """Without a GPU, cuDNN's fused attention is replaced by jax's XLA implementation of the
+    same `jax.nn.dot_product_attention` call (the mask and window arguments unchanged), so
+    everything meshtrain does around it (per-shard wrapping, key/value heads, autodiff through
+    the layouts) runs here; on a GPU the real kernel runs. Returns the calls it served."""
+    if jax.default_backend() == "gpu":
+        return None
+    real, calls = jax.nn.dot_product_attention, []
+
+    def stand_in(*args, implementation=None, **kw):
+        assert implementation == "cudnn"
+        calls.append(implementation)
+        return real(*args, implementation="xla", **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
+    resolve = _common.resolve_impl  # cuDNN is otherwise refused off a GPU
+    monkeypatch.setattr(
+        _common, "resolve_impl", lambda impl, **kw: impl if impl == "cudnn" else resolve(impl, **kw)
+    )
+    return calls

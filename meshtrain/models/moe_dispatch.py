@@ -27,7 +27,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshtrain.layout import EXPERT, Spec, active, axes_of, axis_size, manual_in_layout
+from meshtrain.layout import (
+    EXPERT,
+    Spec,
+    active,
+    axes_of,
+    axis_size,
+    manual_axes,
+    manual_in_layout,
+)
 
 DISPATCH = ("capacity", "dropless")
 
@@ -153,6 +161,8 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)
     shards = axis_size(EXPERT)
+    if EXPERT in manual_axes():  # inside a region manual over expert: tokens and experts here
+        return local(x_BTD, routing, weights, axis=EXPERT, shards=shards)
     batch = axes_of(layout.activation_spec(("batch", None, None), x_BTD.shape)[0])
     rows = tuple(a for a in batch if a != EXPERT) + ((EXPERT,) if shards > 1 else ())
     if not rows:

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.layout import (
     active,
     constrain,
+    manual_axes,
     manual_region,
     merge_microbatches,
     override_activations,
@@ -78,12 +79,18 @@ class _Cut:
 def _replicas(mesh: Mesh) -> tuple[str, ...]:
     """The replica axes of the active layout (none outside `activation_rules`)."""
     layout = active()
-    return () if layout is None else layout.rules.replica_axes(mesh_sizes(mesh))
+    outer = manual_axes()  # inside the replicas' own step: each replica runs alone
+    axes = () if layout is None else layout.rules.replica_axes(mesh_sizes(mesh))
+    return tuple(a for a in axes if a not in outer)
 
 
 def _over_pipe(fn, mesh: Mesh, replicas: tuple[str, ...], in_specs, out_specs):
-    """`fn` manual over ``pipe`` and `replicas`; the other axes stay with the compiler."""
+    """`fn` manual over ``pipe`` and `replicas`; the other axes stay with the compiler. Inside
+    the replicas' own step (`meshtrain.replicas`, manual over pipe and them already) `fn`
+    itself: its arguments are already the blocks the region would give it."""
     axes = {spmd.AXIS, *replicas}
+    if axes <= manual_axes():
+        return fn
     return manual_region(fn, mesh=mesh, axes=axes, in_specs=in_specs, out_specs=out_specs)
 
 

@@ -180,12 +180,16 @@ def _close(got, want, atol, what=""):
 
 
 @pytest.mark.pair("compression", "moe-capacity")
-def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas():
+@pytest.mark.parametrize(
+    ("mesh_str", "strategy", "d"), [(MOE_MESH, "dp", 4), ("data=2,fsdp=2,expert=2", "hsdp", 2)]
+)
+def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(mesh_str, strategy, d):
+    """Under hsdp the replicas are data (fsdp splits the weights) and expert as under dp."""
     cfg, graphdef, params, rest = _moe()
     batch = _batches(1, seed=11)[0]
-    want = _Replicas(cfg, params, rest, graphdef).mean_grad(batch)
-    mesh = make_mesh(MOE_MESH)
-    rules = rules_for("dp", mesh)
+    want = _Replicas(cfg, params, rest, graphdef, d=d).mean_grad(batch)
+    mesh = make_mesh(mesh_str)
+    rules = rules_for(strategy, mesh)
     _, state, sh = init_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
     sets = replica_sets(rules, mesh_sizes(mesh))
     assert sets.axes == ("data", "expert") and sets.split == ("expert",)

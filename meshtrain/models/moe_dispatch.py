@@ -161,8 +161,10 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)
     shards = axis_size(EXPERT)
-    if EXPERT in manual_axes():  # inside a region manual over expert: tokens and experts here
-        return local(x_BTD, routing, weights, axis=EXPERT, shards=shards)
+    if manual_axes() and (shards == 1 or EXPERT in manual_axes()):
+        # Inside a region already manual over expert (or with no expert axis), e.g. the
+        # replicas' own step: this block's tokens and experts; the other axes stay automatic.
+        return local(x_BTD, routing, weights, axis=EXPERT if shards > 1 else None, shards=shards)
     batch = axes_of(layout.activation_spec(("batch", None, None), x_BTD.shape)[0])
     rows = tuple(a for a in batch if a != EXPERT) + ((EXPERT,) if shards > 1 else ())
     if not rows:

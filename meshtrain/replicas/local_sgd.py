@@ -7,7 +7,9 @@ Under local SGD the train state holds:
 - ``state.opt_state``: the outer optimizer's state (`outer_optimizer`);
 - ``state.comm["local"]``: ``{"params", "opt_state"}``, each replica's own parameters θ_r and
   inner optimizer state, every leaf ``[R, ...]`` with the replica axes on dim 0 (`local_init`,
-  laid out by `local_shardings`).
+  laid out by `local_shardings`). For a mixture of experts R is the leaf's own
+  (`meshtrain.replicas.sets`): an expert weight has one copy per data replica, a dense weight
+  one per device over data and expert; each is averaged over its own copies.
 
 One `local_step` is one inner step on every replica: in a region manual over the replica axes,
 replica r takes the gradient of its own rows and updates θ_r with the inner optimizer. Between

@@ -8,6 +8,11 @@ its own rows of the batch and the parameters whole over those axes, while the mo
 over the replica axes before the gradient is taken, so the gradient stays per replica until
 a `Codec` reduces it, leaf by leaf.
 
+For a mixture of experts the region is manual over ``expert`` too, and each leaf is reduced
+over the axes it is not split over (`meshtrain.replicas.sets`); under pipelines it is manual
+over ``pipe`` as well, and the pipeline's loop runs inside it, so the reduction follows the
+loop.
+
 With error feedback each replica adds what it failed to send last time (its residual) to
 its gradient before encoding, and keeps what it fails to send now.
 """
@@ -171,10 +176,13 @@ def _is_spec(x) -> bool:
 
 def _per_shard(fn, spec, mesh: Mesh, replica_axes: tuple[str, ...], n: int):
     """`fn` (`n` arrays shaped like one parameter in, as many out) run shard by shard over the
-    model axes `spec` splits the parameter over; `fn` itself where it names none."""
+    model axes `spec` splits the parameter over; `fn` itself where it names none, or where one
+    comes before a manual axis in the mesh (XLA nests manual regions in mesh order only: an
+    MoE under hsdp, fsdp between data and expert), whose leaves XLA gathers to encode whole."""
     entries = [tuple(a for a in axes_of(e) if a not in replica_axes) for e in (spec or ())]
     model = tuple(a for e in entries for a in e)
-    if not model:
+    order = list(mesh.axis_names)
+    if not model or min(order.index(a) for a in model) < max(map(order.index, replica_axes)):
         return fn
     local = P(*(e or None for e in entries))
     out = local if n == 1 else (local,) * n

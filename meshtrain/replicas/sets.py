@@ -37,7 +37,8 @@ class ReplicaSets:
 
     Args:
         sizes: the mesh's axis sizes.
-        axes: the sync axes (the region's manual axes), in mesh order.
+        axes: the sync axes, in the order the batch is split over them (its rows enter the
+            region split over them, each device its own).
         split: those of `axes` that split some parameters (``expert``), whose leaves come
             into the region as blocks.
         stages: ``("pipe",)`` under pipelines: manual too, but never reduced over.
@@ -77,7 +78,8 @@ class ReplicaSets:
         return P(_only(self.leaf_axes(spec), self.axes), *self.block_spec(spec))
 
     def specs(self, tree, param_specs):
-        """`param_specs` for `tree` (None: every leaf replicated)."""
+        """`param_specs`, or for `tree` every leaf replicated where it is None (refused
+        when a sync axis splits some leaves: which ones is not known then)."""
         if param_specs is None:
             if self.split:
                 raise ValueError(

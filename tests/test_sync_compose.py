@@ -22,6 +22,8 @@ import optax
 import pytest
 from flax import nnx
 
+from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import CheckpointManager
 from meshtrain.layout import activation_rules, axes_of, batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
@@ -37,6 +39,7 @@ from meshtrain.replicas import (
     with_sync,
 )
 from meshtrain.run import RunSpec
+from meshtrain.state import abstract_train_state
 from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
 
 MOE = MoEConfig(
@@ -225,10 +228,11 @@ def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(mesh_str, 
 
 
 @pytest.mark.pair("compression", "moe-capacity")
-def test_int8_with_error_feedback_on_an_moe_is_within_the_codec_bound():
+def test_int8_with_error_feedback_on_an_moe_is_within_the_codec_bound(tmp_path):
     """Step 1 moves each leaf by LR × the int8 mean, within two quantisations of the exact
-    mean (each replica's block rounded to max|x|/254, the mean's again); later steps keep
-    int8's rounding and carry what it dropped, 2e-3 as the hsdp accumulation test."""
+    mean (each replica's block rounded to max|x|/254, the mean's again); the next step keeps
+    int8's rounding and carries what it dropped, 2e-3 as the hsdp accumulation test. The
+    residuals, one per replica of each leaf, survive a checkpoint."""
     cfg, graphdef, params, rest = _moe()
     batches = _batches(2, seed=12)
     ref = _Replicas(cfg, params, rest, graphdef)
@@ -259,6 +263,21 @@ def test_int8_with_error_feedback_on_an_moe_is_within_the_codec_bound():
     for r, x in zip(jax.tree.leaves(state.comm["residual"]), flat_is_expert, strict=True):
         assert r.shape[0] == (4 if x else 8)
     assert max(float(jnp.abs(r).max()) for r in jax.tree.leaves(state.comm["residual"])) > 0
+    # the per-leaf residuals go through a checkpoint onto the target with_sync builds
+    mesh = make_mesh(MOE_MESH)
+    rules = rules_for("dp", mesh)
+    target = abstract_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    like, like_sh = with_sync(
+        SyncConfig(grad_compression="int8"), TX, target, shardings, mesh, rules
+    )
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(2, state)
+    restored = ckpt.restore(tmp_path / "ck", like).state
+    pairs = zip(*map(jax.tree.leaves, (restored.comm, state.comm, like_sh.comm)), strict=True)
+    for got, want, sh in pairs:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding == sh == want.sharding
 
 
 # ---- local SGD and DiLoCo on an MoE -------------------------------------------------------

@@ -205,9 +205,9 @@ def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refu
         Refusal(
             first,
             "the circular schedule",
-            f"{flags} runs the pipeline's loop inside its own region, where each stage holds "
-            "only its contiguous layers, and the circular schedule interleaves them across "
-            "stages",
+            f"{flags} runs the pipeline's loop inside the replicas' region, where each stage "
+            "holds only its contiguous layers, and the circular schedule interleaves them "
+            "across stages",
             lambda run: on(run) and _axis(run, PIPE) > 1 and run.pipeline.chunks_per_stage() > 1,
             field,
             f"use --schedule gpipe or 1f1b, or drop {flags}",

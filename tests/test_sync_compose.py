@@ -43,7 +43,7 @@ from meshtrain.state import abstract_train_state
 from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
 
 MOE = MoEConfig(
-    d_model=32, n_heads=2, n_experts=4, top_k=2, d_expert=16, n_layers=2, vocab_size=64,
+    d_model=32, n_heads=2, n_experts=4, top_k=2, d_expert=16, n_layers=1, vocab_size=64,
     vocab_multiple=16, max_seq_len=16, capacity_factor=4.0,
 )  # fmt: skip
 B, T, LR = 16, 16, 0.1
@@ -182,13 +182,27 @@ def _close(got, want, atol, what=""):
 # ---- gradient compression on an MoE -------------------------------------------------------
 
 
-@pytest.mark.pair("compression", "moe-capacity")
+def _compression(other):
+    """The marker of the pair compression × `other`."""
+    return pytest.mark.pair("compression", other)
+
+
+HSDP_MOE = "data=2,fsdp=2,expert=2"
+
+
 @pytest.mark.parametrize(
-    ("mesh_str", "strategy", "d"), [(MOE_MESH, "dp", 4), ("data=2,fsdp=2,expert=2", "hsdp", 2)]
+    ("mesh_str", "strategy", "d", "dispatch"),
+    [
+        pytest.param(MOE_MESH, "dp", 4, "capacity", marks=_compression("moe-capacity")),
+        pytest.param(MOE_MESH, "dp", 4, "dropless", marks=_compression("moe-dropless")),
+        pytest.param(HSDP_MOE, "hsdp", 2, "capacity", marks=_compression("moe-capacity")),
+    ],
 )
-def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(mesh_str, strategy, d):
+def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(
+    mesh_str, strategy, d, dispatch
+):
     """Under hsdp the replicas are data (fsdp splits the weights) and expert as under dp."""
-    cfg, graphdef, params, rest = _moe()
+    cfg, graphdef, params, rest = _moe(dispatch)
     batch = _batches(1, seed=11)[0]
     want = _Replicas(cfg, params, rest, graphdef, d=d).mean_grad(batch)
     mesh = make_mesh(mesh_str)
@@ -344,7 +358,7 @@ def test_staleness_on_an_moe_applies_the_gradient_of_s_steps_before():
 
 # ---- pipelines ------------------------------------------------------------------------------
 
-GPT = GPTConfig(d_model=32, n_layers=4, n_heads=4, max_seq_len=16, vocab_size=64)
+GPT = GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64)
 PIPE_MESH = "pipe=2,data=4"
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -437,6 +451,8 @@ def test_int8_with_error_feedback_on_a_pipeline_is_within_the_codec_bound(schedu
     ("name", "schedule"),
     [
         pytest.param("average", "gpipe", marks=pytest.mark.pair("local-sgd", "gpipe")),
+        pytest.param("average", "1f1b", marks=pytest.mark.pair("local-sgd", "1f1b")),
+        pytest.param("nesterov", "gpipe", marks=pytest.mark.pair("diloco", "gpipe")),
         pytest.param("nesterov", "1f1b", marks=pytest.mark.pair("diloco", "1f1b")),
     ],
 )
@@ -451,12 +467,14 @@ def test_local_sgd_and_diloco_on_a_pipeline_equal_their_replicas_run_on_one_devi
     assert _moved(got[0], got[-1]) > 1e-3  # the steps really moved the parameters
 
 
-@pytest.mark.pair("staleness", "gpipe")
-def test_staleness_on_a_pipeline_applies_the_gradient_of_s_steps_before():
+@pytest.mark.parametrize(
+    "schedule", [pytest.param(s, marks=pytest.mark.pair("staleness", s)) for s in SCHEDULES]
+)
+def test_staleness_on_a_pipeline_applies_the_gradient_of_s_steps_before(schedule):
     graphdef, params, rest = _gpt()
     batches = _batches(4, seed=24)
     want = _stale_reference(_loss_fn(graphdef, rest), params, batches, 2)
-    got, _ = _train(GPT, PIPE_MESH, SyncConfig(staleness=2), batches, _pipeline("gpipe"))
+    got, _ = _train(GPT, PIPE_MESH, SyncConfig(staleness=2), batches, _pipeline(schedule))
     for t in range(len(batches) + 1):
         _close(got[t], want[t], PARAM_ATOL, f"step {t}")
 

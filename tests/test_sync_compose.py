@@ -8,6 +8,7 @@
 - ``pipe=2,data=4`` under gpipe and 1f1b: the pipeline's loop runs inside the replicas'
   region and the compressed reduction follows it; the reference is one device (the plain
   GPT's loss is linear in the batch), or its 4 replicas run one by one for local SGD.
+- Gradient accumulation inside the pipelined replicas' step.
 - Bounded staleness beside each, and under context parallelism (``seq=2,data=4``), where
   compression and local SGD are refused (tests/test_sync.py): the stale update against a
   hand-run reference.
@@ -40,6 +41,7 @@ from meshtrain.replicas import (
 )
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_train_state
+from meshtrain.train import TrainConfig
 from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
 
 MOE = MoEConfig(
@@ -149,13 +151,14 @@ class _Replicas:
         self.expert = [params] * self.d
 
 
-def _train(cfg, mesh_str, sync, batches, pipeline=None):
+def _train(cfg, mesh_str, sync, batches, pipeline=None, accum=1):
     """`jit_train_step` with `sync` over `batches`; the parameters after each step, the state."""
     mesh = make_mesh(mesh_str)
     rules = rules_for("dp", mesh)
     graphdef, state, sh = init_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
     state, sh = with_sync(sync, TX, state, sh, mesh, rules)
-    extra = {} if pipeline is None else {"pipeline": pipeline}
+    extra = {"train": TrainConfig(accum_steps=accum)}
+    extra |= {} if pipeline is None else {"pipeline": pipeline}
     run = RunSpec(mesh=mesh, rules=rules, sync=sync, **extra)
     step = jit_train_step(run, graphdef, TX, sh, batch_shardings(batches[0], mesh, rules))
     history = [jax.device_get(state.params)]
@@ -465,6 +468,30 @@ def test_local_sgd_and_diloco_on_a_pipeline_equal_their_replicas_run_on_one_devi
     got, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline(schedule))
     _close(got[-1], want, PARAM_ATOL, f"{name} {schedule}")
     assert _moved(got[0], got[-1]) > 1e-3  # the steps really moved the parameters
+
+
+@pytest.mark.pair("local-sgd", "accumulation")
+@pytest.mark.pair("compression", "accumulation")
+@pytest.mark.parametrize(
+    "sync",
+    [SyncConfig(sync_every=2), SyncConfig(grad_compression="int8")],
+    ids=["local-sgd", "int8"],
+)
+def test_accumulation_inside_the_replicas_pipelined_step_changes_nothing(sync):
+    """Two accumulated microbatches of each replica's rows (the plain GPT's loss is linear in
+    them): local SGD equals its replicas' run on one device; int8 equals the unaccumulated
+    int8 run within int8's rounding (2e-3, as the hsdp accumulation test)."""
+    graphdef, params, rest = _gpt()
+    batches = _batches(2, seed=26)
+    got, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline("gpipe"), accum=2)
+    if sync.local:
+        outer = outer_optimizer("average", 0.7, 0.9)
+        want = _local_reference(GPT, params, rest, graphdef, batches, outer, 2, d=4, e=1)
+        _close(got[-1], want, PARAM_ATOL, "local SGD")
+    else:
+        one, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline("gpipe"))
+        _close(got[-1], one[-1], 2e-3, "int8")
+    assert _moved(got[0], got[-1]) > 1e-3
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from meshtrain.models import families
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_config import MoEConfig
+from meshtrain.pipeline import PipelineConfig
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
@@ -216,27 +217,45 @@ def _with_cells(rows: tuple[Refusal, ...], firsts: tuple[str, ...]) -> tuple[Ref
     )
 
 
+def _circular() -> PipelineConfig:
+    """The circular schedule with two chunks of layers per stage."""
+    return PipelineConfig(schedule="circular", repeats=2)
+
+
 def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refusal, ...]:
-    """A sync feature with pipelines, context parallelism, MoE and a strategy without replicas."""
-    rows = []
-    for axis, second, mesh in (
-        (PIPE, "pipelines", {"pipe": 2, "data": 4}),
-        (SEQ, "context parallelism", {"seq": 2, "data": 4}),
-        (EXPERT, "expert parallelism (MoE)", {"expert": 2, "data": 4}),
-    ):
-        rows.append(
-            Refusal(
-                first,
-                second,
-                f"{flags} does not run with {axis} > 1 yet",
-                _both(on, axis),
-                field,
-                f"set {axis}=1 in --mesh, or drop {flags}",
-                value,
-                _sync_example(example, {}, mesh=mesh),
-            )
-        )
-    rows.append(
+    """A sync feature with what its step manual over the replicas cannot hold: context
+    parallelism, the circular schedule, and a strategy without replicas."""
+    return (
+        Refusal(
+            first,
+            "context parallelism",
+            f"{flags} runs the step in a region manual over the replicas, and jax cannot "
+            "differentiate the context-parallel attention's region over seq nested inside it",
+            _both(on, SEQ),
+            field,
+            f"set seq=1 in --mesh, or drop {flags}",
+            value,
+            _sync_example(example, {}, mesh={"seq": 2, "data": 4}),
+        ),
+        Refusal(
+            first,
+            "the circular schedule",
+            f"{flags} runs the pipeline's loop inside the replicas' region, where each stage "
+            "holds only its contiguous layers, and the circular schedule interleaves them "
+            "across stages",
+            lambda run: on(run) and _axis(run, PIPE) > 1 and run.pipeline.chunks_per_stage() > 1,
+            field,
+            f"use --schedule gpipe or 1f1b, or drop {flags}",
+            value,
+            lambda: (
+                _run(
+                    {"pipe": 2, "data": 4},
+                    sync=SyncConfig(**example),
+                    pipeline=_circular(),
+                ),
+                _run({"pipe": 2, "data": 4}, pipeline=_circular()),
+            ),
+        ),
         Refusal(
             first,
             "a strategy without replicas",
@@ -247,9 +266,8 @@ def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refu
             "use --strategy dp, zero1 or hsdp (hsdp: replicas over data)",
             value,
             _sync_example(example, {}, mesh={"data": 8}, rules="fsdp"),
-        )
+        ),
     )
-    return tuple(rows)
 
 
 REFUSALS: tuple[Refusal, ...] = (

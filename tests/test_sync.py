@@ -202,8 +202,8 @@ def test_bad_settings_are_one_line(kwargs, message):
     [
         ({"fsdp": 8}, "fsdp", SyncConfig(grad_compression="int8"), "grad_compression", "dp, zero1"),
         ({"fsdp": 8}, "fsdp", SyncConfig(sync_every=4), "sync_every", "every batch axis"),
-        ({"pipe": 2, "data": 4}, "dp", SyncConfig(grad_compression="sign"), "grad_compression",
-         "pipelines"),
+        ({"seq": 2, "data": 4}, "dp", SyncConfig(grad_compression="sign"), "grad_compression",
+         "context parallelism"),
         ({"data": 8}, "dp", SyncConfig(sync_every=4, grad_compression="bf16"),
          "grad_compression", "drop one"),
         ({"data": 8}, "dp", SyncConfig(sync_every=4, staleness=1), "staleness", "drop one"),

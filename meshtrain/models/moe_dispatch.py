@@ -163,17 +163,19 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)
     shards = axis_size(EXPERT)
-    inside = manual_axes() & {EXPERT, *layout.rules.batch_axes(dict(layout.mesh.shape))}
+    manual = manual_axes()
+    if manual and (shards == 1 or EXPERT in manual):
+        # Inside a region already manual over expert (or with no expert axis): a pipeline
+        # stage, the replicas' own step. These are this shard's rows and, over expert, its
+        # experts; exchange with the other expert shards directly (a region nested here could
+        # not be differentiated); the other axes stay automatic.
+        return local(x_BTD, routing, weights, axis=EXPERT if shards > 1 else None, shards=shards)
+    inside = manual & {EXPERT, *layout.rules.batch_axes(dict(layout.mesh.shape))}
     if inside:
-        # Inside a region already manual over the rows (a pipeline stage): these are this
-        # shard's rows and, over expert, its experts; exchange with the other expert shards
-        # directly (a region nested here could not be differentiated).
-        if shards > 1 and EXPERT not in inside:
-            raise ValueError(
-                f"the expert dispatch inside a region manual over {', '.join(sorted(inside))} "
-                "needs that region manual over expert too"
-            )
-        return local(x_BTD, routing, weights, axis=EXPERT, shards=shards)
+        raise ValueError(
+            f"the expert dispatch inside a region manual over {', '.join(sorted(inside))} "
+            "needs that region manual over expert too"
+        )
     batch = axes_of(layout.activation_spec(("batch", None, None), x_BTD.shape)[0])
     rows = tuple(a for a in batch if a != EXPERT) + ((EXPERT,) if shards > 1 else ())
     if not rows:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.layout import (
     active,
     constrain,
+    manual_axes,
     manual_region,
     merge_microbatches,
     override_activations,
@@ -140,12 +141,18 @@ def _rows(mesh: Mesh) -> tuple[str, ...]:
     sizes = mesh_sizes(mesh)
     replicas = layout.rules.replica_axes(sizes)
     extra = (EXPERT,) if EXPERT in layout.rules.batch_axes(sizes) else ()
-    return tuple(replicas) + tuple(a for a in extra if a not in replicas)
+    outer = manual_axes()  # inside the replicas' own step: each replica runs alone
+    rows = tuple(replicas) + tuple(a for a in extra if a not in replicas)
+    return tuple(a for a in rows if a not in outer)
 
 
 def _over_pipe(fn, mesh: Mesh, rows: tuple[str, ...], in_specs, out_specs):
-    """`fn` manual over ``pipe`` and `rows`; the other axes stay with the compiler."""
+    """`fn` manual over ``pipe`` and `rows`; the other axes stay with the compiler. Inside
+    the replicas' own step (`meshtrain.replicas`, manual over pipe and them already) `fn`
+    itself: its arguments are already the blocks the region would give it."""
     axes = {spmd.AXIS, *rows}
+    if axes <= manual_axes():
+        return fn
     return manual_region(fn, mesh=mesh, axes=axes, in_specs=in_specs, out_specs=out_specs)
 
 

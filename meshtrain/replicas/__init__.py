@@ -9,6 +9,7 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 - `manual`: the gradient step manual over the replica axes, with error feedback;
 - `local_sgd`: local SGD and DiLoCo (replicas step alone, then synchronise parameters);
 - `staleness`: bounded staleness (updates apply gradients `s` steps old);
+- `sets`: the sync axes and each parameter's replica set (an MoE's expert weights have fewer);
 - `state`: the train state's ``comm`` part and its layout (`with_sync`);
 - `stack`: per-replica leaves, stacked on a dimension split over the replica axes.
 """
@@ -17,6 +18,7 @@ from meshtrain.replicas.codecs import Codec, parse_compression
 from meshtrain.replicas.config import COMPRESSIONS, OUTER_OPTIMIZERS, SyncConfig
 from meshtrain.replicas.local_sgd import local_init, local_shardings, local_step, outer_optimizer
 from meshtrain.replicas.manual import reduced_grads, residual_init
+from meshtrain.replicas.sets import ReplicaSets, replica_sets
 from meshtrain.replicas.stack import stacked, stacked_shardings
 from meshtrain.replicas.staleness import delay, stale_init
 from meshtrain.replicas.state import replicas, with_sync
@@ -25,6 +27,7 @@ __all__ = [
     "COMPRESSIONS",
     "OUTER_OPTIMIZERS",
     "Codec",
+    "ReplicaSets",
     "SyncConfig",
     "delay",
     "local_init",
@@ -33,6 +36,7 @@ __all__ = [
     "outer_optimizer",
     "parse_compression",
     "reduced_grads",
+    "replica_sets",
     "replicas",
     "residual_init",
     "stacked",

@@ -7,7 +7,9 @@ Under local SGD the train state holds:
 - ``state.opt_state``: the outer optimizer's state (`outer_optimizer`);
 - ``state.comm["local"]``: ``{"params", "opt_state"}``, each replica's own parameters θ_r and
   inner optimizer state, every leaf ``[R, ...]`` with the replica axes on dim 0 (`local_init`,
-  laid out by `local_shardings`).
+  laid out by `local_shardings`). For a mixture of experts R is the leaf's own
+  (`meshtrain.replicas.sets`): an expert weight has one copy per data replica, a dense weight
+  one per device over data and expert; each is averaged over its own copies.
 
 One `local_step` is one inner step on every replica: in a region manual over the replica axes,
 replica r takes the gradient of its own rows and updates θ_r with the inner optimizer. Between
@@ -34,9 +36,18 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import manual_region
+from meshtrain.layout import axes_of, manual_region
+from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.config import OUTER_OPTIMIZERS
-from meshtrain.replicas.stack import entry, own, replica_mean, stacked, stacked_shardings
+from meshtrain.replicas.sets import ReplicaSets
+from meshtrain.replicas.stack import (
+    entry,
+    own,
+    replica_mean,
+    settled,
+    stacked,
+    stacked_shardings,
+)
 from meshtrain.state import TrainState
 
 # (params, rest, batch) -> ((loss, (rest, extra metrics)), grads): one replica's loss and gradient.
@@ -65,20 +76,25 @@ def outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTran
     )
 
 
-def local_init(params: dict, opt_state, n: int) -> dict:
+def local_init(params: dict, opt_state, n, opt_n=None) -> dict:
     """``state.comm["local"]`` at the start: every replica at `params` with `opt_state`.
 
     Args:
         params: the parameters (θ̄).
         opt_state: the inner optimizer's state for `params` (``tx.init(params)``).
-        n: the number of replicas.
+        n: the number of replicas: an int, or a tree like `params` of each leaf's own
+            (`meshtrain.replicas.ReplicaSets.count`).
+        opt_n: the same for `opt_state` (default: `n`, which must then be an int).
 
     Returns:
         ``{"params": ..., "opt_state": ...}``, every array leaf broadcast to ``[n, ...]``
         (optax's state structure kept). Jit it with `local_shardings` as its out_shardings to
         build it in place.
     """
-    return {"params": stacked(params, n), "opt_state": stacked(opt_state, n)}
+    return {
+        "params": stacked(params, n),
+        "opt_state": stacked(opt_state, n if opt_n is None else opt_n),
+    }
 
 
 def local_shardings(param_shardings, opt_shardings, axes) -> dict:
@@ -88,7 +104,7 @@ def local_shardings(param_shardings, opt_shardings, axes) -> dict:
     Args:
         param_shardings: the parameters' `NamedSharding`s.
         opt_shardings: the inner optimizer state's `NamedSharding`s.
-        axes: the replica axes.
+        axes: the replica axes, or a `meshtrain.replicas.ReplicaSets` (each leaf over its own).
 
     Returns:
         A tree of `NamedSharding`s shaped like `local_init`'s result.
@@ -110,6 +126,9 @@ def local_step(
     axes,
     sync_every: int,
     skip_nonfinite: bool = True,
+    param_specs=None,
+    split: tuple[str, ...] = (),
+    stages: tuple[str, ...] = (),
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One local step on every replica, then the outer step when ``(state.step + 1) %
     sync_every == 0``. Call it inside `jax.jit` (it is pure).
@@ -127,10 +146,15 @@ def local_step(
             `local_init`.
         batch: global arrays; each replica takes its rows of dim 0, split over `axes`.
         mesh: the device mesh.
-        axes: the replica axes (``rules.replica_axes(mesh_sizes(mesh))``); the model axes stay
-            with the compiler.
+        axes: the sync axes (`meshtrain.replicas.replica_sets`: the replica axes, and
+            ``expert`` for a mixture of experts); the model axes stay with the compiler.
         sync_every: H, the number of local steps between synchronisations.
         skip_nonfinite: skip a replica's update when its loss or gradient is not finite.
+        param_specs: the parameters' `PartitionSpec`s (required with `split`).
+        split: those of `axes` that split some parameters (``expert``): each leaf has its
+            own replicas, over the axes it is not split over (`meshtrain.replicas.ReplicaSets`).
+        stages: ``("pipe",)`` under pipelines: the regions are manual over the stages too (each
+            stage steps its own layers); nothing is averaged over them.
 
     Returns:
         The new state and replicated metrics: ``loss`` and the float ``extra`` metrics (means
@@ -152,14 +176,29 @@ def local_step(
     local = state.comm.get("local")
     if local is None:
         raise ValueError('local_step: state.comm has no "local" entry; build it with local_init')
-    rows = P(entry(axes))
+    sets = ReplicaSets(mesh_sizes(mesh), axes, tuple(split), tuple(stages))
+    specs = sets.specs(state.params, param_specs)
+    param_in = _tree_specs(sets.stacked_spec, specs)
+    opt_in = optax.tree_map_params(
+        tx,
+        lambda _, spec: sets.stacked_spec(spec),
+        local["opt_state"],
+        specs,
+        transform_non_params=lambda _: sets.stacked_spec(None),
+        is_leaf=_is_spec,
+    )
 
     def inner(params_r, opt_r, rest, batch_r):
         params_r, opt_r = own(params_r), own(opt_r)
         (loss, (new_rest, extra)), grads = compute(params_r, rest, batch_r)
+        loss, new_rest, extra = settled((loss, new_rest, extra), sets.stages)
+        grads = settled(grads, sets.stages, specs)
+        # A leaf split over a sync axis holds the gradient of every row its shard served.
+        scale = jax.tree.map(lambda s: sets.count(s) / sets.devices, specs, is_leaf=_is_spec)
+        grads = jax.tree.map(lambda g, c: g * c if c != 1 else g, grads, scale)
         updates, new_opt = tx.update(grads, opt_r, params_r)
         new_params = optax.apply_updates(params_r, updates)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = _norm(grads, specs, sets)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if skip_nonfinite:
             new_params = _keep_if_not(finite, new_params, params_r)
@@ -176,9 +215,9 @@ def local_step(
     run = manual_region(
         inner,
         mesh=mesh,
-        axes=axes,
-        in_specs=(rows, rows, P(), rows),
-        out_specs=(rows, rows, P(), P()),
+        axes=sets.manual,
+        in_specs=(param_in, opt_in, P(), P(entry(axes))),
+        out_specs=(param_in, opt_in, P(), P()),
     )
     local_params, local_opt, rest, metrics = run(
         local["params"], local["opt_state"], state.rest, dict(batch)
@@ -186,11 +225,11 @@ def local_step(
 
     def synchronise(carry):
         theta_bar, outer_state, local_params = carry
-        mean = _mean_over(local_params, mesh, axes)
+        mean = _mean_over(local_params, mesh, sets, specs)
         delta = jax.tree.map(jnp.subtract, theta_bar, mean)  # the outer gradient
         updates, outer_state = outer_tx.update(delta, outer_state, theta_bar)
         theta_bar = optax.apply_updates(theta_bar, updates)
-        return theta_bar, outer_state, _restart(theta_bar, local_params, mesh, axes)
+        return theta_bar, outer_state, _restart(theta_bar, local_params, mesh, sets, specs)
 
     synced = (state.step + 1) % sync_every == 0
     carry = (state.params, state.opt_state, local_params)
@@ -209,21 +248,51 @@ def _keep_if_not(ok: jax.Array, new, old):
     return jax.tree.map(keep, new, old)
 
 
-def _mean_over(stacked, mesh: Mesh, axes):
-    """mean_r θ_r of a stacked tree: one all-reduce over the replica axes, in float32."""
+def _norm(grads, specs, sets: ReplicaSets) -> jax.Array:
+    """This replica's whole gradient norm: a leaf split over a manual axis it is not reduced
+    over (a pipeline stage's layers, an MoE's expert shard) adds its shards' squares."""
+
+    def squares(g, spec):
+        x = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        named = {a for e in (spec or ()) for a in axes_of(e)}
+        over = tuple(a for a in sets.manual if a in named and a not in sets.leaf_axes(spec))
+        return lax.psum(x, over) if over else x
+
+    total = sum(jax.tree.leaves(jax.tree.map(squares, grads, specs)), jnp.zeros((), jnp.float32))
+    return jnp.sqrt(total)
+
+
+def _mean_over(stacked, mesh: Mesh, sets: ReplicaSets, specs):
+    """mean_r θ_r of a stacked tree: one all-reduce per leaf over its replica axes, in
+    float32."""
 
     def body(tree):
         return jax.tree.map(
-            lambda x: lax.pmean(x[0].astype(jnp.float32), axes).astype(x.dtype), tree
+            lambda x, s: lax.pmean(x[0].astype(jnp.float32), sets.leaf_axes(s)).astype(x.dtype),
+            tree,
+            specs,
         )
 
-    rows = P(entry(axes))
-    return manual_region(body, mesh=mesh, axes=axes, in_specs=(rows,), out_specs=P())(stacked)
+    ins, outs = _tree_specs(sets.stacked_spec, specs), _tree_specs(sets.block_spec, specs)
+    return manual_region(body, mesh=mesh, axes=sets.manual, in_specs=(ins,), out_specs=outs)(
+        stacked
+    )
 
 
-def _restart(theta_bar, like, mesh: Mesh, axes):
+def _restart(theta_bar, like, mesh: Mesh, sets: ReplicaSets, specs):
     """`theta_bar` on every replica, laid out like the stacked tree `like`."""
-    rows = P(entry(axes))
     body = lambda tree: stacked(tree, 1)  # noqa: E731
-    out = manual_region(body, mesh=mesh, axes=axes, in_specs=(P(),), out_specs=rows)(theta_bar)
+    ins, outs = _tree_specs(sets.block_spec, specs), _tree_specs(sets.stacked_spec, specs)
+    region = manual_region(body, mesh=mesh, axes=sets.manual, in_specs=(ins,), out_specs=outs)
+    out = region(theta_bar)
     return jax.tree.map(lambda x, ref: x.astype(ref.dtype), out, like)
+
+
+def _tree_specs(fn, specs):
+    """`fn` of every spec of `specs` (None leaves: replicated)."""
+    return jax.tree.map(fn, specs, is_leaf=_is_spec)
+
+
+def _is_spec(x) -> bool:
+    """A leaf of a tree of specs (None: replicated)."""
+    return x is None or isinstance(x, P)

@@ -8,6 +8,11 @@ its own rows of the batch and the parameters whole over those axes, while the mo
 over the replica axes before the gradient is taken, so the gradient stays per replica until
 a `Codec` reduces it, leaf by leaf.
 
+For a mixture of experts the region is manual over ``expert`` too, and each leaf is reduced
+over the axes it is not split over (`meshtrain.replicas.sets`); under pipelines it is manual
+over ``pipe`` as well, and the pipeline's loop runs inside it, so the reduction follows the
+loop.
+
 With error feedback each replica adds what it failed to send last time (its residual) to
 its gradient before encoding, and keeps what it fails to send now.
 """
@@ -23,24 +28,28 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.layout import axes_of, manual_region, varying
+from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.codecs import Codec
-from meshtrain.replicas.stack import replica_mean
+from meshtrain.replicas.sets import ReplicaSets
+from meshtrain.replicas.stack import replica_mean, settled
 
 # compute(params, rest, batch) -> ((loss, (rest, extra)), grads)
 Compute = Callable[[dict, dict, Mapping[str, jax.Array]], tuple]
 
 
-def residual_init(params, n: int):
-    """Zero error-feedback residuals: each leaf of `params` as float32 zeros ``(n, *shape)``.
+def residual_init(params, n):
+    """Zero error-feedback residuals: each leaf of `params` as float32 zeros ``(R, *shape)``.
 
     Args:
         params: the parameters (arrays or shape structs).
-        n: R, the number of replicas.
+        n: R, the number of replicas: one int for every leaf, or a tree like `params` of each
+            leaf's own (`meshtrain.replicas.ReplicaSets.count`).
 
     Returns:
         A tree like `params`.
     """
-    return jax.tree.map(lambda p: jnp.zeros((n, *p.shape), jnp.float32), params)
+    counts = jax.tree.map(lambda _: n, params) if isinstance(n, int) else n
+    return jax.tree.map(lambda p, r: jnp.zeros((r, *p.shape), jnp.float32), params, counts)
 
 
 def reduced_grads(
@@ -55,6 +64,8 @@ def reduced_grads(
     codec: Codec,
     error_feedback: bool,
     param_specs=None,
+    split: tuple[str, ...] = (),
+    stages: tuple[str, ...] = (),
 ):
     """The loss and mean gradient over the replicas, each replica's gradient sent by `codec`.
 
@@ -62,35 +73,44 @@ def reduced_grads(
     constrain their activations).
 
     Args:
-        compute: ``(params, rest, batch) -> ((loss, (rest, extra)), grads)``, one replica's
+        compute: ``(params, rest, batch) -> ((loss, (rest, extra)), grads)``, one device's
             loss (a mean over its rows) and gradient.
-        params: the parameters (replicated over `axes`).
+        params: the parameters (replicated over `axes`, except over the `split` axes).
         rest: the model's other variables (replicated over `axes`).
-        batch: the global batch; dim 0 is split over `axes`, each replica taking its rows.
+        batch: the global batch; dim 0 is split over `axes`, each device taking its rows.
         residual: error-feedback residuals, leaves ``(R, *p.shape)`` float32 split on dim 0
-            over `axes` (`residual_init`); None without error feedback.
+            over the leaf's replica axes (`residual_init`); None without error feedback.
         mesh: the device mesh.
-        axes: the replica axes (`Rules.replica_axes`), at least one.
+        axes: the sync axes (`meshtrain.replicas.replica_sets`), at least one: the replica
+            axes, and ``expert`` for a mixture of experts.
         codec: how each replica's gradient is sent.
         error_feedback: add the residual before encoding and keep what was dropped (used only
             when the codec is lossy; otherwise `residual` passes through unchanged).
-        param_specs: optional, the parameters' `PartitionSpec`s (a tree like `params`). A
-            gradient split over model axes (``tensor``, ``fsdp`` under hsdp) is then encoded shard
-            by shard, in a region manual over those axes too: no shard gathers the others first
-            (top-k and sign then work per shard, int8's blocks lie within a shard). Without
-            them every leaf is encoded whole, and XLA gathers split leaves over their axes.
+        param_specs: the parameters' `PartitionSpec`s (a tree like `params`; required with
+            `split`). A gradient split over model axes (``tensor``, ``fsdp`` under hsdp) is
+            then encoded shard by shard, in a region manual over those axes too: no shard
+            gathers the others first (top-k and sign then work per shard, int8's blocks lie
+            within a shard). Without them every leaf is encoded whole, and XLA gathers split
+            leaves over their axes.
+        split: those of `axes` that split some parameters (``expert``): a leaf split over
+            one enters the region as its own block and is reduced over the other axes only
+            (`meshtrain.replicas.ReplicaSets`).
+        stages: ``("pipe",)`` under pipelines: the region is manual over the stages too, and
+            `compute` runs the pipeline's loop inside it; no leaf is reduced over them.
 
     Returns:
         ``((loss, (rest, extra)), grads, residual)``: the loss and float `extra` metrics
-        averaged over the replicas, `rest` averaged over them (float leaves), the mean
-        gradient (replicated over `axes`, each leaf in its parameter's dtype), and the new
-        residual (None when `residual` is None).
+        averaged over the devices, `rest` averaged over them (float leaves), the mean
+        gradient (replicated over each leaf's replica axes, each leaf in its parameter's
+        dtype), and the new residual (None when `residual` is None).
     """
     axes = tuple(axes)
     if not axes:
         raise ValueError(
             "reduced_grads: no replica axis (R = 1), nothing to reduce; use the plain step"
         )
+    sets = ReplicaSets(mesh_sizes(mesh), axes, tuple(split), tuple(stages))
+    specs = sets.specs(params, param_specs)
     feedback = error_feedback and codec.lossy
     if feedback and residual is None:
         r = math.prod(mesh.shape[a] for a in axes)
@@ -102,20 +122,26 @@ def reduced_grads(
     def body(params, rest, batch, residual):
         params, rest = varying((params, rest), axes)
         (loss, (rest, extra)), grads = compute(params, rest, batch)
-
-        def step(x, r):
-            mean, sent = codec.reduce(x + r, axes)
-            return mean, x + r - sent
+        loss, rest, extra = settled((loss, rest, extra), stages)
+        grads = settled(grads, stages, specs)
 
         def one(g, res, spec):
-            x = g.astype(jnp.float32)
+            over = sets.leaf_axes(spec)
+            # A leaf split over a sync axis holds the gradient of every row its shard served
+            # across that axis: R/N of it is this replica's share of the mean.
+            scale = sets.count(spec) / sets.devices
+            x = g.astype(jnp.float32) * scale if scale != 1 else g.astype(jnp.float32)
+
+            def step(x, r):
+                mean, sent = codec.reduce(x + r, over)
+                return mean, x + r - sent
+
             if not feedback:
-                mean = _per_shard(lambda x: codec.reduce(x, axes)[0], spec, mesh, axes, 1)(x)
-                return mean.astype(g.dtype), res
-            mean, kept = _per_shard(step, spec, mesh, axes, 2)(x, res[0])
+                fn = _per_shard(lambda x: codec.reduce(x, over)[0], spec, mesh, sets.manual, 1)
+                return fn(x).astype(g.dtype), res
+            mean, kept = _per_shard(step, spec, mesh, sets.manual, 2)(x, res[0])
             return mean.astype(g.dtype), kept[None]
 
-        specs = jax.tree.map(lambda _: None, grads) if param_specs is None else param_specs
         if residual is None:
             mean = jax.tree.map(lambda g, s: one(g, None, s)[0], grads, specs)
             new = None
@@ -129,24 +155,34 @@ def reduced_grads(
             new,
         )
 
-    rows = P(axes)
-    res_spec = None if residual is None else rows
+    blocks = jax.tree.map(sets.block_spec, specs, is_leaf=_is_spec)
+    res_spec = (
+        None if residual is None else jax.tree.map(sets.stacked_spec, specs, is_leaf=_is_spec)
+    )
     run = manual_region(
         body,
         mesh=mesh,
-        axes=axes,
-        in_specs=(P(), P(), rows, res_spec),
-        out_specs=((P(), (P(), P())), P(), res_spec),
+        axes=sets.manual,
+        in_specs=(blocks, P(), P(axes), res_spec),
+        out_specs=((P(), (P(), P())), blocks, res_spec),
     )
     return run(params, rest, batch, residual)
 
 
+def _is_spec(x) -> bool:
+    """A leaf of a tree of specs (None: replicated)."""
+    return x is None or isinstance(x, P)
+
+
 def _per_shard(fn, spec, mesh: Mesh, replica_axes: tuple[str, ...], n: int):
     """`fn` (`n` arrays shaped like one parameter in, as many out) run shard by shard over the
-    model axes `spec` splits the parameter over; `fn` itself where it names none."""
+    model axes `spec` splits the parameter over; `fn` itself where it names none, or where one
+    comes before a manual axis in the mesh (XLA nests manual regions in mesh order only: an
+    MoE under hsdp, fsdp between data and expert), whose leaves XLA gathers to encode whole."""
     entries = [tuple(a for a in axes_of(e) if a not in replica_axes) for e in (spec or ())]
     model = tuple(a for e in entries for a in e)
-    if not model:
+    order = list(mesh.axis_names)
+    if not model or min(order.index(a) for a in model) < max(map(order.index, replica_axes)):
         return fn
     local = P(*(e or None for e in entries))
     out = local if n == 1 else (local,) * n

@@ -9,7 +9,9 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshtrain._compat import varying_axes
 from meshtrain.layout import axes_of, varying
+from meshtrain.replicas.sets import ReplicaSets
 
 
 def entry(axes: tuple[str, ...]):
@@ -17,9 +19,11 @@ def entry(axes: tuple[str, ...]):
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def stacked(tree, n: int):
-    """Every array leaf broadcast to ``[n, *leaf.shape]``."""
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)
+def stacked(tree, n):
+    """Every array leaf broadcast to ``[n, *leaf.shape]``; `n` an int, or a tree of each
+    leaf's own."""
+    counts = jax.tree.map(lambda _: n, tree) if isinstance(n, int) else n
+    return jax.tree.map(lambda x, r: jnp.broadcast_to(x, (r, *jnp.shape(x))), tree, counts)
 
 
 def own(tree):
@@ -29,16 +33,23 @@ def own(tree):
 
 
 def stacked_shardings(shardings, axes):
-    """Each `NamedSharding` with `axes` taken out of its spec and put on a new dimension 0 (so a
-    ZeRO-1 optimizer state, split over the replica axes itself, stacks too)."""
-    axes = tuple(axes)
+    """Each `NamedSharding` with its replica axes taken out of its spec and put on a new
+    dimension 0 (so a ZeRO-1 optimizer state, split over the replica axes itself, stacks too).
 
-    def strip(e):
-        kept = tuple(a for a in axes_of(e) if a not in axes)
+    Args:
+        shardings: a tree of `NamedSharding`s.
+        axes: the replica axes, or a `meshtrain.replicas.ReplicaSets` (each leaf then over
+            its own replica axes: an expert weight's stack keeps ``expert`` where it was).
+    """
+    sets = axes if isinstance(axes, ReplicaSets) else None
+
+    def strip(e, over):
+        kept = tuple(a for a in axes_of(e) if a not in over)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     def one(s: NamedSharding) -> NamedSharding:
-        return NamedSharding(s.mesh, P(entry(axes), *(strip(e) for e in s.spec)))
+        over = tuple(axes) if sets is None else sets.leaf_axes(s.spec)
+        return NamedSharding(s.mesh, P(entry(over), *(strip(e, over) for e in s.spec)))
 
     return jax.tree.map(one, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
 
@@ -54,3 +65,21 @@ def replica_mean(tree, axes: tuple[str, ...]):
         return lax.pmax(x, axes)
 
     return jax.tree.map(mean, tree)
+
+
+def settled(tree, axes, specs=None):
+    """Leaves typed as varying over the stage `axes` whose values are the same on every stage
+    (gradient accumulation's carry starts varying over every manual axis), made invariant
+    again by their mean over those axes; leaves whose spec (`specs`, a tree like `tree`) splits
+    them over an axis stay as they are over it."""
+    axes = tuple(axes)
+    if not axes:
+        return tree
+    specs = jax.tree.map(lambda _: None, tree) if specs is None else specs
+
+    def one(x, spec):
+        named = {a for e in (spec or ()) for a in axes_of(e)}
+        over = tuple(a for a in axes if a not in named and a in varying_axes(x))
+        return lax.pmean(x, over) if over else x
+
+    return jax.tree.map(one, tree, specs)

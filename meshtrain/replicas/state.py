@@ -10,8 +10,6 @@ device holds its own replica's copy and nothing more.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
@@ -22,16 +20,16 @@ from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.config import SyncConfig
 from meshtrain.replicas.local_sgd import local_init, local_shardings, outer_optimizer
 from meshtrain.replicas.manual import residual_init
+from meshtrain.replicas.sets import replica_sets
 from meshtrain.replicas.stack import stacked_shardings
 from meshtrain.replicas.staleness import stale_init
 from meshtrain.state import TrainState, abstract_target
 
 
 def replicas(mesh: Mesh, rules: Rules) -> tuple[tuple[str, ...], int]:
-    """The replica axes of `rules` on `mesh`, and how many replicas they hold."""
-    sizes = mesh_sizes(mesh)
-    axes = rules.replica_axes(sizes)
-    return axes, math.prod(sizes[a] for a in axes)
+    """The sync axes of `rules` on `mesh` (`replica_sets`), and how many devices they hold."""
+    sets = replica_sets(rules, mesh_sizes(mesh))
+    return sets.axes, sets.devices
 
 
 def with_sync(
@@ -60,31 +58,36 @@ def with_sync(
     """
     if sync is None or not (sync.keeps_residual or sync.local or sync.staleness):
         return state, shardings
-    axes, n = replicas(mesh, rules)
+    sets = replica_sets(rules, mesh_sizes(mesh))
+    specs = jax.tree.map(lambda s: s.spec, shardings.params, is_leaf=_is_sharding)
+    counts = jax.tree.map(sets.count, specs, is_leaf=_is_spec)
+    opt_counts = jax.tree.map(
+        lambda s: sets.count(s.spec), shardings.opt_state, is_leaf=_is_sharding
+    )
     outer_tx = outer_optimizer(sync.outer_optimizer, sync.outer_lr, sync.outer_momentum)
     replicated = NamedSharding(mesh, P())
 
     def build(params, opt_state):
         comm = {}
         if sync.keeps_residual:
-            comm["residual"] = residual_init(params, n)
+            comm["residual"] = residual_init(params, counts)
         if sync.staleness:
             comm["stale"] = stale_init(params, sync.staleness)
         if sync.local:
-            comm["local"] = local_init(params, opt_state, n)
+            comm["local"] = local_init(params, opt_state, counts, opt_counts)
             opt_state = outer_tx.init(params)
         return opt_state, comm
 
     comm_sh = {}
     if sync.keeps_residual:
-        comm_sh["residual"] = stacked_shardings(shardings.params, axes)
+        comm_sh["residual"] = stacked_shardings(shardings.params, sets)
     if sync.staleness:
         comm_sh["stale"] = jax.tree.map(
             lambda s: NamedSharding(mesh, P(None, *s.spec)), shardings.params
         )
     opt_sh = shardings.opt_state
     if sync.local:
-        comm_sh["local"] = local_shardings(shardings.params, shardings.opt_state, axes)
+        comm_sh["local"] = local_shardings(shardings.params, shardings.opt_state, sets)
         abstract_outer = jax.eval_shape(outer_tx.init, state.params)
         opt_sh = optax.tree_map_params(
             outer_tx,
@@ -92,7 +95,7 @@ def with_sync(
             abstract_outer,
             shardings.params,
             transform_non_params=lambda _: replicated,
-            is_leaf=lambda x: isinstance(x, NamedSharding),
+            is_leaf=_is_sharding,
         )
     new_sh = shardings._replace(opt_state=opt_sh, comm=comm_sh)
     if isinstance(jax.tree.leaves(state.params)[0], jax.ShapeDtypeStruct):
@@ -100,3 +103,13 @@ def with_sync(
         return abstract_target(state._replace(opt_state=opt_state, comm=comm), new_sh), new_sh
     opt_state, comm = jax.jit(build, out_shardings=(opt_sh, comm_sh))(state.params, state.opt_state)
     return state._replace(opt_state=opt_state, comm=comm), new_sh
+
+
+def _is_sharding(x) -> bool:
+    """A `NamedSharding` leaf."""
+    return isinstance(x, NamedSharding)
+
+
+def _is_spec(x) -> bool:
+    """A `PartitionSpec` leaf."""
+    return isinstance(x, P)

@@ -154,6 +154,7 @@ def train_step(
             **_replica_layout("sync_every"),
             sync_every=sync.sync_every,
             skip_nonfinite=skip_nonfinite,
+            param_specs=param_specs,
         )
         if schedule is not None:
             metrics["lr"] = schedule(state.step)
@@ -244,20 +245,22 @@ def _token_shares(microbatches: Mapping[str, jax.Array], accum_steps: int) -> ja
 
 
 def _replica_layout(field: str) -> dict:
-    """The mesh and replica axes of the active layout, for a step manual over the replicas."""
+    """The mesh and sync axes of the active layout, for a step manual over the replicas
+    (`meshtrain.replicas.replica_sets`: the replica axes, ``expert`` for an MoE, and the
+    pipeline's ``pipe``, whose loop then runs inside that step's region)."""
     active = layout.active()
     if active is None:
         raise ValueError(
             f"{field}: a step that synchronises the replicas itself must be traced under "
             "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
         )
-    axes = active.rules.replica_axes(mesh_sizes(active.mesh))
-    if not axes:
+    sets = replicas.replica_sets(active.rules, mesh_sizes(active.mesh))
+    if not sets.axes:
         raise ValueError(
             f"{field}: rules {active.rules.name!r} have no replica axes on this mesh (every "
             "batch axis splits the parameters); use dp, zero1 or hsdp"
         )
-    return {"mesh": active.mesh, "axes": axes}
+    return {"mesh": active.mesh, "axes": sets.axes, "split": sets.split, "stages": sets.stages}
 
 
 def _keep_if_not(ok: jax.Array, new: tuple, state: TrainState) -> tuple:

@@ -1,0 +1,519 @@
+"""Synchronising less beside expert and pipeline parallelism, on 8 simulated CPU devices.
+
+- An MoE over ``expert=2,data=4``: the step manual over the replicas is manual over data and
+  expert, each device with its own rows; the dense weights are reduced over data and expert
+  (8 replicas), the expert weights over data (4). The reference is the one-device model run
+  on each device's rows (a router loss per device, as under accumulation), the dense weights
+  averaged over the 8 row blocks, the expert weights over the 4 data replicas.
+- ``pipe=2,data=4`` under gpipe and 1f1b: the pipeline's loop runs inside the replicas'
+  region and the compressed reduction follows it; the reference is one device (the plain
+  GPT's loss is linear in the batch), or its 4 replicas run one by one for local SGD.
+- Gradient accumulation inside the pipelined replicas' step.
+- Bounded staleness beside each, and under context parallelism (``seq=2,data=4``), where
+  compression and local SGD are refused (tests/test_sync.py): the stale update against a
+  hand-run reference.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from meshtrain import checkpoint as ckpt
+from meshtrain.checkpoint import CheckpointManager
+from meshtrain.layout import activation_rules, axes_of, batch_shardings, rules_for, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step
+from meshtrain.mesh import make_mesh, mesh_sizes
+from meshtrain.models import GPTConfig, MoEConfig, build_model
+from meshtrain.models.base import call_model
+from meshtrain.pipeline import PipelineConfig, pipeline_loss_and_grads
+from meshtrain.replicas import (
+    Codec,
+    SyncConfig,
+    outer_optimizer,
+    reduced_grads,
+    replica_sets,
+    with_sync,
+)
+from meshtrain.run import RunSpec
+from meshtrain.state import abstract_train_state
+from meshtrain.train import TrainConfig
+from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
+
+MOE = MoEConfig(
+    d_model=32, n_heads=2, n_experts=4, top_k=2, d_expert=16, n_layers=1, vocab_size=64,
+    vocab_multiple=16, max_seq_len=16, capacity_factor=4.0,
+)  # fmt: skip
+B, T, LR = 16, 16, 0.1
+TX = optax.sgd(LR)
+MOE_MESH = "expert=2,data=4"
+# fp32 sums in another order (the codec none against one device): per leaf, as
+# tests/test_compression.py, |manual − reference| ≤ 1e-5 · max|g|; a wrong replica share of an
+# expert weight (1/4 instead of 1/8) is half of max|g|.
+GRAD_RTOL = 1e-5
+# Parameters after a few SGD steps: fp32 noise of distributed sums, as tests/test_moe.py.
+PARAM_ATOL = 2e-5
+
+
+def _batches(n, seed, vocab=64):
+    """`n` fresh random token batches."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, vocab, (B, T + 1)).astype(np.int32)
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    return out
+
+
+def _loss_fn(graphdef, rest):
+    """One device's loss (with the router's losses) of a batch, and its gradient."""
+
+    def loss(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        out = call_model(model, batch)
+        return loss_and_metrics(cross_entropy, out, batch["targets"], loss_mask(batch))[0]
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+def _moe(dispatch="capacity"):
+    """The MoE on one device: graph, parameters, other variables."""
+    cfg = dataclasses.replace(MOE, dispatch=dispatch)
+    graphdef, params, rest = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
+    return cfg, graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def _expert_leaves(cfg):
+    """True for the leaves split over expert (by the layout the run uses)."""
+    mesh = make_mesh(MOE_MESH)
+    _, _, sh = init_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules_for("dp", mesh))
+    return jax.tree.map(lambda s: "expert" in {a for e in s.spec for a in axes_of(e)}, sh.params)
+
+
+def _blocks(batch, n):
+    """The `n` devices' rows of `batch`, in the order the batch is split."""
+    rows = B // n
+    return [{k: v[i * rows : (i + 1) * rows] for k, v in batch.items()} for i in range(n)]
+
+
+def _mean(trees):
+    return jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
+
+
+class _Replicas:
+    """The one-device reference of a model over ``expert=E,data=D``: one copy of the dense
+    weights per device (D·E), one of the expert weights per data replica (D); each device
+    takes the gradient of its own rows' loss, an expert copy the mean over its E devices.
+    With E = 1 (no experts) the D replicas of plain data parallelism."""
+
+    def __init__(self, cfg, params, rest, graphdef, d=4, e=2):
+        self.d, self.e = d, e
+        self.is_expert = _expert_leaves(cfg) if e > 1 else jax.tree.map(lambda _: False, params)
+        self.grad = _loss_fn(graphdef, rest)
+        self.dense = [params] * (d * e)
+        self.expert = [params] * d
+
+    def params_of(self, k):
+        """Device k's parameters: its dense copy and its data replica's expert copy."""
+        pick = lambda x, dense, expert: expert if x else dense  # noqa: E731
+        return jax.tree.map(pick, self.is_expert, self.dense[k], self.expert[k // self.e])
+
+    def grads(self, batch):
+        """Each device's loss and gradient of its own rows."""
+        return [
+            self.grad(self.params_of(k), b) for k, b in enumerate(_blocks(batch, self.d * self.e))
+        ]
+
+    def mean_grad(self, batch):
+        """The mean over the devices of their gradients (what the codec none gives)."""
+        return _mean([g for _, g in self.grads(batch)])
+
+    def inner_step(self, batch, lr=LR):
+        """One SGD step on every copy."""
+        grads = [g for _, g in self.grads(batch)]
+        step = lambda p, g: p - lr * g  # noqa: E731
+        self.dense = [jax.tree.map(step, p, g) for p, g in zip(self.dense, grads, strict=True)]
+        for r in range(self.d):
+            g = _mean(grads[r * self.e : (r + 1) * self.e])
+            self.expert[r] = jax.tree.map(step, self.expert[r], g)
+
+    def average(self):
+        """θ: each leaf averaged over its own replicas."""
+        dense, expert = _mean(self.dense), _mean(self.expert)
+        return jax.tree.map(lambda x, a, b: b if x else a, self.is_expert, dense, expert)
+
+    def restart(self, params):
+        self.dense = [params] * (self.d * self.e)
+        self.expert = [params] * self.d
+
+
+def _train(cfg, mesh_str, sync, batches, pipeline=None, accum=1):
+    """`jit_train_step` with `sync` over `batches`; the parameters after each step, the state."""
+    mesh = make_mesh(mesh_str)
+    rules = rules_for("dp", mesh)
+    graphdef, state, sh = init_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
+    state, sh = with_sync(sync, TX, state, sh, mesh, rules)
+    extra = {"train": TrainConfig(accum_steps=accum)}
+    extra |= {} if pipeline is None else {"pipeline": pipeline}
+    run = RunSpec(mesh=mesh, rules=rules, sync=sync, **extra)
+    step = jit_train_step(run, graphdef, TX, sh, batch_shardings(batches[0], mesh, rules))
+    history = [jax.device_get(state.params)]
+    for b in batches:
+        state, metrics = step(state, shard_batch(b, mesh, rules))
+        assert int(metrics["skipped"]) == 0
+        history.append(jax.device_get(state.params))
+    return history, state
+
+
+def _moved(before, after) -> float:
+    """The largest change of any parameter."""
+    pairs = zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    return max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in pairs)
+
+
+def _close(got, want, atol, what=""):
+    for (where, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True
+    ):
+        np.testing.assert_allclose(a, b, atol=atol, err_msg=f"{what} {jax.tree_util.keystr(where)}")
+
+
+# ---- gradient compression on an MoE -------------------------------------------------------
+
+
+def _compression(other):
+    """The marker of the pair compression × `other`."""
+    return pytest.mark.pair("compression", other)
+
+
+HSDP_MOE = "data=2,fsdp=2,expert=2"
+
+
+@pytest.mark.parametrize(
+    ("mesh_str", "strategy", "d", "dispatch"),
+    [
+        pytest.param(MOE_MESH, "dp", 4, "capacity", marks=_compression("moe-capacity")),
+        pytest.param(MOE_MESH, "dp", 4, "dropless", marks=_compression("moe-dropless")),
+        pytest.param(HSDP_MOE, "hsdp", 2, "capacity", marks=_compression("moe-capacity")),
+    ],
+)
+def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(
+    mesh_str, strategy, d, dispatch
+):
+    """Under hsdp the replicas are data (fsdp splits the weights) and expert as under dp."""
+    cfg, graphdef, params, rest = _moe(dispatch)
+    batch = _batches(1, seed=11)[0]
+    want = _Replicas(cfg, params, rest, graphdef, d=d).mean_grad(batch)
+    mesh = make_mesh(mesh_str)
+    rules = rules_for(strategy, mesh)
+    _, state, sh = init_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
+    sets = replica_sets(rules, mesh_sizes(mesh))
+    assert sets.axes == ("data", "expert") and sets.split == ("expert",)
+    specs = jax.tree.map(lambda s: s.spec, sh.params)
+    model_graph = graphdef
+
+    def compute(params, rest, batch):
+        def loss(p):
+            out = call_model(nnx.merge(model_graph, p, rest), batch)
+            loss, extra = loss_and_metrics(cross_entropy, out, batch["targets"], loss_mask(batch))
+            return loss, (rest, extra)
+
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    @jax.jit
+    def run(params, rest, batch):
+        with activation_rules(mesh, rules):
+            return reduced_grads(
+                compute, params, rest, batch, None, mesh=mesh, axes=sets.axes,
+                codec=Codec(name="none"), error_feedback=False, param_specs=specs,
+                split=sets.split,
+            )  # fmt: skip
+
+    _, grads, _ = run(state.params, state.rest, shard_batch(batch, mesh, rules))
+    for (where, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want), strict=True
+    ):
+        scale = float(np.abs(w).max())
+        assert scale > 0, where
+        np.testing.assert_allclose(
+            g, w, atol=GRAD_RTOL * scale, err_msg=jax.tree_util.keystr(where)
+        )
+
+
+@pytest.mark.pair("compression", "moe-capacity")
+def test_int8_with_error_feedback_on_an_moe_is_within_the_codec_bound(tmp_path):
+    """Step 1 moves each leaf by LR × the int8 mean, within two quantisations of the exact
+    mean (each replica's block rounded to max|x|/254, the mean's again); the next step keeps
+    int8's rounding and carries what it dropped, 2e-3 as the hsdp accumulation test. The
+    residuals, one per replica of each leaf, survive a checkpoint."""
+    cfg, graphdef, params, rest = _moe()
+    batches = _batches(2, seed=12)
+    ref = _Replicas(cfg, params, rest, graphdef)
+    grads = [g for _, g in ref.grads(batches[0])]
+    exact = ref.mean_grad(batches[0])
+    got, state = _train(cfg, MOE_MESH, SyncConfig(grad_compression="int8"), batches)
+    flat_is_expert = jax.tree.leaves(ref.is_expert)
+    per_device = [jax.tree.leaves(g) for g in grads]
+    for i, (p0, p1, g) in enumerate(
+        zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1]), jax.tree.leaves(exact), strict=True)
+    ):
+        # what each replica sends: a dense leaf's own gradient, an expert leaf's pair mean
+        sends = [d[i] for d in per_device]
+        if flat_is_expert[i]:
+            sends = [(sends[2 * r] + sends[2 * r + 1]) / 2 for r in range(4)]
+        bound = 2 * max(float(np.abs(s).max()) for s in sends) / 254 + 1e-7
+        moved = (np.asarray(p0) - np.asarray(p1)) / LR
+        assert float(np.abs(moved - g).max()) <= bound
+    want = [params]
+    for b in batches:
+        ref.restart(want[-1])
+        want.append(jax.tree.map(lambda p, g: p - LR * g, want[-1], ref.mean_grad(b)))
+    _close(got[-1], want[-1], 2e-3, "step 2")
+    assert _moved(got[0], got[-1]) > 1e-3  # the steps really moved the parameters
+    # one residual per replica: 8 for a dense weight, 4 for an expert weight
+    counts = {r.shape[0] for r in jax.tree.leaves(state.comm["residual"])}
+    assert counts == {8, 4}
+    for r, x in zip(jax.tree.leaves(state.comm["residual"]), flat_is_expert, strict=True):
+        assert r.shape[0] == (4 if x else 8)
+    assert max(float(jnp.abs(r).max()) for r in jax.tree.leaves(state.comm["residual"])) > 0
+    # the per-leaf residuals go through a checkpoint onto the target with_sync builds
+    mesh = make_mesh(MOE_MESH)
+    rules = rules_for("dp", mesh)
+    target = abstract_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    like, like_sh = with_sync(
+        SyncConfig(grad_compression="int8"), TX, target, shardings, mesh, rules
+    )
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(2, state)
+    restored = ckpt.restore(tmp_path / "ck", like).state
+    pairs = zip(*map(jax.tree.leaves, (restored.comm, state.comm, like_sh.comm)), strict=True)
+    for got, want, sh in pairs:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding == sh == want.sharding
+
+
+# ---- local SGD and DiLoCo on an MoE -------------------------------------------------------
+
+
+def _local_reference(cfg, params, rest, graphdef, batches, outer, h, d=4, e=2):
+    """θ̄ after `batches` of local SGD with every `h` steps the `outer` step, one device."""
+    ref = _Replicas(cfg, params, rest, graphdef, d, e)
+    theta, state = params, outer.init(params)
+    for t, b in enumerate(batches):
+        ref.inner_step(b)
+        if (t + 1) % h == 0:
+            delta = jax.tree.map(jnp.subtract, theta, ref.average())
+            updates, state = outer.update(delta, state, theta)
+            theta = optax.apply_updates(theta, updates)
+            ref.restart(theta)
+    return theta
+
+
+@pytest.mark.parametrize(
+    ("name", "dispatch"),
+    [
+        pytest.param("average", "capacity", marks=pytest.mark.pair("local-sgd", "moe-capacity")),
+        pytest.param("nesterov", "dropless", marks=pytest.mark.pair("diloco", "moe-dropless")),
+    ],
+)
+def test_local_sgd_and_diloco_on_an_moe_equal_their_replicas_run_on_one_device(name, dispatch):
+    cfg, graphdef, params, rest = _moe(dispatch)
+    batches = _batches(4, seed=13)
+    sync = SyncConfig(sync_every=2, outer_optimizer=name, outer_lr=0.7, outer_momentum=0.9)
+    outer = outer_optimizer(name, 0.7, 0.9)
+    want = _local_reference(cfg, params, rest, graphdef, batches, outer, 2)
+    got, state = _train(cfg, MOE_MESH, sync, batches)
+    _close(got[-1], want, PARAM_ATOL, name)
+    assert _moved(got[0], got[-1]) > 1e-3  # the steps really moved the parameters
+    local = state.comm["local"]["params"]
+    for r, x in zip(jax.tree.leaves(local), jax.tree.leaves(_expert_leaves(cfg)), strict=True):
+        assert r.shape[0] == (4 if x else 8)
+
+
+# ---- bounded staleness on an MoE ------------------------------------------------------------
+
+
+def _stale_reference(grad, params, batches, s):
+    """One-device SGD whose update at step t applies the gradient of step t - s."""
+    history, grads = [params], []
+    for t, b in enumerate(batches):
+        grads.append(grad(history[t], b)[1])
+        if t >= s:
+            params = jax.tree.map(lambda p, g: p - LR * g, params, grads[t - s])
+        history.append(params)
+    return history
+
+
+@pytest.mark.pair("staleness", "moe-capacity")
+def test_staleness_on_an_moe_applies_the_gradient_of_s_steps_before():
+    cfg, graphdef, params, rest = _moe()
+    batches = _batches(3, seed=14)
+    want = _stale_reference(_loss_fn(graphdef, rest), params, batches, 2)
+    got, _ = _train(cfg, MOE_MESH, SyncConfig(staleness=2), batches)
+    for t in range(len(batches) + 1):
+        _close(got[t], want[t], PARAM_ATOL, f"step {t}")
+
+
+# ---- pipelines ------------------------------------------------------------------------------
+
+GPT = GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64)
+PIPE_MESH = "pipe=2,data=4"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _gpt():
+    graphdef, params, rest = nnx.split(build_model(GPT, seed=0), nnx.Param, ...)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def _pipeline(schedule):
+    return PipelineConfig(schedule=schedule, microbatches=2)
+
+
+@pytest.mark.parametrize(
+    "schedule", [pytest.param(s, marks=pytest.mark.pair("compression", s)) for s in SCHEDULES]
+)
+def test_codec_none_after_the_pipeline_loop_equals_one_device(schedule):
+    """The pipeline's loop runs inside the replicas' region; the replicas' gradients leave it
+    unreduced and the codec reduces them once, after the loop."""
+    graphdef, params, rest = _gpt()
+    batch = _batches(1, seed=21)[0]
+    want = _loss_fn(graphdef, rest)(params, batch)[1]
+    mesh = make_mesh(PIPE_MESH)
+    rules = rules_for("dp", mesh)
+    _, state, sh = init_train_state(lambda: build_model(GPT, seed=0), TX, mesh, rules)
+    sets = replica_sets(rules, mesh_sizes(mesh))
+    assert sets.axes == ("data",) and sets.stages == ("pipe",)
+    specs = jax.tree.map(lambda s: s.spec, sh.params)
+
+    def compute(params, rest, batch):
+        loss, grads = pipeline_loss_and_grads(
+            graphdef, params, rest, batch, config=_pipeline(schedule), mesh=mesh,
+            loss_fn=cross_entropy,
+        )  # fmt: skip
+        return (loss, (rest, {})), grads
+
+    @jax.jit
+    def run(params, rest, batch):
+        with activation_rules(mesh, rules):
+            return reduced_grads(
+                compute, params, rest, batch, None, mesh=mesh, axes=sets.axes,
+                codec=Codec(name="none"), error_feedback=False, param_specs=specs,
+                split=sets.split, stages=sets.stages,
+            )  # fmt: skip
+
+    _, grads, _ = run(state.params, state.rest, shard_batch(batch, mesh, rules))
+    for (where, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want), strict=True
+    ):
+        scale = float(np.abs(w).max())
+        assert scale > 0, where
+        np.testing.assert_allclose(
+            g, w, atol=GRAD_RTOL * scale, err_msg=jax.tree_util.keystr(where)
+        )
+
+
+@pytest.mark.parametrize(
+    "schedule", [pytest.param(s, marks=pytest.mark.pair("compression", s)) for s in SCHEDULES]
+)
+def test_int8_with_error_feedback_on_a_pipeline_is_within_the_codec_bound(schedule):
+    """As on the MoE: step 1 within two quantisations of the replicas' exact mean, three steps
+    within int8's rounding; one residual per data replica, each stage holding its layers'."""
+    graphdef, params, rest = _gpt()
+    batches = _batches(3, seed=22)
+    ref = _Replicas(GPT, params, rest, graphdef, d=4, e=1)
+    sends = [jax.tree.leaves(g) for _, g in ref.grads(batches[0])]
+    exact = ref.mean_grad(batches[0])
+    got, state = _train(
+        GPT, PIPE_MESH, SyncConfig(grad_compression="int8"), batches, _pipeline(schedule)
+    )
+    for i, (p0, p1, g) in enumerate(
+        zip(jax.tree.leaves(got[0]), jax.tree.leaves(got[1]), jax.tree.leaves(exact), strict=True)
+    ):
+        bound = 2 * max(float(np.abs(d[i]).max()) for d in sends) / 254 + 1e-7
+        moved = (np.asarray(p0) - np.asarray(p1)) / LR
+        assert float(np.abs(moved - g).max()) <= bound
+    want = params
+    for b in batches:
+        want = jax.tree.map(lambda p, g: p - LR * g, want, ref.mean_grad(b))
+    _close(got[-1], want, 2e-3, "step 3")
+    assert _moved(got[0], got[-1]) > 1e-3  # the steps really moved the parameters
+    residual = state.comm["residual"]
+    assert {r.shape[0] for r in jax.tree.leaves(residual)} == {4}
+    blocks = jax.tree.leaves(residual["blocks"])[0]
+    assert blocks.sharding.spec[:2] == ("data", "pipe")
+    assert max(float(jnp.abs(r).max()) for r in jax.tree.leaves(residual)) > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule"),
+    [
+        pytest.param("average", "gpipe", marks=pytest.mark.pair("local-sgd", "gpipe")),
+        pytest.param("average", "1f1b", marks=pytest.mark.pair("local-sgd", "1f1b")),
+        pytest.param("nesterov", "gpipe", marks=pytest.mark.pair("diloco", "gpipe")),
+        pytest.param("nesterov", "1f1b", marks=pytest.mark.pair("diloco", "1f1b")),
+    ],
+)
+def test_local_sgd_and_diloco_on_a_pipeline_equal_their_replicas_run_on_one_device(name, schedule):
+    graphdef, params, rest = _gpt()
+    batches = _batches(4, seed=23)
+    sync = SyncConfig(sync_every=2, outer_optimizer=name, outer_lr=0.7, outer_momentum=0.9)
+    outer = outer_optimizer(name, 0.7, 0.9)
+    want = _local_reference(GPT, params, rest, graphdef, batches, outer, 2, d=4, e=1)
+    got, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline(schedule))
+    _close(got[-1], want, PARAM_ATOL, f"{name} {schedule}")
+    assert _moved(got[0], got[-1]) > 1e-3  # the steps really moved the parameters
+
+
+@pytest.mark.pair("local-sgd", "accumulation")
+@pytest.mark.pair("compression", "accumulation")
+@pytest.mark.parametrize(
+    "sync",
+    [SyncConfig(sync_every=2), SyncConfig(grad_compression="int8")],
+    ids=["local-sgd", "int8"],
+)
+def test_accumulation_inside_the_replicas_pipelined_step_changes_nothing(sync):
+    """Two accumulated microbatches of each replica's rows (the plain GPT's loss is linear in
+    them): local SGD equals its replicas' run on one device; int8 equals the unaccumulated
+    int8 run within int8's rounding (2e-3, as the hsdp accumulation test)."""
+    graphdef, params, rest = _gpt()
+    batches = _batches(2, seed=26)
+    got, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline("gpipe"), accum=2)
+    if sync.local:
+        outer = outer_optimizer("average", 0.7, 0.9)
+        want = _local_reference(GPT, params, rest, graphdef, batches, outer, 2, d=4, e=1)
+        _close(got[-1], want, PARAM_ATOL, "local SGD")
+    else:
+        one, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline("gpipe"))
+        _close(got[-1], one[-1], 2e-3, "int8")
+    assert _moved(got[0], got[-1]) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "schedule", [pytest.param(s, marks=pytest.mark.pair("staleness", s)) for s in SCHEDULES]
+)
+def test_staleness_on_a_pipeline_applies_the_gradient_of_s_steps_before(schedule):
+    graphdef, params, rest = _gpt()
+    batches = _batches(4, seed=24)
+    want = _stale_reference(_loss_fn(graphdef, rest), params, batches, 2)
+    got, _ = _train(GPT, PIPE_MESH, SyncConfig(staleness=2), batches, _pipeline(schedule))
+    for t in range(len(batches) + 1):
+        _close(got[t], want[t], PARAM_ATOL, f"step {t}")
+
+
+# ---- context parallelism --------------------------------------------------------------------
+
+
+@pytest.mark.pair("staleness", "ring")
+def test_staleness_under_context_parallelism_applies_the_gradient_of_s_steps_before():
+    graphdef, params, rest = _gpt()
+    batches = _batches(3, seed=25)
+    want = _stale_reference(_loss_fn(graphdef, rest), params, batches, 1)
+    got, _ = _train(GPT, "seq=2,data=4", SyncConfig(staleness=1), batches)
+    for t in range(len(batches) + 1):
+        _close(got[t], want[t], PARAM_ATOL, f"step {t}")

@@ -2,8 +2,10 @@
 
 - An MoE over ``expert=2,data=4``: the step manual over the replicas is manual over data and
   expert, each device with its own rows; the dense weights are reduced over data and expert
-  (8 replicas), the expert weights over data (4). The reference is the one-device model run
-  on each device's rows (a router loss per device, as under accumulation), the dense weights
+  (8 replicas), the expert weights over data (4). Under compression the router's statistics
+  are reduced over those rows, so the reference is one device on the whole batch; under local
+  SGD each device trains a copy of its own between averages, so the reference is the
+  one-device model run on each device's rows (a router loss per device), the dense weights
   averaged over the 8 row blocks, the expert weights over the 4 data replicas.
 - ``pipe=2,data=4`` under gpipe and 1f1b: the pipeline's loop runs inside the replicas'
   region and the compressed reduction follows it; the reference is one device (the plain
@@ -207,7 +209,7 @@ def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(
     """Under hsdp the replicas are data (fsdp splits the weights) and expert as under dp."""
     cfg, graphdef, params, rest = _moe(dispatch)
     batch = _batches(1, seed=11)[0]
-    want = _Replicas(cfg, params, rest, graphdef, d=d).mean_grad(batch)
+    want = _loss_fn(graphdef, rest)(params, batch)[1]  # one device, the whole batch
     mesh = make_mesh(mesh_str)
     rules = rules_for(strategy, mesh)
     _, state, sh = init_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
@@ -254,7 +256,7 @@ def test_int8_with_error_feedback_on_an_moe_is_within_the_codec_bound(tmp_path):
     batches = _batches(2, seed=12)
     ref = _Replicas(cfg, params, rest, graphdef)
     grads = [g for _, g in ref.grads(batches[0])]
-    exact = ref.mean_grad(batches[0])
+    exact = _loss_fn(graphdef, rest)(params, batches[0])[1]  # one device, the whole batch
     got, state = _train(cfg, MOE_MESH, SyncConfig(grad_compression="int8"), batches)
     flat_is_expert = jax.tree.leaves(ref.is_expert)
     per_device = [jax.tree.leaves(g) for g in grads]
@@ -270,8 +272,8 @@ def test_int8_with_error_feedback_on_an_moe_is_within_the_codec_bound(tmp_path):
         assert float(np.abs(moved - g).max()) <= bound
     want = [params]
     for b in batches:
-        ref.restart(want[-1])
-        want.append(jax.tree.map(lambda p, g: p - LR * g, want[-1], ref.mean_grad(b)))
+        grad = _loss_fn(graphdef, rest)(want[-1], b)[1]
+        want.append(jax.tree.map(lambda p, g: p - LR * g, want[-1], grad))
     _close(got[-1], want[-1], 2e-3, "step 2")
     assert _moved(got[0], got[-1]) > 1e-3  # the steps really moved the parameters
     # one residual per replica: 8 for a dense weight, 4 for an expert weight
@@ -428,7 +430,7 @@ def test_int8_with_error_feedback_on_a_pipeline_is_within_the_codec_bound(schedu
     batches = _batches(3, seed=22)
     ref = _Replicas(GPT, params, rest, graphdef, d=4, e=1)
     sends = [jax.tree.leaves(g) for _, g in ref.grads(batches[0])]
-    exact = ref.mean_grad(batches[0])
+    exact = _loss_fn(graphdef, rest)(params, batches[0])[1]  # one device, the whole batch
     got, state = _train(
         GPT, PIPE_MESH, SyncConfig(grad_compression="int8"), batches, _pipeline(schedule)
     )

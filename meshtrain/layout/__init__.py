@@ -31,6 +31,8 @@ from meshtrain.layout.manual import (
     manual_axes,
     manual_in_layout,
     manual_region,
+    rows_apart,
+    rows_are_apart,
     varying,
 )
 from meshtrain.layout.resolve import named, resolve, state_problems, state_specs
@@ -73,6 +75,8 @@ __all__ = [
     "batch_spec",
     "constrain",
     "manual_axes",
+    "rows_apart",
+    "rows_are_apart",
     "manual_in_layout",
     "manual_region",
     "merge_microbatches",

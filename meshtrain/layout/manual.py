@@ -9,7 +9,9 @@ axes their inputs are split on; expert and context parallelism will be manual ov
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import jax
 from jax import lax
@@ -21,6 +23,27 @@ from meshtrain._compat import varies_over
 def manual_axes() -> frozenset[str]:
     """The mesh axes that are manual where this is traced (empty outside any region)."""
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+_APART = threading.local()
+
+
+@contextlib.contextmanager
+def rows_apart() -> Iterator[None]:
+    """Inside it, each device's rows belong to a model copy of its own (local SGD's replicas
+    between synchronisations): statistics over the rows (an MoE's router losses) stay per
+    device instead of being reduced over the manual batch axes."""
+    before = getattr(_APART, "on", False)
+    _APART.on = True
+    try:
+        yield
+    finally:
+        _APART.on = before
+
+
+def rows_are_apart() -> bool:
+    """Whether this is traced inside `rows_apart`."""
+    return getattr(_APART, "on", False)
 
 
 def varying(tree, axes: Iterable[str] | None = None):

@@ -2,8 +2,9 @@
 
 Everything here is plain jnp on global arrays, so it means the same under every layout. Inside
 a region manual over batch axes (a pipeline stage, whose rows are split over the replica and
-``expert`` axes) the losses and statistics are reduced over those axes, so they still describe
-every row the region sees as one batch.
+``expert`` axes, or the replicas' own step of gradient compression) the losses and statistics
+are reduced over those axes, so they still describe every row the region sees as one batch;
+between local SGD's synchronisations (`meshtrain.layout.rows_apart`) each device keeps its own.
 Shape suffixes: B batch rows, T positions, E experts, K choices per token (top-k), C capacity
 slots per expert and sequence.
 """
@@ -16,14 +17,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshtrain.layout import active, manual_axes
+from meshtrain.layout import active, manual_axes, rows_are_apart
 from meshtrain.models.moe_dispatch import Routing
 
 
 def _row_axes() -> tuple[str, ...]:
     """The manual batch axes the rows here are split over (none outside a manual region)."""
     layout, manual = active(), manual_axes()
-    if layout is None or not manual:
+    if layout is None or not manual or rows_are_apart():  # local SGD: each device its own
         return ()
     return tuple(a for a in layout.rules.batch_axes(dict(layout.mesh.shape)) if a in manual)
 

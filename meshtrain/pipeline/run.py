@@ -117,7 +117,7 @@ class _Cut:
         """The blocks' specs over the region's manual axes: ``layers`` over pipe, and any
         dimension the rules split over another manual axis (experts over expert)."""
         layout = active()
-        if layout is None:
+        if layout is None or manual <= manual_axes():  # no region to make (see `_over_pipe`)
             return jax.tree.map(lambda _: P(PIPE), nnx.to_pure_dict(self.blocks_state))
 
         def keep(spec: P) -> P:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import axes_of, manual_region
+from meshtrain.layout import axes_of, manual_region, rows_apart
 from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.config import OUTER_OPTIMIZERS
 from meshtrain.replicas.sets import ReplicaSets
@@ -190,7 +190,8 @@ def local_step(
 
     def inner(params_r, opt_r, rest, batch_r):
         params_r, opt_r = own(params_r), own(opt_r)
-        (loss, (new_rest, extra)), grads = compute(params_r, rest, batch_r)
+        with rows_apart():  # each device trains a copy of its own until the next average
+            (loss, (new_rest, extra)), grads = compute(params_r, rest, batch_r)
         loss, new_rest, extra = settled((loss, new_rest, extra), sets.stages)
         grads = settled(grads, sets.stages, specs)
         # A leaf split over a sync axis holds the gradient of every row its shard served.

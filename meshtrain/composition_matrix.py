@@ -99,24 +99,7 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
 
 # Cells found not to work (cell → the configuration and the error), until a fix lands or a
 # refusal row names them.
-KNOWN_GAPS: dict[Cell, str] = {
-    ("packed", "compression"): (
-        "a packed GPT with --grad-compression bf16 on data=8 (dp): each replica averages its "
-        "loss over its own real tokens, so the exchanged gradient weighs the replicas' tokens "
-        "unequally; the updates differ from one device's by far more than the codec's rounding "
-        "(the same run without packing matches within 2%)"
-    ),
-    ("packed", "local-sgd"): (
-        "a packed GPT with --sync-every 1 on data=4,tensor=2 (dp+tp): each replica's loss is "
-        "the mean over its own real tokens, not the global batch's (loss 4.14558 against "
-        "4.14533 on one device); without packing it matches synchronous SGD"
-    ),
-    ("packed", "diloco"): (
-        "a packed GPT with --sync-every 1 --outer-optimizer nesterov on data=4,tensor=2 "
-        "(dp+tp): as with local SGD, each replica's loss is the mean over its own real tokens "
-        "(loss 4.16725 against 4.16781 on one device)"
-    ),
-}
+KNOWN_GAPS: dict[Cell, str] = {}
 
 # Combinations of more than two features found not to work, though each of their pairs does.
 KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {

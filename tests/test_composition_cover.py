@@ -667,6 +667,30 @@ CASES = [
         ],
         id="zero1+tp-pallas-diloco",
     ),
+    # packed documents beside the replicas' own step: each device's share of the real tokens
+    pytest.param(
+        Case("data=8", "dp", packed=True, sync=SyncConfig(grad_compression="bf16")),
+        marks=[
+            pair("dp", "packed"), pair("dp", "compression"), pair("packed", "compression"),
+        ],
+        id="dp-packed-compression",
+    ),
+    pytest.param(
+        Case("data=4,tensor=2", "dp+tp", packed=True, sync=SyncConfig(sync_every=1)),
+        marks=[
+            pair("dp", "tp"), pair("dp", "packed"), pair("dp", "local-sgd"),
+            pair("tp", "packed"), pair("tp", "local-sgd"), pair("packed", "local-sgd"),
+        ],
+        id="dp+tp-packed-local-sgd",
+    ),
+    pytest.param(
+        Case("data=8", "zero1", packed=True,
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov")),
+        marks=[
+            pair("zero1", "packed"), pair("zero1", "diloco"), pair("packed", "diloco"),
+        ],
+        id="zero1-packed-diloco",
+    ),
     # cuDNN attention (on CPU: jax's XLA implementation of the same call, see the test)
     pytest.param(
         Case("data=4,tensor=2", "dp+tp", cudnn=True, remat=True, accum=2, bf16=True, resume=True),

@@ -187,20 +187,21 @@ def _close(got, want, atol, what=""):
 # ---- gradient compression on an MoE -------------------------------------------------------
 
 
-def _compression(other):
-    """The marker of the pair compression × `other`."""
-    return pytest.mark.pair("compression", other)
-
-
 HSDP_MOE = "data=2,fsdp=2,expert=2"
 
 
 @pytest.mark.parametrize(
     ("mesh_str", "strategy", "d", "dispatch"),
     [
-        pytest.param(MOE_MESH, "dp", 4, "capacity", marks=_compression("moe-capacity")),
-        pytest.param(MOE_MESH, "dp", 4, "dropless", marks=_compression("moe-dropless")),
-        pytest.param(HSDP_MOE, "hsdp", 2, "capacity", marks=_compression("moe-capacity")),
+        pytest.param(
+            MOE_MESH, "dp", 4, "capacity", marks=pytest.mark.pair("compression", "moe-capacity")
+        ),
+        pytest.param(
+            MOE_MESH, "dp", 4, "dropless", marks=pytest.mark.pair("compression", "moe-dropless")
+        ),
+        pytest.param(
+            HSDP_MOE, "hsdp", 2, "capacity", marks=pytest.mark.pair("compression", "moe-capacity")
+        ),
     ],
 )
 def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(
@@ -321,6 +322,8 @@ def _local_reference(cfg, params, rest, graphdef, batches, outer, h, d=4, e=2):
     [
         pytest.param("average", "capacity", marks=pytest.mark.pair("local-sgd", "moe-capacity")),
         pytest.param("nesterov", "dropless", marks=pytest.mark.pair("diloco", "moe-dropless")),
+        pytest.param("average", "dropless", marks=pytest.mark.pair("local-sgd", "moe-dropless")),
+        pytest.param("nesterov", "capacity", marks=pytest.mark.pair("diloco", "moe-capacity")),
     ],
 )
 def test_local_sgd_and_diloco_on_an_moe_equal_their_replicas_run_on_one_device(name, dispatch):

@@ -201,9 +201,12 @@ def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
     mean over the real tokens of the whole batch: each microbatch's task loss is weighted by
     ``accum_steps × its real tokens / the batch's``, so the mean of the microbatches is that
     of the whole batch (auxiliary terms, an MoE's router losses, keep weight 1/accum_steps).
+    Inside the replicas' own step each device sees its rows only, and its share is taken of
+    the real tokens of every device's rows, so the replicas' mean is the whole batch's too.
     """
     if accum_steps == 1:
-        return grad_fn(params, rest, batch)
+        shares = _token_shares({k: x[None] for k, x in batch.items()}, 1)
+        return grad_fn(params, rest, batch, None if shares is None else shares[0])
 
     def accumulate(carry, mb_share):
         loss_sum, grad_sum, rest, extra_sum = carry
@@ -241,7 +244,19 @@ def _token_shares(microbatches: Mapping[str, jax.Array], accum_steps: int) -> ja
     if mask is None:
         return None
     counts = mask.reshape(accum_steps, -1).sum(1).astype(jnp.float32)
-    return accum_steps * counts / jnp.maximum(counts.sum(), 1.0)
+    total, devices = counts.sum(), 1
+    rows = _manual_rows()
+    if rows:  # each device holds its rows only: the batch's count is every device's
+        total, devices = jax.lax.psum(total, rows), jax.lax.psum(1, rows)
+    return accum_steps * devices * counts / jnp.maximum(total, 1.0)
+
+
+def _manual_rows() -> tuple[str, ...]:
+    """The batch axes this is traced manual over (the replicas' own step), else ()."""
+    active, manual = layout.active(), layout.manual_axes()
+    if active is None or not manual:
+        return ()
+    return tuple(a for a in active.rules.batch_axes(mesh_sizes(active.mesh)) if a in manual)
 
 
 def _replica_layout(field: str) -> dict:

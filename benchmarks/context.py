@@ -209,6 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="draw the memory lines read from stdin to this PNG; no compile")
     ap.add_argument("--half", action="store_true", help="only the half-work ring case")
     ap.add_argument("--flash", action="store_true", help="only the ring with the Pallas kernel")
+    ap.add_argument(
+        "--segments", action="store_true", help="only each algorithm without and with segment ids"
+    )
     args = ap.parse_args(argv)
     if args.plot:
         return plot([json.loads(line) for line in sys.stdin if line.strip()], args.plot)
@@ -218,6 +221,9 @@ def main(argv=None) -> int:
         return 0
     if args.flash:
         flash_lines(quick, jax.devices()[0].device_kind)
+        return 0
+    if args.segments:
+        segment_lines(quick, jax.devices()[0].device_kind)
         return 0
     lengths = [128, 256] if quick else [512, 1024, 2048]
     seqs = [1, 2, 4] if quick else [1, 2, 4, 8]
@@ -308,6 +314,39 @@ def flash_lines(quick: bool, device: str):
         line.update(kernel=kernel if impl == "pallas" else "none", compile_s=seconds)
         line.update(device=device, jax=jax.__version__)
         print(json.dumps(line), flush=True)
+
+
+def segments_program(algorithm, n, B, T, H, G, K, *, segmented: bool):
+    """The compiled forward + backward of one causal context-parallel attention call on the
+    zig-zag layout, with (a packed batch's) or without segment ids."""
+    mesh = make_mesh(f"seq={n}", devices=jax.devices()[:n])
+    idx = cp.order(T, n)
+    q = jax.ShapeDtypeStruct((B, T, H, K), jnp.float32)
+    kv = jax.ShapeDtypeStruct((B, T, G, K), jnp.float32)
+    seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss(q, k, v, w, seg):
+        ids = seg if segmented else None
+        o = cp.context_attention(q, k, v, idx, mesh=mesh, algorithm=algorithm, segment_ids=ids)
+        return (o * w).sum()
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2))).lower(q, kv, kv, q, seg).compile()
+
+
+def segment_lines(quick: bool, device: str):
+    """One JSON line per algorithm and with/without segment ids: compiled temp memory per
+    device (T = 1024 on seq = 4, jnp blocks; quick: T = 128)."""
+    B, H, G, K = 1, 8, 2, 64
+    T, n = (128, 4) if quick else (1024, 4)
+    for algorithm in cp.ALGORITHMS:
+        for segmented in (False, True):
+            compiled = segments_program(algorithm, n, B, T, H, G, K, segmented=segmented)
+            line = dict(case="segments", algorithm=algorithm, segment_ids=segmented, T=T, seq=n)
+            line.update(heads=H, kv_heads=G, head_dim=K)
+            line.update(temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+            line.update(device=device, jax=jax.__version__)
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def test_markers_are_read_from_decorators_params_and_names(tmp_path):
                 def test_c(self):
                     pass
 
-            def helper():  # not a test: its marks count for nothing
+            def build_marks():  # not a test: its marks count for nothing
                 pytest.mark.pair("zero1", "remat")
 
             SCHEDULES = ("gpipe", "1f1b")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from meshtrain.layout import rules_for
+from meshtrain.layout import alternatives, axes_of, rules_for
 from meshtrain.mesh import AXES, EXPERT, PIPE, SEQ
 from meshtrain.models import families
 from meshtrain.models.base import DataSpec
@@ -103,6 +103,14 @@ def _no_replicas(run: RunSpec) -> bool:
     """The rules split the parameters over every batch axis (e.g. fsdp): no replicas."""
     rules = run.rules or rules_for("auto", run.sizes)
     return not rules.replica_axes(run.sizes)
+
+
+def _fsdp_and_tensor(run: RunSpec) -> bool:
+    """The rules split the parameters over both fsdp and tensor (hsdp+tp on fsdp, tensor > 1)."""
+    rules = run.rules or rules_for("auto", run.sizes)
+    named = {a for e in rules.params.values() for o in alternatives(e) for a in axes_of(o)}
+    split = {a for a in ("fsdp", "tensor") if _axis(run, a) > 1 and a in named}
+    return split == {"fsdp", "tensor"} and bool(rules.replica_axes(run.sizes))
 
 
 def _mesh_value(axis: str) -> Callable[[RunSpec], int]:
@@ -383,6 +391,33 @@ REFUSALS: tuple[Refusal, ...] = (
             model=_gpt(attention_impl="cudnn", d_model=256),
         ),
         cells=_cells(("cudnn",), ("compression", "local-sgd", "diloco")),
+    ),
+    Refusal(
+        "the replicas' own step (gradient compression, local SGD, DiLoCo)",
+        "hsdp with tensor parallelism",
+        "XLA's SPMD partitioner aborts compiling that step when fsdp and tensor both split the "
+        "parameters inside it (a failed check in spmd_partitioner_util)",
+        lambda run: (_compresses(run) or _local(run)) and _fsdp_and_tensor(run),
+        "strategy",
+        "use dp+tp or zero1+tp (or hsdp without tensor) with --grad-compression or --sync-every",
+        lambda run: (run.rules or rules_for("auto", run.sizes)).name,
+        _sync_example(
+            {"grad_compression": "int8"},
+            {},
+            mesh={"data": 2, "fsdp": 2, "tensor": 2},
+            rules="hsdp+tp",
+        ),
+    ),
+    Refusal(
+        "local SGD",
+        "pipelines with global-norm clipping",
+        "local SGD's inner optimizer runs inside the replicas' region, where each stage holds "
+        "only its own layers, so the gradient's global norm would be one stage's",
+        lambda run: _local(run) and _axis(run, PIPE) > 1 and run.optim.clip_norm > 0,
+        "optim.clip_norm",
+        "set --clip-norm 0 beside --sync-every on pipe > 1, or set pipe=1",
+        lambda run: run.optim.clip_norm,
+        _sync_example({"sync_every": 4}, {}, mesh={"pipe": 2, "data": 4}),
     ),
     Refusal(
         "local SGD",

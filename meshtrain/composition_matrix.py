@@ -102,18 +102,7 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
 KNOWN_GAPS: dict[Cell, str] = {}
 
 # Combinations of more than two features found not to work, though each of their pairs does.
-KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {
-    ("hsdp", "tp", "local-sgd"): (
-        "--sync-every 1 on data=2,fsdp=2,tensor=2 with hsdp+tp: XLA's SPMD partitioner aborts "
-        "while compiling the train step (spmd_partitioner_util.cc: 'Check failed: "
-        "partition_group_list.num_replica_groups() * ... == device_groups."
-        "num_devices_per_group()'); hsdp alone and dp+tp compile and match"
-    ),
-    ("hsdp", "tp", "diloco"): (
-        "--sync-every 1 --outer-optimizer nesterov on data=2,fsdp=2,tensor=2 with hsdp+tp: the "
-        "same abort of XLA's SPMD partitioner; hsdp alone and zero1+tp compile and match"
-    ),
-}
+KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {}
 
 
 def cell(a: str, b: str) -> Cell:

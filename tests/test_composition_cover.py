@@ -7,7 +7,7 @@ the composition matrix that no feature's own tests cover.
 Tolerances: float32 as the context-parallel GPT tests (loss 1e-5, parameters 5e-5 absolute
 after plain SGD steps of lr 0.1, which move them by ~1e-2); bf16 compute as the
 context-parallel CLI test (2e-2 on the loss) and, on the parameters, each leaf's update within
-5% in relative Frobenius norm (bf16 rounds each product to ~0.4% and the 8-device run sums in
+8% in relative Frobenius norm (bf16 rounds each product to ~0.4% and the 8-device run sums in
 another order; in an MoE a token near a routing tie may pick another expert); the bf16 codec
 of gradient compression rounds the exchanged gradient twice (<= 0.8% of it), so each entry of
 an update is held to 2% of the leaf's largest. With ``resume``, the 8-device state is saved and
@@ -71,7 +71,7 @@ MOE = MoEConfig(
     vocab_multiple=16, max_seq_len=T, capacity_factor=4.0,
 )  # fmt: skip
 LOSS_ATOL, PARAM_ATOL = 1e-5, 5e-5  # float32
-BF16_LOSS_ATOL, BF16_UPDATE_RTOL = 2e-2, 5e-2
+BF16_LOSS_ATOL, BF16_UPDATE_RTOL = 2e-2, 8e-2
 CODEC_UPDATE_RTOL = 2e-2
 
 

@@ -170,7 +170,7 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
         # experts; exchange with the other expert shards directly (a region nested here could
         # not be differentiated); the other axes stay automatic.
         return local(x_BTD, routing, weights, axis=EXPERT if shards > 1 else None, shards=shards)
-    inside = manual & {EXPERT, *layout.rules.batch_axes(dict(layout.mesh.shape))}
+    inside = manual & {EXPERT, *layout.rules.batch_axes({a: axis_size(a) for a in manual})}
     if inside:
         raise ValueError(
             f"the expert dispatch inside a region manual over {', '.join(sorted(inside))} "

@@ -136,7 +136,8 @@ def train_step(
             )
             if share is not None:  # accumulated packed microbatches: see `_accumulated`
                 loss, grads = loss * share, jax.tree.map(lambda g: g * share, grads)
-                extra = {**extra, "task_loss": extra["task_loss"] * share}
+                if "task_loss" in extra:
+                    extra = {**extra, "task_loss": extra["task_loss"] * share}
             return (loss, (rest, extra)), grads
 
     def compute(params, rest, batch):

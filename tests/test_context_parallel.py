@@ -81,8 +81,8 @@ def _ring_region(mesh, n, T, causal, window, **flags):
     """`ring` in a region manual over seq, on global arrays in the zig-zag order (the form
     `context_attention` runs), with the given ring flags."""
     idx = jnp.asarray(cp.order(T, n) if causal else np.arange(T))
-    opts = blocks.Options(causal, window)
-    fn = lambda q, k, v, p: ring.ring(q, k, v, p, p, "seq", opts, **flags)  # noqa: E731
+    opts = blocks.Options(causal, window, **flags)
+    fn = lambda q, k, v, p: ring.ring(q, k, v, p, p, "seq", opts)  # noqa: E731
     seq = jax.P(None, "seq")
     region = manual_region(
         fn, mesh=mesh, axes={"seq"}, in_specs=(seq, seq, seq, jax.P("seq")), out_specs=seq

@@ -110,7 +110,15 @@ def test_half_work_ring_with_segments_equals_plain_attention(leaf):
     def run(q, k, v, idx, seg):
         def per_device(q, k, v, pos, seg):
             return ring.ring(
-                q, k, v, pos, pos, "seq", opts, True, leaf, q_segments=seg, k_segments=seg
+                q,
+                k,
+                v,
+                pos,
+                pos,
+                "seq",
+                opts._replace(halve=True, leaf=leaf),
+                q_segments=seg,
+                k_segments=seg,
             )
 
         region = manual_region(

@@ -59,13 +59,21 @@ def scores(q_BTHK: jax.Array, k_BSGK: jax.Array, ok_TS) -> jax.Array:
 IMPLS = ("xla", "pallas")
 
 
+LEAF = 128  # the half-work own block halves its diagonals while the halves keep ≥ LEAF rows
+
+
 class Options(NamedTuple):
     """How attention is computed, block by block: the causal mask, its sliding window (keys
-    (t − window, t] with `causal`; None: all earlier), and the block impl (`IMPLS`)."""
+    (t − window, t] with `causal`; None: all earlier), the block impl (`IMPLS`), and for the
+    ring whether it computes only the causally visible half of each block (`halve`: exact only
+    for causal attention on the zig-zag positions, see `ring.for_positions`) and the fewest
+    rows a halved diagonal keeps (`leaf`)."""
 
     causal: bool = True
     window: int | None = None
     impl: str = "xla"
+    halve: bool = False
+    leaf: int = LEAF
 
 
 def attend(
@@ -80,7 +88,7 @@ def attend(
     `k_segments` ([B, T] and [B, S] integers, both or neither) keep each query to keys of its
     own segment (packed documents).
     """
-    causal, window, impl = opts
+    causal, window, impl = opts.causal, opts.window, opts.impl
     check_impl(impl)
     if impl == "pallas":
         return flash.block_forward(
@@ -120,13 +128,15 @@ def delta(o_BTHK, do_BTHK, groups: int) -> jax.Array:
 
 
 def grads(
-    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, do_BTHK, lse_BGRT, delta_BGRT,
-    opts: Options, *, q_segments=None, k_segments=None,
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, upstream, opts: Options, *, q_segments=None,
+    k_segments=None,
 ):  # fmt: skip
-    """One block's contributions to the gradients, from the whole attention's `lse` and
-    `delta`: ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32; segments
-    as `attend`'s."""
-    causal, window, impl = opts
+    """One block's contributions to the gradients, from ``upstream = (do [B, T, H, K], lse
+    [B, G, R, T], delta [B, G, R, T])`` (the output's cotangent and the whole attention's lse
+    and `delta`): ``(dq [B, T, H, K], dk [B, S, G, K], dv [B, S, G, K])``, all float32;
+    segments as `attend`'s."""
+    do_BTHK, lse_BGRT, delta_BGRT = upstream
+    causal, window, impl = opts.causal, opts.window, opts.impl
     check_impl(impl)
     if impl == "pallas":
         return flash.block_backward(

@@ -100,7 +100,7 @@ def _allgather_bwd(axis, opts, res, do_BTHK):
     q_seg, k_seg_all = _gathered_segments(segs, axis, queries=False)
     delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
     dq, dk_all, dv_all = blocks.grads(
-        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), do_BTHK, lse_BGRT, delta_BGRT, opts,
+        q, k_all, v_all, q_pos, _gather(k_pos, axis, 0), (do_BTHK, lse_BGRT, delta_BGRT), opts,
         **_segment_kw(q_seg, k_seg_all),
     )  # fmt: skip
     # Each device's queries touched every key: the owners sum the contributions.
@@ -169,7 +169,7 @@ def _ulysses_bwd(axis, opts, res, do_BTHK):
     do_h = _to_heads(do_BTHK, axis)
     delta_BGRT = blocks.delta(o_h, do_h, k_h.shape[2])
     dq_h, dk_h, dv_h = blocks.grads(
-        q_h, k_h, v_h, q_pos_all, k_pos_all, do_h, lse_BGRT, delta_BGRT, opts,
+        q_h, k_h, v_h, q_pos_all, k_pos_all, (do_h, lse_BGRT, delta_BGRT), opts,
         **_segment_kw(*seg_all),
     )  # fmt: skip
     dq, dk, dv = (_to_sequence(x, axis) for x in (dq_h, dk_h, dv_h))

@@ -11,8 +11,8 @@ Why a custom VJP rather than autodiff of the ring: autodiff keeps every step's p
 custom backward keeps only q, k, v, the output and the log-sum-exp, and recomputes each
 step's scores. The Context parallelism guide gives the compiled memory of both.
 
-Half work (``halve=True``, causal attention on the zig-zag layout only): each hop computes the
-half of the block that the causal mask leaves visible, as two [T/2n, T/2n] pieces whose
+Half work (``Options(halve=True)``, causal attention on the zig-zag layout only): each hop
+computes the half of the block that the causal mask leaves visible, as two [T/2n, T/2n] pieces whose
 offsets follow from the device index and the hop (`zigzag.step_groups`), and the own block
 skips its masked quarter and most of its two diagonals (`zigzag.own_groups`). Every piece is
 one call of `blocks.attend` (forward) or `blocks.grads` (backward) on static-shaped slices,
@@ -38,7 +38,7 @@ from meshtrain.context_parallel import blocks, zigzag
 from meshtrain.context_parallel.blocks import Options
 from meshtrain.context_parallel.zigzag import Piece
 
-LEAF = 128  # the half-work own block halves its diagonals while the halves keep ≥ LEAF rows
+LEAF = blocks.LEAF  # the half-work own block halves its diagonals while halves keep ≥ LEAF rows
 
 
 def _shift(x, axis: str, n: int):
@@ -102,9 +102,11 @@ def _piece_segments(q_seg, k_seg, qs, ks, nq: int, nk: int) -> dict:
     return {"q_segments": _stacked(q_seg, qs, nq, 1), "k_segments": _stacked(k_seg, ks, nk, 1)}
 
 
-def _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block, q_seg=None, k_seg=None):
-    """(o, lse) with every piece of `groups` attended and merged in; (None, None) start from the
-    first group, which must then be one piece spanning the block."""
+def _attend_groups(groups, q, k, v, q_pos, k_pos, acc, block, segs=(None, None)):
+    """``acc = (o, lse)`` with every piece of `groups` attended and merged in; (None, None)
+    start from the first group, which must then be one piece spanning the block; `segs` the
+    (query's, keys') segment ids or Nones."""
+    (o, lse), (q_seg, k_seg) = acc, segs
     for group in groups:
         first, nq, nk = group[0], group[0].nq, group[0].nk
         qs, ks = [p.q for p in group], [p.k for p in group]
@@ -132,23 +134,23 @@ def _start(q, groups: int, plan):
     return jnp.zeros_like(q, jnp.float32), lse
 
 
-def _forward(q, k, v, q_pos, k_pos, axis, opts, halve=False, leaf=LEAF, segs=None):
+def _forward(q, k, v, q_pos, k_pos, axis, opts, segs=None):
     """(out float32, lse) of the ring: the own block, then n − 1 hops of k, v and their
     positions (and segment ids: `segs` = (query's, keys') or None), one step at a time (a
     scan, so one step's scores are live at once)."""
-    _check_halve(halve, opts.causal, q.shape[1])
+    _check_halve(opts.halve, opts.causal, q.shape[1])
     n, i = lax.axis_size(axis), lax.axis_index(axis)
     block = functools.partial(blocks.attend, opts=opts)
-    own, hop_groups = _plans(q.shape[1], halve, leaf)
+    own, hop_groups = _plans(q.shape[1], opts.halve, opts.leaf)
     q_seg, k_seg = (None, None) if segs is None else segs
     o, lse = _start(q, k.shape[2], own)
-    o, lse = _attend_groups(own, q, k, v, q_pos, k_pos, o, lse, block, q_seg, k_seg)
+    o, lse = _attend_groups(own, q, k, v, q_pos, k_pos, (o, lse), block, (q_seg, k_seg))
 
     def hop(carry, step):
         k, v, k_pos, k_seg, o, lse = carry
         k, v, k_pos, k_seg = (_shift(x, axis, n) for x in (k, v, k_pos, k_seg))
         groups = hop_groups(i, (i - step) % n)  # the block in hand came from device i − step
-        o, lse = _attend_groups(groups, q, k, v, q_pos, k_pos, o, lse, block, q_seg, k_seg)
+        o, lse = _attend_groups(groups, q, k, v, q_pos, k_pos, (o, lse), block, (q_seg, k_seg))
         return (k, v, k_pos, k_seg, o, lse), None
 
     steps = jnp.arange(1, n, dtype=jnp.int32)
@@ -166,8 +168,7 @@ def _check_halve(halve: bool, causal: bool, rows: int) -> None:
 
 
 def ring(
-    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, halve=False, leaf=LEAF, *,
-    q_segments=None, k_segments=None,
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, *, q_segments=None, k_segments=None
 ):  # fmt: skip
     """Attention of this device's queries against the keys of every device on `axis`.
 
@@ -178,12 +179,12 @@ def ring(
         k_BSGK, v_BSGK: this device's keys and values.
         q_pos_T, k_pos_S: the global positions of those queries and keys (int32).
         axis: the manual mesh axis the sequence is split over.
-        opts: the causal mask, its window and how each block is computed (`blocks.Options`).
-        halve: compute only the causally visible half of each block (about half the work,
-            no more memory). Exact only for causal attention with the positions of
-            ``zigzag.order(T, n)``: pass ``for_positions``' choice, never a guess.
-        leaf: with `halve`, the own block's causal diagonals are halved while the halves keep
-            at least this many rows.
+        opts: the causal mask, its window, how each block is computed, and the half-work
+            plan (`blocks.Options`): with ``halve`` only the causally visible half of each
+            block is computed (about half the work, no more memory), exact only for causal
+            attention with the positions of ``zigzag.order(T, n)`` (pass ``for_positions``'
+            choice, never a guess); with it the own block's causal diagonals are halved while
+            the halves keep at least ``leaf`` rows.
         q_segments, k_segments: this device's [B, T] segment ids of the queries and of the
             keys (int32, both or neither; self-attention passes the same array twice): a
             query sees only keys of its own segment (packed documents). None: no segments.
@@ -194,13 +195,13 @@ def ring(
     if (q_segments is None) != (k_segments is None):
         raise ValueError("ring: give both q_segments and k_segments, or neither")
     segs = None if q_segments is None else (q_segments, k_segments)
-    return _ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, segs, axis, opts, halve, leaf)
+    return _ring(q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, segs, axis, opts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _ring(q, k, v, q_pos, k_pos, segs, axis, opts, halve, leaf):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ring(q, k, v, q_pos, k_pos, segs, axis, opts):
     """`ring` with its segment ids as one argument (None or a pair), under its custom VJP."""
-    o, _ = _forward(q, k, v, q_pos, k_pos, axis, opts, halve, leaf, segs)
+    o, _ = _forward(q, k, v, q_pos, k_pos, axis, opts, segs)
     return o.astype(v.dtype)
 
 
@@ -221,20 +222,25 @@ def for_positions(positions_T, n: int, opts: Options):
         A function with `ring`'s positional arguments.
     """
     halve = bool(opts.causal) and opts.impl == "xla" and zigzag.is_balanced(positions_T, n)
-    return functools.partial(ring, halve=halve)
+    return functools.partial(_planned, halve=halve)
 
 
-def _ring_fwd(q, k, v, q_pos, k_pos, segs, axis, opts, halve, leaf):
-    o, lse = _forward(q, k, v, q_pos, k_pos, axis, opts, halve, leaf, segs)
+def _planned(q, k, v, q_pos, k_pos, axis, opts, *, halve: bool, **segments):
+    """`ring` with ``opts.halve`` set to `halve` (`for_positions`' choice)."""
+    return ring(q, k, v, q_pos, k_pos, axis, opts._replace(halve=halve), **segments)
+
+
+def _ring_fwd(q, k, v, q_pos, k_pos, segs, axis, opts):
+    o, lse = _forward(q, k, v, q_pos, k_pos, axis, opts, segs)
     o = o.astype(v.dtype)
     return o, (q, k, v, q_pos, k_pos, segs, o, lse)
 
 
-def _ring_bwd(axis, opts, halve, leaf, res, do_BTHK):
+def _ring_bwd(axis, opts, res, do_BTHK):
     q, k, v, q_pos, k_pos, segs, o, lse_BGRT = res
     n, i = lax.axis_size(axis), lax.axis_index(axis)
     delta_BGRT = blocks.delta(o, do_BTHK, k.shape[2])
-    own, hop_groups = _plans(q.shape[1], halve, leaf)
+    own, hop_groups = _plans(q.shape[1], opts.halve, opts.leaf)
     q_seg, k_seg = (None, None) if segs is None else segs
 
     def grads(groups, k, v, k_pos, k_seg, dq, dk, dv):
@@ -246,8 +252,8 @@ def _ring_bwd(axis, opts, halve, leaf, res, do_BTHK):
             parts = blocks.grads(
                 _stacked(q, qs, nq, 1), _stacked(k, ks, nk, 1), _stacked(v, ks, nk, 1),
                 _rows(q_pos, first.q, nq, 0), _rows(k_pos, first.k, nk, 0),
-                _stacked(do_BTHK, qs, nq, 1), _stacked(lse_BGRT, qs, nq, 3),
-                _stacked(delta_BGRT, qs, nq, 3), opts,
+                (_stacked(do_BTHK, qs, nq, 1), _stacked(lse_BGRT, qs, nq, 3),
+                 _stacked(delta_BGRT, qs, nq, 3)), opts,
                 **_piece_segments(q_seg, k_seg, qs, ks, nq, nk),
             )  # fmt: skip
             dq_g, dk_g, dv_g = (_unstack(x, len(group)) for x in parts)

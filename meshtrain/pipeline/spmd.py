@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,20 @@ AXIS = PIPE
 
 # (chunk params [Lc, ...], x [b, T, D], side {name: [b, T]}) -> (y [b, T, D], stats {name: []})
 StageFn = Callable[[dict, jax.Array, dict], tuple[jax.Array, dict]]
+
+
+class Microbatches(NamedTuple):
+    """The per-microbatch inputs of `one_f_one_b` (the same on every stage).
+
+    Attributes:
+        x: embedded microbatches [M, b, T, D].
+        side: side inputs of the stages, leading dims [M, b].
+        labels: inputs of the head (its targets), leading dims [M, b].
+    """
+
+    x: jax.Array
+    side: dict
+    labels: dict
 
 
 def _fill(x: jax.Array, poison: bool) -> jax.Array:
@@ -179,9 +194,7 @@ def one_f_one_b(
     head_fn: Callable[[dict, jax.Array, dict], jax.Array],
     chunk: dict,
     head: dict,
-    x_MbTD: jax.Array,
-    side_Mb: dict,
-    labels_Mb: dict,
+    micro: Microbatches,
     table: ScheduleTable,
     *,
     aux_fn: Callable[[dict], jax.Array] | None = None,
@@ -196,9 +209,8 @@ def one_f_one_b(
             1/M, say); runs on the last stage, right after its forward.
         chunk: this stage's parameters, leading dim [Lc, ...].
         head: the parameters `head_fn` differentiates (the same on every stage).
-        x_MbTD: embedded microbatches (the same on every stage).
-        side_Mb: per-microbatch side inputs of the stages, leading dims [M, b].
-        labels_Mb: per-microbatch inputs of `head_fn` (its targets), leading dims [M, b].
+        micro: the embedded microbatches, the stages' side inputs and `head_fn`'s labels (its
+            targets), each with leading dims [M, b].
         table: a 1f1b `ScheduleTable`.
         aux_fn: the loss term of one microbatch's stage statistics (linear in them): each
             stage's backward takes its gradient as the statistics' cotangent. None: they add
@@ -212,8 +224,9 @@ def one_f_one_b(
         ``(loss, stats, chunk_grads, head_grads, x_grads)``: the summed loss, the stage
         statistics summed over microbatches and stages, and the head gradients (the same on
         every stage and replica); this stage's chunk gradients (this replica's share: the
-        caller sums them over the replicas) and d loss / d x_MbTD (this replica's rows).
+        caller sums them over the replicas) and d loss / d ``micro.x`` (this replica's rows).
     """
+    x_MbTD, side_Mb, labels_Mb = micro
     p = table.stages
     s = lax.axis_index(AXIS)
     depth_f, depth_b, depth_r = (buffer_depth(table, k) for k in ("fwd", "bwd", "res"))

@@ -25,7 +25,13 @@ from meshtrain.comm.report import summarize
 from meshtrain.layout import activation_rules, batch_shardings, rules_for
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import call_model
-from meshtrain.replicas import Codec, parse_compression, reduced_grads, residual_init
+from meshtrain.replicas import (
+    Codec,
+    ReplicaSets,
+    parse_compression,
+    reduced_grads,
+    residual_init,
+)
 from meshtrain.state import create_sharded_model
 from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
 
@@ -95,8 +101,7 @@ class _Model:
                     rest,
                     batch,
                     residual,
-                    mesh=self.mesh,
-                    axes=self.axes,
+                    sets=ReplicaSets(mesh_sizes(self.mesh), self.axes, mesh=self.mesh),
                     codec=codec,
                     error_feedback=error_feedback,
                     param_specs=specs,
@@ -212,8 +217,7 @@ def codec_runs():
                     {},
                     batch,
                     res,
-                    mesh=mesh,
-                    axes=axes,
+                    sets=ReplicaSets(mesh_sizes(mesh), axes, mesh=mesh),
                     codec=codec,
                     error_feedback=True,
                 )
@@ -294,8 +298,7 @@ def test_topk_with_param_specs_keeps_the_top_entries_of_each_tensor_shard():
             {},
             batch,
             residual,
-            mesh=mesh,
-            axes=("data",),
+            sets=ReplicaSets(mesh_sizes(mesh), ("data",), mesh=mesh),
             codec=codec,
             error_feedback=True,
             param_specs={"w": P("tensor")},
@@ -370,8 +373,7 @@ def test_without_error_feedback_nothing_is_carried():
             {},
             batch,
             None,
-            mesh=mesh,
-            axes=("data", "fsdp"),
+            sets=ReplicaSets(mesh_sizes(mesh), ("data", "fsdp"), mesh=mesh),
             codec=parse_compression("sign"),
             error_feedback=False,
         )
@@ -386,8 +388,7 @@ def test_without_error_feedback_nothing_is_carried():
             {},
             {"w": x},
             None,
-            mesh=mesh,
-            axes=("data", "fsdp"),
+            sets=ReplicaSets(mesh_sizes(mesh), ("data", "fsdp"), mesh=mesh),
             codec=parse_compression("int8"),
             error_feedback=True,
         )

@@ -26,6 +26,7 @@ from meshtrain.replicas.local_sgd import (
     local_step,
     outer_optimizer,
 )
+from meshtrain.replicas.sets import ReplicaSets
 from meshtrain.state import TrainState, init_train_state
 from meshtrain.train.loss import cross_entropy
 
@@ -78,8 +79,7 @@ def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=
                 outer_tx,
                 state,
                 batch,
-                mesh=mesh,
-                axes=axes,
+                sets=ReplicaSets(mesh_sizes(mesh), axes, mesh=mesh),
                 sync_every=sync_every,
             )
         if schedule is not None:  # as train_step reports it
@@ -342,7 +342,6 @@ def test_sync_every_0_is_refused_before_tracing(diloco):
             optax.sgd(1.0),
             start,
             batch_of(Linear, 0),
-            mesh=run.mesh,
-            axes=run.axes,
+            sets=ReplicaSets(mesh_sizes(run.mesh), run.axes, mesh=run.mesh),
             sync_every=0,
         )

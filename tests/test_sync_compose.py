@@ -214,7 +214,7 @@ def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(
     mesh = make_mesh(mesh_str)
     rules = rules_for(strategy, mesh)
     _, state, sh = init_train_state(lambda: build_model(cfg, seed=0), TX, mesh, rules)
-    sets = replica_sets(rules, mesh_sizes(mesh))
+    sets = replica_sets(rules, mesh_sizes(mesh), mesh=mesh)
     assert sets.axes == ("data", "expert") and sets.split == ("expert",)
     specs = jax.tree.map(lambda s: s.spec, sh.params)
     model_graph = graphdef
@@ -231,9 +231,8 @@ def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(
     def run(params, rest, batch):
         with activation_rules(mesh, rules):
             return reduced_grads(
-                compute, params, rest, batch, None, mesh=mesh, axes=sets.axes,
-                codec=Codec(name="none"), error_feedback=False, param_specs=specs,
-                split=sets.split,
+                compute, params, rest, batch, None, sets=sets, codec=Codec(name="none"),
+                error_feedback=False, param_specs=specs,
             )  # fmt: skip
 
     _, grads, _ = run(state.params, state.rest, shard_batch(batch, mesh, rules))
@@ -392,7 +391,7 @@ def test_codec_none_after_the_pipeline_loop_equals_one_device(schedule):
     mesh = make_mesh(PIPE_MESH)
     rules = rules_for("dp", mesh)
     _, state, sh = init_train_state(lambda: build_model(GPT, seed=0), TX, mesh, rules)
-    sets = replica_sets(rules, mesh_sizes(mesh))
+    sets = replica_sets(rules, mesh_sizes(mesh), mesh=mesh)
     assert sets.axes == ("data",) and sets.stages == ("pipe",)
     specs = jax.tree.map(lambda s: s.spec, sh.params)
 
@@ -407,9 +406,8 @@ def test_codec_none_after_the_pipeline_loop_equals_one_device(schedule):
     def run(params, rest, batch):
         with activation_rules(mesh, rules):
             return reduced_grads(
-                compute, params, rest, batch, None, mesh=mesh, axes=sets.axes,
-                codec=Codec(name="none"), error_feedback=False, param_specs=specs,
-                split=sets.split, stages=sets.stages,
+                compute, params, rest, batch, None, sets=sets, codec=Codec(name="none"),
+                error_feedback=False, param_specs=specs,
             )  # fmt: skip
 
     _, grads, _ = run(state.params, state.rest, shard_batch(batch, mesh, rules))

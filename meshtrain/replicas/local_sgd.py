@@ -37,7 +37,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.layout import axes_of, manual_region, rows_apart
-from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.config import OUTER_OPTIMIZERS
 from meshtrain.replicas.sets import ReplicaSets
 from meshtrain.replicas.stack import (
@@ -122,13 +121,10 @@ def local_step(
     state: TrainState,
     batch: Mapping[str, jax.Array],
     *,
-    mesh: Mesh,
-    axes,
+    sets: ReplicaSets,
     sync_every: int,
     skip_nonfinite: bool = True,
     param_specs=None,
-    split: tuple[str, ...] = (),
-    stages: tuple[str, ...] = (),
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One local step on every replica, then the outer step when ``(state.step + 1) %
     sync_every == 0``. Call it inside `jax.jit` (it is pure).
@@ -144,17 +140,18 @@ def local_step(
         outer_tx: the outer optimizer (`outer_optimizer`).
         state: ``params`` = θ̄, ``opt_state`` = the outer state, ``comm["local"]`` from
             `local_init`.
-        batch: global arrays; each replica takes its rows of dim 0, split over `axes`.
-        mesh: the device mesh.
-        axes: the sync axes (`meshtrain.replicas.replica_sets`: the replica axes, and
-            ``expert`` for a mixture of experts); the model axes stay with the compiler.
+        batch: global arrays; each replica takes its rows of dim 0, split over ``sets.axes``.
+        sets: the layout of the step (`meshtrain.replicas.replica_sets` with ``mesh=``):
+            ``sets.mesh``, the device mesh; ``sets.axes``, the sync axes (the replica axes,
+            and ``expert`` for a mixture of experts; the model axes stay with the compiler);
+            ``sets.split``, those of them that split some parameters (``expert``: each leaf
+            has its own replicas, over the axes it is not split over); ``sets.stages``,
+            ``("pipe",)`` under pipelines (the regions are manual over the stages too, each
+            stage stepping its own layers; nothing is averaged over them).
         sync_every: H, the number of local steps between synchronisations.
         skip_nonfinite: skip a replica's update when its loss or gradient is not finite.
-        param_specs: the parameters' `PartitionSpec`s (required with `split`).
-        split: those of `axes` that split some parameters (``expert``): each leaf has its
-            own replicas, over the axes it is not split over (`meshtrain.replicas.ReplicaSets`).
-        stages: ``("pipe",)`` under pipelines: the regions are manual over the stages too (each
-            stage steps its own layers); nothing is averaged over them.
+        param_specs: the parameters' `PartitionSpec`s (required when ``sets.split`` is not
+            empty).
 
     Returns:
         The new state and replicated metrics: ``loss`` and the float ``extra`` metrics (means
@@ -163,7 +160,7 @@ def local_step(
         skipped), ``synced`` (1 on a synchronising step). (`meshtrain.train.train_step` adds
         ``lr``, as for every step.)
     """
-    axes = tuple(axes)
+    axes = sets.axes
     if not axes:
         raise ValueError(
             "local SGD needs at least one replica axis (data, or fsdp under dp/zero1) of size > 1"
@@ -176,7 +173,7 @@ def local_step(
     local = state.comm.get("local")
     if local is None:
         raise ValueError('local_step: state.comm has no "local" entry; build it with local_init')
-    sets = ReplicaSets(mesh_sizes(mesh), axes, tuple(split), tuple(stages))
+    mesh = sets.mesh_for("local_step")
     specs = sets.specs(state.params, param_specs)
     param_in = _tree_specs(sets.stacked_spec, specs)
     opt_in = optax.tree_map_params(

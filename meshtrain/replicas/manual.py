@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.layout import axes_of, manual_region, varying
-from meshtrain.mesh import mesh_sizes
 from meshtrain.replicas.codecs import Codec
 from meshtrain.replicas.sets import ReplicaSets
 from meshtrain.replicas.stack import replica_mean, settled
@@ -59,13 +58,10 @@ def reduced_grads(
     batch: Mapping[str, jax.Array],
     residual,
     *,
-    mesh: Mesh,
-    axes: tuple[str, ...],
+    sets: ReplicaSets,
     codec: Codec,
     error_feedback: bool,
     param_specs=None,
-    split: tuple[str, ...] = (),
-    stages: tuple[str, ...] = (),
 ):
     """The loss and mean gradient over the replicas, each replica's gradient sent by `codec`.
 
@@ -75,28 +71,29 @@ def reduced_grads(
     Args:
         compute: ``(params, rest, batch) -> ((loss, (rest, extra)), grads)``, one device's
             loss (a mean over its rows) and gradient.
-        params: the parameters (replicated over `axes`, except over the `split` axes).
-        rest: the model's other variables (replicated over `axes`).
-        batch: the global batch; dim 0 is split over `axes`, each device taking its rows.
+        params: the parameters (replicated over ``sets.axes``, except over ``sets.split``).
+        rest: the model's other variables (replicated over ``sets.axes``).
+        batch: the global batch; dim 0 is split over ``sets.axes``, each device taking its
+            rows.
         residual: error-feedback residuals, leaves ``(R, *p.shape)`` float32 split on dim 0
             over the leaf's replica axes (`residual_init`); None without error feedback.
-        mesh: the device mesh.
-        axes: the sync axes (`meshtrain.replicas.replica_sets`), at least one: the replica
-            axes, and ``expert`` for a mixture of experts.
+        sets: the layout of the step (`meshtrain.replicas.replica_sets` with ``mesh=``):
+            ``sets.mesh``, the device mesh; ``sets.axes``, the sync axes, at least one (the
+            replica axes, and ``expert`` for a mixture of experts); ``sets.split``, those of
+            them that split some parameters (``expert``: a leaf split over one enters the
+            region as its own block and is reduced over the other axes only);
+            ``sets.stages``, ``("pipe",)`` under pipelines (the region is manual over the
+            stages too, and `compute` runs the pipeline's loop inside it; no leaf is reduced
+            over them).
         codec: how each replica's gradient is sent.
         error_feedback: add the residual before encoding and keep what was dropped (used only
             when the codec is lossy; otherwise `residual` passes through unchanged).
-        param_specs: the parameters' `PartitionSpec`s (a tree like `params`; required with
-            `split`). A gradient split over model axes (``tensor``, ``fsdp`` under hsdp) is
-            then encoded shard by shard, in a region manual over those axes too: no shard
-            gathers the others first (top-k and sign then work per shard, int8's blocks lie
-            within a shard). Without them every leaf is encoded whole, and XLA gathers split
-            leaves over their axes.
-        split: those of `axes` that split some parameters (``expert``): a leaf split over
-            one enters the region as its own block and is reduced over the other axes only
-            (`meshtrain.replicas.ReplicaSets`).
-        stages: ``("pipe",)`` under pipelines: the region is manual over the stages too, and
-            `compute` runs the pipeline's loop inside it; no leaf is reduced over them.
+        param_specs: the parameters' `PartitionSpec`s (a tree like `params`; required when
+            ``sets.split`` is not empty). A gradient split over model axes (``tensor``,
+            ``fsdp`` under hsdp) is then encoded shard by shard, in a region manual over those
+            axes too: no shard gathers the others first (top-k and sign then work per shard,
+            int8's blocks lie within a shard). Without them every leaf is encoded whole, and
+            XLA gathers split leaves over their axes.
 
     Returns:
         ``((loss, (rest, extra)), grads, residual)``: the loss and float `extra` metrics
@@ -104,12 +101,12 @@ def reduced_grads(
         gradient (replicated over each leaf's replica axes, each leaf in its parameter's
         dtype), and the new residual (None when `residual` is None).
     """
-    axes = tuple(axes)
+    axes, stages = sets.axes, sets.stages
     if not axes:
         raise ValueError(
             "reduced_grads: no replica axis (R = 1), nothing to reduce; use the plain step"
         )
-    sets = ReplicaSets(mesh_sizes(mesh), axes, tuple(split), tuple(stages))
+    mesh = sets.mesh_for("reduced_grads")
     specs = sets.specs(params, param_specs)
     feedback = error_feedback and codec.lossy
     if feedback and residual is None:

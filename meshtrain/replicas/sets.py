@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.layout import Rules, axes_of
@@ -42,12 +43,29 @@ class ReplicaSets:
         split: those of `axes` that split some parameters (``expert``), whose leaves come
             into the region as blocks.
         stages: ``("pipe",)`` under pipelines: manual too, but never reduced over.
+        mesh: the device mesh of `sizes`, where the steps that synchronise the replicas
+            (`meshtrain.replicas.local_step`, `meshtrain.replicas.reduced_grads`) run their
+            regions; None where only the replica sets are asked for.
     """
 
     sizes: Mapping[str, int]
     axes: tuple[str, ...]
     split: tuple[str, ...] = ()
     stages: tuple[str, ...] = ()
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        for name in ("axes", "split", "stages"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def mesh_for(self, caller: str) -> Mesh:
+        """`mesh`, refused with one line naming `caller` where it is None."""
+        if self.mesh is None:
+            raise ValueError(
+                f"{caller}: sets has no mesh; build it with replica_sets(rules, sizes, mesh=mesh) "
+                "or ReplicaSets(..., mesh=mesh)"
+            )
+        return self.mesh
 
     @property
     def manual(self) -> tuple[str, ...]:
@@ -90,18 +108,19 @@ class ReplicaSets:
         return param_specs
 
 
-def replica_sets(rules: Rules, sizes: Mapping[str, int]) -> ReplicaSets:
+def replica_sets(rules: Rules, sizes: Mapping[str, int], mesh: Mesh | None = None) -> ReplicaSets:
     """The sync axes of `rules` on a mesh of `sizes`: the replica axes, and ``expert`` where it
     splits the batch (a mixture of experts), in the order the batch is split over them; with
-    ``pipe > 1``, ``pipe`` as the stage axis."""
+    ``pipe > 1``, ``pipe`` as the stage axis. `mesh` (that mesh itself) is kept as
+    `ReplicaSets.mesh`, for the steps that synchronise the replicas."""
     replicas = rules.replica_axes(sizes)
     batch = rules.batch_axes(sizes)
     if not replicas:
-        return ReplicaSets(dict(sizes), ())
+        return ReplicaSets(dict(sizes), (), mesh=mesh)
     split = (EXPERT,) if EXPERT in batch and EXPERT not in replicas else ()
     axes = tuple(a for a in batch if a in replicas or a in split)  # the batch's own order
     stages = (PIPE,) if sizes.get(PIPE, 1) > 1 else ()
-    return ReplicaSets(dict(sizes), axes, split, stages)
+    return ReplicaSets(dict(sizes), axes, split, stages, mesh)
 
 
 def _only(entry, keep: tuple[str, ...]):

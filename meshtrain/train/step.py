@@ -261,22 +261,22 @@ def _manual_rows() -> tuple[str, ...]:
 
 
 def _replica_layout(field: str) -> dict:
-    """The mesh and sync axes of the active layout, for a step manual over the replicas
-    (`meshtrain.replicas.replica_sets`: the replica axes, ``expert`` for an MoE, and the
-    pipeline's ``pipe``, whose loop then runs inside that step's region)."""
+    """The replica sets of the active layout on its mesh, as the ``sets=`` of a step manual
+    over the replicas (`meshtrain.replicas.replica_sets`: the replica axes, ``expert`` for an
+    MoE, and the pipeline's ``pipe``, whose loop then runs inside that step's region)."""
     active = layout.active()
     if active is None:
         raise ValueError(
             f"{field}: a step that synchronises the replicas itself must be traced under "
             "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
         )
-    sets = replicas.replica_sets(active.rules, mesh_sizes(active.mesh))
+    sets = replicas.replica_sets(active.rules, mesh_sizes(active.mesh), mesh=active.mesh)
     if not sets.axes:
         raise ValueError(
             f"{field}: rules {active.rules.name!r} have no replica axes on this mesh (every "
             "batch axis splits the parameters); use dp, zero1 or hsdp"
         )
-    return {"mesh": active.mesh, "axes": sets.axes, "split": sets.split, "stages": sets.stages}
+    return {"sets": sets}
 
 
 def _keep_if_not(ok: jax.Array, new: tuple, state: TrainState) -> tuple:

@@ -4,7 +4,7 @@ Everything here is plain jnp on global arrays, so it means the same under every 
 a region manual over batch axes (a pipeline stage, whose rows are split over the replica and
 ``expert`` axes, or the replicas' own step of gradient compression) the losses and statistics
 are reduced over those axes, so they still describe every row the region sees as one batch;
-between local SGD's synchronisations (`meshtrain.layout.rows_apart`) each device keeps its own.
+between local SGD's synchronisations (`meshtrain.layout.rows_apart`) each replica keeps its own.
 Shape suffixes: B batch rows, T positions, E experts, K choices per token (top-k), C capacity
 slots per expert and sequence.
 """
@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshtrain.layout import active, manual_axes, rows_are_apart
+from meshtrain.layout import active, axis_size, manual_axes, rows_are_apart
 from meshtrain.models.moe_dispatch import Routing
 
 
 def _row_axes() -> tuple[str, ...]:
     """The manual batch axes the rows here are split over (none outside a manual region)."""
     layout, manual = active(), manual_axes()
-    if layout is None or not manual or rows_are_apart():  # local SGD: each device its own
+    if layout is None or not manual or rows_are_apart():  # local SGD: each replica its own
         return ()
-    return tuple(a for a in layout.rules.batch_axes(dict(layout.mesh.shape)) if a in manual)
+    return layout.rules.batch_axes({a: axis_size(a) for a in manual})
 
 
 def _mean_over_rows(x: jax.Array) -> jax.Array:

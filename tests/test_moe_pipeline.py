@@ -15,19 +15,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _pipeline_helpers import LOSS_RTOL, assert_close, random_params
 from flax import nnx
 
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
-from meshtrain.models import MoEConfig, build_model
+from meshtrain.models import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.run import RunSpec
 from meshtrain.state import TrainState
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.step import train_step
 
-GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32, as tests/test_pipeline.py
 B, T, M, STEPS = 16, 8, 4, 3
 TX = optax.sgd(0.5)
 # Two MoE blocks, one per stage, four experts, two per expert shard. The capacity factor drops
@@ -35,24 +35,6 @@ TX = optax.sgd(0.5)
 CFG = MoEConfig(d_model=32, n_layers=2, moe_every=1, n_heads=2, n_experts=4, top_k=2,
                 d_expert=16, vocab_size=64, vocab_multiple=16, max_seq_len=T,
                 capacity_factor=1.0, aux_loss_coef=0.1, z_loss_coef=0.01)  # fmt: skip
-
-
-def _random_params(cfg, seed):
-    """``(graphdef, params)`` of `cfg`'s model with random float32 parameters from numpy."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-    rng = np.random.default_rng(seed)
-    shapes = nnx.to_pure_dict(state)
-    values = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype), shapes)
-    return graphdef, values
-
-
-def _close(got, want, what):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                            strict=True):  # fmt: skip
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.all(np.isfinite(a)), f"{what} {jax.tree_util.keystr(path)}"
-        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)
-        assert err <= GRAD_RTOL, f"{what} {jax.tree_util.keystr(path)}: rel err {err:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +47,7 @@ def one_device():
         if dispatch in cache:
             return cache[dispatch]
         cfg = dataclasses.replace(CFG, dispatch=dispatch)
-        graphdef, params = _random_params(cfg, seed=5)
+        graphdef, params = random_params(cfg, seed=5)
         rng = np.random.default_rng(23)
         batches = []
         for _ in range(STEPS):
@@ -115,4 +97,4 @@ def test_moe_pipeline_steps_equal_one_device_with_accumulation(one_device, sched
         assert set(metrics) == set(want[i])  # task_loss and every moe_* metric come out
         for k, w in want[i].items():
             np.testing.assert_allclose(float(metrics[k]), w, rtol=LOSS_RTOL, err_msg=f"{i} {k}")
-    _close(jax.tree.map(np.asarray, sharded.params), want_params, f"{schedule} {dispatch}")
+    assert_close(jax.tree.map(np.asarray, sharded.params), want_params, f"{schedule} {dispatch}")

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _pipeline_helpers import LOSS_RTOL, assert_close, random_params
 from flax import nnx
 
 from meshtrain.check import check_run
@@ -29,14 +30,13 @@ from meshtrain.layout import (
 )
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
-from meshtrain.models import GPT, DataSpec, GPTConfig, MoEConfig, PipelineParts, build_model
+from meshtrain.models import GPT, DataSpec, GPTConfig, MoEConfig, PipelineParts
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.run import RunSpec
 from meshtrain.state import TrainState, abstract_model
 from meshtrain.train.loss import cross_entropy
 from meshtrain.train.step import jit_eval_step, train_step
 
-GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32, as tests/test_pipeline.py
 B, T, VOCAB, STEPS = 16, 16, 64, 3
 TX = optax.sgd(0.5)
 
@@ -64,24 +64,6 @@ def packed_batch(rng) -> dict:
             "positions": pos}  # fmt: skip
 
 
-def _random_params(cfg, seed):
-    """``(graphdef, params)`` of `cfg`'s model with random float32 parameters from numpy."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-    rng = np.random.default_rng(seed)
-    shapes = nnx.to_pure_dict(state)
-    values = jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.2, x.shape), x.dtype), shapes)
-    return graphdef, values
-
-
-def _close(got, want, what):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                            strict=True):  # fmt: skip
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.all(np.isfinite(a)), f"{what} {jax.tree_util.keystr(path)}"
-        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-6)
-        assert err <= GRAD_RTOL, f"{what} {jax.tree_util.keystr(path)}: rel err {err:.2e}"
-
-
 @pytest.mark.parametrize(
     "schedule,style,v",
     [
@@ -92,7 +74,7 @@ def _close(got, want, what):
 )
 def test_packed_pipeline_steps_equal_one_device(schedule, style, v):
     cfg = _cfg(style)
-    graphdef, params = _random_params(cfg, seed=3)
+    graphdef, params = random_params(cfg, seed=3)
     rng = np.random.default_rng(17)
     batches = [packed_batch(rng) for _ in range(STEPS)]
     counts = [int((b["segment_ids"] > 0).sum()) for b in batches]
@@ -124,7 +106,7 @@ def test_packed_pipeline_steps_equal_one_device(schedule, style, v):
         sharded, metrics = step(sharded, shard_batch(batch, mesh, rules))
         got_losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(got_losses, want_losses, rtol=LOSS_RTOL)
-    _close(jax.tree.map(np.asarray, sharded.params), want_params, schedule)
+    assert_close(jax.tree.map(np.asarray, sharded.params), want_params, schedule)
 
 
 class _PlainParts(GPT):
@@ -171,7 +153,7 @@ def test_nan_filled_1f1b_bubbles_with_a_packed_moe_batch_equal_one_device():
     cfg = MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=16,
                     vocab_size=VOCAB, vocab_multiple=64, max_seq_len=T, capacity_factor=1.0,
                     aux_loss_coef=0.1, z_loss_coef=0.01)  # fmt: skip
-    graphdef, params = _random_params(cfg, seed=11)
+    graphdef, params = random_params(cfg, seed=11)
     batch = packed_batch(np.random.default_rng(29))
 
     def reference(params):
@@ -201,4 +183,4 @@ def test_nan_filled_1f1b_bubbles_with_a_packed_moe_batch_equal_one_device():
 
     loss, grads = piped(sharded.params, shard_batch(batch, mesh, rules))
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=LOSS_RTOL)
-    _close(jax.tree.map(np.asarray, grads), want_grads, "moe")
+    assert_close(jax.tree.map(np.asarray, grads), want_grads, "moe")

@@ -2,7 +2,9 @@
 
 Every public kernel takes ``impl="pallas" | "xla" | "auto"`` (attention also ``"cudnn"``):
 ``"xla"`` is the jnp reference in `meshtrain.kernels.reference`, ``"pallas"`` the kernel
-(interpreted when no GPU is present), ``"auto"`` Pallas on a GPU and the reference elsewhere.
+(interpreted when no GPU is present), ``"auto"`` on a GPU whichever of the two measured
+faster there (Pallas for attention; XLA for the norms, the cross-entropy and the matmul:
+`_common.XLA_WINS_ON_GPU`), the reference elsewhere.
 See kernels/README.md for each kernel's algorithm, backend and limits.
 """
 

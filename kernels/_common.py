@@ -24,12 +24,20 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+# What ``"auto"`` runs on a GPU, by measurement (benchmarks/kernels.py on an H200, jax 0.11.2,
+# 2026-11-26, benchmarks/results/kernels_gpu.json): the Pallas attention is 1.1-5.9x faster
+# than XLA's, while XLA's fused norms (3-9x), cross-entropy (1.4-3.5x) and matmul epilogue
+# (1.1-1.5x) beat the Pallas ones. Kernels not measured there keep Pallas.
+XLA_WINS_ON_GPU = frozenset({"rms_norm", "layer_norm", "token_cross_entropy", "matmul"})
+
+
 def resolve_impl(impl: str, *, kernel: str, allowed: tuple[str, ...] = IMPLS) -> str:
-    """Checks `impl` and resolves ``"auto"``: Pallas on a GPU, the jnp reference elsewhere."""
+    """Checks `impl` and resolves ``"auto"``: on a GPU the faster of Pallas and XLA as measured
+    (`XLA_WINS_ON_GPU`), the jnp reference elsewhere."""
     if impl not in allowed:
         raise ValueError(f"{kernel}: impl={impl!r} is not one of {', '.join(allowed)}")
     if impl == "auto":
-        return "pallas" if on_gpu() else "xla"
+        return "pallas" if on_gpu() and kernel not in XLA_WINS_ON_GPU else "xla"
     if impl == "cudnn" and not on_gpu():
         raise ValueError(
             f"{kernel}: impl='cudnn' needs a CUDA GPU, but the backend is "

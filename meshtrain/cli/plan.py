@@ -1,6 +1,7 @@
 """``meshtrain plan``: pick a mesh for a GPT, print the reasoning, optionally write it out.
 
 meshtrain plan --model 1.3b --devices 64 --device h100 --device-memory 80GB
+meshtrain plan --model mixtral-8x7b --devices 64 --device h100
 meshtrain plan --model tiny --devices 8 --device cpu-sim --device-memory 4MB --write plan.json
 meshtrain train --config plan.json --steps 2
 meshtrain plan --scaling --plot docs/scaling.png
@@ -21,11 +22,13 @@ EXAMPLE = "meshtrain plan --model 1.3b --devices 64"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """Search pipe × data × fsdp × tensor layouts, strategies, remat and microbatches for a GPT;
-    rank by modelled step time; confirm memory by compiling.
+    """Search pipe × data × fsdp × expert × tensor layouts, strategies, remat and microbatches
+    for a GPT or a mixture of experts; rank by modelled step time; confirm memory by compiling.
 
     Args:
-        model: model size: tiny, 125m, 350m, 1.3b, 7b.
+        model: a GPT size (tiny, 125m, 350m, 1.3b, 7b) or an MoE preset (moe-tiny,
+            mixtral-8x7b).
+        dispatch: an MoE's dispatch, capacity or dropless (default: the preset's).
         devices: devices to plan for.
         hosts: hosts (0: the profile's node size).
         device: device profile: h100, h200, a100, tpu-v5e, cpu-sim.
@@ -43,6 +46,7 @@ class PlanSettings:
     """
 
     model: str = "1.3b"
+    dispatch: str = ""
     devices: int = 8
     hosts: int = 0
     device: str = "h100"

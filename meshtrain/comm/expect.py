@@ -9,7 +9,9 @@ collective works on), with B·T the tokens of one step and N_b the batch ways:
   XLA may reduce-scatter or all-reduce then slice; both count the same buffer. A parameter
   sharded over some batch axes and replicated over others (HSDP) adds an all-reduce of its
   shard over the replicating axes. In a 1F1B pipeline the head's gradients are summed over
-  ``pipe`` and the replica axes together. With gradient compression (``--grad-compression``)
+  ``pipe`` and the replica axes together. A mixture of experts' expert weights split over
+  ``expert`` (a batch axis) are each device's own experts: reduced over the other batch axes
+  only, never gathered. With gradient compression (``--grad-compression``)
   the reduction over the replica axes is the codec's own all-to-alls and all-gathers, each
   gradient shard counted as `Codec.buffer_bytes` says (a ZeRO-1 parameter gather over the
   same axes is counted with them).
@@ -95,8 +97,8 @@ def param_layouts(
         names = tuple(var.get_metadata().get("out_sharding") or (None,) * len(value.shape))
 
         def per_dim(table, names=names, shape=value.shape):
-            spec = resolve(names, table, sizes, shape=shape)
-            spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+            resolved = resolve(names, table, sizes, shape=shape)
+            spec = tuple(resolved) + (None,) * (len(shape) - len(resolved))
             return tuple(tuple(a for a in axes_of(s) if sizes.get(a, 1) > 1) for s in spec)
 
         out.append(
@@ -137,19 +139,20 @@ class Traffic(NamedTuple):
     def of(cls, run: RunSpec) -> Traffic:
         """The traffic of `run` (its mesh may be axis sizes alone)."""
         run = run.resolved()
-        sizes, spec, sync = run.sizes, run.data_spec, run.sync
+        sizes, spec, sync, rules = run.sizes, run.data_spec, run.sync, run.rules
+        assert rules is not None  # resolved() fills them in
         codec = parse_compression(sync.grad_compression) if sync.compresses else None
         dtype = getattr(run.model, "dtype", "float32")
         return cls(
             sizes,
-            run.rules.batch_axes(sizes),
+            rules.batch_axes(sizes),
             tokens=spec.batch_size * (spec.seq_len or 1),
             d_model=getattr(run.model, "d_model", None),
             act_itemsize=2 if dtype in ("bfloat16", "float16") else 4,
             pipeline=run.pipeline,
             batch=spec.batch_size,
             codec=codec,
-            replica_axes=run.rules.replica_axes(sizes) if codec is not None else (),
+            replica_axes=rules.replica_axes(sizes) if codec is not None else (),
         )
 
 
@@ -185,9 +188,13 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
     b = dict.fromkeys(BUCKETS, 0.0)
     why: dict[str, str] = {}
     for p in params:
-        local = p.nbytes / p.split(model_axes, sizes)
-        sharded = {a for dim in p.axes for a in dim if a in batch_axes}
-        opt_sharded = {a for dim in p.opt_axes for a in dim if a in batch_axes}
+        # A batch axis that splits a parameter's experts gives each device its own experts:
+        # it is a model axis for that parameter (nothing gathered, nothing reduced over it).
+        owned = _expert_axes(p)
+        local = p.nbytes / p.split(model_axes | owned, sizes)
+        sharded = {a for dim in p.axes for a in dim if a in batch_axes} - owned
+        opt_sharded = {a for dim in p.opt_axes for a in dim if a in batch_axes} - owned
+        reducing = [a for a in batch_axes if a not in owned]
         if codec is not None:
             # Compressed: the codec's exchange of each shard over the replica axes, and the
             # compiler's reduction over any batch axis that splits the parameter (hsdp's fsdp).
@@ -197,9 +204,9 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             b["gradient reduction"] += codec.buffer_bytes(shard, replicas)
             if sharded:
                 b["gradient reduction"] += local
-        elif ways > 1:
+        elif reducing:
             b["gradient reduction"] += local
-            if sharded and set(batch_axes) - sharded:
+            if sharded and set(reducing) - sharded:
                 b["gradient reduction"] += local / p.split(sharded, sizes)
         if sharded:
             b["parameter gathers"] += local * (2 if "layers" in p.names else 1)
@@ -235,6 +242,11 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             else "stage outputs and cotangents summed over pipe (f32)"
         )
     return Expectation(b, why)
+
+
+def _expert_axes(p: ParamLayout) -> set[str]:
+    """The mesh axes that split `p`'s ``expert`` dimension."""
+    return {a for name, dim in zip(p.names, p.axes, strict=False) if name == "expert" for a in dim}
 
 
 def _tensor_bytes(p: ParamLayout, tokens_local: float, itemsize: int) -> float:

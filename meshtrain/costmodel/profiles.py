@@ -48,6 +48,8 @@ class DeviceProfile:
         intra: the link within a node.
         inter: the link between nodes.
         source: where the numbers come from.
+        platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``: what runs there (the MoE dispatch
+            exchanges exactly the routed rows on GPUs and a padded buffer elsewhere).
     """
 
     name: str
@@ -58,6 +60,12 @@ class DeviceProfile:
     intra: Link
     inter: Link
     source: str
+    platform: str = "gpu"
+
+    @property
+    def is_gpu(self) -> bool:
+        """Whether the profile is a GPU's."""
+        return self.platform == "gpu"
 
 
 _NVLINK_ALPHA = 3e-6  # assumed: a few µs per NCCL step within a node
@@ -103,6 +111,7 @@ PROFILES: dict[str, DeviceProfile] = {
         Link(2e-6, 100e9),  # ICI: 1,600 Gb/s per chip over 4 links; 100 GB/s each way assumed
         Link(10e-6, 25e9),  # across slices (data-centre network): assumed
         "Google Cloud TPU v5e documentation (ICI per-link split assumed)",
+        platform="tpu",
     ),
     "cpu-sim": DeviceProfile(
         "cpu-sim",
@@ -113,6 +122,7 @@ PROFILES: dict[str, DeviceProfile] = {
         Link(1e-5, 5e9),
         Link(1e-5, 5e9),
         "nominal: simulated CPU devices share one host; not measured",
+        platform="cpu",
     ),
 }
 

@@ -6,8 +6,9 @@ Compute is a roofline: the larger of FLOPs / peak and HBM bytes / bandwidth, per
 **Overlap assumption.** Parameter gathers and gradient reductions are independent of the
 layer computing beside them, so XLA's latency-hiding scheduler can run them during compute:
 they cost only what exceeds the compute time (``overlap=1``; ``overlap=0`` exposes them all).
-Tensor-parallel activation all-reduces and pipeline sends sit on the critical path (the next
-matmul needs their result) and are always exposed. A pipeline idles for its bubble fraction
+Tensor-parallel activation all-reduces, pipeline sends and a mixture of experts' dispatch
+all-to-alls sit on the critical path (the next matmul needs their result: the experts need
+their tokens) and are always exposed. A pipeline idles for its bubble fraction
 b: compute is divided by (1 − b).
 """
 
@@ -69,7 +70,7 @@ def collective_time(
         options["hierarchical"] = hierarchical_cost(kind, g, k, m, device.intra, device.inter)
     if algorithm != "auto":
         return options[algorithm], algorithm
-    best = min(options, key=options.get)
+    best = min(options, key=options.__getitem__)
     return options[best], best
 
 

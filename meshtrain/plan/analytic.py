@@ -18,6 +18,12 @@ Full remat re-runs the forward: 4/3 of the FLOPs.
 
 Communication comes from `meshtrain.comm.expect` (the same expectation the inspector checks
 compiled programs against) and is timed with `meshtrain.costmodel`.
+
+A mixture of experts (`MoEConfig`) is modelled per dispatch (`meshtrain.plan.moe`): its
+expert weights split over ``expert`` as the rules say, its blocks' feed-forward activations
+replaced by the dispatch's buffers, its expert FLOPs at the dispatch's factor over the active
+ones, and the dispatch all-to-alls over ``expert`` on the critical path (4 per MoE layer, 6
+when remat re-runs the forward).
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ import math
 from meshtrain.comm.expect import ParamLayout, Traffic, expected
 from meshtrain.costmodel import CommItem, DeviceProfile, StepEstimate, step_time
 from meshtrain.layout import rules_for
-from meshtrain.mesh import PIPE, TENSOR
+from meshtrain.mesh import EXPERT, PIPE, TENSOR
+from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.plan.moe import MoEStep, dispatch_costs
 from meshtrain.plan.space import Candidate
 
 MOMENTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1}
 REMAT_ACTIVATION = {"none": 1.0, "save-dots": 0.5}
+MOE_BUCKET = "expert all-to-all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,7 @@ class Modelled:
     memory: dict[str, float]
     estimate: StepEstimate
     flops_per_device: float
+    moe: MoEStep | None = None
 
     @property
     def peak(self) -> float:
@@ -66,7 +76,7 @@ def model_candidate(
     Args:
         cand: the candidate.
         layouts: its parameters' layouts (`param_layouts` under its rules).
-        cfg: the `GPTConfig` (widths, layers, heads, dtype, vocabulary).
+        cfg: the `GPTConfig` or `MoEConfig` (widths, layers, heads, dtype, vocabulary).
         batch: global batch (sequences).
         seq_len: tokens per sequence.
         device: the device profile.
@@ -88,8 +98,20 @@ def model_candidate(
     ) * MOMENTS.get(optimizer, 2)
     tokens_local = batch * seq_len / ways
     t, p = cand.tensor, cand.pipe
-    D, H, L = cfg.d_model, cfg.n_heads, cfg.n_layers
+    g = cfg.backbone if isinstance(cfg, MoEConfig) else cfg
+    D, H, L = g.d_model, g.n_heads, g.n_layers
     per_token = (10 * D + (24 * D + 5 * H * seq_len) / t) * item / 2
+    moe = None
+    if isinstance(cfg, MoEConfig):
+        # An MoE block keeps its attention's share (Korthikanti's 7·D + (8·D + 5·H·T)/t) and
+        # the dispatch's buffers instead of the dense feed-forward's 3·D + 16·D/t.
+        cost = dispatch_costs(cfg, tokens=tokens_local, shards=cand.expert, device=device)
+        n_moe = cfg.n_moe_layers
+        attn = (7 * D + (8 * D + 5 * H * seq_len) / t) * item / 2
+        moe_token = attn + (cost.activation_bytes + cost.hidden_bytes / t) / tokens_local
+        per_token = ((L - n_moe) * per_token + n_moe * moe_token) / L
+        exchanges = 4 if cand.remat == "none" else 6  # remat re-runs the forward's dispatch
+        moe = MoEStep(cost, n_moe / p, exchanges)
     traffic = 2 * tokens_local * (L / p) * per_token  # activations written and read once
     if cand.remat == "full":
         per_token = 2 * D * item / 2
@@ -103,7 +125,7 @@ def model_candidate(
     else:
         act_tokens = tokens_local
     activations = act_tokens * layers_here * per_token
-    logits = tokens_local * cfg.padded_vocab / t * 8
+    logits = tokens_local * g.padded_vocab / t * 8
     memory = {
         "parameters": params,
         "gradients": params,
@@ -118,6 +140,11 @@ def model_candidate(
     exp = expected(layouts, shape)
     comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes)
     flops = cfg.flops_per_token(seq_len) * batch * seq_len / n
+    if moe is not None:
+        # flops_per_token counts the experts at their active cost; the dispatch computes more.
+        extra = (moe.cost.flops - moe.cost.active_flops) * moe.layers / t
+        flops += extra
+        comm += _moe_items(moe, cand)
     if cand.remat == "full":
         flops *= 4 / 3  # the forward runs twice
     hbm = 3 * params + 2 * opt + traffic + logits  # weights read ×2, update r/w
@@ -125,13 +152,35 @@ def model_candidate(
     est = step_time(
         flops=flops, hbm_bytes=hbm, comm=comm, sizes=sizes, device=device, bubble=bubble
     )
-    return Modelled(cand, memory, est, flops)
+    if moe is not None:
+        moe = dataclasses.replace(moe, seconds=est.comm_s.get(MOE_BUCKET, 0.0))
+    return Modelled(cand, memory, est, flops, moe)
+
+
+def _moe_items(moe: MoEStep, cand: Candidate) -> list[CommItem]:
+    """The dispatch all-to-alls over ``expert`` (one buffer per microbatch in a pipeline)."""
+    if cand.expert == 1 or not moe.cost.buffer_bytes:
+        return []
+    micro = max(1, cand.microbatches)
+    count = round(moe.exchanges * moe.layers * micro)
+    return [CommItem(MOE_BUCKET, "all-to-all", (EXPERT,), moe.cost.buffer_bytes / micro, count)]
+
+
+def _shards_weights(axis: str, layouts: list[ParamLayout]) -> bool:
+    """Whether `axis` splits some weight other than by its experts (a split of the experts
+    gives each device its own experts: nothing to gather)."""
+    return any(
+        axis in dim
+        for p in layouts
+        for name, dim in zip(p.names, p.axes, strict=False)
+        if name != "expert"
+    )
 
 
 def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list[CommItem]:
     """The expectation's buckets as collectives with realistic message sizes."""
     items = []
-    sharded = tuple(a for a in batch_axes if any(a in d for p in layouts for d in p.axes))
+    sharded = tuple(a for a in batch_axes if _shards_weights(a, layouts))
     if b["gradient reduction"]:
         kind = "reduce-scatter" if sharded else "all-reduce"
         items.append(

@@ -1,6 +1,8 @@
-"""``meshtrain plan``: pick a mesh for a GPT, print the reasoning, optionally write it out.
+"""``meshtrain plan``: pick a mesh for a GPT or a mixture of experts, print the reasoning,
+optionally write it out.
 
     meshtrain plan --model 1.3b --devices 64 --device h100 --device-memory 80GB
+    meshtrain plan --model mixtral-8x7b --devices 64 --device h100
     meshtrain plan --model tiny --devices 8 --device cpu-sim --device-memory 4MB --write plan.json
     meshtrain train --config plan.json --steps 2
     meshtrain plan --scaling --plot docs/scaling.png
@@ -10,6 +12,7 @@ Its flags are `meshtrain.cli.plan.PlanSettings`; this module does the work.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -39,6 +42,25 @@ def sizes() -> dict[str, dict[str, int]]:
     return {**SIZES, "7b": SEVEN_B}
 
 
+def moe_presets() -> dict:
+    """The mixture-of-experts presets the planner knows (`meshtrain.models.moe_config`)."""
+    from meshtrain.models.moe_config import PRESETS
+
+    return PRESETS
+
+
+def model_names() -> list[str]:
+    """Every ``--model`` the planner takes: the GPT sizes, then the MoE presets."""
+    return [*sizes(), *moe_presets()]
+
+
+def defaults(name: str) -> dict[str, int]:
+    """The default sequence length and batch of a named model."""
+    if name in sizes():
+        return sizes()[name]
+    return {"seq_len": min(moe_presets()[name].max_seq_len, 4096), "batch": 8}
+
+
 def parse_bytes(text: str) -> float:
     """``80GB`` → 8e10; ``512MiB`` → 2**29. A ValueError naming the fix otherwise."""
     m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
@@ -54,7 +76,6 @@ def gpt_config(name: str, seq_len: int, dtype: str):
     from meshtrain.models import GPTConfig
 
     s = sizes()[name]
-    extra = {"d_ff": 11008} if name == "7b" else {}
     return GPTConfig(
         vocab_size=s["vocab_size"],
         max_seq_len=seq_len,
@@ -62,14 +83,34 @@ def gpt_config(name: str, seq_len: int, dtype: str):
         n_layers=s["n_layers"],
         n_heads=s["n_heads"],
         dtype=dtype,
-        **extra,
+        d_ff=11008 if name == "7b" else 0,
+    )
+
+
+def model_config(name: str, seq_len: int, dtype: str, dispatch: str = ""):
+    """The `GPTConfig` of a size, or the `MoEConfig` of a preset at `seq_len` and `dtype`
+    (with its ``dispatch`` replaced when given)."""
+    if name not in moe_presets():
+        if dispatch:
+            raise PlanError(
+                f"dispatch={dispatch!r}: only a mixture of experts dispatches; drop --dispatch "
+                f"or choose an MoE model ({', '.join(moe_presets())})"
+            )
+        return gpt_config(name, seq_len, dtype)
+    from meshtrain import validate
+    from meshtrain.models.moe_dispatch import DISPATCH
+    from meshtrain.problem import raise_if
+
+    if dispatch:
+        raise_if(validate.one_of("dispatch", dispatch, DISPATCH, example="capacity"))
+    cfg = moe_presets()[name]
+    return dataclasses.replace(
+        cfg, max_seq_len=seq_len, dtype=dtype, dispatch=dispatch or cfg.dispatch
     )
 
 
 def _profile(args):
     """The device profile, with ``--hosts`` setting the devices per node."""
-    import dataclasses
-
     from meshtrain.costmodel import profile
 
     device = profile(args.device)
@@ -115,45 +156,68 @@ def reasoning(plan: Plan, top: int) -> list[str]:
             f"   memory {mem} (parameters, gradients and optimizer {_size(state)}, "
             f"activations {_size(m.memory['activations'])}, logits {_size(m.memory['logits'])})"
         )
+        if m.moe is not None:
+            lines.append("   " + m.moe.describe(m.candidate.expert))
     return lines
 
 
 def train_flags(plan: Plan, cfg, *, batch: int, seq_len: int, devices: int, simulate: bool):
     """The winner as `meshtrain train` flags (flag name without ``--`` → value)."""
+    from meshtrain.models.moe_config import MoEConfig
+
     c = plan.best.candidate
     flags = {
         "mesh": c.mesh,
         "strategy": c.strategy,
         "devices": devices if simulate else 0,
-        "model": "gpt",
-        "gpt.d-model": cfg.d_model,
-        "gpt.n-layers": cfg.n_layers,
-        "gpt.n-heads": cfg.n_heads,
-        "gpt.vocab-size": cfg.vocab_size,
-        "gpt.max-seq-len": cfg.max_seq_len,
-        "gpt.dtype": cfg.dtype,
-        "gpt.remat": c.remat,
-        "data.batch-size": batch,
-        "data.seq-len": seq_len,
     }
-    if cfg.d_ff:
-        flags["gpt.d-ff"] = cfg.d_ff
+    if isinstance(cfg, MoEConfig):
+        flags["model"] = "moe"
+        flags.update(_moe_flags(dataclasses.replace(cfg, remat=c.remat)))
+    else:
+        flags.update(
+            {
+                "model": "gpt",
+                "gpt.d-model": cfg.d_model,
+                "gpt.n-layers": cfg.n_layers,
+                "gpt.n-heads": cfg.n_heads,
+                "gpt.vocab-size": cfg.vocab_size,
+                "gpt.max-seq-len": cfg.max_seq_len,
+                "gpt.dtype": cfg.dtype,
+                "gpt.remat": c.remat,
+            }
+        )
+        if cfg.d_ff:
+            flags["gpt.d-ff"] = cfg.d_ff
+    flags.update({"data.batch-size": batch, "data.seq-len": seq_len})
     if c.pipe > 1:
         flags.update(schedule=c.schedule, microbatches=c.microbatches)
     return flags
+
+
+def _moe_flags(cfg) -> dict:
+    """The ``--moe.*`` flags of the fields where `cfg` differs from the defaults."""
+    default = type(cfg)()
+    return {
+        f"moe.{f.name.replace('_', '-')}": getattr(cfg, f.name)
+        for f in dataclasses.fields(cfg)
+        if getattr(cfg, f.name) != getattr(default, f.name)
+    }
 
 
 def run(args) -> int:
     """Plans (or projects, with ``--scaling``) and prints; returns the exit code."""
     if args.scaling:
         return run_scaling(args)
-    if args.model not in sizes():
-        raise PlanError(f"model={args.model!r}: unknown size; choose from {', '.join(sizes())}")
+    if args.model not in model_names():
+        raise PlanError(
+            f"model={args.model!r}: unknown size; choose from {', '.join(model_names())}"
+        )
     device = _profile(args)
     cap = parse_bytes(args.device_memory) if args.device_memory else device.memory
     if args.devices < 1:
         raise PlanError(f"devices={args.devices}: must be a positive integer")
-    size = sizes()[args.model]
+    size = defaults(args.model)
     seq_len = args.seq_len or size["seq_len"]
     dtype = args.dtype or ("float32" if device.name == "cpu-sim" else "bfloat16")
     batch = args.batch or max(size["batch"], 2 * args.devices)
@@ -164,7 +228,7 @@ def run(args) -> int:
         simulate_devices(args.devices)
     from meshtrain.plan.search import plan
 
-    cfg = gpt_config(args.model, seq_len, dtype)
+    cfg = model_config(args.model, seq_len, dtype, getattr(args, "dispatch", ""))
     result = plan(
         cfg,
         devices=args.devices,

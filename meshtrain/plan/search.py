@@ -1,6 +1,6 @@
 """The planner: search layouts, prune, model, confirm by compiling, rank.
 
-1. Enumerate candidates (`space.candidates`).
+1. Enumerate candidates (`space.candidates`; for a mixture of experts the ``expert`` axis too).
 2. Prune with the run check (`check_run` on the axis sizes and the abstract model: nothing is
    allocated) and with the analytic memory model against the cap.
 3. Rank the survivors by modelled step time (`analytic.model_candidate`).
@@ -24,9 +24,10 @@ from meshtrain.comm.expect import param_layouts
 from meshtrain.costmodel import DeviceProfile
 from meshtrain.layout import rules_for
 from meshtrain.models.base import DataSpec
+from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.analytic import Modelled, model_candidate
-from meshtrain.plan.space import REMATS, Candidate, candidates
+from meshtrain.plan.space import REMATS, Candidate, candidates, divisors
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_model
 from meshtrain.train import TrainConfig
@@ -104,10 +105,12 @@ def plan(
     remats: tuple[str, ...] = REMATS,
     microbatch_factors: tuple[int, ...] = (2, 4),
 ) -> Plan:
-    """Searches layouts of a GPT on `devices` devices (see the module docstring).
+    """Searches layouts of a GPT or a mixture of experts on `devices` devices (see the module
+    docstring).
 
     Args:
-        cfg: the `GPTConfig`.
+        cfg: the `GPTConfig`, or a `MoEConfig` (whose ``expert`` axis is searched too, over
+            the divisors of its experts).
         devices: devices to plan for.
         batch: global batch (sequences).
         seq_len: tokens per sequence.
@@ -145,13 +148,14 @@ def plan(
     max_tensor = max_tensor or device.devices_per_node
     spec = DataSpec("lm", batch, seq_len, cfg.vocab_size, None)
     graphdef, abstract = abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))
-    _, param_vars, _ = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)
+    param_vars = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
     cands = candidates(
         devices,
         max_pipe=max_pipe,
         max_tensor=max_tensor,
         remats=remats,
         microbatch_factors=microbatch_factors,
+        experts=tuple(divisors(cfg.n_experts)) if isinstance(cfg, MoEConfig) else (1,),
     )
     checked_only = RunSpec(model=cfg, data=spec, train=TrainConfig(run_dir=""))  # writes nothing
     reasons: collections.Counter = collections.Counter()
@@ -222,6 +226,7 @@ def plan(
             continue  # no compiled proof left to give: keep only confirmed layouts
         ranked.append(choice)
     if compile_fn is not None and confirm and not confirmed:
+        assert smallest is not None  # a compile ran: confirm > 0 and no layout confirmed
         peak, where = smallest
         raise PlanError(
             f"device_memory={_gb(memory_cap)}: the {tries} best layouts the model admitted "

@@ -6,14 +6,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from meshtrain.mesh import AXES, DATA, FSDP, PIPE, TENSOR
+from meshtrain.mesh import AXES, DATA, EXPERT, FSDP, PIPE, TENSOR
 
 REMATS = ("none", "save-dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One layout to model: axis sizes, a strategy preset, a remat policy, microbatches."""
+    """One layout to model: axis sizes, a strategy preset, a remat policy, microbatches (and
+    the ``expert`` axis of a mixture of experts)."""
 
     pipe: int
     data: int
@@ -23,11 +24,18 @@ class Candidate:
     remat: str = "none"
     microbatches: int = 0  # 0: no pipeline
     schedule: str = "1f1b"
+    expert: int = 1
 
     @property
     def sizes(self) -> dict[str, int]:
         """Axis sizes in mesh order (every axis, size 1 where unused)."""
-        named = {PIPE: self.pipe, DATA: self.data, FSDP: self.fsdp, TENSOR: self.tensor}
+        named = {
+            PIPE: self.pipe,
+            DATA: self.data,
+            FSDP: self.fsdp,
+            EXPERT: self.expert,
+            TENSOR: self.tensor,
+        }
         return {a: named.get(a, 1) for a in AXES}
 
     @property
@@ -54,8 +62,9 @@ def candidates(
     max_tensor: int | None = None,
     remats: tuple[str, ...] = REMATS,
     microbatch_factors: tuple[int, ...] = (2, 4),
+    experts: tuple[int, ...] = (1,),
 ) -> list[Candidate]:
-    """Every layout of n devices over pipe × data × fsdp × tensor.
+    """Every layout of n devices over pipe × data × fsdp × expert × tensor.
 
     Strategies are not repeated where they coincide: dp and zero1 keep fsdp = 1, fsdp keeps
     data = 1 (it shards over both batch axes anyway), hsdp needs both; "+tp" is added
@@ -66,24 +75,36 @@ def candidates(
         max_pipe, max_tensor: largest pipe and tensor sizes to try (None: n).
         remats: remat policies to try.
         microbatch_factors: microbatches per stage to try when pipe > 1.
+        experts: ``expert`` axis sizes to try (a mixture of experts: divisors of its
+            experts); the expert axis splits the batch rows beside data and fsdp.
 
     Returns:
         The candidates.
     """
-    out = []
+    micro_f = microbatch_factors
+    out: list[Candidate] = []
     for pipe in divisors(n):
         if max_pipe and pipe > max_pipe:
             continue
         for tensor in divisors(n // pipe):
             if max_tensor and tensor > max_tensor:
                 continue
-            rest = n // (pipe * tensor)
-            splits = [("dp", rest, 1), ("zero1", rest, 1), ("fsdp", 1, rest)]
-            splits += [("hsdp", d, rest // d) for d in divisors(rest) if 1 < d < rest]
-            if rest == 1:
-                splits = [("dp", 1, 1)]
-            tp = "+tp" if tensor > 1 else ""
-            micro = [f * pipe for f in microbatch_factors] if pipe > 1 else [0]
-            for (strategy, data, fsdp), remat, m in itertools.product(splits, remats, micro):
-                out.append(Candidate(pipe, data, fsdp, tensor, strategy + tp, remat, m))
+            for expert in experts:
+                if (n // (pipe * tensor)) % expert:
+                    continue
+                out += _splits(pipe, tensor, expert, n // (pipe * tensor * expert), remats, micro_f)
     return out
+
+
+def _splits(pipe, tensor, expert, rest, remats, micro_f) -> list[Candidate]:
+    """The candidates that split `rest` devices over data and fsdp."""
+    splits = [("dp", rest, 1), ("zero1", rest, 1), ("fsdp", 1, rest)]
+    splits += [("hsdp", d, rest // d) for d in divisors(rest) if 1 < d < rest]
+    if rest == 1:
+        splits = [("dp", 1, 1)]
+    tp = "+tp" if tensor > 1 else ""
+    micro = [f * pipe for f in micro_f] if pipe > 1 else [0]
+    return [
+        Candidate(pipe, data, fsdp, tensor, strategy + tp, remat, m, expert=expert)
+        for (strategy, data, fsdp), remat, m in itertools.product(splits, remats, micro)
+    ]

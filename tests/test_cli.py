@@ -183,6 +183,7 @@ OVERRIDES = {
     "--moe.remat": (["full"], "full"),
     "--moe.dtype": (["bfloat16"], "bfloat16"),
     "--moe.attention-impl": (["auto"], "auto"),
+    "--moe.grouped-impl": (["xla"], "xla"),
     "--moe.sliding-window": (["8"], 8),
     "--moe.vocab-multiple": (["64"], 64),
 }

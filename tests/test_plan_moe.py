@@ -4,7 +4,6 @@ Mixtral 8x7B and why, and the CLI's MoE line and one-line refusals."""
 
 import dataclasses
 import json
-import types
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from meshtrain.comm.compile import compile_step
 from meshtrain.comm.expect import param_layouts
 from meshtrain.comm.inspector import inspect_compiled
 from meshtrain.costmodel import profile
+from meshtrain.kernels import grouped_matmul as gmm
 from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.models.base import DataSpec
@@ -48,11 +48,12 @@ def _random_moe(rng, dispatch: str, dtype: str) -> tuple[MoEConfig, int]:
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
 def test_dispatch_flops_and_bytes_match_hand_counts(shards):
     rng = np.random.default_rng()
-    for device, dtype, b, tile in ((CPU, "bfloat16", 4, 32), (GPU, "bfloat16", 2, 128)):
+    for device, dtype, b, backend in ((CPU, "bfloat16", 4, "cpu"), (GPU, "bfloat16", 2, "gpu")):
         cap_cfg, n = _random_moe(rng, "capacity", dtype)
         drop_cfg = dataclasses.replace(cap_cfg, dispatch="dropless")
         D, F, k, E = cap_cfg.d_model, cap_cfg.d_expert, cap_cfg.top_k, cap_cfg.n_experts
         A, L, cf, leaves = n * k, E // shards, cap_cfg.capacity_factor, (shards - 1) / shards
+        tile = gmm.tile_rows(A, L, backend)
         active = 3 * (2 * 3 * D * F * A)  # forward 6·D·F per choice, backward twice that
         why = f"{device.name} S={shards} D={D} F={F} k={k} N={n} cf={cf:.3f}"
 
@@ -73,7 +74,7 @@ def test_dispatch_flops_and_bytes_match_hand_counts(shards):
 def test_xla_ragged_dot_on_cpu_costs_every_local_expert_for_every_row(shards):
     rng = np.random.default_rng()
     base, n = _random_moe(rng, "dropless", "float32")
-    cfg = types.SimpleNamespace(**vars(base), expert_dim=base.d_expert, grouped_impl="ragged")
+    cfg = dataclasses.replace(base, grouped_impl="xla")
     cost = dispatch_costs(cfg, tokens=n, shards=shards, device=CPU)
     assert cost.factor == pytest.approx(base.n_experts)  # E × active (8× at E = 8)
     rows = shards * n * base.top_k

@@ -85,6 +85,7 @@ class Experts(nnx.Module):
             kind=cfg.dispatch,
             n_experts=cfg.n_experts,
             slots=slots or 0,
+            grouped=cfg.grouped_impl,
         )
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from meshtrain import validate
+from meshtrain.kernels import grouped_matmul as gmm
 from meshtrain.layout import EXPERT, Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
-from meshtrain.models.moe_dispatch import DISPATCH
+from meshtrain.models.moe_dispatch import DISPATCH, exchange_impl
 from meshtrain.models.moe_routing import capacity
 from meshtrain.problem import Problem, RunCheckError
 
@@ -40,6 +41,9 @@ class MoEConfig:
             (DeepSeek style); 0 for none.
         dispatch: ``"capacity"`` (GShard buffers, overflow dropped) or ``"dropless"``
             (grouped matmuls, nothing dropped).
+        grouped_impl: dropless dispatch's grouped matmul: ``"tiled"`` (at active cost on every
+            backend), ``"xla"`` (`jax.lax.ragged_dot`, a dense product on CPU) or ``"auto"``
+            (the faster one measured on the backend).
         capacity_factor: capacity dispatch: slots per expert and sequence are
             ⌈factor · T · top_k / n_experts⌉.
         renormalize: divide the top-k probabilities by their sum (Mixtral); with top_k=1 this
@@ -61,6 +65,7 @@ class MoEConfig:
     moe_every: int = 1
     shared_expert: int = 0
     dispatch: str = "capacity"
+    grouped_impl: str = "auto"
     capacity_factor: float = 1.25
     renormalize: bool = True
     aux_loss_coef: float = 0.01
@@ -114,6 +119,7 @@ class MoEConfig:
             "block is an MoE block)",
         )
         problems += v.one_of("moe.dispatch", self.dispatch, DISPATCH, example="dropless")
+        problems += v.one_of("moe.grouped_impl", self.grouped_impl, gmm.IMPLS, example="auto")
         problems += v.above(
             "moe.capacity_factor",
             self.capacity_factor,
@@ -225,7 +231,10 @@ class MoEConfig:
 
     def describe(self) -> str:
         """E.g. ``moe · d_model=64 · 2 layers (2 MoE) · 8 experts, top-2, capacity 1.25``."""
-        how = f"capacity {self.capacity_factor:g}" if self.dispatch == "capacity" else "dropless"
+        how = f"capacity {self.capacity_factor:g}"
+        if self.dispatch == "dropless":
+            impl = gmm.auto_impl() if self.grouped_impl == "auto" else self.grouped_impl
+            how = f"dropless ({impl} grouped matmul, {exchange_impl()} exchange)"
         shared = f" + shared {self.shared_expert}" if self.shared_expert else ""
         return (
             f"moe · d_model={self.d_model} · {self.n_layers} layers ({self.n_moe_layers} MoE) · "

@@ -12,9 +12,12 @@ exchange.
   the residual unchanged); the buffers go to the experts' owners in one ``all_to_all`` and
   come back in another.
 - **dropless**: the choices are sorted by expert and run through grouped matmuls
-  (`jax.lax.ragged_dot`). Across ``expert`` shards they travel in a *padded* exchange: each
-  destination gets a buffer as large as all the shard's choices (the most it could be
-  sent), since the ragged all-to-all has no CPU implementation; nothing is dropped.
+  (`meshtrain.kernels.grouped_matmul`: the tiled loop at active cost, or XLA's
+  ``ragged_dot``). Across ``expert`` shards they travel, on a GPU, in a *ragged* exchange
+  (`jax.lax.ragged_all_to_all`: each destination is sent exactly its rows, after the counts);
+  elsewhere, where that op has no implementation, in a *padded* exchange: each destination
+  gets a buffer as large as all the shard's choices (the most it could be sent). Nothing is
+  dropped either way.
 
 Shape suffixes: B local batch rows, T positions, D model width, F expert hidden width,
 E experts, L local experts (E / expert), K choices per token, C slots, N local tokens,
@@ -29,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from meshtrain.kernels.grouped_matmul import grouped_matmul
 from meshtrain.layout import (
     EXPERT,
     Spec,
@@ -40,6 +44,12 @@ from meshtrain.layout import (
 )
 
 DISPATCH = ("capacity", "dropless")
+EXCHANGES = ("padded", "ragged")
+
+
+def exchange_impl() -> str:
+    """The dropless exchange across expert shards: ragged where the backend has it (GPU)."""
+    return "ragged" if jax.default_backend() == "gpu" else "padded"
 
 
 class Routing(NamedTuple):
@@ -66,11 +76,13 @@ def swiglu_experts(x_LCD, gate_LDF, up_LDF, down_LFD):
     return jnp.einsum("lcf,lfd->lcd", h_LCF, down_LFD)
 
 
-def _ragged_swiglu(x_MD, sizes_L, gate_LDF, up_LDF, down_LFD):
-    """The SwiGLU experts on rows grouped by expert (`sizes_L` rows each, in order)."""
-    h_MF = jax.nn.silu(jax.lax.ragged_dot(x_MD, gate_LDF, sizes_L))
-    h_MF = h_MF * jax.lax.ragged_dot(x_MD, up_LDF, sizes_L)
-    return jax.lax.ragged_dot(h_MF, down_LFD, sizes_L)
+def _grouped_swiglu(x_MD, sizes_L, weights, impl: str):
+    """The SwiGLU experts on rows grouped by expert (`sizes_L` rows each, in order; rows past
+    the groups give zeros)."""
+    gate_LDF, up_LDF, down_LFD = weights
+    h_MF = jax.nn.silu(grouped_matmul(x_MD, gate_LDF, sizes_L, impl=impl))
+    h_MF = h_MF * grouped_matmul(x_MD, up_LDF, sizes_L, impl=impl)
+    return grouped_matmul(h_MF, down_LFD, sizes_L, impl=impl)
 
 
 def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, shards):
@@ -95,8 +107,9 @@ def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, 
     return jnp.sum(y_BTKD * weight_BTK[..., None].astype(y_BTKD.dtype), axis=2)
 
 
-def dropless_local(x_BTD, routing: Routing, weights, *, n_experts, axis, shards):
-    """Dropless dispatch on one shard's rows: sort by expert, grouped matmuls, unsort."""
+def dropless_local(x_BTD, routing: Routing, weights, *, n_experts, axis, shards, grouped):
+    """Dropless dispatch on one shard's rows: sort by expert, grouped matmuls (`grouped`:
+    the `grouped_matmul` impl), unsort."""
     B, T, D = x_BTD.shape
     expert_BTK, weight_BTK = routing.expert_BTK, routing.weight_BTK
     K = expert_BTK.shape[-1]
@@ -106,16 +119,19 @@ def dropless_local(x_BTD, routing: Routing, weights, *, n_experts, axis, shards)
     rows_AD = x_BTD.reshape(B * T, D)[order_A // K]
     sizes_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
     if shards == 1:
-        y_AD = _ragged_swiglu(rows_AD, sizes_E, *weights)
+        y_AD = _grouped_swiglu(rows_AD, sizes_E, weights, grouped)
     else:
-        y_AD = _padded_exchange(rows_AD, sizes_E, weights, axis=axis, shards=shards)
+        exchange = _ragged_exchange if exchange_impl() == "ragged" else _padded_exchange
+        experts = functools.partial(_grouped_swiglu, weights=weights, impl=grouped)
+        y_AD = exchange(rows_AD, sizes_E, experts, axis=axis, shards=shards)
     y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, choice) order
     y_BTKD = y_AD.reshape(B, T, K, D)
     return jnp.sum(y_BTKD * weight_BTK[..., None].astype(y_BTKD.dtype), axis=2)
 
 
-def _padded_exchange(rows_AD, sizes_E, weights, *, axis, shards):
-    """Expert-sorted rows to their experts' shards and back, each destination padded to A."""
+def _padded_exchange(rows_AD, sizes_E, experts, *, axis, shards):
+    """Expert-sorted rows to their experts' shards and back, each destination padded to A;
+    ``experts(x_MD, sizes_L)`` runs the local experts on rows grouped by local expert."""
     A, D = rows_AD.shape
     L = sizes_E.shape[0] // shards
     sizes_SL = sizes_E.reshape(shards, L)
@@ -133,14 +149,64 @@ def _padded_exchange(rows_AD, sizes_E, weights, *, axis, shards):
     local_M = local_SA.reshape(shards * A)
     order_M = jnp.argsort(local_M, stable=True)
     x_MD = recv_SAD.reshape(shards * A, D)[order_M]
-    y_MD = _ragged_swiglu(x_MD, jnp.sum(got_SL, axis=0), *weights)
-    y_MD = jnp.where((local_M[order_M] < L)[:, None], y_MD, 0)
+    y_MD = experts(x_MD, jnp.sum(got_SL, axis=0))  # padding rows sort last: zeros
     y_SAD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(shards, A, D)
     back_SAD = jax.lax.all_to_all(y_SAD, axis, 0, 0, tiled=True)
     return jnp.zeros((A, D), back_SAD.dtype).at[src_SA].set(back_SAD, mode="drop")
 
 
-def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slots: int):
+def _ragged_exchange(rows_AD, sizes_E, experts, *, axis, shards):
+    """Expert-sorted rows to their experts' shards and back with `ragged_all_to_all`: each
+    destination receives exactly its rows, after the counts are gathered; the receive
+    buffer holds the most a shard could be sent (S·A rows), but only the rows travel."""
+    A, D = rows_AD.shape
+    L = sizes_E.shape[0] // shards
+    sizes_SL = sizes_E.reshape(shards, L)
+    count_S = jnp.sum(sizes_SL, axis=1)  # rows for each destination, contiguous from start_S
+    sent_SS = jax.lax.all_gather(count_S, axis)  # [source, destination]
+    me = jax.lax.axis_index(axis)
+    start_SS = jnp.cumsum(sent_SS, axis=1) - sent_SS  # where a source's rows for s begin
+    land_SS = jnp.cumsum(sent_SS, axis=0) - sent_SS  # where they land at s: after lower sources
+    recv_S = sent_SS[:, me]
+    recv_MD = _ragged_all_to_all(
+        rows_AD, jnp.zeros((shards * A, D), rows_AD.dtype), start_SS[me], count_S,
+        land_SS[me], recv_S, axis=axis,
+    )  # fmt: skip
+    # Each received row's local expert (L past the last source's rows), then grouped.
+    got_SL = jax.lax.all_to_all(sizes_SL, axis, 0, 0, tiled=True)  # from each source
+    r_M = jnp.arange(shards * A)
+    src_M = jnp.sum(jnp.cumsum(recv_S)[None, :] <= r_M[:, None], axis=1)  # source of row
+    at_M = r_M - land_SS[jnp.minimum(src_M, shards - 1), me]
+    ends_SL = jnp.cumsum(got_SL, axis=1)
+    local_M = jnp.sum(at_M[:, None] >= ends_SL[jnp.minimum(src_M, shards - 1)], axis=-1)
+    local_M = jnp.where(src_M < shards, local_M, L)
+    order_M = jnp.argsort(local_M, stable=True)
+    y_MD = experts(recv_MD[order_M], jnp.sum(got_SL, axis=0))
+    y_MD = jnp.zeros_like(y_MD).at[order_M].set(y_MD)
+    return _ragged_all_to_all(
+        y_MD, jnp.zeros((A, D), y_MD.dtype), land_SS[:, me], recv_S, start_SS[:, me], count_S,
+        axis=axis,
+    )  # fmt: skip
+
+
+def _ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, *, axis):
+    """`jax.lax.ragged_all_to_all` over `axis` (a seam: tests put a reference in its place
+    on backends without the op)."""
+    return jax.lax.ragged_all_to_all(
+        x, out, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=axis
+    )
+
+
+def dispatch(
+    x_BTD,
+    routing: Routing,
+    weights,
+    *,
+    kind: str,
+    n_experts: int,
+    slots: int,
+    grouped: str = "auto",
+):
     """Runs the experts on `x_BTD` by `routing`: per shard over the active layout's
     ``expert`` and batch axes, or whole outside any layout.
 
@@ -151,6 +217,7 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
         kind: ``"capacity"`` or ``"dropless"``.
         n_experts: E.
         slots: capacity slots per expert and sequence (capacity only).
+        grouped: the grouped-matmul impl of dropless dispatch (`grouped_matmul`'s ``impl``).
 
     Returns:
         [B, T, D]: the weighted sum of each token's kept experts' outputs (0 if all dropped).
@@ -158,7 +225,7 @@ def dispatch(x_BTD, routing: Routing, weights, *, kind: str, n_experts: int, slo
     if kind == "capacity":
         local = functools.partial(capacity_local, n_experts=n_experts, slots=slots)
     else:
-        local = functools.partial(dropless_local, n_experts=n_experts)
+        local = functools.partial(dropless_local, n_experts=n_experts, grouped=grouped)
     layout = active()
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)

@@ -12,7 +12,7 @@ element, cf = capacity_factor, A = N·k choices, R = the grouped matmul's rows p
 - **dropless** with the tiled grouped matmul: each local expert's rows are padded to whole
   tiles, at most L·(R−1) padding rows beside the A_here rows its experts receive (A when the
   routing is balanced): FLOPs ≤ active × (1 + L·(R−1)/A). With XLA's ``ragged_dot`` (impl
-  ``ragged``), the CPU compiler multiplies every row by every local expert: rows·L·18·D·F,
+  ``xla``), the CPU compiler multiplies every row by every local expert: rows·L·18·D·F,
   rows = A at S = 1 and S·A under the padded exchange (E × active either way); elsewhere it
   is taken at the active cost.
 - **dropless exchange** over S > 1: on GPUs the ragged exchange sends each destination
@@ -28,17 +28,16 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain.costmodel import DeviceProfile
+from meshtrain.kernels import grouped_matmul as gmm
 from meshtrain.problem import Problem, RunCheckError
 
-# Rows per tile of the grouped matmul, per platform. Switch to
-# meshtrain.kernels.grouped_matmul.tile_rows(), which decides them per backend, once it exists.
-TILE_ROWS = {"gpu": 128, "cpu": 32}
 ROUTER_BYTES = 8  # float32 router logits and probabilities, per expert and token
 
 
-def tile_rows(device: DeviceProfile) -> int:
-    """The grouped matmul's rows per tile on `device` (128 on GPUs, 32 elsewhere)."""
-    return TILE_ROWS["gpu" if device.is_gpu else "cpu"]
+def tile_rows(device: DeviceProfile, rows: float, groups: int) -> int:
+    """The grouped matmul's rows per tile on `device` for `rows` rows over `groups` local
+    experts (`meshtrain.kernels.grouped_matmul.tile_rows`)."""
+    return gmm.tile_rows(int(rows), groups, backend="gpu" if device.is_gpu else "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +48,7 @@ class DispatchCost:
         dispatch: ``"capacity"`` or ``"dropless"``.
         exchange: ``"none"`` (one shard), ``"capacity"`` (the capacity buffers), ``"padded"``
             or ``"ragged"``.
-        impl: the grouped matmul (``"tiled"`` or ``"ragged"``; ``"-"`` for capacity).
+        impl: the grouped matmul (``"tiled"`` or ``"xla"``; ``"-"`` for capacity).
         tile_rows: rows per tile of the tiled grouped matmul.
         active_flops: the chosen experts' FLOPs, 18·D·F·A.
         flops: what the dispatch computes.
@@ -98,7 +97,7 @@ def dispatch_costs(
 
     Args:
         cfg: the `MoEConfig` (its ``dispatch``, ``capacity_factor``, widths and experts; a
-            ``grouped_impl`` of ``"ragged"`` selects XLA's ``ragged_dot``).
+            ``grouped_impl`` of ``"xla"`` selects XLA's ``ragged_dot``).
         tokens: N, the tokens on the device's batch rows.
         shards: S, the ``expert`` axis size (must divide ``n_experts``).
         device: the profile; GPUs exchange ragged, the others padded.
@@ -123,7 +122,7 @@ def dispatch_costs(
         )
     S, L, A = shards, E // shards, tokens * k
     b = exchanged_itemsize(cfg, device)
-    R = tile or tile_rows(device)
+    R = tile or tile_rows(device, tokens * k, E // max(shards, 1))
     active = 18 * D * F * A
     leaves = (S - 1) / S
     if cfg.dispatch == "capacity":
@@ -135,9 +134,9 @@ def dispatch_costs(
         sent = rows
         exchange = "ragged" if ragged_exchange else "padded"
         impl = getattr(cfg, "grouped_impl", "tiled")
-        if impl == "ragged" and device.platform == "cpu":
+        if impl == "xla" and device.platform == "cpu":
             flops = rows * L * 18 * D * F  # every row times every local expert
-        elif impl == "ragged":
+        elif impl == "xla":
             flops = active
         else:
             impl = "tiled"

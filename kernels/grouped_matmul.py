@@ -1,0 +1,202 @@
+"""Grouped matmul at active cost: rows grouped by expert, each group times its own weights.
+
+``y[r] = x[r] @ w[g(r)]`` where the rows of `x` come in groups (group l holds ``sizes[l]``
+consecutive rows, in order) and rows past the last group give zeros, as
+`jax.lax.ragged_dot` defines it. Two implementations:
+
+- ``"tiled"`` (plain JAX, every backend): the Megablox idea without a custom kernel. The rows
+  are cut into tiles of R rows; a *visit* is one (tile, group) pair whose rows overlap, so a
+  tile that straddles a group boundary is visited once per group it holds. A loop runs only
+  the visits the sizes need (a data-dependent trip count: ``⌈rows / R⌉ + groups − 1`` at
+  most), each one ``[R, D] @ [D, F]`` with its group's weights, writing only its group's rows.
+  The work is the active rows' plus at most one partial tile per group; rows past the last
+  group cost nothing. The backward (a custom VJP) runs the same visits: the input gradient
+  through the transposed weights, each group's weight gradient from its own rows.
+- ``"xla"``: `jax.lax.ragged_dot`. On CPU it lowers to a dense product of every row with
+  every group's weights (``groups ×`` the active work); on GPU its cost is measured in the
+  MoE guide.
+
+``"auto"`` takes ``"tiled"`` on every backend where it measured faster (see `auto_impl`).
+Shape suffixes: M rows, D input width, F output width, L groups, V visits, R tile rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from meshtrain._compat import varying_axes
+from meshtrain.layout import varying
+
+IMPLS = ("tiled", "xla", "auto")
+CPU_TILE = 16
+# On a GPU (H200, bf16, 16384 rows over 8 groups, D 4096, F 14336; forward + backward): tiles of
+# 64 / 128 / 256 / 512 / 1024 / 2048 rows ran 405 / 216 / 123 / 87 / 71 / 75 ms, ragged_dot
+# 184 ms (benchmarks/results/2026-11-26-h200-grouped_matmul.jsonl). Tall tiles fill the
+# matrix units and amortise each visit's loop step; a tile taller than half a mean group
+# wastes its rows in padding.
+GPU_TILES = (64, 1024)
+
+
+def tile_rows(rows: int, groups: int, backend: str | None = None) -> int:
+    """The tile height of the tiled grouped matmul for `rows` rows in `groups` groups on
+    `backend` (default: jax's): 16 on CPU; on a GPU the power of two nearest half a mean
+    group, between 64 and 1024."""
+    if (backend or jax.default_backend()) == "cpu":
+        return CPU_TILE
+    half_group = max(1, rows // (2 * groups))
+    lo, hi = GPU_TILES
+    return min(hi, max(lo, 1 << (half_group.bit_length() - 1)))
+
+
+def auto_impl(backend: str | None = None) -> str:
+    """What ``impl="auto"`` runs: the tiled loop, on every backend measured. On CPU XLA's
+    ragged_dot is a dense product over every group (groups × the work); on an H200 the tiled
+    loop ran 2.6× faster than ragged_dot (forward + backward, the shape of `GPU_TILES`)."""
+    del backend
+    return "tiled"
+
+
+def visits(sizes_L: jax.Array, tile: int) -> jax.Array:
+    """How many tile products the tiled grouped matmul runs for these group sizes: each
+    group's tiles, counting a tile shared by two groups once per group."""
+    ends_L = jnp.cumsum(sizes_L)
+    first_L = (ends_L - sizes_L) // tile
+    return jnp.sum(jnp.where(sizes_L > 0, (ends_L - 1) // tile - first_L + 1, 0))
+
+
+def grouped_matmul(
+    x_MD: jax.Array,
+    w_LDF: jax.Array,
+    sizes_L: jax.Array,
+    *,
+    impl: str = "auto",
+    tile: int | None = None,
+) -> jax.Array:
+    """Each group of rows of `x_MD` times its group's weights.
+
+    Args:
+        x_MD: rows, grouped: group l is ``sizes_L[l]`` consecutive rows, groups in order;
+            rows past ``sum(sizes_L)`` are ignored (their outputs are zero).
+        w_LDF: one weight matrix per group.
+        sizes_L: int32 rows per group (sum at most M).
+        impl: ``"tiled"``, ``"xla"`` (`jax.lax.ragged_dot`) or ``"auto"``.
+        tile: rows per tile of ``"tiled"`` (default `tile_rows`).
+
+    Returns:
+        [M, F] in the dtype of `x_MD` (float32 accumulation).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul: impl={impl!r} is not one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        impl = auto_impl()
+    if impl == "xla":
+        return lax.ragged_dot(x_MD, w_LDF, sizes_L.astype(jnp.int32))
+    R = tile or tile_rows(x_MD.shape[0], w_LDF.shape[0])
+    return _tiled(x_MD, w_LDF, sizes_L.astype(jnp.int32), R)
+
+
+class _Visits:
+    """The (tile, group) pairs whose rows overlap, group by group; `count` of them are real."""
+
+    def __init__(self, sizes_L: jax.Array, n_tiles: int, R: int):
+        L = sizes_L.shape[0]
+        self.ends_L = jnp.cumsum(sizes_L)
+        self.starts_L = self.ends_L - sizes_L
+        first_L = self.starts_L // R
+        count_L = jnp.where(sizes_L > 0, (self.ends_L - 1) // R - first_L + 1, 0)
+        vend_L = jnp.cumsum(count_L)
+        self.count = vend_L[-1]
+        v_V = jnp.arange(n_tiles + L - 1)
+        # the first group whose visits end past v (a count, as jnp.searchsorted does not
+        # take values that vary over manual axes)
+        after_V = jnp.sum(vend_L[None, :] <= v_V[:, None], axis=1)
+        self.group_V = jnp.minimum(after_V, L - 1)
+        self.tile_V = first_L[self.group_V] + v_V - (vend_L - count_L)[self.group_V]
+
+    def rows(self, v, R: int):
+        """Visit `v`: its group, its first row, and which of its R rows are the group's."""
+        g, start = self.group_V[v], self.tile_V[v] * R
+        r_R = start + jnp.arange(R)
+        return g, start, (r_R >= self.starts_L[g]) & (r_R < self.ends_L[g])
+
+
+def _zeros(shape, dtype, *like) -> jax.Array:
+    """Zeros varying over every manual axis any of `like` varies over (a loop carry)."""
+    axes = frozenset().union(*(varying_axes(a) for a in like))
+    return varying(jnp.zeros(shape, dtype), axes) if axes else jnp.zeros(shape, dtype)
+
+
+def _padded(x_MD: jax.Array, R: int) -> jax.Array:
+    """`x_MD` with zero rows appended up to a multiple of R."""
+    M = x_MD.shape[0]
+    pad = -M % R
+    return jnp.pad(x_MD, ((0, pad), (0, 0))) if pad else x_MD
+
+
+def _forward(x_MD, w_LDF, sizes_L, R, *, contract_w: int):
+    """The visits' products ``x_tile · w[g]`` contracting w's axis `contract_w` (1 forward,
+    2 for the input gradient through the transposed weights), written group by group."""
+    M = x_MD.shape[0]
+    xp = _padded(x_MD, R)
+    visits = _Visits(sizes_L, xp.shape[0] // R, R)
+    out_dim = w_LDF.shape[3 - contract_w]
+    dims = (((1,), (contract_w - 1,)), ((), ()))
+
+    def body(v, y):
+        g, start, mine_R = visits.rows(v, R)
+        x_RD = lax.dynamic_slice_in_dim(xp, start, R)
+        y_RF = lax.dot_general(x_RD, w_LDF[g], dims, preferred_element_type=jnp.float32)
+        old_RF = lax.dynamic_slice_in_dim(y, start, R)
+        new_RF = jnp.where(mine_R[:, None], y_RF.astype(y.dtype), old_RF)
+        return lax.dynamic_update_slice_in_dim(y, new_RF, start, 0)
+
+    y = _zeros((xp.shape[0], out_dim), x_MD.dtype, x_MD, w_LDF, sizes_L)
+    return lax.fori_loop(0, visits.count, body, y)[:M]
+
+
+def _weight_grad(x_MD, dy_MF, w_LDF, sizes_L, R):
+    """Each group's ``x_gᵀ · dy_g`` from its own rows of the visited tiles, in float32."""
+    xp, dyp = _padded(x_MD, R), _padded(dy_MF, R)
+    visits = _Visits(sizes_L, xp.shape[0] // R, R)
+
+    def body(v, dw):
+        g, start, mine_R = visits.rows(v, R)
+        x_RD = jnp.where(mine_R[:, None], lax.dynamic_slice_in_dim(xp, start, R), 0)
+        dy_RF = lax.dynamic_slice_in_dim(dyp, start, R)
+        part_DF = lax.dot_general(x_RD, dy_RF, (((0,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32)  # fmt: skip
+        return dw.at[g].add(part_DF)
+
+    dw = _zeros(w_LDF.shape, jnp.float32, x_MD, dy_MF, w_LDF, sizes_L)
+    return lax.fori_loop(0, visits.count, body, dw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled(x_MD, w_LDF, sizes_L, R):
+    """The tiled grouped matmul (see the module docstring)."""
+    return _forward(x_MD, w_LDF, sizes_L, R, contract_w=1)
+
+
+def _tiled_fwd(x_MD, w_LDF, sizes_L, R):
+    return _tiled(x_MD, w_LDF, sizes_L, R), (x_MD, w_LDF, sizes_L)
+
+
+def _summed_to(ct, primal):
+    """A cotangent summed over the manual axes it varies over and its primal does not (the
+    transpose of the implicit broadcast of an invariant input)."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    return lax.psum(ct, extra) if extra else ct
+
+
+def _tiled_bwd(R, res, dy_MF):
+    x_MD, w_LDF, sizes_L = res
+    dx_MD = _forward(dy_MF.astype(x_MD.dtype), w_LDF, sizes_L, R, contract_w=2)
+    dw_LDF = _weight_grad(x_MD, dy_MF.astype(x_MD.dtype), w_LDF, sizes_L, R)
+    return _summed_to(dx_MD, x_MD), _summed_to(dw_LDF, w_LDF).astype(w_LDF.dtype), None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)

@@ -238,7 +238,7 @@ def hybrid_device_array(devices, sizes: dict[str, int]) -> np.ndarray:
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     """Axis sizes of `mesh` as a dict."""
-    return dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))  # also an AbstractMesh
 
 
 def describe(mesh: Mesh) -> str:

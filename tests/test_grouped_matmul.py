@@ -1,0 +1,252 @@
+"""The tiled grouped matmul (kernels/grouped_matmul.py) and dropless dispatch at active cost.
+
+- The grouped matmul equals a loop over its groups, in value and both gradients, with empty
+  groups, one group taking every row, groups that do not fill whole tiles and rows past the
+  last group; float32 and bfloat16.
+- It runs only the tile products the sizes need: the visit count against its bound, and the
+  work a dropless layer runs on a real routing against the active work at expert = 1, 2, 4, 8
+  (the issue's target: at most 1.25×); compiled, the dropless layer holds no product over every
+  expert (XLA's ragged_dot does on CPU: the same check fails for it).
+- Dropless dispatch with the tiled matmul equals it with ragged_dot (today's implementation)
+  under expert parallelism, also with tensor parallelism inside the experts.
+- The ragged exchange (`jax.lax.ragged_all_to_all`, GPU only) equals the padded exchange on
+  CPU through a reference of the op built from all-gathers, and lowers for H100s.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _kernel_helpers import h100
+from flax import nnx
+from jax import export
+from jax.sharding import AbstractMesh, AxisType
+
+from meshtrain.kernels import grouped_matmul as gmm
+from meshtrain.layout import activation_rules, named, rules_for, state_specs
+from meshtrain.mesh import make_mesh
+from meshtrain.models import MoEConfig, moe_dispatch
+from meshtrain.models.moe import Experts
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+SIZES = {
+    "empty groups": [7, 0, 20, 3, 0],
+    "one group takes all": [0, 0, 37, 0, 0],
+    "ragged, rows past the groups": [5, 9, 1, 13, 2],
+}
+
+
+def _loop(x_MD, w_LDF, sizes_L):
+    """Each group's rows times its weights, one group at a time (rows past the groups: 0)."""
+    y, start = jnp.zeros((x_MD.shape[0], w_LDF.shape[2]), jnp.float32), 0
+    for g, n in enumerate(sizes_L):
+        rows = slice(start, start + n)
+        y = y.at[rows].set(jnp.dot(x_MD[rows].astype(jnp.float32), w_LDF[g].astype(jnp.float32)))
+        start += n
+    return y
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(SIZES))
+@pytest.mark.parametrize("impl, tile", [("tiled", 4), ("tiled", 16), ("xla", None)])
+def test_grouped_matmul_equals_a_loop_over_groups(case, dtype, impl, tile):
+    sizes = SIZES[case]
+    M, D, F, L = 37, 8, 12, len(sizes)
+    kx, kw, kd = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 3)
+    x = jax.random.normal(kx, (M, D), jnp.float32).astype(dtype)
+    w = jax.random.normal(kw, (L, D, F), jnp.float32).astype(dtype)
+    dy = jax.random.normal(kd, (M, F), jnp.float32)
+    sizes_L = jnp.asarray(sizes, jnp.int32)
+
+    def loss(fn, x, w):
+        return jnp.sum(fn(x, w).astype(jnp.float32) * dy)
+
+    got = functools.partial(gmm.grouped_matmul, sizes_L=sizes_L, impl=impl, tile=tile)
+    want = functools.partial(_loop, sizes_L=sizes)
+    np.testing.assert_allclose(
+        jnp.asarray(got(x, w), jnp.float32), want(x, w), rtol=TOL[dtype], atol=TOL[dtype] * 4
+    )
+    grads = jax.jit(jax.grad(functools.partial(loss, got), (0, 1)))(x, w)
+    refs = jax.grad(functools.partial(loss, want), (0, 1))(x, w)
+    for name, g, r in zip(("x", "w"), grads, refs, strict=True):
+        assert g.dtype == dtype, name
+        scale = float(jnp.max(jnp.abs(r)))
+        err = float(jnp.max(jnp.abs(jnp.asarray(g, jnp.float32) - r))) / scale
+        assert err < TOL[dtype] * 4, (name, err)
+    if sum(sizes) < M:  # rows past the last group: zero output and zero input gradient
+        assert not np.any(np.asarray(got(x, w))[sum(sizes) :])
+        assert not np.any(np.asarray(grads[0], np.float32)[sum(sizes) :])
+
+
+def test_a_bad_impl_is_one_line():
+    with pytest.raises(ValueError, match=r"grouped_matmul: impl='dense' is not one of tiled, "):
+        gmm.grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4]), impl="dense")
+
+
+def test_visits_cover_each_group_with_at_most_one_partial_tile_more():
+    rng = np.random.default_rng()
+    for _ in range(50):
+        L, R = int(rng.integers(1, 12)), int(rng.choice([4, 16, 64]))
+        sizes = rng.multinomial(int(rng.integers(0, 400)), rng.dirichlet(np.ones(L) * 0.3))
+        n = int(gmm.visits(jnp.asarray(sizes, jnp.int32), R))
+        # every group's rows in whole tiles of its own, at most one partial tile per group
+        assert sum(-(-s // R) for s in sizes) <= n, sizes
+        assert n <= -(-sizes.sum() // R) + np.count_nonzero(sizes) - 1 + (sizes.sum() == 0)
+        assert n * R < sizes.sum() + L * R, sizes
+
+
+def test_tile_rows_per_backend():
+    assert gmm.tile_rows(4096, 8, "cpu") == gmm.CPU_TILE
+    assert gmm.tile_rows(16384, 8, "gpu") == 1024  # a mean group of 2048 rows
+    assert gmm.tile_rows(2048, 8, "gpu") == 128
+    assert gmm.tile_rows(100, 8, "gpu") == 64  # never below the smallest GPU tile
+
+
+def _device_sizes(expert_BTK, n_experts: int, shards: int, devices: int = 8):
+    """Each device's group sizes after the exchange: rows split over (data, expert) blocks,
+    expert shard s holding experts [s·L, (s+1)·L) and receiving from its exchange group."""
+    B = expert_BTK.shape[0]
+    blocks = np.asarray(expert_BTK).reshape(devices, B // devices, -1)
+    L, out = n_experts // shards, []
+    for d in range(devices // shards):
+        group = blocks[d * shards : (d + 1) * shards].reshape(-1)
+        for s in range(shards):
+            mine = group[(group >= s * L) & (group < (s + 1) * L)] - s * L
+            out.append(np.bincount(mine, minlength=L))
+    return out
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_dropless_work_is_within_a_quarter_of_the_active_work(shards):
+    """benchmarks/moe.py's shape (E = 8, k = 2, 256 tokens per device): the tile products a
+    dropless layer runs over the active rows, on a router's real choices."""
+    cfg = MoEConfig(d_model=256, n_heads=4, n_experts=8, top_k=2, d_expert=512)
+    kx, kr = jax.random.split(jax.random.key(np.random.randint(1 << 30)))
+    x = jax.random.normal(kx, (16, 128, cfg.d_model))
+    router = jax.random.normal(kr, (cfg.d_model, cfg.n_experts)) * 0.02
+    _, expert_BTK = jax.lax.top_k(jnp.dot(x, router), cfg.top_k)
+    R, run, active = gmm.CPU_TILE, 0, 0
+    for sizes in _device_sizes(expert_BTK, cfg.n_experts, shards):
+        run += int(gmm.visits(jnp.asarray(sizes, jnp.int32), R)) * R
+        active += int(sizes.sum())
+    assert active == 16 * 128 * cfg.top_k
+    assert run / active <= 1.25, run / active
+
+
+@pytest.mark.parametrize("impl, dense", [("tiled", False), ("xla", True)])
+def test_compiled_dropless_layer_has_no_product_over_every_expert(impl, dense):
+    """XLA counts a loop body once: the tiled layer's compiled FLOPs stay below the active
+    work (each visit is one tile), ragged_dot's dense product is 8/k × over it."""
+    cfg = MoEConfig(d_model=64, n_heads=4, n_experts=8, top_k=2, d_expert=128,
+                    dispatch="dropless", grouped_impl=impl)  # fmt: skip
+    graphdef, state = nnx.split(Experts(cfg, rngs=nnx.Rngs(0)))
+    x = jnp.ones((4, 32, cfg.d_model))
+
+    def loss(p, x):
+        return jnp.sum(nnx.merge(graphdef, p)(x)[0] ** 2)
+
+    cost = jax.jit(jax.grad(loss, (0, 1))).lower(nnx.to_pure_dict(state), x).compile()
+    cost = cost.cost_analysis()
+    flops = float((cost[0] if isinstance(cost, list) else cost)["flops"])
+    active = 3 * 6 * 4 * 32 * cfg.top_k * cfg.d_model * cfg.expert_dim
+    assert (flops > active) == dense, (flops, active)
+
+
+def _experts_grads(cfg, spec: str, strategy: str, x, r):
+    """(loss, grads wrt params and x) of one MoE layer on `spec`, its parameters laid out."""
+    n = int(np.prod([int(p.split("=")[1]) for p in spec.split(",")]))
+    mesh = make_mesh(spec, devices=jax.devices()[:n])
+    rules = rules_for(strategy, mesh)
+    graphdef, state = nnx.split(Experts(cfg, rngs=nnx.Rngs(0)))
+    params = jax.device_put(
+        nnx.to_pure_dict(state), named(state_specs(state, rules.params, mesh, warn=False), mesh)
+    )
+
+    def loss(p, x):
+        with activation_rules(mesh, rules):
+            y, stats = nnx.merge(graphdef, p)(x)
+        return jnp.sum(y * r) + stats["aux_loss"]
+
+    with jax.set_mesh(mesh):
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(params, x)
+
+
+SMALL = MoEConfig(d_model=32, n_heads=2, n_experts=8, top_k=2, d_expert=16, dispatch="dropless")
+
+
+@pytest.mark.parametrize(
+    "spec, strategy",
+    [("data=8", "dp"), ("data=4,expert=2", "dp"), ("data=2,expert=4", "dp"), ("expert=8", "dp"),
+     ("data=2,expert=2,tensor=2", "dp+tp")],
+)  # fmt: skip
+def test_dropless_tiled_equals_ragged_dot_under_expert_parallelism(spec, strategy):
+    kx, kr = jax.random.split(jax.random.key(np.random.randint(1 << 30)))
+    x, r = jax.random.normal(kx, (8, 8, 32)), jax.random.normal(kr, (8, 8, 32))
+    got = _experts_grads(dataclasses.replace(SMALL, grouped_impl="tiled"), spec, strategy, x, r)
+    want = _experts_grads(dataclasses.replace(SMALL, grouped_impl="xla"), spec, strategy, x, r)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        assert float(jnp.max(jnp.abs(w))) > 0
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def _reference_ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, *, axis):
+    """`jax.lax.ragged_all_to_all`'s documented semantics from all-gathers (its CPU stand-in):
+    source j's rows ``[in_offsets_j[me], + send_sizes_j[me])`` land at ``out_offsets_j[me]``."""
+    del recv_sizes  # implied by the senders' sizes
+    me = jax.lax.axis_index(axis)
+    xs, offs, sizes, lands = (
+        jax.lax.all_gather(a, axis) for a in (x, in_offsets, send_sizes, out_offsets)
+    )
+    r = jnp.arange(out.shape[0])
+    for j in range(xs.shape[0]):
+        at = r - lands[j, me]
+        ok = (at >= 0) & (at < sizes[j, me])
+        rows = xs[j][jnp.clip(offs[j, me] + at, 0, x.shape[0] - 1)]
+        out = jnp.where(ok[:, None], rows, out)
+    return out
+
+
+@pytest.mark.parametrize("spec", ["data=4,expert=2", "data=2,expert=4", "expert=8"])
+def test_ragged_exchange_equals_the_padded_exchange(monkeypatch, spec):
+    kx, kr = jax.random.split(jax.random.key(np.random.randint(1 << 30)))
+    x, r = jax.random.normal(kx, (8, 8, 32)), jax.random.normal(kr, (8, 8, 32))
+    want = _experts_grads(SMALL, spec, "dp", x, r)
+    monkeypatch.setattr(moe_dispatch, "exchange_impl", lambda: "ragged")
+    monkeypatch.setattr(moe_dispatch, "_ragged_all_to_all", _reference_ragged_all_to_all)
+    got = _experts_grads(SMALL, spec, "dp", x, r)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_ragged_exchange_lowers_for_h100s(monkeypatch):
+    """The dropless layer's forward and backward over ``expert=4`` exported for CUDA on
+    abstract H100s: two ragged all-to-alls forward (there and back), two backward."""
+    monkeypatch.setattr(moe_dispatch, "exchange_impl", lambda: "ragged")
+    mesh = AbstractMesh((2, 4), ("data", "expert"), (AxisType.Auto,) * 2,
+                        abstract_device=h100())  # fmt: skip
+    rules = rules_for("dp", {"data": 2, "expert": 4})
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Experts(SMALL, rngs=nnx.Rngs(0))))
+    specs = named(state_specs(state, rules.params, mesh, warn=False), mesh)
+    params = jax.tree.map(
+        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+        nnx.to_pure_dict(state),
+        specs,
+    )
+    x = jax.ShapeDtypeStruct((8, 8, 32), jnp.float32)
+
+    def loss(p, x):
+        with activation_rules(mesh, rules):
+            return jnp.sum(nnx.merge(graphdef, p)(x)[0] ** 2)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = export.export(
+            jax.jit(jax.grad(loss, (0, 1))),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("ragged_all_to_all")],
+        )(params, x)
+    assert exported.mlir_module().count("custom_call @ragged_all_to_all") == 4

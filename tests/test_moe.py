@@ -1,9 +1,9 @@
 """Mixture of experts: expert-parallel dispatch (capacity and dropless) equals the one-device
 math in the loss and every gradient; drops are counted exactly and dropped tokens pass through
 unchanged; the router losses match their closed forms (Mixtral's pooled over the blocks and
-the real tokens, exactly so in a gpipe pipeline over expert and data); checkpoints reshard
-bit-equal; bad settings are one clear line before anything compiles; the CLI trains an MoE over
-``expert``."""
+the real tokens, exactly so in gpipe and circular pipelines over expert and data); checkpoints
+reshard bit-equal; bad settings are one clear line before anything compiles; the CLI trains an
+MoE over ``expert``."""
 
 import dataclasses
 import functools
@@ -278,17 +278,26 @@ def test_mixtral_router_loss_pools_the_blocks_real_tokens():
     assert float(pooled_load_balance_loss(*sums.values())) == pytest.approx(2.0)
 
 
-# Two MoE blocks, one per stage, four experts (two per expert shard), Mixtral's router loss.
+# MoE blocks, one per stage and chunk, four experts (two per expert shard), Mixtral's loss.
 PIPED = MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=16,
                   vocab_size=64, vocab_multiple=16, max_seq_len=T, dispatch="dropless",
                   router_losses="mixtral", aux_loss_coef=0.5, z_loss_coef=0.0)  # fmt: skip
 
 
-@pytest.mark.pair("gpipe", "moe-dropless")
-def test_mixtral_router_loss_in_a_gpipe_pipeline_equals_the_unpipelined_step():
-    graphdef, params = random_params(PIPED, seed=3)
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        pytest.param(PipelineConfig(microbatches=2),
+                     marks=pytest.mark.pair("gpipe", "moe-dropless"), id="gpipe"),
+        pytest.param(PipelineConfig(schedule="circular", repeats=2, microbatches=2),
+                     marks=pytest.mark.pair("circular", "moe-dropless"), id="circular"),
+    ],
+)  # fmt: skip
+def test_mixtral_router_loss_in_a_pipeline_equals_the_unpipelined_step(pipeline):
+    cfg = dataclasses.replace(PIPED, n_layers=2 * pipeline.chunks_per_stage())
+    graphdef, params = random_params(cfg, seed=3)
     rng = np.random.default_rng(4)
-    tokens = rng.integers(0, PIPED.vocab_size, (B, T + 1)).astype(np.int32)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     seg = np.ones((B, T), np.int32)
     seg[:2, T // 2 :] = 0  # padding in the first microbatch only
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
@@ -303,14 +312,13 @@ def test_mixtral_router_loss_in_a_gpipe_pipeline_equals_the_unpipelined_step():
     model = nnx.merge(graphdef, params)
     graphdef, sharded, shardings = init_train_state(lambda: model, tx, mesh, rules)
     shard = batch_shardings(batch, mesh, rules)
-    pipeline = PipelineConfig(schedule="gpipe", microbatches=2)
     step = jit_train_step(RunSpec(mesh=mesh, rules=rules, pipeline=pipeline), graphdef, tx,
                           shardings, shard)  # fmt: skip
     sharded, got = step(sharded, shard_batch(batch, mesh, rules))
     # One loss over the whole batch's real tokens in both blocks, as one unpipelined step.
     for k in ("loss", "task_loss", "moe_aux_loss"):
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=LOSS_RTOL, err_msg=k)
-    assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, "gpipe mixtral")
+    assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, pipeline.schedule)
 
 
 @pytest.mark.pair("moe-capacity", "resume-relayout")

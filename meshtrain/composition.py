@@ -113,6 +113,14 @@ def _fsdp_and_tensor(run: RunSpec) -> bool:
     return split == {"fsdp", "tensor"} and bool(rules.replica_axes(run.sizes))
 
 
+def _pooled_router_loss(run: RunSpec) -> bool:
+    """The model adds Mixtral's load-balancing loss, pooled over every MoE block, to the loss."""
+    model = run.model
+    if not isinstance(model, MoEConfig):
+        return False
+    return model.router_losses == "mixtral" and model.aux_loss_coef > 0
+
+
 def _mesh_value(axis: str) -> Callable[[RunSpec], int]:
     """``run → size of axis``, the value a mesh row shows."""
     return lambda run: _axis(run, axis)
@@ -469,6 +477,27 @@ REFUSALS: tuple[Refusal, ...] = (
             "local SGD", "sync_every", _sync_every, "--sync-every", _local, {"sync_every": 4}
         ),
         _LOCAL,
+    ),
+    Refusal(
+        "Mixtral's router loss",
+        "the 1f1b schedule",
+        "the loss pools every stage's blocks, and 1f1b runs each stage's backward with its own "
+        "blocks only (gpipe and circular pool them exactly)",
+        lambda run: (
+            _pooled_router_loss(run) and _axis(run, PIPE) > 1 and run.pipeline.schedule == "1f1b"
+        ),
+        "moe.router_losses",
+        "use --schedule gpipe or circular, or --moe.router-losses meshtrain, or set "
+        "--moe.aux-loss-coef 0",
+        _model_value("router_losses"),
+        lambda: (
+            _run(
+                {"pipe": 2, "data": 4},
+                model=MoEConfig(router_losses="mixtral"),
+                pipeline=PipelineConfig(schedule="1f1b"),
+            ),
+            _run({"pipe": 2, "data": 4}, model=MoEConfig(router_losses="mixtral")),
+        ),
     ),
     Refusal(
         "a custom loss_fn",

@@ -1,7 +1,9 @@
 """Mixture of experts: expert-parallel dispatch (capacity and dropless) equals the one-device
 math in the loss and every gradient; drops are counted exactly and dropped tokens pass through
-unchanged; the router losses match their closed forms; checkpoints reshard bit-equal; bad
-settings are one clear line before anything compiles; the CLI trains an MoE over ``expert``."""
+unchanged; the router losses match their closed forms (Mixtral's pooled over the blocks and
+the real tokens, exactly so in gpipe and circular pipelines over expert and data); checkpoints
+reshard bit-equal; bad settings are one clear line before anything compiles; the CLI trains an
+MoE over ``expert``."""
 
 import dataclasses
 import functools
@@ -10,21 +12,41 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from _pipeline_helpers import LOSS_RTOL, assert_close, random_params
 from flax import nnx
 
 from meshtrain import checkpoint as ckpt
 from meshtrain import cli
 from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointManager
-from meshtrain.layout import activation_rules, named, rules_for, state_specs
+from meshtrain.layout import (
+    activation_rules,
+    batch_shardings,
+    named,
+    rules_for,
+    shard_batch,
+    state_specs,
+)
+from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import DataSpec, MoEConfig, build_model
 from meshtrain.models.moe import Experts
 from meshtrain.models.moe_dispatch import dispatch
-from meshtrain.models.moe_routing import load_balance_loss, load_stats, route, z_loss
-from meshtrain.state import abstract_target, abstract_train_state
+from meshtrain.models.moe_routing import (
+    load_balance_loss,
+    load_stats,
+    pooled_load_balance_loss,
+    route,
+    router_sums,
+    z_loss,
+)
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.run import RunSpec
+from meshtrain.state import TrainState, abstract_target, abstract_train_state
 from meshtrain.train.optim import OptimConfig, make_optimizer
+from meshtrain.train.step import train_step
 
 # One worker builds the module-scoped reference run(s) for all of them (under --dist loadgroup).
 pytestmark = pytest.mark.xdist_group("moe")
@@ -219,6 +241,84 @@ def test_router_losses_equal_their_closed_forms():
     # Renormalised top-2 weights sum to 1, in the top-2 order.
     np.testing.assert_allclose(routing.weight_BTK.sum(-1), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(routing.expert_BTK[0, :, 0], 0)
+
+
+def test_mixtral_router_loss_pools_the_blocks_real_tokens():
+    # Two blocks' router logits over the same tokens; the last 3 positions of row 1 are padding.
+    blocks = [_constructed_logits(4), jnp.flip(_constructed_logits(4), axis=-1)]
+    real_BT = np.ones((2, T), bool)
+    real_BT[1, -3:] = False
+    choices, probs, n = np.zeros(4), np.zeros(4), 0
+    totals = []
+    for logits in blocks:
+        routing = route(logits, 2, renormalize=True, capacity_slots=None)
+        totals.append(router_sums(logits, routing.expert_BTK, jnp.asarray(real_BT)))
+        p = np.exp(np.asarray(logits, np.float64))
+        p /= p.sum(-1, keepdims=True)
+        chosen = np.argsort(-p, axis=-1)[..., :2]  # [B, T, 2]
+        for e in range(4):
+            choices[e] += ((chosen == e).any(-1) & real_BT).sum()
+        probs += p[real_BT].sum(0)
+        n += real_BT.sum()
+    total = jax.tree.map(jnp.add, *totals)
+    np.testing.assert_allclose(total["router_choices"], choices)
+    np.testing.assert_allclose(total["router_probs"], probs, rtol=1e-6)
+    assert float(total["router_tokens"]) == n == 2 * (2 * T - 3)
+    got = pooled_load_balance_loss(*(total[k] for k in ("router_choices", "router_probs",
+                                                         "router_tokens")))  # fmt: skip
+    np.testing.assert_allclose(got, 4 * np.sum(choices / n * probs / n), rtol=1e-6)
+    # Not the mean of the blocks' own losses, nor meshtrain's sum of them.
+    each = [4 * np.sum(t["router_choices"] * t["router_probs"]) / t["router_tokens"] ** 2
+            for t in totals]  # fmt: skip
+    assert abs(float(got) - np.mean(each)) > 1e-2
+    # Balanced, uniform routing gives k (meshtrain's gives 1).
+    uniform = jnp.zeros((1, 4, 4))
+    experts = jnp.asarray([[[0, 1], [2, 3], [0, 1], [2, 3]]])
+    sums = router_sums(uniform, experts)
+    assert float(pooled_load_balance_loss(*sums.values())) == pytest.approx(2.0)
+
+
+# MoE blocks, one per stage and chunk, four experts (two per expert shard), Mixtral's loss.
+PIPED = MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=16,
+                  vocab_size=64, vocab_multiple=16, max_seq_len=T, dispatch="dropless",
+                  router_losses="mixtral", aux_loss_coef=0.5, z_loss_coef=0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        pytest.param(PipelineConfig(microbatches=2),
+                     marks=pytest.mark.pair("gpipe", "moe-dropless"), id="gpipe"),
+        pytest.param(PipelineConfig(schedule="circular", repeats=2, microbatches=2),
+                     marks=pytest.mark.pair("circular", "moe-dropless"), id="circular"),
+    ],
+)  # fmt: skip
+def test_mixtral_router_loss_in_a_pipeline_equals_the_unpipelined_step(pipeline):
+    cfg = dataclasses.replace(PIPED, n_layers=2 * pipeline.chunks_per_stage())
+    graphdef, params = random_params(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    seg = np.ones((B, T), np.int32)
+    seg[:2, T // 2 :] = 0  # padding in the first microbatch only
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))}  # fmt: skip
+    tx = optax.sgd(0.5)
+    state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), {})
+    want_state, want = jax.jit(lambda st, b: train_step(graphdef, tx, st, b))(state, batch)
+    assert float(want["loss"] - want["task_loss"]) > 0.5  # the router loss is in it
+
+    mesh = make_mesh("pipe=2,expert=2,data=2")
+    rules = rules_for("dp", mesh)
+    model = nnx.merge(graphdef, params)
+    graphdef, sharded, shardings = init_train_state(lambda: model, tx, mesh, rules)
+    shard = batch_shardings(batch, mesh, rules)
+    step = jit_train_step(RunSpec(mesh=mesh, rules=rules, pipeline=pipeline), graphdef, tx,
+                          shardings, shard)  # fmt: skip
+    sharded, got = step(sharded, shard_batch(batch, mesh, rules))
+    # One loss over the whole batch's real tokens in both blocks, as one unpipelined step.
+    for k in ("loss", "task_loss", "moe_aux_loss"):
+        np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=LOSS_RTOL, err_msg=k)
+    assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, pipeline.schedule)
 
 
 @pytest.mark.pair("moe-capacity", "resume-relayout")

@@ -11,9 +11,16 @@ router and one SwiGLU MLP per expert::
 
 Mixtral routes as `meshtrain.models.moe_routing.route` with ``renormalize=True``: softmax over
 the experts, top-k, the k weights divided by their sum. Imported models use dropless dispatch,
-so nothing is dropped and the logits equal transformers'. This adapter stands beside the GPT
-registry (`meshtrain.hf.registry` holds `GPTConfig` architectures): `load_mixtral` and
-`save_mixtral` are its two entry points.
+so nothing is dropped and the logits equal transformers'.
+
+An imported model trains with ``MixtralForCausalLM``'s objective: its load-balancing loss
+(``router_losses="mixtral"``, pooled over the layers and the real tokens), weighted by
+``router_aux_loss_coef`` when ``output_router_logits`` is true (transformers adds it to the
+loss only then) and 0 otherwise, and no z-loss. `load_mixtral`'s ``objective=`` changes that;
+`save_mixtral` writes the weight back (``output_router_logits`` true when it is not 0).
+
+This adapter stands beside the GPT registry (`meshtrain.hf.registry` holds `GPTConfig`
+architectures): `load_mixtral` and `save_mixtral` are its two entry points.
 """
 
 from __future__ import annotations
@@ -35,14 +42,19 @@ from meshtrain.models.moe import MoE
 from meshtrain.models.moe_config import MoEConfig
 
 ARCHITECTURE = "MixtralForCausalLM"
+# The MoEConfig fields that set the training objective, which `load_mixtral` lets a caller change.
+OBJECTIVE = ("router_losses", "aux_loss_coef", "z_loss_coef")
 
 
 def config_from_hf(hf: Mapping) -> MoEConfig:
-    """The `MoEConfig` of a Mixtral ``config.json`` (dropless dispatch)."""
+    """The `MoEConfig` of a Mixtral ``config.json``: dropless dispatch, and the training objective
+    of ``MixtralForCausalLM`` with that config (Mixtral's load-balancing loss weighted by
+    ``router_aux_loss_coef`` if ``output_router_logits``, else 0; no z-loss)."""
     fields = llama.fields_from_hf(hf)
     if fields.get("rope_scaling", "none") != "none":
         raise refuse("rope_parameters", fields["rope_scaling"], "MoEConfig has default RoPE only")
     window = hf.get("sliding_window")
+    aux = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
     return MoEConfig(
         vocab_size=fields["vocab_size"],
         max_seq_len=fields["max_seq_len"],
@@ -58,13 +70,17 @@ def config_from_hf(hf: Mapping) -> MoEConfig:
         norm_eps=fields["norm_eps"],
         tie_embeddings=fields["tie_embeddings"],
         sliding_window=window or 0,
-        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        router_losses="mixtral",
+        aux_loss_coef=aux,
+        z_loss_coef=0.0,
         dispatch="dropless",
     )
 
 
 def config_to_hf(cfg: MoEConfig) -> dict:
-    """Mixtral's ``config.json`` for `cfg`."""
+    """Mixtral's ``config.json`` for `cfg`: the load-balancing weight as ``router_aux_loss_coef``,
+    on (``output_router_logits``) when it is not 0. transformers knows no z-loss and only
+    Mixtral's definition of the loss (``router_losses="mixtral"``)."""
     if cfg.moe_every != 1 or cfg.shared_expert or not cfg.renormalize:
         raise ValueError(
             f"Mixtral holds MoE blocks in every layer, no shared expert and renormalised top-k; "
@@ -81,6 +97,7 @@ def config_to_hf(cfg: MoEConfig) -> dict:
         num_local_experts=cfg.n_experts,
         num_experts_per_tok=cfg.top_k,
         router_aux_loss_coef=cfg.aux_loss_coef,
+        output_router_logits=cfg.aux_loss_coef > 0,
         sliding_window=cfg.sliding_window or None,
         dtype="float32",
     )
@@ -131,12 +148,17 @@ def _layer_to_hf(p: Mapping, cfg: MoEConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def load_mixtral(path: str | Path, *, dispatch: str = "dropless") -> MoE:
+def load_mixtral(
+    path: str | Path, *, dispatch: str = "dropless", objective: Mapping | None = None
+) -> MoE:
     """A Mixtral directory (``config.json`` + safetensors) as a meshtrain `MoE`.
 
     Args:
         path: the directory ``save_pretrained`` wrote.
         dispatch: the dispatch of the model (``dropless`` reproduces transformers exactly).
+        objective: `MoEConfig` fields of the training objective to set instead of
+            transformers' (`config_from_hf`): ``router_losses``, ``aux_loss_coef``,
+            ``z_loss_coef``; e.g. ``{"router_losses": "meshtrain", "aux_loss_coef": 0.01}``.
 
     Returns:
         The model (unsharded, float32 parameters).
@@ -149,7 +171,14 @@ def load_mixtral(path: str | Path, *, dispatch: str = "dropless") -> MoE:
         cfg = config_from_hf(hf)
     except ValueError as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from None
-    cfg = dataclasses.replace(cfg, dispatch=dispatch)
+    objective = dict(objective or {})
+    unknown = sorted(set(objective) - set(OBJECTIVE))
+    if unknown:
+        raise ValueError(
+            f"load_mixtral objective={objective!r}: {', '.join(unknown)} is not a field of the "
+            f"training objective; set {', '.join(OBJECTIVE)}"
+        )
+    cfg = dataclasses.replace(cfg, dispatch=dispatch, **objective)
     files = tensor_files(path)
 
     def get(name: str) -> np.ndarray:

@@ -25,7 +25,14 @@ from meshtrain.models.base import ModelOutput, PipelineParts
 from meshtrain.models.gpt import MLP, Attention, Block
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.models.moe_dispatch import Routing, dispatch
-from meshtrain.models.moe_routing import load_balance_loss, load_stats, route, z_loss
+from meshtrain.models.moe_routing import (
+    load_balance_loss,
+    load_stats,
+    pooled_load_balance_loss,
+    route,
+    router_sums,
+    z_loss,
+)
 from meshtrain.models.remat import POLICIES
 
 
@@ -51,8 +58,12 @@ class Experts(nnx.Module):
         else:
             self.shared = None
 
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The experts' output for [B, T, D] tokens, and the router's losses and statistics."""
+    def __call__(
+        self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The experts' output for [B, T, D] tokens, and the router's losses and statistics
+        (with ``router_losses="mixtral"``, the `router_sums` of the real tokens, those with
+        ``segment_ids_BT > 0``, in place of ``aux_loss``)."""
         cfg = self.cfg
         T = x_BTD.shape[1]
         logits_BTE = jnp.dot(x_BTD.astype(jnp.float32), self.router[...])
@@ -65,8 +76,13 @@ class Experts(nnx.Module):
         if order is not None:
             logits_BTE = logits_BTE[:, context_parallel.inverse(order)]
         routing = route(logits_BTE, cfg.top_k, renormalize=cfg.renormalize, capacity_slots=slots)
+        if cfg.router_losses == "mixtral":
+            real_BT = None if segment_ids_BT is None else segment_ids_BT > 0
+            balance = router_sums(logits_BTE, routing.expert_BTK, real_BT)
+        else:
+            balance = {"aux_loss": load_balance_loss(logits_BTE, routing.expert_BTK)}
         stats = {
-            "aux_loss": load_balance_loss(logits_BTE, routing.expert_BTK),
+            **balance,
             "z_loss": z_loss(logits_BTE),
             **load_stats(routing, cfg.n_experts),
         }
@@ -107,7 +123,7 @@ class MoEBlock(nnx.Module):
         self, x_BTD: jax.Array, segment_ids_BT=None, positions_BT=None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         x_BTD = x_BTD + self.attn(self.norm1(x_BTD), segment_ids_BT, positions_BT)
-        y_BTD, stats = self.moe(self.norm2(x_BTD))
+        y_BTD, stats = self.moe(self.norm2(x_BTD), segment_ids_BT)
         return constrain(x_BTD + y_BTD, ("batch", "seq", "embed")), stats
 
 
@@ -132,8 +148,9 @@ class MoE(nnx.Module):
 
     A packed batch's ``segment_ids`` and ``positions`` keyword arguments act as in
     `meshtrain.models.gpt.GPT`: attention stays within each document and RoPE restarts per
-    document. The router's losses and load statistics still count every token (padding
-    too)."""
+    document. The load statistics, the z-loss and meshtrain's load-balancing loss count every
+    token (padding too); Mixtral's (``router_losses="mixtral"``) counts the real tokens only,
+    as transformers does with an attention mask."""
 
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -163,20 +180,11 @@ class MoE(nnx.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
     ) -> ModelOutput:
-        g = self.cfg.backbone
         x_BTD = self.embed_tokens(tokens_BT, positions)
-
-        def body(group: Group, x_BTD: jax.Array, seg_BT, pos_BT):
-            return group(x_BTD, seg_BT, pos_BT)
-
-        if g.remat != "none":
-            body = nnx.remat(body, policy=POLICIES[g.remat], prevent_cse=False)
-        scan = nnx.scan(body, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
-        x_BTD, stats = scan(self.groups, x_BTD, segment_ids, positions)
+        remat = self.cfg.backbone.remat
+        x_BTD, totals = scan_groups(self.groups, x_BTD, segment_ids, positions, remat=remat)
         logits_BTV = self.head_logits(x_BTD)
-        aux = self.cfg.aux_loss_coef * jnp.sum(stats["aux_loss"])
-        aux = aux + self.cfg.z_loss_coef * jnp.sum(stats["z_loss"])
-        metrics = {f"moe_{k}": jnp.mean(v) for k, v in stats.items()}
+        aux, metrics = pipeline_stats(totals, cfg=self.cfg)
         return ModelOutput(logits_BTV, aux, metrics)
 
     # The forward in pieces, so a pipeline can run the groups stage by stage and the
@@ -218,12 +226,7 @@ class MoE(nnx.Module):
             head=self.head_logits,
             head_params=head,
             packed=True,
-            stats=functools.partial(
-                pipeline_stats,
-                aux_loss_coef=cfg.aux_loss_coef,
-                z_loss_coef=cfg.z_loss_coef,
-                n_blocks=cfg.n_moe_layers,
-            ),
+            stats=functools.partial(pipeline_stats, cfg=cfg),
         )
 
 
@@ -236,7 +239,7 @@ def scan_groups(
     remat: str = "none",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Scans stacked `groups` (a leading dimension of any length) over `x_BTD`; returns the
-    output and each router statistic summed over the groups."""
+    output and each router statistic summed over the groups (per expert where it is)."""
 
     def body(group: Group, x_BTD: jax.Array, seg_BT, pos_BT):
         return group(x_BTD, seg_BT, pos_BT)
@@ -245,14 +248,25 @@ def scan_groups(
         body = nnx.remat(body, policy=POLICIES[remat], prevent_cse=False)
     scan = nnx.scan(body, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
     x_BTD, stats = scan(groups, x_BTD, segment_ids_BT, positions_BT)
-    return x_BTD, {k: jnp.sum(v) for k, v in stats.items()}
+    return x_BTD, {k: jnp.sum(v, axis=0) for k, v in stats.items()}
 
 
 def pipeline_stats(
-    totals: dict[str, jax.Array], *, aux_loss_coef: float, z_loss_coef: float, n_blocks: int
+    totals: dict[str, jax.Array], *, cfg: MoEConfig
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Router statistics summed over the MoE blocks → ``(aux_loss, metrics)`` as `MoE.__call__`
-    weighs and reports them: the coefficients times the summed losses, and the ``moe_*``
-    metrics as means over the blocks."""
-    aux = aux_loss_coef * totals["aux_loss"] + z_loss_coef * totals["z_loss"]
-    return aux, {f"moe_{k}": v / n_blocks for k, v in totals.items()}
+    """Router statistics summed over the MoE blocks → ``(aux_loss, metrics)``: the coefficients
+    times the losses, and the ``moe_*`` metrics as means over the blocks. The load-balancing
+    loss is the sum of the blocks' (``"meshtrain"``) or Mixtral's of the pooled `router_sums`
+    (``"mixtral"``, reported as ``moe_aux_loss``; a ratio of sums, so the same for totals
+    scaled by any factor, as a pipeline's mean over microbatches scales them)."""
+    totals = dict(totals)
+    if cfg.router_losses == "mixtral":
+        sums = (totals.pop(k) for k in ("router_choices", "router_probs", "router_tokens"))
+        balance = pooled_load_balance_loss(*sums)
+    else:
+        balance = totals["aux_loss"]
+    aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * totals["z_loss"]
+    metrics = {f"moe_{k}": v / cfg.n_moe_layers for k, v in totals.items()}
+    if cfg.router_losses == "mixtral":
+        metrics["moe_aux_loss"] = balance
+    return aux, metrics

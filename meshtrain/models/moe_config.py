@@ -15,7 +15,7 @@ from meshtrain.layout import EXPERT, Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_dispatch import DISPATCH, exchange_impl
-from meshtrain.models.moe_routing import capacity
+from meshtrain.models.moe_routing import ROUTER_LOSSES, capacity
 from meshtrain.problem import Problem, RunCheckError
 
 if TYPE_CHECKING:
@@ -48,8 +48,12 @@ class MoEConfig:
             ⌈factor · T · top_k / n_experts⌉.
         renormalize: divide the top-k probabilities by their sum (Mixtral); with top_k=1 this
             makes every weight 1, so Switch-style k=1 routers set it False.
-        aux_loss_coef: weight of the load-balancing loss (summed over MoE blocks).
+        aux_loss_coef: weight of the load-balancing loss.
         z_loss_coef: weight of the router z-loss (summed over MoE blocks).
+        router_losses: the load-balancing loss's definition: ``"meshtrain"`` (Switch's loss
+            per MoE block over every token, summed over the blocks) or ``"mixtral"``
+            (transformers' ``MixtralForCausalLM``: one loss over every block's real tokens
+            pooled, padding left out; what an imported Mixtral trains with).
     """
 
     vocab_size: int = 256
@@ -70,6 +74,7 @@ class MoEConfig:
     renormalize: bool = True
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    router_losses: str = "meshtrain"
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -129,6 +134,13 @@ class MoEConfig:
         )
         for name in ("aux_loss_coef", "z_loss_coef"):
             problems += v.non_negative(f"moe.{name}", getattr(self, name), integer=False)
+        problems += v.one_of(
+            "moe.router_losses",
+            self.router_losses,
+            ROUTER_LOSSES,
+            example="mixtral",
+            note="meshtrain: per MoE block; mixtral: pooled over the blocks, as transformers'",
+        )
         return problems
 
     @property
@@ -236,9 +248,10 @@ class MoEConfig:
             impl = gmm.auto_impl() if self.grouped_impl == "auto" else self.grouped_impl
             how = f"dropless ({impl} grouped matmul, {exchange_impl()} exchange)"
         shared = f" + shared {self.shared_expert}" if self.shared_expert else ""
+        losses = "" if self.router_losses == "meshtrain" else f", {self.router_losses} losses"
         return (
             f"moe · d_model={self.d_model} · {self.n_layers} layers ({self.n_moe_layers} MoE) · "
-            f"{self.n_experts} experts{shared}, top-{self.top_k}, {how}"
+            f"{self.n_experts} experts{shared}, top-{self.top_k}, {how}{losses}"
         )
 
     @property

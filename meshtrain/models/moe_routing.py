@@ -1,5 +1,10 @@
 """Mixture-of-experts routing math: top-k choice, capacity slots, router losses and load stats.
 
+The load-balancing loss has two forms (`ROUTER_LOSSES`): ``"meshtrain"``, Switch's loss per MoE
+block over every token (`load_balance_loss`, summed over the blocks by the model), and
+``"mixtral"``, transformers' Mixtral loss over every block's real tokens pooled into one
+(`router_sums` per block, `pooled_load_balance_loss` of their sums over the blocks).
+
 Everything here is plain jnp on global arrays, so it means the same under every layout. Inside
 a region manual over batch axes (a pipeline stage, whose rows are split over the replica and
 ``expert`` axes, or the replicas' own step of gradient compression) the losses and statistics
@@ -19,6 +24,8 @@ from jax import lax
 
 from meshtrain.layout import active, axis_size, manual_axes, rows_are_apart
 from meshtrain.models.moe_dispatch import Routing
+
+ROUTER_LOSSES = ("meshtrain", "mixtral")
 
 
 def _row_axes() -> tuple[str, ...]:
@@ -92,6 +99,38 @@ def load_balance_loss(logits_BTE: jax.Array, expert_BTK: jax.Array) -> jax.Array
     frac_E = jnp.mean(jax.nn.one_hot(expert_BTK, E, dtype=jnp.float32), axis=(0, 1, 2))
     probs_E, frac_E = _mean_over_rows(probs_E), _mean_over_rows(frac_E)
     return E * jnp.sum(frac_E * probs_E)
+
+
+def router_sums(
+    logits_BTE: jax.Array, expert_BTK: jax.Array, mask_BT: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """One MoE block's share of `pooled_load_balance_loss`, over the tokens `mask_BT` keeps (every
+    token without one) of every shard's rows: per expert, the top-k choices that picked it
+    (``router_choices`` [E]) and its summed router probability (``router_probs`` [E]), and the
+    tokens counted (``router_tokens``)."""
+    E = logits_BTE.shape[-1]
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+    if mask_BT is None:
+        weight_BT = jnp.ones(logits_BTE.shape[:2], jnp.float32)
+    else:
+        weight_BT = mask_BT.astype(jnp.float32)
+    onehot_BTKE = jax.nn.one_hot(expert_BTK, E, dtype=jnp.float32)
+    sums = {
+        "router_choices": jnp.einsum("btke,bt->e", onehot_BTKE, weight_BT),
+        "router_probs": jnp.einsum("bte,bt->e", probs_BTE, weight_BT),
+        "router_tokens": jnp.sum(weight_BT),
+    }
+    return {name: _over_rows(lax.psum, x) for name, x in sums.items()}
+
+
+def pooled_load_balance_loss(
+    choices_E: jax.Array, probs_E: jax.Array, tokens: jax.Array
+) -> jax.Array:
+    """transformers' Mixtral load-balancing loss ``E · Σ_e (c_e / N) · (p_e / N)`` from the
+    `router_sums` added up over the MoE blocks: c_e the choices of expert e, p_e its summed
+    router probability, N the tokens (each block counting its own); k when balanced."""
+    n = jnp.maximum(tokens, 1.0)
+    return choices_E.shape[-1] * jnp.sum((choices_E / n) * (probs_E / n))
 
 
 def z_loss(logits_BTE: jax.Array) -> jax.Array:

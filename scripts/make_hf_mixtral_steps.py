@@ -1,0 +1,128 @@
+"""Makes the Mixtral training fixture in tests/fixtures/hf/ with the reference code: a tiny
+``MixtralForCausalLM`` that trains with its router loss on, and three torch AdamW steps of it.
+
+Run once, by hand, never by the test suite, in the venv `scripts/make_hf_fixtures.py` describes
+(torch 2.13.0+cpu, transformers 5.23.0)::
+
+    /tmp/hfvenv/bin/python scripts/make_hf_mixtral_steps.py
+
+It writes, all float32:
+
+- ``tests/fixtures/hf/mixtral_steps/``: the model before training (``save_pretrained``): 4
+  experts of width 32, top-2, width 32, 2 layers, vocab 128, ``output_router_logits=True`` and
+  ``router_aux_loss_coef`` = `AUX`, so transformers' training loss is the cross-entropy plus
+  `AUX` × its load-balancing loss;
+- ``tests/fixtures/hf/mixtral_steps_trained/``: the same model after `STEPS` steps of
+  ``torch.optim.AdamW`` (`ADAMW`; no weight decay on the norms' weights, no clipping, no
+  schedule);
+- ``tests/fixtures/hf/mixtral_steps.npz``: per step ``inputs`` [S, B, T] int32, ``targets``
+  [S, B, T] int32 (-100 where ignored), ``mask`` [S, B, T] int32 (the attention mask: row 1
+  ends in padding), transformers' ``loss`` [S] and ``aux_loss`` [S]; and, for the first batch,
+  the routers' logits ``router_logits`` [L, B·T, E] and ``load_balancing_loss``, the value of
+  ``load_balancing_loss_func`` on them with that mask; ``versions``, what made them (JSON).
+
+The labels go in as ``shift_labels`` (position t predicts ``targets[t]``), so every position
+of a row is trained on, as meshtrain's ``inputs``/``targets`` batches are.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import safetensors
+import torch
+import transformers
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
+SEED, BATCH, SEQ, STEPS, PAD = 17, 2, 16, 3, 5  # the last PAD positions of row 1 are padding
+AUX = 0.1
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _model() -> transformers.MixtralForCausalLM:
+    """The tiny Mixtral, with norm weights perturbed so their mapping is exercised too."""
+    cfg = transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=AUX,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(SEED)
+    model = transformers.MixtralForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _batches(vocab: int) -> dict[str, np.ndarray]:
+    """`STEPS` batches of random tokens; row 1 of each ends in `PAD` padding positions."""
+    rng = np.random.default_rng(SEED)
+    tokens = rng.integers(0, vocab, (STEPS, BATCH, SEQ + 1)).astype(np.int32)
+    mask = np.ones((STEPS, BATCH, SEQ), np.int32)
+    mask[:, 1, SEQ - PAD :] = 0
+    targets = np.where(mask > 0, tokens[..., 1:], -100).astype(np.int32)
+    return {"inputs": tokens[..., :-1], "targets": targets, "mask": mask}
+
+
+def main() -> None:
+    torch.set_default_dtype(torch.float32)
+    model = _model()
+    model.save_pretrained(OUT / "mixtral_steps", safe_serialization=True)
+    data = _batches(model.config.vocab_size)
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    others = [p for n, p in model.named_parameters() if "norm" not in n]
+    opt = torch.optim.AdamW([{"params": others}, {"params": norms, "weight_decay": 0.0}], **ADAMW)
+    model.train()
+    losses, aux = [], []
+    for s in range(STEPS):
+        inputs, mask = (torch.from_numpy(data[k][s]).long() for k in ("inputs", "mask"))
+        targets = torch.from_numpy(data["targets"][s]).long()
+        out = model(input_ids=inputs, attention_mask=mask, labels=targets, shift_labels=targets)
+        if s == 0:
+            logits = tuple(r.detach() for r in out.router_logits)
+            balance = load_balancing_loss_func(logits, 4, 2, mask)
+            data["router_logits"] = np.stack([r.numpy() for r in logits]).astype(np.float32)
+            data["load_balancing_loss"] = np.float32(balance.item())
+        losses.append(out.loss.item())
+        aux.append(out.aux_loss.item())
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    model.save_pretrained(OUT / "mixtral_steps_trained", safe_serialization=True)
+    data["loss"] = np.asarray(losses, np.float32)
+    data["aux_loss"] = np.asarray(aux, np.float32)
+    versions = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+    }
+    data["versions"] = np.asarray(json.dumps(versions))
+    np.savez(OUT / "mixtral_steps.npz", **data)
+    print(json.dumps({"loss": losses, "aux_loss": aux, **versions}))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,11 +8,18 @@
   about ``capacity_factor`` × the analytic count; dropless' padded exchange moves ``S ×``
   (each destination is sized for every choice).
 - ``memory``: per-device argument and temporary bytes of the layer's forward + backward for
-  ``expert`` ∈ {1, 2, 4, 8} (the experts' weights and their gradients split over ``expert``).
-- ``flops``: compiled FLOPs per device of capacity vs dropless dispatch (XLA's cost analysis)
-  next to the experts' active FLOPs (k experts per token, forward + backward).
+  ``expert`` ∈ {1, 2, 4, 8} (the experts' weights and their gradients split over ``expert``),
+  for capacity and for dropless with each grouped matmul (``tiled``, ``xla`` = ragged_dot).
+- ``flops``: compiled FLOPs per device (XLA's cost analysis, which counts a loop's body once)
+  of capacity, dropless-tiled and dropless-ragged_dot next to the experts' active FLOPs (k
+  experts per token, forward + backward), at ``expert=1``.
+- ``dropless_work``: for ``expert`` ∈ {1, 2, 4, 8}, the rows the tiled grouped matmul runs
+  (its tile products × tile rows, `meshtrain.kernels.grouped_matmul.visits` on each device's
+  group sizes for the router's choices of the benchmark's input) over the active rows, so the
+  dropless layer's expert FLOPs over the active ones (its nine grouped matmuls, forward and
+  backward, each run the same tiles).
 
-GPU tokens/s for both paths are not measured yet.
+GPU times: `benchmarks/grouped_matmul.py`.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/moe.py [--quick]
 """
@@ -32,10 +39,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshtrain.comm import hlo as comm_hlo
+from meshtrain.kernels import grouped_matmul as gmm
 from meshtrain.layout import activation_rules, named, rules_for, state_specs
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MoEConfig
 from meshtrain.models.moe import Experts
+from meshtrain.models.moe_dispatch import shard_sizes
 
 
 def _a2a_bytes(hlo: str) -> tuple[int, int]:
@@ -101,46 +110,76 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 flush=True,
             )
-    for e in (1, 2, 4, 8):
-        mem = _compiled(base, e, batch, seq).memory_analysis()
-        print(
-            json.dumps(
-                {
-                    "case": "memory",
-                    "dispatch": base.dispatch,
-                    "expert": e,
-                    "argument_bytes": mem.argument_size_in_bytes,
-                    "temp_bytes": mem.temp_size_in_bytes,
-                    "output_bytes": mem.output_size_in_bytes,
-                    **device,
-                }
-            ),
-            flush=True,
-        )
-    flops = {}
+    variants = {
+        "capacity": base,
+        "dropless-tiled": MoEConfig(**{**base.__dict__, "dispatch": "dropless"}),
+        "dropless-xla": MoEConfig(
+            **{**base.__dict__, "dispatch": "dropless", "grouped_impl": "xla"}
+        ),
+    }
+    for name, cfg in variants.items():
+        for e in (1, 2, 4, 8):
+            mem = _compiled(cfg, e, batch, seq).memory_analysis()
+            print(
+                json.dumps(
+                    {
+                        "case": "memory",
+                        "dispatch": name,
+                        "expert": e,
+                        "argument_bytes": mem.argument_size_in_bytes,
+                        "temp_bytes": mem.temp_size_in_bytes,
+                        "output_bytes": mem.output_size_in_bytes,
+                        **device,
+                    }
+                ),
+                flush=True,
+            )
     active = 3 * 2 * 3 * batch * seq * base.top_k * d_model * base.expert_dim
-    for dispatch in ("capacity", "dropless"):
-        cfg = MoEConfig(**{**base.__dict__, "dispatch": dispatch})
+    flops = {}
+    for name, cfg in variants.items():
         cost = _compiled(cfg, 1, batch, seq).cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        flops[dispatch] = float(cost.get("flops", 0.0))
+        flops[f"{name}_flops"] = float(cost.get("flops", 0.0))
     print(
         json.dumps(
             {
                 "case": "flops",
                 "expert": 1,
-                "capacity_flops": flops["capacity"],
-                "dropless_flops": flops["dropless"],
+                **flops,
                 # The experts' matmuls a token's k choices need, forward + backward, per device
                 # (the batch splits over all 8 devices).
                 "active_expert_flops_per_device": active // 8,
-                "gpu_tokens_per_s": "unmeasured",
                 **device,
             }
         ),
         flush=True,
     )
+    for line in _dropless_work(variants["dropless-tiled"], batch, seq, active):
+        print(json.dumps({**line, **device}), flush=True)
     return 0
+
+
+def _dropless_work(cfg: MoEConfig, batch: int, seq: int, active: int):
+    """Per expert size: the rows the tiled grouped matmul runs over the active rows, on the
+    router's choices for a random input (the layer's own initial router)."""
+    layer = Experts(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (batch, seq, cfg.d_model))
+    _, expert_BTK = jax.lax.top_k(jnp.dot(x, layer.router[...]), cfg.top_k)
+    for e in (1, 2, 4, 8):
+        sizes = shard_sizes(expert_BTK, cfg.n_experts, e, row_blocks=8)
+        R = gmm.tile_rows(batch * seq * cfg.top_k // 8, cfg.n_experts // e, "cpu")
+        run = sum(int(gmm.visits(jnp.asarray(s, jnp.int32), R)) * R for s in sizes)
+        rows = sum(int(s.sum()) for s in sizes)
+        yield {
+            "case": "dropless_work",
+            "expert": e,
+            "tile_rows": R,
+            "rows_run": run,
+            "active_rows": rows,
+            "ratio": round(run / rows, 4),
+            "busiest_shard_rows": max(int(s.sum()) for s in sizes),
+            "executed_expert_flops_per_device": round(active / 8 * run / rows),
+        }
 
 
 if __name__ == "__main__":

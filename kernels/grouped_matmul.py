@@ -43,8 +43,8 @@ GPU_TILES = (64, 1024)
 
 def tile_rows(rows: int, groups: int, backend: str | None = None) -> int:
     """The tile height of the tiled grouped matmul for `rows` rows in `groups` groups on
-    `backend` (default: jax's): 16 on CPU; on a GPU the power of two nearest half a mean
-    group, between 64 and 1024."""
+    `backend` (default: jax's): 16 on CPU; on a GPU the largest power of two within half a
+    mean group, between 64 and 1024."""
     if (backend or jax.default_backend()) == "cpu":
         return CPU_TILE
     half_group = max(1, rows // (2 * groups))

@@ -184,6 +184,7 @@ OVERRIDES = {
     "--moe.dtype": (["bfloat16"], "bfloat16"),
     "--moe.attention-impl": (["auto"], "auto"),
     "--moe.grouped-impl": (["xla"], "xla"),
+    "--moe.router-losses": (["mixtral"], "mixtral"),
     "--moe.sliding-window": (["8"], 8),
     "--moe.vocab-multiple": (["64"], 64),
 }

@@ -105,20 +105,6 @@ def test_tile_rows_per_backend():
     assert gmm.tile_rows(100, 8, "gpu") == 64  # never below the smallest GPU tile
 
 
-def _device_sizes(expert_BTK, n_experts: int, shards: int, devices: int = 8):
-    """Each device's group sizes after the exchange: rows split over (data, expert) blocks,
-    expert shard s holding experts [s·L, (s+1)·L) and receiving from its exchange group."""
-    B = expert_BTK.shape[0]
-    blocks = np.asarray(expert_BTK).reshape(devices, B // devices, -1)
-    L, out = n_experts // shards, []
-    for d in range(devices // shards):
-        group = blocks[d * shards : (d + 1) * shards].reshape(-1)
-        for s in range(shards):
-            mine = group[(group >= s * L) & (group < (s + 1) * L)] - s * L
-            out.append(np.bincount(mine, minlength=L))
-    return out
-
-
 @pytest.mark.parametrize("shards", [1, 2, 4, 8])
 def test_dropless_work_is_within_a_quarter_of_the_active_work(shards):
     """benchmarks/moe.py's shape (E = 8, k = 2, 256 tokens per device): the tile products a
@@ -129,7 +115,7 @@ def test_dropless_work_is_within_a_quarter_of_the_active_work(shards):
     router = jax.random.normal(kr, (cfg.d_model, cfg.n_experts)) * 0.02
     _, expert_BTK = jax.lax.top_k(jnp.dot(x, router), cfg.top_k)
     R, run, active = gmm.CPU_TILE, 0, 0
-    for sizes in _device_sizes(expert_BTK, cfg.n_experts, shards):
+    for sizes in moe_dispatch.shard_sizes(expert_BTK, cfg.n_experts, shards, row_blocks=8):
         run += int(gmm.visits(jnp.asarray(sizes, jnp.int32), R)) * R
         active += int(sizes.sum())
     assert active == 16 * 128 * cfg.top_k

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshtrain.kernels.grouped_matmul import grouped_matmul
 from meshtrain.layout import (
@@ -195,6 +196,32 @@ def _ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, 
     return jax.lax.ragged_all_to_all(
         x, out, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=axis
     )
+
+
+def shard_sizes(expert_BTK, n_experts: int, shards: int, row_blocks: int) -> list[np.ndarray]:
+    """The group sizes each shard's grouped matmul sees for a routing (an analysis aid for
+    tests and benchmarks): the batch rows split into `row_blocks` equal blocks, one per shard
+    of the dispatch region (the expert shards innermost, as the region lays them out), expert
+    shard s owning experts ``[s·L, (s+1)·L)`` and receiving the choices of its exchange
+    group's rows.
+
+    Args:
+        expert_BTK: the routing's experts, [B, T, K] (B divisible by `row_blocks`).
+        n_experts: E.
+        shards: the ``expert`` axis size.
+        row_blocks: the region's shards (all batch axes and ``expert`` together).
+
+    Returns:
+        One [E / shards] int array per row block, in order.
+    """
+    blocks = np.asarray(expert_BTK).reshape(row_blocks, -1)
+    L, out = n_experts // shards, []
+    for first in range(0, row_blocks, shards):
+        group = blocks[first : first + shards].reshape(-1)
+        for s in range(shards):
+            mine = group[(group >= s * L) & (group < (s + 1) * L)] - s * L
+            out.append(np.bincount(mine, minlength=L))
+    return out
 
 
 def dispatch(

@@ -19,6 +19,7 @@ from meshtrain.check import check_run
 from meshtrain.comm import inspect
 from meshtrain.comm.compile import compile_step
 from meshtrain.costmodel import profile
+from meshtrain.models import MoEConfig
 from meshtrain.models.base import DataSpec
 from meshtrain.plan import plan
 
@@ -208,3 +209,28 @@ def test_the_comm_benchmark_quick_meets_its_target_on_every_layout():
         assert x["peak_bytes"] > 0 and x["memory_over_ideal"] > 0
     (planner,) = [x for x in lines if x["case"] == "planner-64"]
     assert planner["considered"] > 0 and planner["modelled_step_s"] > 0
+
+
+MOE = MoEConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64,
+                   n_experts=4, d_expert=32)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "mesh_str, strategy, moe",
+    [
+        ("data=2,expert=4", "dp", {"dispatch": "capacity"}),
+        ("data=2,expert=4", "dp", {"dispatch": "dropless"}),
+        ("data=4,expert=2", "dp", {"dispatch": "dropless", "remat": "full"}),
+        ("fsdp=2,expert=2,tensor=2", "fsdp+tp", {"dispatch": "capacity"}),
+    ],
+)
+def test_moe_dispatch_all_to_alls_are_expected_over_expert(mesh_str, strategy, moe):
+    """The dispatch's all-to-alls over ``expert`` are their own bucket, at the bytes the
+    planner models (capacity buffers; the padded dropless exchange on CPU; 6 per MoE layer
+    under remat), not an unexpected collective."""
+    mesh = mt.make_mesh(mesh_str)
+    model = dataclasses.replace(MOE, **moe)
+    r = inspect(mt.RunSpec(model=model, data=SPEC, mesh=mesh, rules=mt.rules_for(strategy, mesh)))
+    assert not [f for f in r.flags if "unexpected all-to-all" in f], r.flags
+    ratio = r.measured["expert dispatch"] / r.expectation.bytes["expert dispatch"]
+    assert 0.9 <= ratio <= 1.1, (ratio, r.flags)

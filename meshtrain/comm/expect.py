@@ -33,6 +33,10 @@ collective works on), with B·T the tokens of one step and N_b the batch ways:
   summed across stages in float32, 2·B·T/N_b·d·4 bytes; 1F1B runs the head inside its loop
   and sums only the cotangent, B·T/N_b·d·4.
 
+- **expert dispatch** (all-to-all over ``expert``): a mixture of experts' dispatch buffers,
+  there and back, forward and backward (4 per MoE layer, 6 under remat, which re-runs the
+  forward's), at the bytes `meshtrain.plan.moe.dispatch_costs` models on this backend.
+
 Anything else is reported: a collective of another kind or over other axes (an all-gather of
 activations over ``tensor`` after bad propagation, an all-to-all), a bucket more than 10 %
 over its expectation (naming its largest contributor), and XLA's "Involuntary full
@@ -50,7 +54,7 @@ from flax import nnx
 
 from meshtrain.comm.report import Row, axes_label, fmt_bytes
 from meshtrain.layout import Rules, axes_of, resolve
-from meshtrain.mesh import PIPE, TENSOR
+from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.replicas import Codec, parse_compression
 from meshtrain.run import RunSpec, deprecated
@@ -61,6 +65,7 @@ BUCKETS = (
     "tensor activations",
     "pipeline permutes",
     "pipeline stage sums",
+    "expert dispatch",
 )
 TOLERANCE = 0.10  # a bucket this much over its expectation is flagged
 SMALL_BYTES = 4096  # collectives below this per step (scalars: loss, norms) are not judged
@@ -134,6 +139,7 @@ class Traffic(NamedTuple):
     batch: int | None = None  # the global batch B (for microbatch sizes in a pipeline)
     codec: Codec | None = None  # the gradient compression, when not ``none``
     replica_axes: tuple[str, ...] = ()  # the replica axes the codec reduces over
+    dispatch: float = 0.0  # an MoE's dispatch all-to-all buffers over expert, per step
 
     @classmethod
     def of(cls, run: RunSpec) -> Traffic:
@@ -153,7 +159,9 @@ class Traffic(NamedTuple):
             batch=spec.batch_size,
             codec=codec,
             replica_axes=rules.replica_axes(sizes) if codec is not None else (),
-        )
+            dispatch=_dispatch_bytes(run.model, sizes, spec.batch_size * (spec.seq_len or 1)
+                                     / math.prod(sizes[a] for a in rules.batch_axes(sizes))),
+        )  # fmt: skip
 
 
 def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **legacy) -> Expectation:
@@ -182,7 +190,9 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             stacklevel=2,
         )
         traffic = Traffic(run, *old_args, **legacy)
-    sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes = traffic
+    sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes = (
+        traffic[:9]
+    )
     ways = math.prod(sizes[a] for a in batch_axes)
     model_axes = {a for a, s in sizes.items() if s > 1 and a not in batch_axes}
     b = dict.fromkeys(BUCKETS, 0.0)
@@ -241,7 +251,30 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             if sums == 1
             else "stage outputs and cotangents summed over pipe (f32)"
         )
+    if traffic.dispatch:
+        b["expert dispatch"] = traffic.dispatch
+        why["expert dispatch"] = "the MoE dispatch's buffers, there and back, forward and backward"
     return Expectation(b, why)
+
+
+def _dispatch_bytes(model, sizes: Mapping[str, int], tokens_local: float) -> float:
+    """The all-to-all buffer bytes per device and step of an MoE's dispatch over ``expert``,
+    as the planner models them (`meshtrain.plan.moe.dispatch_costs`, on this backend); 0 for
+    other models or without an expert axis."""
+    from meshtrain.models.moe_config import MoEConfig
+
+    shards = sizes.get(EXPERT, 1)
+    if not isinstance(model, MoEConfig) or shards == 1:
+        return 0.0
+    import jax
+
+    from meshtrain.costmodel import profile
+    from meshtrain.plan.moe import dispatch_costs
+
+    device = profile("h100" if jax.default_backend() == "gpu" else "cpu-sim")
+    cost = dispatch_costs(model, tokens=tokens_local, shards=shards, device=device)
+    exchanges = 4 if model.remat == "none" else 6  # remat re-runs the forward's two
+    return cost.buffer_bytes * exchanges * model.n_moe_layers / sizes.get(PIPE, 1)
 
 
 def _expert_axes(p: ParamLayout) -> set[str]:
@@ -286,6 +319,8 @@ def bucket_of(
         return "pipeline permutes"
     if row.kind == "all-reduce" and axes == (PIPE,):
         return "pipeline stage sums"
+    if row.kind == "all-to-all" and axes == (EXPERT,):
+        return "expert dispatch"
     if row.kind == "all-reduce" and axes[:1] == (PIPE,) and set(axes[1:]) <= set(batch_axes):
         return "gradient reduction"  # 1F1B sums the head's gradients over stages and replicas
     return None

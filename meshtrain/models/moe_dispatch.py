@@ -45,7 +45,6 @@ from meshtrain.layout import (
 )
 
 DISPATCH = ("capacity", "dropless")
-EXCHANGES = ("padded", "ragged")
 
 
 def exchange_impl() -> str:

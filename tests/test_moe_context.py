@@ -34,6 +34,9 @@ MOE = dict(
 CONFIGS = {
     "capacity": MoEConfig(**MOE, dispatch="capacity", capacity_factor=1.0),
     "dropless": MoEConfig(**MOE, dispatch="dropless"),
+    # transformers' Mixtral load-balancing loss, pooled over the blocks and reduced over the
+    # rows of every shard
+    "mixtral losses": MoEConfig(**MOE, dispatch="dropless", router_losses="mixtral"),
 }
 
 
@@ -80,6 +83,7 @@ def _train(cfg, mesh_str, values, devices=None):
     [
         pytest.param("capacity", marks=[pytest.mark.pair("moe-capacity", "ring")]),
         pytest.param("dropless", marks=[pytest.mark.pair("moe-dropless", "ring")]),
+        "mixtral losses",
     ],
 )
 def test_moe_on_seq2_expert2_data2_equals_one_device(kind):

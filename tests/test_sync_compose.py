@@ -82,9 +82,9 @@ def _loss_fn(graphdef, rest):
     return jax.jit(jax.value_and_grad(loss))
 
 
-def _moe(dispatch="capacity"):
+def _moe(dispatch="capacity", **fields):
     """The MoE on one device: graph, parameters, other variables."""
-    cfg = dataclasses.replace(MOE, dispatch=dispatch)
+    cfg = dataclasses.replace(MOE, dispatch=dispatch, **fields)
     graphdef, params, rest = nnx.split(build_model(cfg, seed=0), nnx.Param, ...)
     return cfg, graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
@@ -190,25 +190,28 @@ def _close(got, want, atol, what=""):
 HSDP_MOE = "data=2,fsdp=2,expert=2"
 
 
+CAPACITY, DROPLESS = {"dispatch": "capacity"}, {"dispatch": "dropless"}
+
+
 @pytest.mark.parametrize(
-    ("mesh_str", "strategy", "d", "dispatch"),
+    ("mesh_str", "strategy", "d", "moe"),
     [
         pytest.param(
-            MOE_MESH, "dp", 4, "capacity", marks=pytest.mark.pair("compression", "moe-capacity")
+            MOE_MESH, "dp", 4, CAPACITY, marks=pytest.mark.pair("compression", "moe-capacity")
         ),
         pytest.param(
-            MOE_MESH, "dp", 4, "dropless", marks=pytest.mark.pair("compression", "moe-dropless")
+            MOE_MESH, "dp", 4, DROPLESS, marks=pytest.mark.pair("compression", "moe-dropless")
         ),
         pytest.param(
-            HSDP_MOE, "hsdp", 2, "capacity", marks=pytest.mark.pair("compression", "moe-capacity")
+            HSDP_MOE, "hsdp", 2, CAPACITY, marks=pytest.mark.pair("compression", "moe-capacity")
         ),
+        # transformers' Mixtral load-balancing loss, pooled over the rows of every replica
+        pytest.param(MOE_MESH, "dp", 4, {**DROPLESS, "router_losses": "mixtral"}, id="mixtral"),
     ],
 )
-def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(
-    mesh_str, strategy, d, dispatch
-):
+def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(mesh_str, strategy, d, moe):
     """Under hsdp the replicas are data (fsdp splits the weights) and expert as under dp."""
-    cfg, graphdef, params, rest = _moe(dispatch)
+    cfg, graphdef, params, rest = _moe(**moe)
     batch = _batches(1, seed=11)[0]
     want = _loss_fn(graphdef, rest)(params, batch)[1]  # one device, the whole batch
     mesh = make_mesh(mesh_str)

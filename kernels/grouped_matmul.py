@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshtrain._compat import varying_axes
+from meshtrain.kernels._common import typed_like
 from meshtrain.layout import varying
 
 IMPLS = ("tiled", "xla", "auto")
@@ -52,11 +53,10 @@ def tile_rows(rows: int, groups: int, backend: str | None = None) -> int:
     return min(hi, max(lo, 1 << (half_group.bit_length() - 1)))
 
 
-def auto_impl(backend: str | None = None) -> str:
+def auto_impl() -> str:
     """What ``impl="auto"`` runs: the tiled loop, on every backend measured. On CPU XLA's
     ragged_dot is a dense product over every group (groups × the work); on an H200 the tiled
     loop ran 2.6× faster than ragged_dot (forward + backward, the shape of `GPU_TILES`)."""
-    del backend
     return "tiled"
 
 
@@ -89,6 +89,8 @@ def grouped_matmul(
     """
     if impl not in IMPLS:
         raise ValueError(f"grouped_matmul: impl={impl!r} is not one of {', '.join(IMPLS)}")
+    if tile is not None and tile < 1:
+        raise ValueError(f"grouped_matmul: tile={tile!r} rows; give a positive tile height")
     if impl == "auto":
         impl = auto_impl()
     if impl == "xla":
@@ -183,18 +185,12 @@ def _tiled_fwd(x_MD, w_LDF, sizes_L, R):
     return _tiled(x_MD, w_LDF, sizes_L, R), (x_MD, w_LDF, sizes_L)
 
 
-def _summed_to(ct, primal):
-    """A cotangent summed over the manual axes it varies over and its primal does not (the
-    transpose of the implicit broadcast of an invariant input)."""
-    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
-    return lax.psum(ct, extra) if extra else ct
-
-
 def _tiled_bwd(R, res, dy_MF):
     x_MD, w_LDF, sizes_L = res
     dx_MD = _forward(dy_MF.astype(x_MD.dtype), w_LDF, sizes_L, R, contract_w=2)
     dw_LDF = _weight_grad(x_MD, dy_MF.astype(x_MD.dtype), w_LDF, sizes_L, R)
-    return _summed_to(dx_MD, x_MD), _summed_to(dw_LDF, w_LDF).astype(w_LDF.dtype), None
+    dx_MD, dw_LDF, _ = typed_like((dx_MD, dw_LDF, None), res)  # dW summed in float32
+    return dx_MD, dw_LDF.astype(w_LDF.dtype), None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)

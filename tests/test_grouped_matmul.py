@@ -5,7 +5,7 @@
   last group; float32 and bfloat16.
 - It runs only the tile products the sizes need: the visit count against its bound, and the
   work a dropless layer runs on a real routing against the active work at expert = 1, 2, 4, 8
-  (the issue's target: at most 1.25×); compiled, the dropless layer holds no product over every
+  (at most 1.25× the active work); compiled, the dropless layer holds no product over every
   expert (XLA's ragged_dot does on CPU: the same check fails for it).
 - Dropless dispatch with the tiled matmul equals it with ragged_dot (today's implementation)
   under expert parallelism, also with tensor parallelism inside the experts.
@@ -84,6 +84,11 @@ def test_grouped_matmul_equals_a_loop_over_groups(case, dtype, impl, tile):
 def test_a_bad_impl_is_one_line():
     with pytest.raises(ValueError, match=r"grouped_matmul: impl='dense' is not one of tiled, "):
         gmm.grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4]), impl="dense")
+
+
+def test_a_bad_tile_is_one_line():
+    with pytest.raises(ValueError, match=r"grouped_matmul: tile=-4 rows; give a positive"):
+        gmm.grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4]), tile=-4)
 
 
 def test_visits_cover_each_group_with_at_most_one_partial_tile_more():

@@ -50,6 +50,7 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
+import jax
 from flax import nnx
 
 from meshtrain.comm.report import Row, axes_label, fmt_bytes
@@ -190,8 +191,8 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             stacklevel=2,
         )
         traffic = Traffic(run, *old_args, **legacy)
-    sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes = (
-        traffic[:9]
+    sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes, _ = (
+        traffic
     )
     ways = math.prod(sizes[a] for a in batch_axes)
     model_axes = {a for a, s in sizes.items() if s > 1 and a not in batch_axes}
@@ -261,15 +262,15 @@ def _dispatch_bytes(model, sizes: Mapping[str, int], tokens_local: float) -> flo
     """The all-to-all buffer bytes per device and step of an MoE's dispatch over ``expert``,
     as the planner models them (`meshtrain.plan.moe.dispatch_costs`, on this backend); 0 for
     other models or without an expert axis."""
+    # Imported here: meshtrain.plan imports this module (the planner models communication
+    # with the expectation), so the planner's dispatch model cannot be imported at its top.
+    from meshtrain.costmodel import profile
     from meshtrain.models.moe_config import MoEConfig
+    from meshtrain.plan.moe import dispatch_costs
 
     shards = sizes.get(EXPERT, 1)
     if not isinstance(model, MoEConfig) or shards == 1:
         return 0.0
-    import jax
-
-    from meshtrain.costmodel import profile
-    from meshtrain.plan.moe import dispatch_costs
 
     device = profile("h100" if jax.default_backend() == "gpu" else "cpu-sim")
     cost = dispatch_costs(model, tokens=tokens_local, shards=shards, device=device)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshtrain.kernels.grouped_matmul import grouped_matmul
+from meshtrain.kernels.grouped_matmul import grouped_matmul, tile_rows
 from meshtrain.layout import (
     EXPERT,
     Spec,
@@ -76,13 +76,13 @@ def swiglu_experts(x_LCD, gate_LDF, up_LDF, down_LFD):
     return jnp.einsum("lcf,lfd->lcd", h_LCF, down_LFD)
 
 
-def _grouped_swiglu(x_MD, sizes_L, weights, impl: str):
+def _grouped_swiglu(x_MD, sizes_L, weights, impl: str, tile: int):
     """The SwiGLU experts on rows grouped by expert (`sizes_L` rows each, in order; rows past
-    the groups give zeros)."""
+    the groups give zeros), in tiles of `tile` rows."""
     gate_LDF, up_LDF, down_LFD = weights
-    h_MF = jax.nn.silu(grouped_matmul(x_MD, gate_LDF, sizes_L, impl=impl))
-    h_MF = h_MF * grouped_matmul(x_MD, up_LDF, sizes_L, impl=impl)
-    return grouped_matmul(h_MF, down_LFD, sizes_L, impl=impl)
+    matmul = functools.partial(grouped_matmul, sizes_L=sizes_L, impl=impl, tile=tile)
+    h_MF = jax.nn.silu(matmul(x_MD, gate_LDF)) * matmul(x_MD, up_LDF)
+    return matmul(h_MF, down_LFD)
 
 
 def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, shards):
@@ -118,11 +118,14 @@ def dropless_local(x_BTD, routing: Routing, weights, *, n_experts, axis, shards,
     order_A = jnp.argsort(expert_A, stable=True)
     rows_AD = x_BTD.reshape(B * T, D)[order_A // K]
     sizes_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
+    # Tiles sized for the choices a shard's experts get when balanced (A rows over E / S
+    # experts), not for the exchange's worst-case buffer; the planner assumes the same.
+    tile = tile_rows(A, n_experts // shards)
+    experts = functools.partial(_grouped_swiglu, weights=weights, impl=grouped, tile=tile)
     if shards == 1:
-        y_AD = _grouped_swiglu(rows_AD, sizes_E, weights, grouped)
+        y_AD = experts(rows_AD, sizes_E)
     else:
         exchange = _ragged_exchange if exchange_impl() == "ragged" else _padded_exchange
-        experts = functools.partial(_grouped_swiglu, weights=weights, impl=grouped)
         y_AD = exchange(rows_AD, sizes_E, experts, axis=axis, shards=shards)
     y_AD = jnp.zeros_like(y_AD).at[order_A].set(y_AD)  # back to (token, choice) order
     y_BTKD = y_AD.reshape(B, T, K, D)

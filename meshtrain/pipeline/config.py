@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain import validate
-from meshtrain.pipeline.schedules import SCHEDULES, schedule_problems
+from meshtrain.pipeline.schedules import CHUNKED, SCHEDULES, schedule_problems
 from meshtrain.problem import Problem
 
 
@@ -14,9 +14,11 @@ class PipelineConfig:
     """How to pipeline over the mesh's ``pipe`` axis (ignored while pipe = 1).
 
     Args:
-        schedule: ``gpipe``, ``circular`` (interleaved) or ``1f1b``.
+        schedule: ``gpipe``, ``circular`` (a gpipe loop round the stages v times),
+            ``1f1b``, ``interleaved-1f1b`` (1F1B over v chunks per stage) or ``zb-h1``
+            (1F1B with the weight gradients deferred into the bubbles).
         microbatches: microbatches per step; 0 means 2 × pipe.
-        repeats: chunks of layers per stage, v (circular only).
+        repeats: chunks of layers per stage, v (circular and interleaved-1f1b).
     """
 
     schedule: str = "gpipe"
@@ -40,8 +42,8 @@ class PipelineConfig:
         return self.microbatches or 2 * pipe
 
     def chunks_per_stage(self) -> int:
-        """v: chunks of layers each stage holds (``repeats`` for circular, else 1)."""
-        return self.repeats if self.schedule == "circular" else 1
+        """v: chunks of layers each stage holds (``repeats`` for the chunked schedules, else 1)."""
+        return self.repeats if self.schedule in CHUNKED else 1
 
 
 def pipeline_problems(

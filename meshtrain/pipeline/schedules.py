@@ -23,8 +23,29 @@ import numpy as np
 from meshtrain import validate
 from meshtrain.problem import Problem, raise_if
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
-IDLE, FWD, BWD = 0, 1, 2
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
+# What a stage does in a slot. BWD is the whole backward, except in zb-h1, which splits it
+# into BWD (the input gradient, on the critical path) and WGT (the weight gradient, deferred).
+IDLE, FWD, BWD, WGT = 0, 1, 2, 3
+# The schedules the hand-written executor (`meshtrain.pipeline.spmd.scheduled`) runs; the
+# others are a forward loop that `jax.grad` differentiates.
+HAND_SCHEDULED = ("1f1b", "interleaved-1f1b", "zb-h1")
+# The schedules that hold several chunks of layers per stage (``repeats`` of them).
+CHUNKED = ("circular", "interleaved-1f1b")
+
+
+def closed_form_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The bubble fraction the literature gives for `schedule` with p stages, m microbatches
+    and v chunks per stage, in slots of one chunk's forward, backward or weight-gradient pass:
+
+        gpipe, 1f1b          (p−1)/(m+p−1)
+        circular, interleaved-1f1b   (p−1)/(v·m+p−1)
+        zb-h1                (p−1)/(3m+p−1)   (forward, input and weight gradients one slot each)
+    """
+    if schedule == "zb-h1":
+        return (p - 1) / (3 * m + p - 1)
+    v = v if schedule in CHUNKED else 1
+    return (p - 1) / (v * m + p - 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

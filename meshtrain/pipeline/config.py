@@ -19,11 +19,16 @@ class PipelineConfig:
             (1F1B with the weight gradients deferred into the bubbles).
         microbatches: microbatches per step; 0 means 2 × pipe.
         repeats: chunks of layers per stage, v (circular and interleaved-1f1b).
+        gather_once: gather each stage's weights split over ``fsdp`` once per step, before
+            its first microbatch, and reduce-scatter their gradient once, after its last
+            (ZeRO-2 style), instead of once per microbatch; costs the stage's whole weights
+            (and their gradient) in memory on every device.
     """
 
     schedule: str = "gpipe"
     microbatches: int = 0
     repeats: int = 1
+    gather_once: bool = False
 
     def __post_init__(self):
         validate.reject(self)

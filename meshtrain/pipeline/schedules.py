@@ -1,17 +1,27 @@
 """Pipeline schedules as tables: for every time slot and stage, which microbatch runs, in which
-direction, through which chunk of layers.
+phase, through which chunk of layers.
 
-A *slot* is the time one stage takes to run one microbatch through one chunk, forward or
-backward; counting slots (forward and backward alike) gives the bubble fractions the papers
-quote:
+A *slot* is the time one stage takes to run one microbatch through one chunk of its layers in one
+phase: a forward (FWD), a backward (BWD) or, in zb-h1 only, a weight gradient (WGT), each counted
+as one unit. In zb-h1 BWD is the input gradient alone, on the critical path, and WGT the weight
+gradient of the same microbatch and chunk, which can wait; elsewhere BWD is the whole backward.
+Stage s holds the local chunks r = 0 .. v−1, global chunk r·p + s; a stage's output reaches its
+neighbour one slot later. Counting slots (all phases alike) gives the bubble fractions the
+papers quote, for p stages, m microbatches and v chunks per stage:
 
-    gpipe      all forwards, then all backwards          (p−1)/(m+p−1)
-    circular   gpipe with v chunks per stage, round robin (p−1)/(v·m+p−1)
-    1f1b       after a warm-up, one forward, one backward (p−1)/(m+p−1), at most p in flight
+    gpipe             all forwards, then all backwards                    (p−1)/(m+p−1)
+    circular          gpipe with v chunks per stage, round robin          (p−1)/(v·m+p−1)
+    1f1b              after a warm-up, one backward, one forward          (p−1)/(m+p−1)
+    interleaved-1f1b  1f1b over v chunks per stage (Megatron-LM's order)  (p−1)/(v·m+p−1)
+    zb-h1             1f1b with the weight gradients deferred (Qi et al.) (p−1)/(3m+p−1)
+
+In flight (the most (microbatch, chunk) pairs a stage holds residuals for): m for gpipe, v·m
+for circular, p for 1f1b and zb-h1, v·p for interleaved-1f1b (p microbatches' worth of a stage's
+activations, each chunk being 1/v of them).
 
 For gpipe and circular the table is what `jax.grad` of the forward loop executes: the forward
-ticks, then the same ticks in reverse as backwards. For 1f1b it is the schedule the hand-written
-executor runs, slot by slot.
+ticks, then the same ticks in reverse as backwards. For the others it is the schedule the
+hand-written executor runs, slot by slot.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ class ScheduleTable:
 
     Attributes:
         schedule, stages, microbatches, repeats: what the table was built for (p, m, v).
-        phase: [slots, p] int, `IDLE`, `FWD` or `BWD`.
+        phase: [slots, p] int, `IDLE`, `FWD`, `BWD` or `WGT` (zb-h1 only).
         micro: [slots, p] int, the microbatch (−1 when idle).
         chunk: [slots, p] int, the stage's local chunk r (global chunk r·p + stage); −1 idle.
     """
@@ -80,16 +90,14 @@ class ScheduleTable:
     @property
     def closed_form_bubble(self) -> float:
         """The bubble fraction the literature gives for this schedule."""
-        p, m, v = self.stages, self.microbatches, self.repeats
-        return (p - 1) / (v * m + p - 1)
+        return closed_form_bubble(self.schedule, self.stages, self.microbatches, self.repeats)
 
     def in_flight(self) -> int:
-        """Most microbatches any stage has run forward but not yet backward."""
-        most = 0
-        for s in range(self.stages):
-            live = np.cumsum(self.phase[:, s] == FWD) - np.cumsum(self.phase[:, s] == BWD)
-            most = max(most, int(live.max()))
-        return most
+        """Most (microbatch, chunk) pairs any stage holds residuals for: forward done, last
+        backward pass (WGT where the table has weight-gradient slots, else BWD) not yet."""
+        last = WGT if np.any(self.phase == WGT) else BWD
+        held = np.cumsum(self.phase == FWD, axis=0) - np.cumsum(self.phase == last, axis=0)
+        return int(held.max())
 
     def plot(self, ax=None, *, title: str | None = None):
         """Draws the table as a Gantt chart (stages down, slots across) with matplotlib.
@@ -103,15 +111,18 @@ class ScheduleTable:
         if ax is None:
             _, ax = plt.subplots(figsize=(max(6, self.slots * 0.22), 0.45 * self.stages + 1))
         p, v = self.stages, self.repeats
-        fwd_colors = plt.cm.Blues(np.linspace(0.45, 0.85, v))
-        bwd_colors = plt.cm.Oranges(np.linspace(0.45, 0.85, v))
+        shades = np.linspace(0.45, 0.85, v)
+        colors = {
+            FWD: plt.cm.Blues(shades),
+            BWD: plt.cm.Oranges(shades),
+            WGT: plt.cm.Greens(shades),
+        }
         for t in range(self.slots):
             for s in range(p):
                 ph = self.phase[t, s]
                 if ph == IDLE:
                     continue
-                r = self.chunk[t, s]
-                color = (fwd_colors if ph == FWD else bwd_colors)[r]
+                color = colors[int(ph)][self.chunk[t, s]]
                 ax.add_patch(
                     plt.Rectangle((t, s), 1, 0.9, facecolor=color, edgecolor="white", lw=0.5)
                 )
@@ -131,13 +142,15 @@ class ScheduleTable:
         ax.set_title(
             title
             or f"{self.schedule}: p={p}, m={self.microbatches}"
-            + (f", v={v}" if self.schedule == "circular" else "")
+            + (f", v={v}" if self.schedule in CHUNKED else "")
             + f" · bubble {self.bubble_fraction:.1%}"
         )
+        labels = {FWD: "forward", BWD: "backward", WGT: "weight gradient"}
         ax.legend(
             handles=[
-                Patch(color=fwd_colors[-1], label="forward"),
-                Patch(color=bwd_colors[-1], label="backward"),
+                Patch(color=colors[ph][-1], label=label)
+                for ph, label in labels.items()
+                if ph != WGT or np.any(self.phase == WGT)
             ],
             loc="upper left",
             bbox_to_anchor=(1.0, 1.0),
@@ -161,22 +174,36 @@ def schedule_problems(
         problems += v.positive(name, value)
     if problems:
         return problems
-    if repeats > 1 and schedule != "circular":
+    if repeats > 1 and schedule not in CHUNKED:
         problems.append(
             Problem(
                 "repeats",
                 repeats,
-                f"with schedule={schedule!r}: only the circular schedule holds several chunks "
-                "per stage; use --schedule circular or --repeats 1",
+                f"with schedule={schedule!r}: only the circular and interleaved-1f1b schedules "
+                "hold several chunks per stage; use --schedule interleaved-1f1b (or circular) "
+                "or --repeats 1",
             )
         )
-    if schedule == "1f1b" and microbatches < stages:
+    if schedule in HAND_SCHEDULED and microbatches < stages:
         problems.append(
             Problem(
                 "microbatches",
                 microbatches,
-                f"fewer than pipe={stages} stages: 1f1b needs at least one microbatch per "
+                f"fewer than pipe={stages} stages: {schedule} needs at least one microbatch per "
                 f"stage to fill the pipeline; use --microbatches {stages} or more",
+            )
+        )
+    elif schedule == "interleaved-1f1b" and repeats > 1 and microbatches % stages:
+        # Refused, as Megatron-LM does: each stage runs the microbatches in groups of p through
+        # one chunk after another, and a partial last group stalls the stages (the counted
+        # bubble then exceeds the closed form).
+        fix = -(-microbatches // stages) * stages
+        problems.append(
+            Problem(
+                "microbatches",
+                microbatches,
+                f"not a multiple of pipe={stages}: interleaved-1f1b runs the microbatches in "
+                f"groups of one per stage through each chunk in turn; use --microbatches {fix}",
             )
         )
     if schedule == "circular" and repeats > 1 and microbatches < stages:
@@ -250,15 +277,101 @@ def _one_f_one_b(p: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(phase), np.array(micro)
 
 
+# One pass of one microbatch through one of a stage's chunks: (phase, microbatch, local chunk).
+Op = tuple[int, int, int]
+
+
+def _input_of(op: Op, s: int, p: int, v: int) -> tuple[int, int, int, int] | None:
+    """The pass (phase, micro, chunk, stage) whose output `op` on stage s waits for; None for
+    the model's first forward."""
+    phase, i, r = op
+    if phase == FWD:
+        if s > 0:
+            return FWD, i, r, s - 1
+        return (FWD, i, r - 1, p - 1) if r > 0 else None
+    if phase == BWD:
+        if s < p - 1:
+            return BWD, i, r, s + 1
+        return (BWD, i, r + 1, 0) if r < v - 1 else (FWD, i, r, s)
+    return BWD, i, r, s
+
+
+def _run_in_order(p: int, v: int, orders: list[list[Op]]):
+    """Runs each stage's passes in its order, each in the first slot after its input's (one
+    slot of latency between stages). Returns ``(phase, micro, chunk)``, each [slots, p]."""
+    done: dict[tuple[int, int, int, int], int] = {}
+    nxt = [0] * p
+    rows: list[list[Op]] = []
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        t = len(rows)
+        row = [(IDLE, -1, -1)] * p
+        for s in range(p):
+            if nxt[s] < len(orders[s]):
+                src = _input_of(orders[s][nxt[s]], s, p, v)
+                if src is None or done.get(src, t) < t:
+                    row[s] = orders[s][nxt[s]]
+        for s, op in enumerate(row):
+            if op[0] != IDLE:
+                done[(*op, s)] = t
+                nxt[s] += 1
+        rows.append(row)
+        if t > 4 * sum(map(len, orders)) + 8:  # an order that waits on itself: a bug here
+            raise RuntimeError(f"the pipeline orders for p={p}, v={v} do not finish")
+    table = np.array(rows).reshape(len(rows), p, 3)
+    return table[..., 0], table[..., 1], table[..., 2]
+
+
+def _interleaved_order(p: int, m: int, v: int, s: int) -> list[Op]:
+    """Stage s's passes in interleaved 1F1B: Megatron-LM's forward order (microbatches in
+    groups of p, each group through chunk 0, then 1, ...), the backwards in the same order with
+    the chunks reversed; v·p − s forwards of warm-up, then one backward and one forward in turn.
+
+    No smaller warm-up keeps the closed-form bubble (searched per stage for p = 2, 4 and
+    v = 2, 3); Megatron-LM's, 2(p−s−1) + (v−1)·p + 1 forwards before the first backward, holds
+    p − s − 1 more. At v = 1 it is 1f1b's p − s.
+    """
+    n = v * m
+    fwd = [(FWD, k // (p * v) * p + k % p, k // p % v) for k in range(n)]
+    bwd = [(BWD, i, v - 1 - r) for _, i, r in fwd]
+    warm = min(v * p - s, n)
+    steady = [op for pair in zip(bwd[: n - warm], fwd[warm:], strict=True) for op in pair]
+    return fwd[:warm] + steady + bwd[n - warm :]
+
+
+def _zb_h1_order(p: int, m: int, s: int) -> list[Op]:
+    """Stage s's passes in ZB-H1 (Qi et al., 2023): 1F1B's p − s forwards of warm-up, then for
+    each microbatch i its input gradient, the weight gradient of microbatch i − s and the
+    forward of i + p − s; the s weight gradients left fill the tail.
+
+    Deferring s weight gradients on stage s keeps p microbatches in flight on every stage (the
+    first stage's peak under 1F1B) and at most p − s not yet through their input gradient
+    (1F1B's bound), and brings the bubble down to (p−1)/(3m+p−1). Bounding stage s at p − s
+    microbatches up to their weight gradient cannot: the last stage would have to run forward,
+    input and weight gradient in turn from slot p − 1, its last input gradient at slot
+    3m + p − 3, the first stage's last weight gradient p slots later: 3m + 2p − 2 slots, each
+    stage idle 2(p−1) of them where the closed form has p − 1.
+    """
+    order = [(FWD, i, 0) for i in range(p - s)]
+    for i in range(m):
+        order.append((BWD, i, 0))
+        if i >= s:
+            order.append((WGT, i - s, 0))
+        if i + p - s < m:
+            order.append((FWD, i + p - s, 0))
+    return order + [(WGT, i, 0) for i in range(m - s, m)]
+
+
 def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> ScheduleTable:
     """The slot-by-slot table of a schedule.
 
     Args:
-        schedule: ``"gpipe"``, ``"circular"`` or ``"1f1b"``.
+        schedule: one of `SCHEDULES`: ``"gpipe"``, ``"circular"``, ``"1f1b"``,
+            ``"interleaved-1f1b"`` or ``"zb-h1"``.
         p: pipeline stages.
-        m: microbatches per step.
-        v: chunks per stage (circular only; the model's layers are cut into p·v chunks and
-            stage s holds chunks s, s+p, s+2p, ...).
+        m: microbatches per step (at least p for the hand-scheduled ones; a multiple of p for
+            interleaved-1f1b with v > 1).
+        v: chunks per stage (circular and interleaved-1f1b only; the model's layers are cut
+            into p·v chunks and stage s holds chunks s, s+p, s+2p, ...).
 
     Returns:
         A `ScheduleTable`; ``.bubble_fraction`` counts its idle slots, ``.plot()`` draws it.
@@ -267,6 +380,12 @@ def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> ScheduleTable:
     if schedule == "1f1b":
         phase, micro = _one_f_one_b(p, m)
         chunk = np.where(phase == IDLE, -1, 0)
+    elif schedule == "interleaved-1f1b":
+        phase, micro, chunk = _run_in_order(
+            p, v, [_interleaved_order(p, m, v, s) for s in range(p)]
+        )
+    elif schedule == "zb-h1":
+        phase, micro, chunk = _run_in_order(p, 1, [_zb_h1_order(p, m, s) for s in range(p)])
     else:
         valid, micro_f, chunk_f = forward_ticks(p, m, v)
         phase_f = np.where(valid, FWD, IDLE)
@@ -283,8 +402,14 @@ def buffer_depth(table: ScheduleTable, kind: str) -> int:
 
     ``kind``: ``"fwd"`` (activations received from the previous stage), ``"bwd"`` (cotangents
     received from the next stage, or made by the loss on the last stage) or ``"res"``
-    (residuals kept from a stage's forward until its backward).
+    (residuals kept from a stage's forward until its backward). Tables of one chunk per stage
+    without weight-gradient slots only (gpipe, 1f1b, interleaved-1f1b at v = 1).
     """
+    if table.repeats > 1 or np.any(table.phase == WGT):
+        raise ValueError(
+            f"buffer_depth covers one chunk per stage and no weight-gradient slots, not "
+            f"{table.schedule} with v={table.repeats}"
+        )
     p, m = table.stages, table.microbatches
     slot = {}
     for t in range(table.slots):

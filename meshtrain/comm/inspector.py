@@ -21,6 +21,7 @@ from meshtrain.comm.compile import compile_step
 from meshtrain.comm.expect import BUCKETS, Expectation, bucket_of, expected, judge, param_layouts
 from meshtrain.comm.hlo import Collective, collectives
 from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
+from meshtrain.pipeline.slots import count_permutes
 from meshtrain.problem import raise_if
 from meshtrain.replicas import parse_compression
 from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
@@ -202,6 +203,8 @@ def inspect_compiled(
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     flops = float((cost or {}).get("flops", 0.0))
     cs = collectives(compiled.as_text(), mesh.devices.size)
+    if run.pipeline is not None:  # a pipeline's permutes run only in their slots' branches
+        cs = count_permutes(cs, sizes, run.pipeline)
     rows = summarize(cs, sizes)
     batch_axes = rules.batch_axes(sizes)
     params = param_layouts(param_vars, rules, sizes)

@@ -42,7 +42,7 @@ from meshtrain.mesh import EXPERT, PIPE, mesh_sizes
 from meshtrain.models.base import PACKED_KEYS, PipelineParts, pipeline_parts
 from meshtrain.pipeline import spmd
 from meshtrain.pipeline.config import PipelineConfig
-from meshtrain.pipeline.schedules import schedule_table
+from meshtrain.pipeline.schedules import HAND_SCHEDULED, schedule_table
 
 LossFn = Callable[..., jax.Array]
 
@@ -146,6 +146,44 @@ def _rows(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in rows if a not in outer)
 
 
+def _gathered(mesh: Mesh, config: PipelineConfig, rows: tuple[str, ...]) -> tuple[str, ...]:
+    """With ``gather_once``: the batch axes that split the stage weights (fsdp; data too
+    under the fsdp preset), which the region then takes by hand, the weights whole."""
+    layout = active()
+    if not config.gather_once or layout is None:
+        return ()
+    outer = manual_axes()
+    axes = layout.rules.batch_axes(mesh_sizes(mesh))
+    return tuple(a for a in axes if a not in rows and a not in outer)
+
+
+def _without(specs: dict, axes: tuple[str, ...]) -> dict:
+    """`specs` with `axes` dropped: the blocks as the region takes them, gathered over them."""
+
+    def drop(spec: P) -> P:
+        kept = []
+        for entry in spec:
+            names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()))
+            names = tuple(a for a in names if a not in axes)
+            kept.append(names[0] if len(names) == 1 else (names or None))
+        return P(*kept)
+
+    return jax.tree.map(drop, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _reduce_grad(g: jax.Array, spec: P, rows: tuple[str, ...], gathered: tuple[str, ...]):
+    """A block's gradient summed over the row shards that share it: summed over every row axis
+    its spec does not split (the experts' own shards keep theirs), and reduce-scattered over
+    the gathered axes back to the dimension they split."""
+    g = _sum_over(g, tuple(a for a in rows if a not in _axes(spec)))
+    for dim, entry in enumerate(spec):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        scatter = tuple(a for a in names if a in gathered)
+        if scatter:
+            g = lax.psum_scatter(g, scatter, scatter_dimension=dim, tiled=True)
+    return g
+
+
 def _over_pipe(fn, mesh: Mesh, rows: tuple[str, ...], in_specs, out_specs):
     """`fn` manual over ``pipe`` and `rows`; the other axes stay with the compiler. Inside
     the replicas' own step (`meshtrain.replicas`, manual over pipe and them already) `fn`
@@ -189,7 +227,8 @@ def pipeline_loss(
     with_metrics: bool = False,
 ):
     """Mean loss of the model over `batch`, its blocks run by the gpipe / circular forward loop
-    (1f1b evaluates with the gpipe loop). Differentiable with `jax.grad`.
+    (the hand-scheduled ones evaluate with the gpipe or circular loop). Differentiable with
+    `jax.grad`.
 
     A packed batch (``segment_ids`` and ``positions``) averages over its real tokens: `loss_fn`
     is called with ``mask=segment_ids > 0``. A model whose blocks return statistics (an MoE)
@@ -215,8 +254,12 @@ def pipeline_loss(
 
     dtype = x_MbTD.dtype
     rows_axes = _rows(mesh)
+    gathered = _gathered(mesh, config, rows_axes)
+    rows_axes += gathered
     rows = P(None, rows_axes or None)  # [M, b, ...]: each shard its rows of every microbatch
-    specs = cut.block_specs(mesh, {spmd.AXIS, *rows_axes})
+    # Gathered weights enter whole; their gradient, varying over the gathered axes inside,
+    # is summed over them once, as the region's input is transposed.
+    specs = _without(cut.block_specs(mesh, {spmd.AXIS, *rows_axes}), gathered)
 
     def body(blocks, x_MbTD, side_Mb):
         chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), blocks)
@@ -251,7 +294,8 @@ def pipeline_loss_and_grads(
 ):
     """Mean loss and its gradient with respect to `params`, pipelined by ``config.schedule``.
 
-    gpipe and circular differentiate `pipeline_loss`; 1f1b runs its hand-scheduled backward.
+    gpipe and circular differentiate `pipeline_loss`; 1f1b, interleaved-1f1b and zb-h1 run
+    their hand-scheduled backward (`meshtrain.pipeline.spmd.scheduled`).
     `loss_fn` must be a mean over examples (as cross-entropy is), so that the mean of the
     microbatch losses is the loss of the whole batch; on a packed batch it is called with
     ``mask=`` and each microbatch's mean is weighted by its share of the batch's real tokens.
@@ -263,7 +307,7 @@ def pipeline_loss_and_grads(
         ``((loss, metrics), grads)`` (see `pipeline_loss`).
     """
     kwargs = dict(config=config, mesh=mesh, loss_fn=loss_fn, poison=poison)
-    if config.schedule != "1f1b":
+    if config.schedule not in HAND_SCHEDULED:
         (loss, metrics), grads = jax.value_and_grad(
             lambda prm: pipeline_loss(graphdef, prm, rest, batch, with_metrics=True, **kwargs),
             has_aux=True,
@@ -272,7 +316,8 @@ def pipeline_loss_and_grads(
 
     p = mesh_sizes(mesh)[PIPE]
     m = config.num_microbatches(p)
-    table = schedule_table("1f1b", p, m)
+    v = config.chunks_per_stage()
+    table = schedule_table(config.schedule, p, m, v)
     cut = _Cut(graphdef, params, rest, batch)
     key = cut.key
     outer = {k: w for k, w in params.items() if k != key}
@@ -291,17 +336,23 @@ def pipeline_loss_and_grads(
     else:
         count = jnp.ones((), jnp.float32)
     rows_axes = _rows(mesh)
+    gathered = _gathered(mesh, config, rows_axes)
+    rows_axes += gathered
     n = math.prod(mesh_sizes(mesh)[a] for a in rows_axes)  # each shard's loss is 1/n of it
     rows = P(None, rows_axes or None)
-    specs = cut.block_specs(mesh, {spmd.AXIS, *rows_axes})
+    specs = cut.block_specs(mesh, {spmd.AXIS, *rows_axes})  # the gradients'
+    specs_whole = _without(specs, gathered)  # the weights', whole over the gathered axes
 
     def aux_fn(stats):
         """One microbatch's loss terms: the statistics' terms weighted 1/M."""
         return cut.finish(stats, m)[0]
 
-    def body(chunk, outer, x_MbTD, side_Mb, labels_Mb, count):
+    def body(blocks, outer, x_MbTD, side_Mb, labels_Mb, count):
+        # This stage's chunks [v, Lc, ...]; local chunk r is the model's chunk r·p + stage.
+        chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), blocks)
+
         def head_fn(h, y_bTD, labels):
-            parts = cut.parts({**outer, **h, key: chunk})
+            parts = cut.parts({**outer, **h, key: jax.tree.map(lambda c: c[0], chunks)})
             # Logits split over vocab inside the stage loop trip XLA's partitioner (a failed
             # check in spmd_partitioner_util on jax 0.12); keep them whole over tensor here.
             with override_activations(vocab=None):
@@ -314,10 +365,10 @@ def pipeline_loss_and_grads(
                 return loss_fn(logits, labels["targets"], mask=labels["mask"]) * share
 
         h = {k: outer[k] for k in cut.head_keys}
-        loss, totals, g_chunk, g_head, g_x = spmd.one_f_one_b(
+        loss, totals, g_chunks, g_head, g_x = spmd.scheduled(
             cut.stage,
             head_fn,
-            chunk,
+            chunks,
             h,
             spmd.Microbatches(x_MbTD, side_Mb, labels_Mb),
             table,
@@ -325,19 +376,25 @@ def pipeline_loss_and_grads(
             replicas=rows_axes,
             poison=poison,
         )
-        # Each block's gradient summed over the shards that share it: every row axis its
-        # spec does not split (the experts' own shards keep theirs).
-        g_chunk = jax.tree.map(
-            lambda g, spec: _sum_over(g, tuple(a for a in rows_axes if a not in _axes(spec))),
-            g_chunk,
+        g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_chunks)
+        g_blocks = jax.tree.map(
+            lambda g, spec: _reduce_grad(g, spec, rows_axes, gathered),
+            g_blocks,
             specs,
             is_leaf=lambda x: isinstance(x, P),
         )
-        return loss, totals, g_chunk, g_head, g_x
+        return loss, totals, g_blocks, g_head, g_x
 
-    specs_in = (specs, P(), rows, rows, rows, P())
+    blocks = params[key]
+    if v > 1:
+        order = _circular_order(cut.n_layers, p, v)
+        blocks = jax.tree.map(lambda w: jnp.take(w, order, axis=0), blocks)
+    specs_in = (specs_whole, P(), rows, rows, rows, P())
     run = _over_pipe(body, mesh, rows_axes, specs_in, (P(), P(), specs, P(), rows))
-    task, totals, g_blocks, g_head, g_x = run(params[key], outer, x_MbTD, side_Mb, labels_Mb, count)
+    task, totals, g_blocks, g_head, g_x = run(blocks, outer, x_MbTD, side_Mb, labels_Mb, count)
+    if v > 1:  # back to the model's layer order
+        inverse = jnp.argsort(_circular_order(cut.n_layers, p, v))
+        g_blocks = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_blocks)
     (grads,) = embed_vjp(constrain(merge_microbatches(g_x), ("batch", "seq", "embed")))
     for k in cut.head_keys:
         grads[k] = jax.tree.map(jnp.add, grads[k], g_head[k])

@@ -1,4 +1,4 @@
-"""Draws the three pipeline schedules' Gantt charts into docs/pipeline_schedules.png.
+"""Draws the pipeline schedules' Gantt charts into docs/pipeline_schedules.png.
 
 .venv/bin/python scripts/plot_schedules.py [--p 4] [--m 8] [--out docs/pipeline_schedules.png]
 """
@@ -23,8 +23,10 @@ def main() -> None:
         schedule_table("gpipe", args.p, args.m),
         schedule_table("circular", args.p, args.m, 2),
         schedule_table("1f1b", args.p, args.m),
+        schedule_table("interleaved-1f1b", args.p, args.m, 2),
+        schedule_table("zb-h1", args.p, args.m),
     ]
-    fig, axes = plt.subplots(3, 1, figsize=(12, 6.5), constrained_layout=True)
+    fig, axes = plt.subplots(len(tables), 1, figsize=(12, 11), constrained_layout=True)
     for table, ax in zip(tables, axes, strict=True):
         table.plot(ax)
         ax.set_xlim(0, max(t.slots for t in tables))

@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import nnx
 
+from meshtrain.comm.hlo import collectives
 from meshtrain.data import make_arrays_dataset
 from meshtrain.layout import activation_rules, rules_for
 from meshtrain.lower import cross_entropy, init_train_state
@@ -208,6 +209,9 @@ MATRIX = [("gpipe", p, m, 1) for p in (2, 4) for m in (p, 2 * p)]
 MATRIX += [("1f1b", p, m, 1) for p in (2, 4) for m in (p, 2 * p)]
 MATRIX += [("circular", p, m, 2) for p in (2, 4) for m in (p, 2 * p)]
 MATRIX += [("gpipe", 2, 1, 1), ("circular", 2, 2, 1)]  # fewer microbatches than stages; v=1
+# interleaved-1f1b needs m a multiple of p; zb-h1 takes any m ≥ p (3 on 2 stages).
+MATRIX += [("interleaved-1f1b", 2, 2, 2), ("interleaved-1f1b", 4, 8, 2)]
+MATRIX += [("zb-h1", 2, 3, 1), ("zb-h1", 4, 8, 1)]
 
 
 @pytest.mark.slow
@@ -215,6 +219,8 @@ MATRIX += [("gpipe", 2, 1, 1), ("circular", 2, 2, 1)]  # fewer microbatches than
 @pytest.mark.pair("dp", "gpipe")
 @pytest.mark.pair("dp", "circular")
 @pytest.mark.pair("dp", "1f1b")
+@pytest.mark.pair("dp", "interleaved-1f1b")
+@pytest.mark.pair("dp", "zb-h1")
 def test_pipe_x_data_matches_unpipelined(layouts, schedule, p, m, v):
     # dp: data is a replica axis, manual inside the loop, each replica its own rows
     env = layouts(f"pipe={p},data={8 // p}", strategy="dp")
@@ -223,7 +229,10 @@ def test_pipe_x_data_matches_unpipelined(layouts, schedule, p, m, v):
     )
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+ALL = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
+
+
+@pytest.mark.parametrize("schedule,v", ALL)
 def test_pipe_alone_matches_unpipelined(layouts, schedule, v):
     env = layouts("pipe=2", devices=2)
     _assert_matches(
@@ -231,10 +240,12 @@ def test_pipe_alone_matches_unpipelined(layouts, schedule, v):
     )
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
+@pytest.mark.parametrize("schedule,v", ALL)
 @pytest.mark.pair("tp", "gpipe")
 @pytest.mark.pair("tp", "circular")
 @pytest.mark.pair("tp", "1f1b")
+@pytest.mark.pair("tp", "interleaved-1f1b")
+@pytest.mark.pair("tp", "zb-h1")
 def test_nan_filled_bubbles_never_reach_the_result(layouts, schedule, v):
     """Idle slots and unused buffer entries hold NaN; on pipe × data × tensor (data a replica
     axis) the loss and all gradients stay finite and equal to the unpipelined ones."""
@@ -245,7 +256,9 @@ def test_nan_filled_bubbles_never_reach_the_result(layouts, schedule, v):
 
 # gpipe and circular on this layout: the NaN-bubble test above checks the same equivalence.
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1)])
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)])
+@pytest.mark.pair("fsdp", "interleaved-1f1b")
+@pytest.mark.pair("fsdp", "zb-h1")
 def test_pipe_x_data_x_tensor_matches_unpipelined(layouts, schedule, v):
     env = layouts("pipe=2,data=2,tensor=2")
     _assert_matches(
@@ -260,6 +273,9 @@ def test_pipe_x_data_x_tensor_matches_unpipelined(layouts, schedule, v):
         ("1f1b", "full", "float32", "hsdp"),  # data replicas, fsdp-sharded stage weights
         ("1f1b", "save-dots", "bfloat16", "fsdp"),
         ("gpipe", "save-attention-out", "bfloat16", "fsdp"),
+        # The split backward cuts through the rematerialised forward of each layer.
+        ("zb-h1", "full", "float32", "hsdp"),
+        ("interleaved-1f1b", "save-dots", "bfloat16", "hsdp"),
     ],
 )
 @pytest.mark.pair("hsdp", "1f1b")
@@ -267,6 +283,11 @@ def test_pipe_x_data_x_tensor_matches_unpipelined(layouts, schedule, v):
 @pytest.mark.pair("fsdp", "gpipe")
 @pytest.mark.pair("remat", "1f1b")
 @pytest.mark.pair("remat", "gpipe")
+@pytest.mark.pair("hsdp", "zb-h1")
+@pytest.mark.pair("remat", "zb-h1")
+@pytest.mark.pair("hsdp", "interleaved-1f1b")
+@pytest.mark.pair("remat", "interleaved-1f1b")
+@pytest.mark.pair("bf16", "interleaved-1f1b")
 @pytest.mark.pair("bf16", "1f1b")
 @pytest.mark.pair("bf16", "gpipe")
 @pytest.mark.pair("remat", "hsdp")
@@ -287,6 +308,63 @@ def test_remat_and_mixed_precision(schedule, remat, dtype, strategy):
     env = _setup("pipe=2,data=2,fsdp=2", 8, cfg=cfg, strategy=strategy)
     got = _pipelined(env, PipelineConfig(schedule=schedule, microbatches=4))
     _assert_matches(env, got, jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+
+
+# --- stage weights gathered once per step ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "strategy,schedule,v",
+    [
+        ("hsdp", "1f1b", 1),
+        ("hsdp", "gpipe", 1),
+        ("fsdp", "zb-h1", 1),
+        ("fsdp", "interleaved-1f1b", 2),
+    ],
+)
+def test_gather_once_equals_the_unpipelined_math(layouts, strategy, schedule, v):
+    """hsdp splits the stage weights over fsdp, the fsdp preset over data and fsdp: gathered
+    whole before the loop and their gradients reduce-scattered after it, the loss and every
+    gradient equal the plain GPT's."""
+    env = layouts("pipe=2,data=2,fsdp=2", strategy=strategy)
+    config = PipelineConfig(schedule=schedule, microbatches=4, repeats=v, gather_once=True)
+    _assert_matches(env, _pipelined(env, config))
+
+
+def _gathers(env, config) -> tuple[int, int]:
+    """(all-gather bytes outside any branch per step, all-gathers inside branches) of the
+    compiled pipelined step."""
+    mesh, rules = env["mesh"], env["rules"]
+
+    def run(params, batch):
+        with activation_rules(mesh, rules):
+            return pipeline_loss_and_grads(
+                env["graphdef"], params, env["state"].rest, batch, config=config, mesh=mesh,
+                loss_fn=cross_entropy,
+            )  # fmt: skip
+
+    hlo = jax.jit(run).lower(env["state"].params, env["batch"]).compile().as_text()
+    gathers = [c for c in collectives(hlo) if c.kind == "all-gather"]
+    once = sum(c.count * c.result_bytes for c in gathers if not c.conditional)
+    return once, sum(1 for c in gathers if c.conditional)
+
+
+@pytest.mark.slow
+def test_gather_once_moves_the_gathers_out_of_the_loop_whatever_the_microbatches(layouts):
+    """Without gather_once, 1f1b gathers the fsdp-split stage weights inside its slots'
+    branches (once per pass); with it, nothing is gathered inside them, and the bytes
+    gathered per step are the same at m = 2 and m = 4."""
+    env = layouts("pipe=2,fsdp=4", devices=8, strategy="fsdp")
+    _, inside = _gathers(env, PipelineConfig(schedule="1f1b", microbatches=2))
+    assert inside > 0
+    per_m = []
+    for m in (2, 4):
+        once, inside = _gathers(
+            env, PipelineConfig(schedule="1f1b", microbatches=m, gather_once=True)
+        )
+        assert inside == 0
+        per_m.append(once)
+    assert per_m[0] == per_m[1] > 0
 
 
 # --- the trainer ---------------------------------------------------------------------------
@@ -482,6 +560,22 @@ def test_trainer_with_pallas_kernels_on_pipe_data_tensor_equals_one_device():
             dict(),
             r"microbatches=1: fewer than pipe=2",
         ),
+        (
+            PipelineConfig(schedule="zb-h1", microbatches=2),
+            dict(pipe=4),
+            r"microbatches=2: fewer than pipe=4.*--microbatches 4",
+        ),
+        (
+            PipelineConfig(schedule="interleaved-1f1b", repeats=2, microbatches=6),
+            dict(pipe=4, layers=16),
+            r"microbatches=6: not a multiple of pipe=4.*--microbatches 8",
+        ),
+        (
+            PipelineConfig(schedule="interleaved-1f1b", repeats=3),
+            dict(layers=8, pipe=2),
+            r"pipe × repeats = 2 × 3 = 6",
+        ),
+        (PipelineConfig(schedule="zb-h1", repeats=2), dict(), r"repeats=2: "),
     ],
 )
 def test_bad_pipelines_are_rejected_with_the_fix(config, kw, match):

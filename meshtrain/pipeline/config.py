@@ -14,9 +14,9 @@ class PipelineConfig:
     """How to pipeline over the mesh's ``pipe`` axis (ignored while pipe = 1).
 
     Args:
-        schedule: ``gpipe``, ``circular`` (a gpipe loop round the stages v times),
-            ``1f1b``, ``interleaved-1f1b`` (1F1B over v chunks per stage) or ``zb-h1``
-            (1F1B with the weight gradients deferred into the bubbles).
+        schedule: ``gpipe``, ``circular`` (a gpipe loop round the stages v times), ``1f1b``,
+            ``interleaved-1f1b`` (1F1B over v chunks per stage) or ``zb-h1`` (1F1B with the
+            weight gradients deferred into the bubbles).
         microbatches: microbatches per step; 0 means 2 × pipe.
         repeats: chunks of layers per stage, v (circular and interleaved-1f1b).
         gather_once: gather each stage's weights split over ``fsdp`` once per step, before

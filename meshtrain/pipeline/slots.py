@@ -249,17 +249,16 @@ def count_permutes(collectives: list, sizes: dict, config) -> list:
         stages = [tuple(int(np.unravel_index(d, shape)[axis]) for d in pair) for pair in c.groups]
         return frozenset((a, b) for a, b in stages if a != b)
 
-    mine = [
-        c
-        for c in collectives
-        if c.kind == "collective-permute" and c.conditional and key(c) in uses
-    ]
-    instances: dict[frozenset, int] = {}
-    for c in mine:
-        instances[key(c)] = instances.get(key(c), 0) + 1
-    counted = {
-        id(c): max(1, round(c.count * uses[key(c)] / (trips * instances[key(c)]))) for c in mine
-    }
+    mine: dict[frozenset, list] = {}
+    for c in collectives:
+        if c.kind == "collective-permute" and c.conditional and key(c) in uses:
+            mine.setdefault(key(c), []).append(c)
+    counted = {}
+    for k, cs in mine.items():
+        # The slots that send k, shared out among the branches' instances of it.
+        total = (cs[0].count // trips) * uses[k]
+        for j, c in enumerate(cs):
+            counted[id(c)] = total // len(cs) + (j < total % len(cs))
     return [
         dataclasses.replace(c, count=counted[id(c)]) if id(c) in counted else c for c in collectives
     ]

@@ -455,11 +455,11 @@ def scheduled(
         hand_zeros = [jnp.zeros_like(h[0]) for h in handovers]
         return (jnp.zeros_like(x0), stats_zero, jnp.zeros_like(x0), zeros, hand_zeros, g_chunk)
 
-    # The loss head runs after the model's last chunk's forward, under a `lax.cond` whose
-    # predicate comes from the table's slot row and so is the same on every stage. Inside a
-    # branch only some stages take, the compiler's collectives for the head's vocab-wide
-    # layout wait for stages that never arrive; a branch all stages take is safe. The other
-    # stages' results are discarded.
+    # The loss head runs after the model's last chunk's forward, on the last stage only, under
+    # a `lax.cond`. The branch is taken by some stages and not others, so it must hold no
+    # collective across stages: the head's weights and logits are partitioned only over the
+    # axes the compiler keeps (tensor, fsdp), whose groups lie within one stage, and the logits
+    # are kept whole over tensor (see `pipeline_loss_and_grads`).
 
     def head_step(head, y, labels):
         loss, head_vjp = jax.vjp(lambda h, y: head_fn(h, y, labels), head, y)
@@ -508,7 +508,7 @@ def scheduled(
         last_fwd = (ph_row[p - 1] == FWD) & (r_row[p - 1] == v - 1)
         last_mb = jnp.maximum(mb_row[p - 1], 0)
         loss_i, g_head_i, dy = lax.cond(
-            last_fwd, head_step, no_head, head, y, _at(labels_Mb, last_mb)
+            last_fwd & (s == p - 1), head_step, no_head, head, y, _at(labels_Mb, last_mb)
         )
         is_f, is_b = ph == FWD, ph == BWD
         res = [_put(b, k, writes["res"][s], is_f) for b, k in zip(res, kept, strict=True)]

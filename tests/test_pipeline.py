@@ -99,7 +99,7 @@ def test_gantt_chart_draws_every_busy_slot():
 # --- equivalence with the unpipelined GPT --------------------------------------------------
 
 
-def _setup(mesh_spec, devices, cfg=CFG, strategy="fsdp"):
+def _setup(mesh_spec, devices, cfg=CFG, strategy="fsdp", batch_size=B):
     """A sharded state, a fresh random batch and the plain reference loss and gradients."""
     mesh = make_mesh(mesh_spec, devices=jax.devices()[:devices])
     rules = rules_for(strategy, mesh)
@@ -108,7 +108,7 @@ def _setup(mesh_spec, devices, cfg=CFG, strategy="fsdp"):
     )
     rng = np.random.default_rng(abs(hash(mesh_spec)) % 2**32)
     batch = {
-        k: jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+        k: jnp.asarray(rng.integers(0, cfg.vocab_size, (batch_size, T)), jnp.int32)
         for k in ("inputs", "targets")
     }
 
@@ -121,7 +121,7 @@ def _setup(mesh_spec, devices, cfg=CFG, strategy="fsdp"):
     env = dict(mesh=mesh, rules=rules, graphdef=graphdef, state=state, batch=batch, ref=ref)
     if cfg.dtype != "float32":  # the same parameters computed in float32: the ground truth
         exact = dataclasses.replace(cfg, dtype="float32")
-        env["exact"] = _setup(mesh_spec, devices, exact, strategy)["ref"]
+        env["exact"] = _setup(mesh_spec, devices, exact, strategy, batch_size)["ref"]
     return env
 
 
@@ -209,9 +209,9 @@ MATRIX = [("gpipe", p, m, 1) for p in (2, 4) for m in (p, 2 * p)]
 MATRIX += [("1f1b", p, m, 1) for p in (2, 4) for m in (p, 2 * p)]
 MATRIX += [("circular", p, m, 2) for p in (2, 4) for m in (p, 2 * p)]
 MATRIX += [("gpipe", 2, 1, 1), ("circular", 2, 2, 1)]  # fewer microbatches than stages; v=1
-# interleaved-1f1b needs m a multiple of p; zb-h1 takes any m ≥ p (3 on 2 stages).
+# interleaved-1f1b needs m a multiple of p; zb-h1 takes any m ≥ p (see the test below).
 MATRIX += [("interleaved-1f1b", 2, 2, 2), ("interleaved-1f1b", 4, 8, 2)]
-MATRIX += [("zb-h1", 2, 3, 1), ("zb-h1", 4, 8, 1)]
+MATRIX += [("zb-h1", 2, 2, 1), ("zb-h1", 4, 8, 1)]
 
 
 @pytest.mark.slow
@@ -227,6 +227,12 @@ def test_pipe_x_data_matches_unpipelined(layouts, schedule, p, m, v):
     _assert_matches(
         env, _pipelined(env, PipelineConfig(schedule=schedule, microbatches=m, repeats=v))
     )
+
+
+def test_zb_h1_with_microbatches_not_a_multiple_of_the_stages_matches_unpipelined():
+    """zb-h1 (unlike interleaved-1f1b) runs any m ≥ p: 3 microbatches on 2 stages."""
+    env = _setup("pipe=2,data=4", 8, strategy="dp", batch_size=24)
+    _assert_matches(env, _pipelined(env, PipelineConfig(schedule="zb-h1", microbatches=3)))
 
 
 ALL = [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]

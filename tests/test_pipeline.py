@@ -429,15 +429,27 @@ def _kernel_batch(seed):
     }
 
 
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1)])
-@pytest.mark.parametrize(
-    "spec,strategy",
-    [
-        ("pipe=2,data=4", "dp"),
-        ("pipe=2,data=2,fsdp=2", "hsdp"),
-        ("pipe=2,fsdp=2,tensor=2", "fsdp+tp"),
-    ],
-)
+KERNEL_LAYOUTS = [
+    ("pipe=2,data=4", "dp"),
+    ("pipe=2,data=2,fsdp=2", "hsdp"),
+    ("pipe=2,fsdp=2,tensor=2", "fsdp+tp"),
+]
+KERNEL_CASES = [
+    (schedule, v, spec, strategy)
+    for schedule, v in (("gpipe", 1), ("circular", 2), ("1f1b", 1))
+    for spec, strategy in KERNEL_LAYOUTS
+]
+# The split backward cuts around the kernels' calls (each goes whole into the pass that needs
+# it); interleaved runs two chunks per stage.
+KERNEL_CASES += [
+    ("zb-h1", 1, "pipe=2,fsdp=2,tensor=2", "fsdp+tp"),
+    ("interleaved-1f1b", 2, "pipe=2,data=2,fsdp=2", "hsdp"),
+]
+
+
+@pytest.mark.parametrize("schedule,v,spec,strategy", KERNEL_CASES)
+@pytest.mark.pair("pallas", "zb-h1")
+@pytest.mark.pair("pallas", "interleaved-1f1b")
 @pytest.mark.pair("pallas", "gpipe")
 @pytest.mark.pair("pallas", "circular")
 @pytest.mark.pair("pallas", "1f1b")

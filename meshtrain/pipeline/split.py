@@ -17,7 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
+from jax import lax
 from jax.extend import core as jex
+
+from meshtrain._compat import varying_axes
 
 # Primitives whose equations carry a sub-jaxpr that runs once, inlined before cutting.
 _CALLS = {
@@ -120,10 +123,20 @@ def split_backward(
     outs = jaxpr.outvars
     b_ids = _needed(jaxpr.eqns, outs[:n_input_outputs])
     w_ids = _needed(jaxpr.eqns, outs[n_input_outputs:]) - b_ids
+    # Values made from constants alone (masks, iotas) are remade in W rather than handed over:
+    # they are the same on every stage, and what a ring buffer carries varies over pipe.
+    const = set(jaxpr.constvars)
+    for e in jaxpr.eqns:
+        if not e.effects and all(v in const for v in e.invars if isinstance(v, jex.Var)):
+            const.update(e.outvars)
+    w_uses = [v for e in jaxpr.eqns if id(e) in w_ids for v in e.invars]
+    w_uses += list(outs[n_input_outputs:])
+    w_ids |= _needed(jaxpr.eqns, [v for v in w_uses if isinstance(v, jex.Var) and v in const])
     b_list = [e for e in jaxpr.eqns if id(e) in b_ids]
     w_list = [e for e in jaxpr.eqns if id(e) in w_ids]
     # What W needs that only B has: values B computes, and the arguments W is not given.
     made_by_b = {v for e in b_list for v in e.outvars} | set(jaxpr.invars[n_kept:])
+    made_by_b -= const
     handover: list = []
     for v in [v for e in w_list for v in e.invars] + list(outs[n_input_outputs:]):
         if isinstance(v, jex.Var) and v in made_by_b and v not in handover:
@@ -179,6 +192,19 @@ def _run(eqns: list, jaxpr: jex.Jaxpr, consts: Sequence, invars, args, env: dict
 
 
 def _bind(eqn, ins: list) -> list:
-    """Applies an equation's primitive to `ins`; its results as a list."""
+    """Applies an equation's primitive to `ins`; its results as a list.
+
+    A value handed over from B to W comes back varying over ``pipe`` (the ring buffer that
+    carries it through the slots does), even where it was traced as the same on every stage
+    (a nested region's output): marking it varying again (`pvary`) is then a no-op.
+    """
+    if eqn.primitive.name == "pvary":
+        return [_vary(x, eqn.params["axes"]) for x in ins]
     outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
     return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _vary(x, axes: tuple[str, ...]):
+    """`x` marked varying over those of `axes` it does not already vary over."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x

@@ -1,8 +1,12 @@
-"""What a schedule table implies for the executors: the payloads each stage sends.
+"""What a schedule table implies for the executors: the payloads each stage sends, the ring
+buffers it keeps, and the permutes of every slot.
 
 A stage sends its output on after every forward except the model's last chunk's (which goes
 to the loss head), and its input's cotangent back after every backward except the model's
-first chunk's (which goes to the embedding). Only those payloads are useful bytes on the wire.
+first chunk's (which goes to the embedding). Only those payloads are useful bytes on the wire:
+the executors put each slot's permutes in a branch chosen by the slot that names only the
+stage pairs moving something then (`slot_plan`, `tick_patterns`), and `count_permutes` counts
+a compiled program's permutes as they run.
 """
 
 from __future__ import annotations
@@ -11,7 +15,17 @@ import dataclasses
 
 import numpy as np
 
-from meshtrain.pipeline.schedules import BWD, FWD, IDLE, WGT, ScheduleTable
+from meshtrain.mesh import PIPE
+from meshtrain.pipeline.schedules import (
+    BWD,
+    FWD,
+    HAND_SCHEDULED,
+    IDLE,
+    WGT,
+    ScheduleTable,
+    forward_ticks,
+    schedule_table,
+)
 
 
 def sends(table: ScheduleTable) -> np.ndarray:
@@ -203,8 +217,6 @@ def permute_uses(config, p: int) -> tuple[dict[frozenset, int], int]:
         ``(uses, trips)``: stage pairs (a frozenset of (source, target)) → slots that send
         them, per step; and the trip count of the loop(s) they sit in.
     """
-    from meshtrain.pipeline.schedules import HAND_SCHEDULED, forward_ticks, schedule_table
-
     m, v = config.num_microbatches(p), config.chunks_per_stage()
     uses: dict[frozenset, int] = {}
 
@@ -237,8 +249,6 @@ def count_permutes(collectives: list, sizes: dict, config) -> list:
         sizes: the mesh axis sizes, in mesh order (device ids are positions in it).
         config: the `PipelineConfig`.
     """
-    from meshtrain.mesh import PIPE
-
     p = sizes.get(PIPE, 1)
     if p == 1:
         return collectives

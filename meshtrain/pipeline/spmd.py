@@ -11,10 +11,15 @@ Two executors:
 - `forward_loop` (gpipe, circular): a `lax.scan` over ticks; at each tick every stage runs
   its chunk on one microbatch and `ppermute` passes the result one stage on (round the ring
   for circular). `jax.grad` through it gives the backward.
-- `one_f_one_b`: the forward *and* backward scheduled by hand. At each slot every stage runs a
-  forward (`jax.vjp` of its chunk, keeping the residuals in a ring of p entries), a backward
-  (the stored vjp applied to the cotangent from the next stage) or nothing, chosen by
+- `scheduled` (1f1b, interleaved-1f1b, zb-h1): the forward *and* backward scheduled by hand.
+  At each slot every stage runs a forward (`jax.vjp` of its chunk, keeping the residuals in a
+  ring buffer), a backward (the stored vjp applied to the cotangent from the next chunk),
+  zb-h1's input or weight pass (`meshtrain.pipeline.split`) or nothing, chosen by
   `lax.switch` on the schedule table. Weight gradients accumulate across microbatches.
+
+Both send only what the table moves: each slot's (tick's) permutes are a branch chosen by the
+slot, the same on every stage, naming only the stage pairs it moves something between
+(`meshtrain.pipeline.slots`).
 
 Slots where a stage has nothing to do still run in lockstep. Their values are never allowed
 to reach a result: every write is a `jnp.where` on the schedule, and stage inputs are zeroed
@@ -55,7 +60,7 @@ StageFn = Callable[[dict, jax.Array, dict], tuple[jax.Array, dict]]
 
 
 class Microbatches(NamedTuple):
-    """The per-microbatch inputs of `one_f_one_b` (the same on every stage).
+    """The per-microbatch inputs of `scheduled` (the same on every stage).
 
     Attributes:
         x: embedded microbatches [M, b, T, D].

@@ -54,6 +54,10 @@ GROUPS: dict[str, dict[str, str]] = {
         "gpipe": "pipe > 1, GPipe: all forwards, then all backwards",
         "circular": "pipe > 1, circular: each stage holds several chunks of layers (repeats)",
         "1f1b": "pipe > 1, one forward one backward: at most pipe microbatches in flight",
+        "interleaved-1f1b": "pipe > 1, Megatron-LM's interleaved 1F1B: 1f1b with several "
+        "chunks of layers per stage (repeats)",
+        "zb-h1": "pipe > 1, zero bubble (ZB-H1): the backward split into an input pass and a "
+        "deferred weight pass",
     },
     "context parallelism": {
         "ring": "seq > 1, ring attention: key/value blocks passed around the seq axis",
@@ -90,7 +94,7 @@ FEATURES: dict[str, str] = {k: v for group in GROUPS.values() for k, v in group.
 # Sets of features a run has at most one of: their pairs are not cells.
 EXCLUSIVE: tuple[frozenset[str], ...] = (
     frozenset({"dp", "fsdp", "hsdp", "zero1"}),  # one data strategy (tp goes with each)
-    frozenset({"gpipe", "circular", "1f1b"}),  # one schedule
+    frozenset({"gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1"}),  # one schedule
     frozenset({"ring", "allgather", "ulysses"}),  # one algorithm
     frozenset({"moe-capacity", "moe-dropless"}),  # one dispatch
     frozenset({"pallas", "cudnn"}),  # one attention implementation

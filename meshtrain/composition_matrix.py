@@ -103,10 +103,33 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
 
 # Cells found not to work (cell → the configuration and the error), until a fix lands or a
 # refusal row names them.
-KNOWN_GAPS: dict[Cell, str] = {}
+KNOWN_GAPS: dict[Cell, str] = {
+    ("zb-h1", "pallas"): (
+        "a GPT with the Pallas norms (norm_impl='pallas', d_model=128, 2 layers) under "
+        "--schedule zb-h1 with 2 microbatches on pipe=2,fsdp=4 (fsdp) or pipe=2,data=4 (dp): "
+        "tracing the train step fails in zb-h1's deferred weight pass, which re-binds the "
+        "backward's pvary on a value already varying over pipe (pipeline/split.py, _bind): "
+        "'ValueError: pvary is a invariant->variant collective ... Got axes=('pipe',) and "
+        "jax.typeof(inp)=float32[128]{V:pipe}'; the Pallas attention alone matches one device "
+        "under zb-h1, and 1f1b with both kernels does"
+    ),
+}
+
+# A hand-scheduled pipeline inside the replicas' region of gradient compression gives an MoE's
+# router about half the one-device update.
+_HAND_SCHEDULED_MOE_CODEC = (
+    "--grad-compression bf16 on pipe=2,data=2,fsdp=2 (hsdp; also zero1+tp and dp+tp on "
+    "pipe=2,data=2,tensor=2), 2 microbatches, 2 steps: the MoE's router update is about half "
+    "the one-device one (e.g. -1.3e-05 against -3.2e-05), far beyond the codec's rounding; "
+    "gpipe with the same settings, and either schedule without compression, match one device"
+)
 
 # Combinations of more than two features found not to work, though each of their pairs does.
-KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {}
+KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {
+    (schedule, moe, "compression"): _HAND_SCHEDULED_MOE_CODEC
+    for schedule in ("1f1b", "zb-h1")
+    for moe in ("moe-capacity", "moe-dropless")
+}
 
 
 def cell(a: str, b: str) -> Cell:

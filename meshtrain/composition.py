@@ -22,6 +22,7 @@ from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
@@ -204,7 +205,8 @@ def _model_value(field: str) -> Callable[[RunSpec], object]:
     return lambda run: getattr(run.model, field)
 
 
-_PIPELINES = ("gpipe", "circular", "1f1b")  # the matrix's feature ids of each family
+# the matrix's feature ids of each family
+_PIPELINES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
 _CONTEXT = ("ring", "allgather", "ulysses")
 _MOE = ("moe-capacity", "moe-dropless")
 _LOCAL = ("local-sgd", "diloco")
@@ -219,7 +221,7 @@ def _cells(firsts: tuple[str, ...], seconds: tuple[str, ...]) -> tuple[tuple[str
 # strategy without replicas).
 _SYNC_SECONDS = {
     "pipelines": _PIPELINES,
-    "the circular schedule": ("circular",),
+    "several chunks per stage (circular, interleaved-1f1b)": ("circular", "interleaved-1f1b"),
     "context parallelism": _CONTEXT,
     "expert parallelism (MoE)": _MOE,
     "a strategy without replicas": ("fsdp",),
@@ -240,7 +242,8 @@ def _circular() -> PipelineConfig:
 
 def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refusal, ...]:
     """A sync feature with what its step manual over the replicas cannot hold: context
-    parallelism, the circular schedule, and a strategy without replicas."""
+    parallelism, several chunks of layers per stage (circular, interleaved-1f1b), and a strategy
+    without replicas."""
     return (
         Refusal(
             first,
@@ -255,13 +258,13 @@ def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refu
         ),
         Refusal(
             first,
-            "the circular schedule",
+            "several chunks per stage (circular, interleaved-1f1b)",
             f"{flags} runs the pipeline's loop inside the replicas' region, where each stage "
-            "holds only its contiguous layers, and the circular schedule interleaves them "
-            "across stages",
+            "holds only its contiguous layers, and a schedule with several chunks per stage "
+            "interleaves them across stages",
             lambda run: on(run) and _axis(run, PIPE) > 1 and run.pipeline.chunks_per_stage() > 1,
             field,
-            f"use --schedule gpipe or 1f1b, or drop {flags}",
+            f"use --schedule gpipe, 1f1b or zb-h1 (or --repeats 1), or drop {flags}",
             value,
             lambda: (
                 _run(
@@ -480,11 +483,14 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "Mixtral's router loss",
-        "the 1f1b schedule",
-        "the loss pools every stage's blocks, and 1f1b runs each stage's backward with its own "
-        "blocks only (gpipe and circular pool them exactly)",
+        "a hand-scheduled schedule",
+        "the loss pools every stage's blocks, and a hand-scheduled schedule (1f1b, "
+        "interleaved-1f1b, zb-h1) runs each stage's backward with its own blocks only (gpipe "
+        "and circular pool them exactly)",
         lambda run: (
-            _pooled_router_loss(run) and _axis(run, PIPE) > 1 and run.pipeline.schedule == "1f1b"
+            _pooled_router_loss(run)
+            and _axis(run, PIPE) > 1
+            and run.pipeline.schedule in HAND_SCHEDULED
         ),
         "moe.router_losses",
         "use --schedule gpipe or circular, or --moe.router-losses meshtrain, or set "

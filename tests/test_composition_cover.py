@@ -40,6 +40,7 @@ from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import DataSpec, GPTConfig, MoEConfig, build_model
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.pipeline.schedules import CHUNKED
 from meshtrain.replicas import SyncConfig, with_sync
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_target
@@ -51,12 +52,10 @@ MICROBATCHES = 2  # a pipeline's (pipe = 2)
 LR = 0.1
 # Plain SGD (no momentum, decay or clipping): the update is -lr · gradient, so the parameters'
 # difference bounds the gradients', and a replica's clipping cannot differ from the whole's.
-TX = make_optimizer(
-    OptimConfig(
-        optimizer="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_norm=0.0, warmup_steps=0
-    ),
-    10,
+OPTIM = OptimConfig(
+    optimizer="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_norm=0.0, warmup_steps=0
 )
+TX = make_optimizer(OPTIM, 10)
 GPT = GPTConfig(
     style="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=T, vocab_size=64,
     vocab_multiple=16,
@@ -85,7 +84,9 @@ class Case:
     pallas: bool = False  # an MoE with the Pallas attention
     cudnn: bool = False  # the GPT or MoE with cuDNN's attention
     context: str | None = None  # ring, allgather, ulysses (with seq > 1 in `mesh`)
-    schedule: str | None = None  # gpipe, circular, 1f1b (with pipe > 1 in `mesh`)
+    # gpipe, circular, 1f1b, interleaved-1f1b, zb-h1 (with pipe > 1 in `mesh`); circular and
+    # interleaved-1f1b hold two chunks of layers per stage
+    schedule: str | None = None
     packed: bool = False
     sync: SyncConfig = SyncConfig()
     remat: bool = False
@@ -121,9 +122,11 @@ class Case:
     def config(self):
         """The model config."""
         base = {"gpt": GPT, "pallas": PALLAS}.get(self.model)
+        if base is PALLAS and self.schedule in CHUNKED:  # 2 stages × 2 chunks of layers
+            base = dataclasses.replace(base, n_layers=4)
         if base is None:
             base = dataclasses.replace(MOE, dispatch=self.model.removeprefix("moe-"))
-            if self.schedule == "circular":  # 2 stages × 2 chunks of layers
+            if self.schedule in CHUNKED:  # 2 stages × 2 chunks of layers
                 base = dataclasses.replace(base, n_layers=4)
             if self.pallas:
                 base = dataclasses.replace(base, d_model=128, attention_impl="pallas")
@@ -207,10 +210,10 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX):
     pipeline = PipelineConfig(
         schedule=case.schedule or "gpipe",
         microbatches=MICROBATCHES,
-        repeats=2 if case.schedule == "circular" else 1,
+        repeats=2 if case.schedule in CHUNKED else 1,
     )
     train = TrainConfig(accum_steps=accum, run_dir="")
-    run = RunSpec(mesh=mesh, rules=rules, train=train, pipeline=pipeline, sync=sync)
+    run = RunSpec(mesh=mesh, rules=rules, train=train, optim=OPTIM, pipeline=pipeline, sync=sync)
     data = DataSpec("lm", B, T, cfg.vocab_size, packed=case.packed)
     # the run check accepts the combination: nothing refused is run here
     assert check_run(run.replace(model=cfg, data=data, mesh=mesh_sizes(mesh))) == []
@@ -467,6 +470,103 @@ CASES = [
             pair("moe-dropless", "circular"),
         ],
         id="dp-moe-dropless-circular",
+    ),
+    # the interleaved-1f1b and zb-h1 schedules
+    pytest.param(
+        Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="interleaved-1f1b", remat=True,
+             accum=2, bf16=True, sync=SyncConfig(staleness=1), resume=True),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "interleaved-1f1b"), pair("zero1", "staleness"),
+            pair("zero1", "remat"), pair("zero1", "accumulation"), pair("zero1", "bf16"),
+            pair("zero1", "resume-relayout"), pair("tp", "interleaved-1f1b"),
+            pair("tp", "staleness"), pair("tp", "remat"), pair("tp", "accumulation"),
+            pair("tp", "bf16"), pair("tp", "resume-relayout"),
+            pair("interleaved-1f1b", "staleness"), pair("interleaved-1f1b", "remat"),
+            pair("interleaved-1f1b", "accumulation"), pair("interleaved-1f1b", "bf16"),
+            pair("interleaved-1f1b", "resume-relayout"), pair("staleness", "remat"),
+            pair("staleness", "accumulation"), pair("staleness", "bf16"),
+            pair("staleness", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "bf16"), pair("remat", "resume-relayout"), pair("accumulation", "bf16"),
+            pair("accumulation", "resume-relayout"), pair("bf16", "resume-relayout"),
+        ],
+        id="zero1+tp-interleaved-1f1b-remat-accum-bf16-staleness-resume",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp", model="moe-capacity", schedule="interleaved-1f1b",
+             packed=True),
+        marks=[
+            pair("hsdp", "interleaved-1f1b"), pair("hsdp", "moe-capacity"), pair("hsdp", "packed"),
+            pair("interleaved-1f1b", "moe-capacity"), pair("interleaved-1f1b", "packed"),
+            pair("moe-capacity", "packed"),
+        ],
+        id="hsdp-moe-capacity-interleaved-1f1b-packed",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,expert=2", "dp", model="moe-dropless", schedule="interleaved-1f1b"),
+        marks=[
+            pair("dp", "interleaved-1f1b"), pair("dp", "moe-dropless"),
+            pair("interleaved-1f1b", "moe-dropless"),
+        ],
+        id="dp-moe-dropless-interleaved-1f1b",
+    ),
+    pytest.param(
+        Case("pipe=2,fsdp=4", "fsdp", model="pallas", schedule="interleaved-1f1b"),
+        marks=[
+            pair("fsdp", "interleaved-1f1b"), pair("fsdp", "pallas"),
+            pair("interleaved-1f1b", "pallas"),
+        ],
+        id="fsdp-pallas-interleaved-1f1b",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="zb-h1", remat=True, bf16=True,
+             sync=SyncConfig(grad_compression="bf16"), resume=True,
+             resume_onto=("pipe=2,data=2,tensor=2", "dp+tp")),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "zb-h1"), pair("zero1", "compression"),
+            pair("zero1", "remat"), pair("zero1", "bf16"), pair("zero1", "resume-relayout"),
+            pair("tp", "zb-h1"), pair("tp", "compression"), pair("tp", "remat"),
+            pair("tp", "bf16"), pair("tp", "resume-relayout"), pair("zb-h1", "compression"),
+            pair("zb-h1", "remat"), pair("zb-h1", "bf16"), pair("zb-h1", "resume-relayout"),
+            pair("compression", "remat"), pair("compression", "bf16"),
+            pair("compression", "resume-relayout"), pair("remat", "bf16"),
+            pair("remat", "resume-relayout"), pair("bf16", "resume-relayout"),
+        ],
+        id="zero1+tp-zb-h1-compression-remat-bf16-resume",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,expert=2", "zero1", model="moe-capacity", schedule="zb-h1", accum=2,
+             sync=SyncConfig(staleness=1)),
+        marks=[
+            pair("zero1", "zb-h1"), pair("zero1", "moe-capacity"), pair("zero1", "staleness"),
+            pair("zero1", "accumulation"), pair("zb-h1", "moe-capacity"),
+            pair("zb-h1", "staleness"), pair("zb-h1", "accumulation"),
+            pair("moe-capacity", "staleness"), pair("moe-capacity", "accumulation"),
+            pair("staleness", "accumulation"),
+        ],
+        id="zero1-moe-capacity-zb-h1-accum-staleness",
+    ),
+    pytest.param(
+        Case("pipe=2,fsdp=2,expert=2", "fsdp", model="moe-dropless", schedule="zb-h1", packed=True),
+        marks=[
+            pair("fsdp", "zb-h1"), pair("fsdp", "moe-dropless"), pair("fsdp", "packed"),
+            pair("zb-h1", "moe-dropless"), pair("zb-h1", "packed"), pair("moe-dropless", "packed"),
+        ],
+        id="fsdp-moe-dropless-zb-h1-packed",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1", sync=SyncConfig(sync_every=1)),
+        marks=[
+            pair("hsdp", "zb-h1"), pair("hsdp", "local-sgd"), pair("zb-h1", "local-sgd"),
+        ],
+        id="hsdp-zb-h1-local-sgd",
+    ),
+    pytest.param(
+        Case("pipe=2,data=4", "dp", schedule="zb-h1",
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov")),
+        marks=[
+            pair("dp", "zb-h1"), pair("dp", "diloco"), pair("zb-h1", "diloco"),
+        ],
+        id="dp-zb-h1-diloco",
     ),
     # mixtures of experts
     pytest.param(

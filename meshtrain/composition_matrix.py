@@ -103,17 +103,7 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
 
 # Cells found not to work (cell → the configuration and the error), until a fix lands or a
 # refusal row names them.
-KNOWN_GAPS: dict[Cell, str] = {
-    ("zb-h1", "pallas"): (
-        "a GPT with the Pallas norms (norm_impl='pallas', d_model=128, 2 layers) under "
-        "--schedule zb-h1 with 2 microbatches on pipe=2,fsdp=4 (fsdp) or pipe=2,data=4 (dp): "
-        "tracing the train step fails in zb-h1's deferred weight pass, which re-binds the "
-        "backward's pvary on a value already varying over pipe (pipeline/split.py, _bind): "
-        "'ValueError: pvary is a invariant->variant collective ... Got axes=('pipe',) and "
-        "jax.typeof(inp)=float32[128]{V:pipe}'; the Pallas attention alone matches one device "
-        "under zb-h1, and 1f1b with both kernels does"
-    ),
-}
+KNOWN_GAPS: dict[Cell, str] = {}
 
 # A hand-scheduled pipeline inside the replicas' region of gradient compression gives an MoE's
 # router about half the one-device update.

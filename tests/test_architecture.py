@@ -27,9 +27,9 @@ LAYERS = [
         "meshtrain.data",
         "meshtrain.metrics",
         "meshtrain.distributed",
-        "meshtrain.costmodel",
     ],  # fmt: skip
-    ["meshtrain.pipeline", "meshtrain.checkpoint", "meshtrain.replicas"],
+    # The cost model reads pipeline schedule tables (the lockstep bubble).
+    ["meshtrain.pipeline", "meshtrain.checkpoint", "meshtrain.replicas", "meshtrain.costmodel"],
     ["meshtrain.train", "meshtrain.run", "meshtrain.check", "meshtrain.composition"],
     [
         "meshtrain.lower",

@@ -139,6 +139,7 @@ OVERRIDES = {
     "--schedule": (["circular"], "circular"),
     "--microbatches": (["8"], 8),
     "--repeats": (["2"], 2),
+    "--gather-once": ([], True),
     "--dist.mode": (["on"], "on"),
     "--dist.coordinator": (["10.0.0.1:1234"], "10.0.0.1:1234"),
     "--dist.num-processes": (["4"], 4),
@@ -245,6 +246,35 @@ def test_every_config_field_can_be_overridden(overrides):
     for flag, (_, want) in overrides.items():
         section, name = flags[flag]
         assert _get(job, section, name) == want, flag
+
+
+def test_the_run_summary_shows_chunks_per_stage_and_what_gathering_once_holds():
+    import math
+
+    import jax
+    from flax import nnx
+
+    from meshtrain import make_mesh, rules_for
+    from meshtrain.comm.report import fmt_bytes
+
+    argv = ["train", "--mesh", "pipe=2,fsdp=4", "--strategy", "fsdp", "--gpt.n-layers", "4"]
+    job = cli.parse([*argv, "--schedule", "interleaved-1f1b", "--repeats", "2", "--gather-once"])
+    mesh = make_mesh(job.mesh)
+    rules = rules_for(job.strategy, mesh)
+    line = cli_train.describe_pipeline(job, mesh, rules)
+    # Every stacked layer weight is split over fsdp: a device keeps its stage's half of them.
+    model = nnx.eval_shape(lambda: job.gpt.build(rngs=nnx.Rngs(0)))
+    blocks = nnx.state(model, nnx.Param)["blocks"]
+    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(blocks)) / 2
+    assert line == (
+        "pipeline interleaved-1f1b · 2 stages · 4 microbatches · v=2 chunks per stage · "
+        f"gather once per step (+{fmt_bytes(whole)} of weights per device)"
+    )
+    plain = cli.parse([*argv, "--schedule", "zb-h1"])
+    assert (
+        cli_train.describe_pipeline(plain, mesh, rules)
+        == "pipeline zb-h1 · 2 stages · 4 microbatches"
+    )
 
 
 @pytest.mark.parametrize(

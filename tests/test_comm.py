@@ -18,9 +18,12 @@ from meshtrain import cli
 from meshtrain.check import check_run
 from meshtrain.comm import inspect
 from meshtrain.comm.compile import compile_step
+from meshtrain.comm.expect import Traffic, expected, param_layouts, stage_gathered_bytes
 from meshtrain.costmodel import profile
 from meshtrain.models import MoEConfig
 from meshtrain.models.base import DataSpec
+from meshtrain.pipeline.schedules import schedule_table
+from meshtrain.pipeline.slots import sends
 from meshtrain.plan import plan
 
 CFG = mt.GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64)
@@ -113,16 +116,91 @@ def test_tensor_parallel_all_reduces_activations_over_tensor_only(reports):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,ticks", [("pipeline", 2 * (4 + 2 - 1)), ("1f1b", 4 * (4 + 2 - 1))])
-def test_pipelines_permute_per_tick_and_reduce_gradients_over_data_once(reports, name, ticks):
+@pytest.mark.parametrize("name", ["pipeline", "1f1b"])
+def test_pipelines_send_only_useful_payloads_and_reduce_gradients_over_data_once(reports, name):
     r = reports(name)  # p = 2 stages, m = 4 microbatches (gpipe's default: 2 × pipe)
+    # Stage 0 holds the model's first chunk: it sends its 4 forward outputs on and no input
+    # cotangent back (the embedding's is summed outside the loop); stage 1 holds the last
+    # chunk: 4 cotangents back, no output on (the head reads it). Either stage: 4 payloads of
+    # one microbatch's [B/(m·data), T, D] float32 activation, nothing on idle slots.
+    micro = SPEC.batch_size // (4 * 4) * SPEC.seq_len * CFG.d_model * 4
     permutes = [c for c in r.collectives if c.kind == "collective-permute"]
-    assert sum(c.count for c in permutes) == ticks
+    assert sum(c.count * c.buffer_bytes for c in permutes) == 4 * micro
+    assert r.expectation.bytes["pipeline permutes"] == 4 * micro
     # The stages' layer gradients are summed over the replica axis (data) after the tick loop,
     # once per step: no all-reduce runs inside it.
     assert not [c for c in r.collectives if c.kind == "all-reduce" and c.count > 1]
     grads = r.measured["gradient reduction"]
     assert 0.9 <= grads / r.expectation.bytes["gradient reduction"] <= 1.1
+
+
+def _pipeline_traffic(schedule, *, repeats=1, gather_once=False, mesh="pipe=4,data=2"):
+    """The expectation of the test GPT (8 layers) pipelined over `mesh`, m = 8."""
+    sizes = mt.make_mesh(mesh).shape
+    rules = mt.rules_for("fsdp" if "fsdp" in mesh else "dp")
+    pc = mt.PipelineConfig(
+        schedule=schedule, microbatches=8, repeats=repeats, gather_once=gather_once
+    )
+    cfg = dataclasses.replace(CFG, n_layers=8)
+    abstract = nnx.eval_shape(lambda: cfg.build(rngs=nnx.Rngs(0)))
+    layouts = param_layouts(nnx.state(abstract, nnx.Param), rules, dict(sizes))
+    run = Traffic(dict(sizes), rules.batch_axes(dict(sizes)), SPEC.batch_size * SPEC.seq_len,
+                  d_model=CFG.d_model, pipeline=pc, batch=SPEC.batch_size)  # fmt: skip
+    return expected(layouts, run), layouts, dict(sizes), rules
+
+
+@pytest.mark.parametrize(
+    ("schedule", "repeats"),
+    [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)],
+)
+def test_pipeline_permutes_are_the_busiest_stages_sends_in_the_schedules_table(schedule, repeats):
+    exp, *_ = _pipeline_traffic(schedule, repeats=repeats)
+    table = schedule_table(schedule, 4, 8, repeats)
+    busiest = int(sends(table).max())
+    # p = 4, m = 8 over data = 2: one microbatch is 16 / (8 · 2) = 1 row of [T, D] float32.
+    micro = 1 * SPEC.seq_len * CFG.d_model * 4
+    assert exp.bytes["pipeline permutes"] == busiest * micro
+    assert f"{busiest} microbatch activations" in exp.why["pipeline permutes"]
+    assert "busiest stage" in exp.why["pipeline permutes"]
+    # A middle stage sends each of its v·m forwards on and each of its v·m backwards back.
+    assert busiest == 2 * 8 * repeats
+    # The hand-scheduled ones run the head inside their loop: only input cotangents summed.
+    sums = exp.bytes["pipeline stage sums"]
+    tokens = SPEC.batch_size * SPEC.seq_len / 2
+    assert sums == (1 if schedule not in ("gpipe", "circular") else 2) * tokens * CFG.d_model * 4
+
+
+@pytest.mark.parametrize(("schedule", "per_step"), [("1f1b", 2 * 8), ("gpipe", 2 * (8 + 4 - 1))])
+def test_a_stages_fsdp_split_weights_are_gathered_per_microbatch_unless_gathered_once(
+    schedule, per_step
+):
+    each, layouts, sizes, rules = _pipeline_traffic(schedule, mesh="pipe=4,fsdp=2")
+    once, *_ = _pipeline_traffic(schedule, mesh="pipe=4,fsdp=2", gather_once=True)
+    stage = stage_gathered_bytes(layouts, sizes, rules.batch_axes(sizes))
+    # 8 layers over 4 stages: each stage's 2 layers, whole over fsdp.
+    blocks = sum(x.nbytes for x in layouts if x.path.startswith("blocks/"))
+    assert stage == blocks / 4
+    # Gathered for each forward and each backward (per microbatch; gpipe: per tick of its
+    # loops, bubble ticks included) and reduced after each backward; once with gather_once.
+    gathered = each.bytes["parameter gathers"] - once.bytes["parameter gathers"]
+    assert gathered == pytest.approx((per_step - 1) * stage)
+    reduced = each.bytes["gradient reduction"] - once.bytes["gradient reduction"]
+    assert reduced == pytest.approx((per_step // 2 - 1) * stage)
+    assert "once per step" in once.why["parameter gathers"]
+
+
+@pytest.mark.slow
+def test_a_gpipe_stage_gathers_its_fsdp_split_weights_every_tick_as_expected():
+    mesh = mt.make_mesh("pipe=2,fsdp=4")
+    cfg = dataclasses.replace(CFG, n_layers=4)
+    pc = mt.PipelineConfig(schedule="gpipe", microbatches=4)
+    r = inspect(mt.RunSpec(model=cfg, data=SPEC, mesh=mesh, rules=mt.rules_for("fsdp", mesh),
+                           pipeline=pc))  # fmt: skip
+    for bucket in ("parameter gathers", "gradient reduction"):
+        ratio = r.measured[bucket] / r.expectation.bytes[bucket]
+        assert 0.9 <= ratio <= 1.1, (bucket, ratio)
+    # 2(m + p − 1) = 10 gathers of the stage's weights: 10× what one gather per step would be.
+    assert "10× per step" in r.expectation.why["parameter gathers"]
 
 
 @pytest.mark.slow

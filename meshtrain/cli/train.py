@@ -28,6 +28,7 @@ from meshtrain.distributed import DistributedConfig
 from meshtrain.mesh import PIPE, SEQ
 from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, families
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.pipeline.schedules import CHUNKED
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
@@ -179,12 +180,7 @@ def build_trainer(job: TrainJob, say=print):
     cp = f" · context parallel {job.context_parallel}" if mesh.shape[SEQ] > 1 else ""
     say(f"meshtrain · mesh {describe(mesh)} · strategy {rules.name}{cp}")
     if mesh.shape[PIPE] > 1:
-        pc = job.pipeline
-        say(
-            f"pipeline {pc.schedule} · {mesh.shape[PIPE]} stages · "
-            f"{pc.num_microbatches(mesh.shape[PIPE])} microbatches"
-            + (f" · {pc.repeats} chunks per stage" if pc.schedule == "circular" else "")
-        )
+        say(describe_pipeline(job, mesh, rules))
     if job.sync != SyncConfig():
         say(describe_sync(job.sync, mesh, rules))
     return Trainer(
@@ -207,6 +203,41 @@ def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
         sync=job.sync,
         checkpoint=checkpoint,
     )
+
+
+def describe_pipeline(job: TrainJob, mesh, rules) -> str:
+    """One line saying how the job pipelines, e.g. "pipeline interleaved-1f1b · 4 stages ·
+    16 microbatches · v=2 chunks per stage · gather once per step (+12.6 MB of weights per
+    device)"."""
+    from meshtrain.comm.report import fmt_bytes
+
+    pc, pipe = job.pipeline, mesh.shape[PIPE]
+    parts = [f"pipeline {pc.schedule}", f"{pipe} stages"]
+    parts.append(f"{pc.num_microbatches(pipe)} microbatches")
+    if pc.schedule in CHUNKED:
+        parts.append(f"v={pc.repeats} chunks per stage")
+    if pc.gather_once:
+        whole = _stage_weight_bytes(job.model_config(), mesh, rules)
+        parts.append(
+            f"gather once per step (+{fmt_bytes(whole)} of weights per device)"
+            if whole
+            else "stage weights gathered once per step (none is split over fsdp)"
+        )
+    return " · ".join(parts)
+
+
+def _stage_weight_bytes(model, mesh, rules) -> float:
+    """Bytes per device of a stage's batch-split layer weights, gathered whole."""
+    from flax import nnx
+
+    from meshtrain.comm.expect import param_layouts, stage_gathered_bytes
+    from meshtrain.state import abstract_model
+
+    graphdef, abstract = abstract_model(lambda: model.build(rngs=nnx.Rngs(0)))
+    params = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
+    sizes = dict(mesh.shape)
+    layouts = param_layouts(params, rules, sizes)
+    return stage_gathered_bytes(layouts, sizes, rules.batch_axes(sizes))
 
 
 def describe_sync(sync: SyncConfig, mesh, rules) -> str:

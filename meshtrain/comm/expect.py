@@ -27,11 +27,21 @@ collective works on), with B·T the tokens of one step and N_b the batch ways:
   in the backward. XLA does not add the partial input gradients of sibling projections
   (q, k, v; gate, up) before reducing them, so each counts.
 - **pipeline permutes** (collective-permute over ``pipe``): one microbatch activation
-  [B/(m·N_b), T, d] per tick each way: 2(v·m + p − 1) for gpipe and circular, 4(m + p − 1)
-  for 1F1B (it passes an activation and a cotangent every slot);
+  [B/(m·N_b), T, d] in float32 per payload a stage sends, as the schedule's table says
+  (`meshtrain.pipeline.slots.sends`: every forward but the model's last chunk's, every
+  backward but its first chunk's), for the busiest stage (a device's bytes are its stage's);
 - **pipeline stage sums** (all-reduce over ``pipe``): the stage outputs and their cotangent
-  summed across stages in float32, 2·B·T/N_b·d·4 bytes; 1F1B runs the head inside its loop
-  and sums only the cotangent, B·T/N_b·d·4.
+  summed across stages in float32, 2·B·T/N_b·d·4 bytes; the hand-scheduled schedules (1f1b,
+  interleaved-1f1b, zb-h1) run the head inside their loop and sum only the cotangent,
+  B·T/N_b·d·4.
+
+In a pipeline, a stage's layer weights split over batch axes are gathered inside the loop:
+gpipe and circular run every tick of their forward loop and of its backward, v·m + p − 1
+ticks each way, a tick gathering one chunk (1/v of the stage's weights) and reducing its
+gradient; the hand-scheduled ones gather for each forward and each backward (input-gradient)
+pass of a microbatch, 2m times the stage's weights, and reduce the gradient m times. With
+``PipelineConfig.gather_once`` the stage's weights are gathered once per step and their
+gradient reduced once (`weight_passes`).
 
 - **expert dispatch** (all-to-all over ``expert``): a mixture of experts' dispatch buffers,
   there and back, forward and backward (4 per MoE layer, 6 under remat, which re-runs the
@@ -46,6 +56,7 @@ rematerialization" warning.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -57,6 +68,8 @@ from meshtrain.comm.report import Row, axes_label, fmt_bytes
 from meshtrain.layout import Rules, axes_of, resolve
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.pipeline.schedules import HAND_SCHEDULED, schedule_table
+from meshtrain.pipeline.slots import sends as stage_sends
 from meshtrain.replicas import Codec, parse_compression
 from meshtrain.run import RunSpec, deprecated
 
@@ -198,6 +211,9 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
     model_axes = {a for a, s in sizes.items() if s > 1 and a not in batch_axes}
     b = dict.fromkeys(BUCKETS, 0.0)
     why: dict[str, str] = {}
+    pipe = sizes.get(PIPE, 1)
+    pc = (pipeline or PipelineConfig()) if pipe > 1 else None
+    gathers, reductions = weight_passes(pc, pipe) if pc is not None else (2.0, 1.0)
     for p in params:
         # A batch axis that splits a parameter's experts gives each device its own experts:
         # it is a model axis for that parameter (nothing gathered, nothing reduced over it).
@@ -216,11 +232,13 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             if sharded:
                 b["gradient reduction"] += local
         elif reducing:
-            b["gradient reduction"] += local
+            # A pipeline stage's split weights reduce their gradient inside the loop.
+            staged = pc is not None and sharded and "layers" in p.names
+            b["gradient reduction"] += local * (reductions if staged else 1)
             if sharded and set(reducing) - sharded:
                 b["gradient reduction"] += local / p.split(sharded, sizes)
         if sharded:
-            b["parameter gathers"] += local * (2 if "layers" in p.names else 1)
+            b["parameter gathers"] += local * (gathers if "layers" in p.names else 1)
         elif opt_sharded:
             # ZeRO-1's gather after the update; with a codec it runs over the replica axes
             # like the codec's own gathers, and is counted with them.
@@ -232,21 +250,27 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
         if codec is not None
         else "each gradient once at its model-parallel size (+ HSDP shard)"
     )
-    why["parameter gathers"] = "batch-sharded weights: forward + backward for stacked layers"
+    why["parameter gathers"] = (
+        "batch-sharded weights: forward + backward for stacked layers"
+        if pc is None
+        else f"batch-sharded weights: a stage's {gathers:g}× per step ({_passes_why(pc)})"
+    )
     why["tensor activations"] = "forward AR per row-parallel, backward AR per column-parallel"
-    pipe = sizes.get(PIPE, 1)
-    if pipe > 1 and d_model and batch:
-        pc = pipeline or PipelineConfig()
-        m, v = pc.num_microbatches(pipe), (pc.repeats if pc.schedule == "circular" else 1)
-        sends = 4 * (m + pipe - 1) if pc.schedule == "1f1b" else 2 * (v * m + pipe - 1)
+    if pc is not None and d_model and batch:
+        m = pc.num_microbatches(pipe)
+        sends = pipeline_sends(pc, pipe)
         seq = tokens // batch
         micro = batch / (m * ways) * seq * d_model * 4
         b["pipeline permutes"] = sends * micro
         # gpipe and circular sum the last stage's outputs and the first stage's input
-        # cotangents over pipe; 1F1B runs the head inside the loop and sums only the latter.
-        sums = 1 if pc.schedule == "1f1b" else 2
+        # cotangents over pipe; the hand-scheduled ones run the head inside the loop and sum
+        # only the latter.
+        sums = 1 if pc.schedule in HAND_SCHEDULED else 2
         b["pipeline stage sums"] = sums * tokens / ways * d_model * 4
-        why["pipeline permutes"] = f"{sends} microbatch activations of {fmt_bytes(micro)}"
+        why["pipeline permutes"] = (
+            f"{sends} microbatch activations of {fmt_bytes(micro)}: the busiest stage's "
+            f"sends in the {pc.schedule} table"
+        )
         why["pipeline stage sums"] = (
             "input cotangents summed over pipe (f32)"
             if sums == 1
@@ -256,6 +280,84 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
         b["expert dispatch"] = traffic.dispatch
         why["expert dispatch"] = "the MoE dispatch's buffers, there and back, forward and backward"
     return Expectation(b, why)
+
+
+def pipeline_sends(pipeline: PipelineConfig, pipe: int) -> int:
+    """Payloads the busiest stage sends per step under `pipeline` on `pipe` stages.
+
+    Args:
+        pipeline: the pipeline settings (schedule, microbatches, chunks per stage).
+        pipe: stages.
+
+    Returns:
+        The largest count over stages of `meshtrain.pipeline.slots.sends` of the schedule's
+        table: each a microbatch activation (forward) or cotangent (backward).
+    """
+    m, v = pipeline.num_microbatches(pipe), pipeline.chunks_per_stage()
+    return _busiest_sends(pipeline.schedule, pipe, m, v)
+
+
+@functools.lru_cache(maxsize=256)
+def _busiest_sends(schedule: str, p: int, m: int, v: int) -> int:
+    """The most payloads any stage sends in the table of (schedule, p, m, v), kept."""
+    return int(stage_sends(schedule_table(schedule, p, m, v)).max())
+
+
+def weight_passes(pipeline: PipelineConfig, pipe: int) -> tuple[float, float]:
+    """How many times per step a pipeline stage gathers its weights split over batch axes,
+    and how many times it reduces their gradient, in units of the stage's whole weights.
+
+    Args:
+        pipeline: the pipeline settings.
+        pipe: stages (> 1).
+
+    Returns:
+        ``(gathers, reductions)``: (1, 1) with ``gather_once``; (2m, m) for the
+        hand-scheduled schedules (each microbatch's forward and backward gather, its
+        backward reduces); 2(v·m + p − 1)/v and (v·m + p − 1)/v for gpipe and circular
+        (every tick of the forward loop and of its backward runs one chunk, 1/v of the stage).
+    """
+    if pipeline.gather_once:
+        return 1.0, 1.0
+    m, v = pipeline.num_microbatches(pipe), pipeline.chunks_per_stage()
+    if pipeline.schedule in HAND_SCHEDULED:
+        return 2.0 * m, float(m)
+    ticks = (v * m + pipe - 1) / v
+    return 2.0 * ticks, ticks
+
+
+def _passes_why(pc: PipelineConfig) -> str:
+    """Why a stage gathers its weights as often as `weight_passes` says."""
+    if pc.gather_once:
+        return "gathered once per step, kept for every microbatch"
+    if pc.schedule in HAND_SCHEDULED:
+        return "each microbatch's forward and backward"
+    return "every tick of the forward loop and of its backward"
+
+
+def stage_gathered_bytes(
+    params: list[ParamLayout], sizes: Mapping[str, int], batch_axes: tuple[str, ...]
+) -> float:
+    """Bytes per device of a pipeline stage's layer weights that batch axes split, at their
+    size after those axes gather them: what ``gather_once`` keeps whole for the step.
+
+    Args:
+        params: the parameters' layouts.
+        sizes: mesh axis sizes.
+        batch_axes: the batch axes.
+
+    Returns:
+        Σ over the stacked layers' weights split over a batch axis (an expert axis's own
+        experts aside) of their bytes split by the model axes (pipe, tensor) alone.
+    """
+    model_axes = {a for a, s in sizes.items() if s > 1 and a not in batch_axes}
+    total = 0.0
+    for p in params:
+        owned = _expert_axes(p)
+        sharded = {a for dim in p.axes for a in dim if a in batch_axes} - owned
+        if sharded and "layers" in p.names:
+            total += p.nbytes / p.split(model_axes | owned, sizes)
+    return total
 
 
 def _dispatch_bytes(model, sizes: Mapping[str, int], tokens_local: float) -> float:

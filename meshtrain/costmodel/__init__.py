@@ -1,5 +1,6 @@
-"""The α-β cost model: device and link profiles, collective costs per algorithm, and a
-roofline step-time estimate with a stated overlap assumption."""
+"""The α-β cost model: device and link profiles, collective costs per algorithm, a roofline
+step-time estimate with a stated overlap assumption, and what a pipeline schedule costs in
+lockstep."""
 
 from meshtrain.costmodel.collectives import (
     ALGORITHMS,
@@ -10,6 +11,12 @@ from meshtrain.costmodel.collectives import (
     recursive_doubling_all_reduce,
     ring_all_reduce,
     tree_all_reduce,
+)
+from meshtrain.costmodel.pipeline import (
+    held_microbatches,
+    lockstep_bubble,
+    lockstep_time,
+    pass_costs,
 )
 from meshtrain.costmodel.profiles import PROFILES, DeviceProfile, Link, profile
 from meshtrain.costmodel.step import CommItem, StepEstimate, collective_time, placement, step_time
@@ -23,8 +30,12 @@ __all__ = [
     "StepEstimate",
     "collective_time",
     "flat_cost",
+    "held_microbatches",
     "hierarchical_all_reduce",
     "hierarchical_cost",
+    "lockstep_bubble",
+    "lockstep_time",
+    "pass_costs",
     "placement",
     "profile",
     "rabenseifner_all_reduce",

@@ -9,7 +9,14 @@ Memory per device, in bytes:
   scaled by the element size / 2; ``full`` remat keeps only each layer's input (2·D per token
   in 16-bit); ``save-dots`` keeps the matmul outputs, taken as half of no remat;
 - the logits and their gradient in float32 (B·T/N_b · V/tensor · 8);
-- a pipeline stage holds L/p layers; gpipe keeps all m microbatches, 1F1B at most p.
+- a pipeline stage holds L/p layers and keeps the activations of as many microbatches as
+  `meshtrain.costmodel.held_microbatches` reads from the schedule's table (gpipe m, 1f1b p,
+  interleaved-1f1b its in-flight chunks / v). zb-h1 also keeps, for each microbatch between
+  its input gradient (BWD) and its weight gradient (WGT), what the weight gradient reads (the
+  layers' inputs and output gradients); the table counts those microbatches as in flight,
+  and they are modelled at the same bytes per token as the others: an upper bound, simple;
+- with ``gather_once``, the stage's layer weights that batch axes split, whole (at their size
+  after pipe and tensor split them), and their gradient: 2 × `stage_gathered_bytes`.
 
 Device-memory traffic: weights read in the forward and backward and written once (3×), the
 optimizer moments read and written (2×), the activations without remat written and read
@@ -17,7 +24,13 @@ once (half again for ``save-dots``, which re-runs the elementwise ops), and the 
 Full remat re-runs the forward: 4/3 of the FLOPs.
 
 Communication comes from `meshtrain.comm.expect` (the same expectation the inspector checks
-compiled programs against) and is timed with `meshtrain.costmodel`.
+compiled programs against) and is timed with `meshtrain.costmodel`. In a pipeline a stage
+gathers its batch-split weights and reduces their gradient inside its loop, per microbatch
+(per tick for gpipe), unless ``gather_once`` does it once per step (`weight_passes`).
+
+The pipeline bubble is `meshtrain.costmodel.lockstep_bubble`: every stage runs the same
+program slot by slot, so a slot lasts its slowest stage's pass (1f1b's slots that pair a
+forward with another stage's backward cost a backward).
 
 A mixture of experts (`MoEConfig`) is modelled per dispatch (`meshtrain.plan.moe`): its
 expert weights split over ``expert`` as the rules say, its blocks' feed-forward activations
@@ -31,8 +44,22 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from meshtrain.comm.expect import ParamLayout, Traffic, expected
-from meshtrain.costmodel import CommItem, DeviceProfile, StepEstimate, step_time
+from meshtrain.comm.expect import (
+    ParamLayout,
+    Traffic,
+    expected,
+    pipeline_sends,
+    stage_gathered_bytes,
+    weight_passes,
+)
+from meshtrain.costmodel import (
+    CommItem,
+    DeviceProfile,
+    StepEstimate,
+    held_microbatches,
+    lockstep_bubble,
+    step_time,
+)
 from meshtrain.layout import rules_for
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.models.moe_config import MoEConfig
@@ -54,6 +81,7 @@ class Modelled:
     estimate: StepEstimate
     flops_per_device: float
     moe: MoEStep | None = None
+    gather_once_bytes: float = 0.0  # what gather-once costs (or would cost) per device
 
     @property
     def peak(self) -> float:
@@ -119,9 +147,16 @@ def model_candidate(
         per_token *= REMAT_ACTIVATION[cand.remat]
         traffic *= 1.5 if cand.remat == "save-dots" else 1.0  # elementwise ops re-run
     layers_here = L / p
+    pc = None
     if p > 1:
-        held = min(cand.microbatches, p) if cand.schedule == "1f1b" else cand.microbatches
-        act_tokens = tokens_local / cand.microbatches * held
+        pc = PipelineConfig(
+            schedule=cand.schedule,
+            microbatches=cand.microbatches,
+            repeats=cand.repeats,
+            gather_once=cand.gather_once,
+        )
+        m, v = cand.microbatches, pc.chunks_per_stage()
+        act_tokens = tokens_local / m * held_microbatches(cand.schedule, p, m, v)
     else:
         act_tokens = tokens_local
     activations = act_tokens * layers_here * per_token
@@ -133,12 +168,15 @@ def model_candidate(
         "activations": activations,
         "logits": logits,
     }
-    pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches) if p > 1 else None
+    # The stage's batch-split weights whole, and their gradient, kept for the step.
+    whole = 2 * stage_gathered_bytes(layouts, sizes, batch_axes) if p > 1 else 0.0
+    if cand.gather_once:
+        memory["gathered weights"] = whole
     shape = Traffic(
         sizes, batch_axes, batch * seq_len, d_model=D, act_itemsize=item, pipeline=pc, batch=batch
     )
     exp = expected(layouts, shape)
-    comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes)
+    comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes, pc)
     flops = cfg.flops_per_token(seq_len) * batch * seq_len / n
     if moe is not None:
         # flops_per_token counts the experts at their active cost; the dispatch computes more.
@@ -148,13 +186,13 @@ def model_candidate(
     if cand.remat == "full":
         flops *= 4 / 3  # the forward runs twice
     hbm = 3 * params + 2 * opt + traffic + logits  # weights read ×2, update r/w
-    bubble = (p - 1) / (cand.microbatches + p - 1) if p > 1 else 0.0
+    bubble = lockstep_bubble(cand.schedule, p, cand.microbatches, cand.repeats) if p > 1 else 0.0
     est = step_time(
         flops=flops, hbm_bytes=hbm, comm=comm, sizes=sizes, device=device, bubble=bubble
     )
     if moe is not None:
         moe = dataclasses.replace(moe, seconds=est.comm_s.get(MOE_BUCKET, 0.0))
-    return Modelled(cand, memory, est, flops, moe)
+    return Modelled(cand, memory, est, flops, moe, whole)
 
 
 def _moe_items(moe: MoEStep, cand: Candidate) -> list[CommItem]:
@@ -177,18 +215,28 @@ def _shards_weights(axis: str, layouts: list[ParamLayout]) -> bool:
     )
 
 
-def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list[CommItem]:
-    """The expectation's buckets as collectives with realistic message sizes."""
+def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes, pc) -> list[CommItem]:
+    """The expectation's buckets as collectives with realistic message sizes (one per layer
+    and pass; a pipeline stage's passes as `weight_passes` counts them)."""
     items = []
     sharded = tuple(a for a in batch_axes if _shards_weights(a, layouts))
+    gathers, reductions = weight_passes(pc, cand.pipe) if pc is not None else (2.0, 1.0)
+    layers = max(1, L // cand.pipe)
     if b["gradient reduction"]:
         kind = "reduce-scatter" if sharded else "all-reduce"
+        count = round(reductions * layers) + 1 if sharded and pc is not None else 1
         items.append(
-            CommItem("gradient reduction", kind, tuple(batch_axes), b["gradient reduction"])
+            CommItem(
+                "gradient reduction",
+                kind,
+                tuple(batch_axes),
+                b["gradient reduction"] / count,
+                count,
+            )
         )
     if b["parameter gathers"]:
         axes = sharded or tuple(batch_axes)
-        count = 2 * max(1, L // cand.pipe) + 2
+        count = max(1, round(gathers * layers)) + 2
         items.append(
             CommItem("parameter gathers", "all-gather", axes, b["parameter gathers"] / count, count)
         )
@@ -204,7 +252,7 @@ def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes) -> list
             )
         )
     if b["pipeline permutes"]:
-        sends = 4 * (cand.microbatches + cand.pipe - 1)
+        sends = pipeline_sends(pc, cand.pipe)
         items.append(
             CommItem(
                 "pipeline permutes",

@@ -158,7 +158,23 @@ def reasoning(plan: Plan, top: int) -> list[str]:
         )
         if m.moe is not None:
             lines.append("   " + m.moe.describe(m.candidate.expert))
+        if m.gather_once_bytes:
+            lines.append("   " + _gathering(m))
     return lines
+
+
+def _gathering(m) -> str:
+    """How a pipeline stage gathers its fsdp-split weights, and the memory gather-once takes."""
+    cost = _size(m.gather_once_bytes)
+    if m.candidate.gather_once:
+        return (
+            f"stage weights gathered once per step: +{cost} per device (the stage's weights "
+            "and their gradient whole)"
+        )
+    return (
+        f"stage weights gathered per microbatch (gathering once per step would add {cost} "
+        "per device)"
+    )
 
 
 def train_flags(plan: Plan, cfg, *, batch: int, seq_len: int, devices: int, simulate: bool):
@@ -192,6 +208,10 @@ def train_flags(plan: Plan, cfg, *, batch: int, seq_len: int, devices: int, simu
     flags.update({"data.batch-size": batch, "data.seq-len": seq_len})
     if c.pipe > 1:
         flags.update(schedule=c.schedule, microbatches=c.microbatches)
+        if c.repeats > 1:
+            flags["repeats"] = c.repeats
+        if c.gather_once:
+            flags["gather-once"] = True
     return flags
 
 

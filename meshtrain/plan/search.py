@@ -21,13 +21,20 @@ from flax import nnx
 
 from meshtrain.check import check_run
 from meshtrain.comm.expect import param_layouts
-from meshtrain.costmodel import DeviceProfile
+from meshtrain.costmodel import DeviceProfile, lockstep_bubble
 from meshtrain.layout import rules_for
 from meshtrain.models.base import DataSpec
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.analytic import Modelled, model_candidate
-from meshtrain.plan.space import REMATS, Candidate, candidates, divisors
+from meshtrain.plan.space import (
+    PIPELINE_SCHEDULES,
+    REMATS,
+    Candidate,
+    candidates,
+    divisors,
+)
+from meshtrain.problem import Problem
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_model
 from meshtrain.train import TrainConfig
@@ -104,6 +111,7 @@ def plan(
     max_tensor: int | None = None,
     remats: tuple[str, ...] = REMATS,
     microbatch_factors: tuple[int, ...] = (2, 4),
+    schedules: tuple[str, ...] = PIPELINE_SCHEDULES,
 ) -> Plan:
     """Searches layouts of a GPT or a mixture of experts on `devices` devices (see the module
     docstring).
@@ -125,6 +133,8 @@ def plan(
         max_pipe, max_tensor: largest pipe and tensor sizes (tensor defaults to one node).
         remats: remat policies to try.
         microbatch_factors: pipeline microbatches per stage to try.
+        schedules: pipeline schedules to try (interleaved-1f1b with v = 2 where the layers
+            allow; with fsdp > 1 each also gathering the stage's weights once per step).
 
     Returns:
         A `Plan`.
@@ -156,6 +166,8 @@ def plan(
         remats=remats,
         microbatch_factors=microbatch_factors,
         experts=tuple(divisors(cfg.n_experts)) if isinstance(cfg, MoEConfig) else (1,),
+        layers=getattr(cfg, "n_layers", None),
+        schedules=schedules,
     )
     checked_only = RunSpec(model=cfg, data=spec, train=TrainConfig(run_dir=""))  # writes nothing
     reasons: collections.Counter = collections.Counter()
@@ -166,12 +178,12 @@ def plan(
     for cand in cands:
         rules = rules_for(cand.strategy)
         sizes = cand.sizes
-        key = (cand.mesh, cand.strategy, cand.microbatches)
+        pc = _pipeline_config(cand)
+        key = (cand.mesh, cand.strategy, pc)
         if key not in checked:
-            pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches)
             run = checked_only.replace(mesh=sizes, rules=rules, pipeline=pc)
             problems = check_run(run, abstract=(graphdef, abstract))
-            checked[key] = problems
+            checked[key] = problems or _schedule_problems(cand)
         if checked[key]:
             failed += 1
             p = checked[key][0]
@@ -248,6 +260,28 @@ def plan(
     )
 
 
+def _schedule_problems(cand: Candidate) -> list[Problem]:
+    """What keeps the cost model from timing a candidate's schedule (no table for it)."""
+    if cand.pipe == 1:
+        return []
+    try:
+        lockstep_bubble(cand.schedule, cand.pipe, cand.microbatches, cand.repeats)
+    except (ValueError, NotImplementedError) as e:
+        why = str(e).removeprefix(f"schedule={cand.schedule!r}: ")
+        return [Problem("schedule", cand.schedule, why)]
+    return []
+
+
+def _pipeline_config(cand: Candidate) -> PipelineConfig:
+    """The `PipelineConfig` a candidate runs (ignored while pipe = 1)."""
+    return PipelineConfig(
+        schedule=cand.schedule,
+        microbatches=cand.microbatches,
+        repeats=cand.repeats,
+        gather_once=cand.gather_once,
+    )
+
+
 def _default_compile(cfg, spec: DataSpec, devices: int) -> Callable | None:
     """Compiles a candidate's real train step when this process has exactly `devices`
     devices; None otherwise (memory then stays analytic)."""
@@ -262,7 +296,7 @@ def _default_compile(cfg, spec: DataSpec, devices: int) -> Callable | None:
 
         mesh = make_mesh(cand.mesh)
         model = dataclasses.replace(cfg, remat=cand.remat)
-        pc = PipelineConfig(schedule=cand.schedule, microbatches=cand.microbatches)
+        pc = _pipeline_config(cand)
         rules = rules_for(cand.strategy, mesh)
         compiled, _ = compile_step(
             RunSpec(model=model, data=spec, mesh=mesh, rules=rules, pipeline=pc)

@@ -1,5 +1,5 @@
-"""The candidate layouts a planner searches: mesh factorisations, strategies, remat policies
-and pipeline microbatches."""
+"""The candidate layouts a planner searches: mesh factorisations, strategies, remat policies,
+pipeline schedules and microbatches, and whether a pipeline gathers its weights once."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ import itertools
 from meshtrain.mesh import AXES, DATA, EXPERT, FSDP, PIPE, TENSOR
 
 REMATS = ("none", "save-dots", "full")
+# The pipeline schedules searched (gpipe and circular keep every microbatch's activations).
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1")
+INTERLEAVED_REPEATS = 2  # chunks per stage tried for interleaved-1f1b
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One layout to model: axis sizes, a strategy preset, a remat policy, microbatches (and
-    the ``expert`` axis of a mixture of experts)."""
+    the ``expert`` axis of a mixture of experts); a pipeline's schedule, its chunks per stage
+    (``repeats``, v) and whether it gathers its fsdp-split weights once per step."""
 
     pipe: int
     data: int
@@ -25,6 +29,8 @@ class Candidate:
     microbatches: int = 0  # 0: no pipeline
     schedule: str = "1f1b"
     expert: int = 1
+    repeats: int = 1
+    gather_once: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -45,8 +51,12 @@ class Candidate:
         return ",".join(parts) or "data=1"
 
     def describe(self) -> str:
-        """``mesh · strategy · remat`` (and the schedule)."""
-        extra = f" · {self.schedule} m={self.microbatches}" if self.pipe > 1 else ""
+        """``mesh · strategy · remat`` (and the schedule, its v and gather-once when set)."""
+        extra = ""
+        if self.pipe > 1:
+            extra = f" · {self.schedule} m={self.microbatches}"
+            extra += f" v={self.repeats}" if self.repeats > 1 else ""
+            extra += " · gather once" if self.gather_once else ""
         return f"{self.mesh} · {self.strategy} · remat {self.remat}{extra}"
 
 
@@ -63,12 +73,17 @@ def candidates(
     remats: tuple[str, ...] = REMATS,
     microbatch_factors: tuple[int, ...] = (2, 4),
     experts: tuple[int, ...] = (1,),
+    layers: int | None = None,
+    schedules: tuple[str, ...] = PIPELINE_SCHEDULES,
 ) -> list[Candidate]:
     """Every layout of n devices over pipe × data × fsdp × expert × tensor.
 
     Strategies are not repeated where they coincide: dp and zero1 keep fsdp = 1, fsdp keeps
     data = 1 (it shards over both batch axes anyway), hsdp needs both; "+tp" is added
-    whenever tensor > 1. A pipeline runs 1F1B with `microbatch_factors` × pipe microbatches.
+    whenever tensor > 1. A pipeline runs each of `schedules` with `microbatch_factors` × pipe
+    microbatches: 1f1b and zb-h1 with one chunk per stage, interleaved-1f1b with v = 2 where
+    the layers divide into pipe × 2 chunks (and the microbatches are a multiple of pipe); with
+    fsdp > 1 each both gathering the weights per microbatch and once per step.
 
     Args:
         n: devices.
@@ -77,11 +92,14 @@ def candidates(
         microbatch_factors: microbatches per stage to try when pipe > 1.
         experts: ``expert`` axis sizes to try (a mixture of experts: divisors of its
             experts); the expert axis splits the batch rows beside data and fsdp.
+        layers: the model's stacked layers (None: interleaved-1f1b is not tried).
+        schedules: the pipeline schedules to try when pipe > 1.
 
     Returns:
         The candidates.
     """
     micro_f = microbatch_factors
+    pipelines = (tuple(schedules), layers)
     out: list[Candidate] = []
     for pipe in divisors(n):
         if max_pipe and pipe > max_pipe:
@@ -92,11 +110,29 @@ def candidates(
             for expert in experts:
                 if (n // (pipe * tensor)) % expert:
                     continue
-                out += _splits(pipe, tensor, expert, n // (pipe * tensor * expert), remats, micro_f)
+                rest = n // (pipe * tensor * expert)
+                out += _splits(pipe, tensor, expert, rest, remats, micro_f, pipelines)
     return out
 
 
-def _splits(pipe, tensor, expert, rest, remats, micro_f) -> list[Candidate]:
+def _pipelines(pipe: int, fsdp: int, m: int, schedules, layers) -> list[dict]:
+    """The pipeline settings to try for one layout: schedule, repeats and gather-once."""
+    if pipe == 1:
+        return [{}]
+    out = []
+    for schedule in schedules:
+        if schedule == "interleaved-1f1b":
+            v = INTERLEAVED_REPEATS
+            if layers is None or layers % (pipe * v) or m % pipe:
+                continue
+        else:
+            v = 1
+        for once in (False, True) if fsdp > 1 else (False,):
+            out.append({"schedule": schedule, "repeats": v, "gather_once": once})
+    return out
+
+
+def _splits(pipe, tensor, expert, rest, remats, micro_f, pipelines) -> list[Candidate]:
     """The candidates that split `rest` devices over data and fsdp."""
     splits = [("dp", rest, 1), ("zero1", rest, 1), ("fsdp", 1, rest)]
     splits += [("hsdp", d, rest // d) for d in divisors(rest) if 1 < d < rest]
@@ -105,6 +141,7 @@ def _splits(pipe, tensor, expert, rest, remats, micro_f) -> list[Candidate]:
     tp = "+tp" if tensor > 1 else ""
     micro = [f * pipe for f in micro_f] if pipe > 1 else [0]
     return [
-        Candidate(pipe, data, fsdp, tensor, strategy + tp, remat, m, expert=expert)
+        Candidate(pipe, data, fsdp, tensor, strategy + tp, remat, m, expert=expert, **pl)
         for (strategy, data, fsdp), remat, m in itertools.product(splits, remats, micro)
+        for pl in _pipelines(pipe, fsdp, m, *pipelines)
     ]

@@ -27,9 +27,10 @@ collective works on), with B·T the tokens of one step and N_b the batch ways:
   in the backward. XLA does not add the partial input gradients of sibling projections
   (q, k, v; gate, up) before reducing them, so each counts.
 - **pipeline permutes** (collective-permute over ``pipe``): one microbatch activation
-  [B/(m·N_b), T, d] in float32 per payload a stage sends, as the schedule's table says
-  (`meshtrain.pipeline.slots.sends`: every forward but the model's last chunk's, every
-  backward but its first chunk's), for the busiest stage (a device's bytes are its stage's);
+  [B/(m·N_b), T, d] in float32 per slot and direction in which the schedule's table sends
+  something (a stage sends after every forward but the model's last chunk's, and after every
+  backward but its first chunk's; `meshtrain.pipeline.slots.permute_uses`), the permutes the
+  compiled program runs (the inspector counts each in the slots whose branch holds it);
 - **pipeline stage sums** (all-reduce over ``pipe``): the stage outputs and their cotangent
   summed across stages in float32, 2·B·T/N_b·d·4 bytes; the hand-scheduled schedules (1f1b,
   interleaved-1f1b, zb-h1) run the head inside their loop and sum only the cotangent,
@@ -68,8 +69,8 @@ from meshtrain.comm.report import Row, axes_label, fmt_bytes
 from meshtrain.layout import Rules, axes_of, resolve
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig
-from meshtrain.pipeline.schedules import HAND_SCHEDULED, schedule_table
-from meshtrain.pipeline.slots import sends as stage_sends
+from meshtrain.pipeline.schedules import HAND_SCHEDULED
+from meshtrain.pipeline.slots import permute_uses
 from meshtrain.replicas import Codec, parse_compression
 from meshtrain.run import RunSpec, deprecated
 
@@ -258,7 +259,7 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
     why["tensor activations"] = "forward AR per row-parallel, backward AR per column-parallel"
     if pc is not None and d_model and batch:
         m = pc.num_microbatches(pipe)
-        sends = pipeline_sends(pc, pipe)
+        sends = pipeline_permutes(pc, pipe)
         seq = tokens // batch
         micro = batch / (m * ways) * seq * d_model * 4
         b["pipeline permutes"] = sends * micro
@@ -268,8 +269,8 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
         sums = 1 if pc.schedule in HAND_SCHEDULED else 2
         b["pipeline stage sums"] = sums * tokens / ways * d_model * 4
         why["pipeline permutes"] = (
-            f"{sends} microbatch activations of {fmt_bytes(micro)}: the busiest stage's "
-            f"sends in the {pc.schedule} table"
+            f"{sends} microbatch activations of {fmt_bytes(micro)}: the {pc.schedule} "
+            "table's slots that send one, each way"
         )
         why["pipeline stage sums"] = (
             "input cotangents summed over pipe (f32)"
@@ -282,25 +283,28 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
     return Expectation(b, why)
 
 
-def pipeline_sends(pipeline: PipelineConfig, pipe: int) -> int:
-    """Payloads the busiest stage sends per step under `pipeline` on `pipe` stages.
+def pipeline_permutes(pipeline: PipelineConfig, pipe: int) -> int:
+    """Collective-permutes a pipeline runs per step under `pipeline` on `pipe` stages.
 
     Args:
         pipeline: the pipeline settings (schedule, microbatches, chunks per stage).
         pipe: stages.
 
     Returns:
-        The largest count over stages of `meshtrain.pipeline.slots.sends` of the schedule's
-        table: each a microbatch activation (forward) or cotangent (backward).
+        One per slot (tick) and direction in which some stage sends a microbatch activation
+        (forward) or cotangent (backward), as the schedule's table says
+        (`meshtrain.pipeline.slots.permute_uses`); every device waits for each of them, and
+        none sends more than one payload in it.
     """
     m, v = pipeline.num_microbatches(pipe), pipeline.chunks_per_stage()
-    return _busiest_sends(pipeline.schedule, pipe, m, v)
+    return _permutes(pipeline.schedule, pipe, m, v)
 
 
 @functools.lru_cache(maxsize=256)
-def _busiest_sends(schedule: str, p: int, m: int, v: int) -> int:
-    """The most payloads any stage sends in the table of (schedule, p, m, v), kept."""
-    return int(stage_sends(schedule_table(schedule, p, m, v)).max())
+def _permutes(schedule: str, p: int, m: int, v: int) -> int:
+    """`pipeline_permutes` of (schedule, p, m, v), kept."""
+    config = PipelineConfig(schedule=schedule, microbatches=m, repeats=v)
+    return sum(permute_uses(config, p)[0].values())
 
 
 def weight_passes(pipeline: PipelineConfig, pipe: int) -> tuple[float, float]:

@@ -48,7 +48,7 @@ from meshtrain.comm.expect import (
     ParamLayout,
     Traffic,
     expected,
-    pipeline_sends,
+    pipeline_permutes,
     stage_gathered_bytes,
     weight_passes,
 )
@@ -252,7 +252,7 @@ def _comm_items(b: dict, cand: Candidate, batch_axes, L, layouts, sizes, pc) -> 
             )
         )
     if b["pipeline permutes"]:
-        sends = pipeline_sends(pc, cand.pipe)
+        sends = pipeline_permutes(pc, cand.pipe)
         items.append(
             CommItem(
                 "pipeline permutes",

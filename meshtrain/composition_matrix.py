@@ -105,21 +105,8 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
 # refusal row names them.
 KNOWN_GAPS: dict[Cell, str] = {}
 
-# A hand-scheduled pipeline inside the replicas' region of gradient compression gives an MoE's
-# router about half the one-device update.
-_HAND_SCHEDULED_MOE_CODEC = (
-    "--grad-compression bf16 on pipe=2,data=2,fsdp=2 (hsdp; also zero1+tp and dp+tp on "
-    "pipe=2,data=2,tensor=2), 2 microbatches, 2 steps: the MoE's router update is about half "
-    "the one-device one (e.g. -1.3e-05 against -3.2e-05), far beyond the codec's rounding; "
-    "gpipe with the same settings, and either schedule without compression, match one device"
-)
-
 # Combinations of more than two features found not to work, though each of their pairs does.
-KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {
-    (schedule, moe, "compression"): _HAND_SCHEDULED_MOE_CODEC
-    for schedule in ("1f1b", "zb-h1")
-    for moe in ("moe-capacity", "moe-dropless")
-}
+KNOWN_GAPS_BEYOND_PAIRS: dict[tuple[str, ...], str] = {}
 
 
 def cell(a: str, b: str) -> Cell:

@@ -132,18 +132,20 @@ class _Cut:
         return jax.tree.map(keep, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _rows(mesh: Mesh) -> tuple[str, ...]:
+def _rows(mesh: Mesh, outer: bool = False) -> tuple[str, ...]:
     """The axes the loop's rows are split over by hand: the replica axes of the active layout,
-    and ``expert`` where it splits the batch (none outside `activation_rules`)."""
+    and ``expert`` where it splits the batch (none outside `activation_rules`). With `outer`,
+    those an enclosing region is already manual over instead (the replicas' own step, where
+    each replica runs alone)."""
     layout = active()
     if layout is None:
         return ()
     sizes = mesh_sizes(mesh)
     replicas = layout.rules.replica_axes(sizes)
     extra = (EXPERT,) if EXPERT in layout.rules.batch_axes(sizes) else ()
-    outer = manual_axes()  # inside the replicas' own step: each replica runs alone
+    manual = manual_axes()
     rows = tuple(replicas) + tuple(a for a in extra if a not in replicas)
-    return tuple(a for a in rows if a not in outer)
+    return tuple(a for a in rows if (a in manual) == outer)
 
 
 def _gathered(mesh: Mesh, config: PipelineConfig, rows: tuple[str, ...]) -> tuple[str, ...]:
@@ -336,6 +338,7 @@ def pipeline_loss_and_grads(
     else:
         count = jnp.ones((), jnp.float32)
     rows_axes = _rows(mesh)
+    outer_rows = _rows(mesh, outer=True)  # read here, outside the region this opens
     gathered = _gathered(mesh, config, rows_axes)
     rows_axes += gathered
     n = math.prod(mesh_sizes(mesh)[a] for a in rows_axes)  # each shard's loss is 1/n of it
@@ -374,6 +377,7 @@ def pipeline_loss_and_grads(
             table,
             aux_fn=aux_fn if cut.stats is not None else None,
             replicas=rows_axes,
+            outer_rows=outer_rows,
             poison=poison,
         )
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_chunks)

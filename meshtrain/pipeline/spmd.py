@@ -332,6 +332,7 @@ def scheduled(
     *,
     aux_fn: Callable[[dict], jax.Array] | None = None,
     replicas: tuple[str, ...] = (),
+    outer_rows: tuple[str, ...] = (),
     poison: bool = False,
 ):
     """The hand-scheduled forward and backward (1f1b, interleaved-1f1b, zb-h1), run inside
@@ -360,6 +361,8 @@ def scheduled(
         replicas: the manual axes the rows are split over; `head_fn`'s loss must already be
             weighted by this replica's share, and the loss and head gradients are summed over
             them at the end.
+        outer_rows: the row axes an enclosing region (the replicas' own step) is manual over,
+            whose replicas' gradients are averaged after this returns.
         poison: start buffers and idle outputs as NaN (testing).
 
     Returns:
@@ -405,6 +408,15 @@ def scheduled(
     d_stats = {} if aux_fn is None else jax.grad(aux_fn)(stats_zero)
     d_stats = jax.tree.map(
         lambda d, a: d / _size(varying_axes(a) & set(replicas)), d_stats, stats_zero
+    )
+    # Inside the replicas' own region each replica's gradient is averaged with the others',
+    # while a statistic the router reduced over them is the whole batch's: each replica's
+    # share of its gradient is the whole of it (jax's transpose of that reduction says the
+    # same for the loops it differentiates).
+    d_stats = jax.tree.map(
+        lambda d, a: d * _size(tuple(x for x in outer_rows if x not in varying_axes(a))),
+        d_stats,
+        stats_zero,
     )
 
     def ring(shape, depth, axes):

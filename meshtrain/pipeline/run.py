@@ -376,8 +376,7 @@ def pipeline_loss_and_grads(
             spmd.Microbatches(x_MbTD, side_Mb, labels_Mb),
             table,
             aux_fn=aux_fn if cut.stats is not None else None,
-            replicas=rows_axes,
-            outer_rows=outer_rows,
+            rows=spmd.Rows(rows_axes, outer_rows),
             poison=poison,
         )
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_chunks)

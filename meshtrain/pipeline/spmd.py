@@ -73,6 +73,19 @@ class Microbatches(NamedTuple):
     labels: dict
 
 
+class Rows(NamedTuple):
+    """The manual axes the rows of a microbatch are split over.
+
+    Attributes:
+        inner: by the pipeline's own region (its replicas; summed over at its end).
+        outer: by an enclosing region (the replicas' own step), whose replicas' gradients
+            are averaged after the pipeline returns.
+    """
+
+    inner: tuple[str, ...] = ()
+    outer: tuple[str, ...] = ()
+
+
 def _fill(x: jax.Array, poison: bool) -> jax.Array:
     """Zeros (or NaN, when poisoning) shaped like `x`."""
     return (
@@ -331,8 +344,7 @@ def scheduled(
     table: ScheduleTable,
     *,
     aux_fn: Callable[[dict], jax.Array] | None = None,
-    replicas: tuple[str, ...] = (),
-    outer_rows: tuple[str, ...] = (),
+    rows: Rows | None = None,
     poison: bool = False,
 ):
     """The hand-scheduled forward and backward (1f1b, interleaved-1f1b, zb-h1), run inside
@@ -358,11 +370,9 @@ def scheduled(
         aux_fn: the loss term of one microbatch's stage statistics (linear in them): each
             stage's backward takes its gradient as the statistics' cotangent. None: they add
             nothing to the loss.
-        replicas: the manual axes the rows are split over; `head_fn`'s loss must already be
-            weighted by this replica's share, and the loss and head gradients are summed over
-            them at the end.
-        outer_rows: the row axes an enclosing region (the replicas' own step) is manual over,
-            whose replicas' gradients are averaged after this returns.
+        rows: the manual axes the rows are split over (see `Rows`; none when None);
+            `head_fn`'s loss must already be weighted by this replica's share, and the loss
+            and head gradients are summed over ``rows.inner`` at the end.
         poison: start buffers and idle outputs as NaN (testing).
 
     Returns:
@@ -373,6 +383,7 @@ def scheduled(
         replica's rows).
     """
     x_MbTD, side_Mb, labels_Mb = micro
+    rows = rows or Rows()
     p, v = table.stages, table.repeats
     plan = slot_plan(table)
     split = table.schedule == "zb-h1"
@@ -407,14 +418,14 @@ def scheduled(
     # share is 1/n of it.
     d_stats = {} if aux_fn is None else jax.grad(aux_fn)(stats_zero)
     d_stats = jax.tree.map(
-        lambda d, a: d / _size(varying_axes(a) & set(replicas)), d_stats, stats_zero
+        lambda d, a: d / _size(varying_axes(a) & set(rows.inner)), d_stats, stats_zero
     )
     # Inside the replicas' own region each replica's gradient is averaged with the others',
     # while a statistic the router reduced over them is the whole batch's: each replica's
     # share of its gradient is the whole of it (jax's transpose of that reduction says the
     # same for the loops it differentiates).
     d_stats = jax.tree.map(
-        lambda d, a: d * _size(tuple(x for x in outer_rows if x not in varying_axes(a))),
+        lambda d, a: d * _size(tuple(x for x in rows.outer if x not in varying_axes(a))),
         d_stats,
         stats_zero,
     )
@@ -541,16 +552,16 @@ def scheduled(
         bin_ = _put(bin_, dx_recv, jnp.maximum(writes["bin"][s], 0), writes["bin"][s] >= 0)
         return (fin, bin_, res, hand, loss, totals, g_chunks, g_head, g_x), None
 
-    rows = (
+    slots = (
         tuple(jnp.asarray(a) for a in (table.phase, table.micro, table.chunk, plan.pattern)),
         {k: jnp.asarray(a) for k, a in plan.read.items()},
         {k: jnp.asarray(a) for k, a in plan.write.items()},
     )
-    carry, _ = lax.scan(slot, carry, rows)
+    carry, _ = lax.scan(slot, carry, slots)
     _, _, _, _, loss, totals, g_chunks, g_head, g_x = carry
-    loss = lax.psum(jnp.where(s == p - 1, loss, 0.0), (AXIS, *replicas))
+    loss = lax.psum(jnp.where(s == p - 1, loss, 0.0), (AXIS, *rows.inner))
     g_head = jax.tree.map(
-        lambda g: lax.psum(jnp.where(s == p - 1, g, 0), (AXIS, *replicas)), g_head
+        lambda g: lax.psum(jnp.where(s == p - 1, g, 0), (AXIS, *rows.inner)), g_head
     )
     g_x = _from_stage(g_x, 0)
-    return loss, _stage_totals(totals, replicas), g_chunks, g_head, g_x
+    return loss, _stage_totals(totals, rows.inner), g_chunks, g_head, g_x

@@ -311,11 +311,6 @@ def _one(c_l):
     return jax.tree.map(lambda a: a[None], c_l)
 
 
-def _put_at(buf, value, index, when):
-    """`_put` of a tree of ring buffers."""
-    return jax.tree.map(lambda b, x: _put(b, x, index, when), buf, value)
-
-
 def _send(patterns, pattern, y, dx):
     """The slot's permutes: only the pairs the table moves something between (the others
     receive zeros). `pattern` is the same on every stage, so every stage takes the same

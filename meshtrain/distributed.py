@@ -8,7 +8,7 @@ a mesh built by `meshtrain.make_mesh` spans them all. Where the settings come fr
 2. the environment, as `meshtrain launch` sets it (and as a Kubernetes pod spec can):
    ``MESHTRAIN_COORDINATOR`` (host:port), ``MESHTRAIN_NUM_PROCESSES``,
    ``MESHTRAIN_PROCESS_ID``, ``MESHTRAIN_HEARTBEAT_TIMEOUT``, ``MESHTRAIN_INIT_TIMEOUT``,
-   ``MESHTRAIN_SHUTDOWN_TIMEOUT``;
+   ``MESHTRAIN_SHUTDOWN_TIMEOUT``, ``MESHTRAIN_COLLECTIVE_TIMEOUT``;
 3. JAX's cluster auto-detection (SLURM, Open MPI, Kubernetes JobSets, TPU pods).
 
 Failure behaviour: the coordinator tracks a heartbeat from every process. When one process
@@ -31,6 +31,11 @@ from meshtrain import validate
 from meshtrain._compat import jax_distributed_client
 from meshtrain.problem import Problem
 
+# XLA's settings of how long a collective may wait for its peers, by backend.
+COLLECTIVE_TIMEOUT_FLAGS = (
+    "xla_cpu_collective_timeout_seconds",  # gloo's send/receive timeout
+    "xla_gpu_nccl_termination_timeout_seconds",  # NCCL: ends a collective stuck this long
+)
 # Fields that the environment may set, and their variables.
 ENV_VARS = {
     "coordinator": "MESHTRAIN_COORDINATOR",
@@ -39,6 +44,7 @@ ENV_VARS = {
     "heartbeat_timeout_s": "MESHTRAIN_HEARTBEAT_TIMEOUT",
     "init_timeout_s": "MESHTRAIN_INIT_TIMEOUT",
     "shutdown_timeout_s": "MESHTRAIN_SHUTDOWN_TIMEOUT",
+    "collective_timeout_s": "MESHTRAIN_COLLECTIVE_TIMEOUT",
 }
 MODES = ("auto", "on", "off")
 # Task counts of a launched step (srun, mpirun): "auto" joins a job when one is > 1. (Not
@@ -66,6 +72,11 @@ class DistributedConfig:
             process stops (non-zero exit).
         init_timeout_s: how long processes wait for all the others to join.
         shutdown_timeout_s: how long a finished process waits for the others at exit.
+        collective_timeout_s: a collective that waits this long for a peer fails (the
+            process then exits non-zero, and ``meshtrain launch --max-restarts`` restarts
+            the job); sets XLA's ``xla_cpu_collective_timeout_seconds`` (gloo, CPU) and
+            ``xla_gpu_nccl_termination_timeout_seconds`` (NCCL, GPU) unless ``XLA_FLAGS``
+            already sets them; 0 leaves the backends' own.
     """
 
     mode: str = "auto"
@@ -75,6 +86,7 @@ class DistributedConfig:
     heartbeat_timeout_s: int = 30
     init_timeout_s: int = 120
     shutdown_timeout_s: int = 60
+    collective_timeout_s: int = 600
 
     def __post_init__(self):
         validate.reject(self)
@@ -109,7 +121,12 @@ class DistributedConfig:
             problems += v.positive(
                 f"dist.{name}", getattr(self, name), example=60, note="whole seconds"
             )
-        return problems
+        return problems + v.non_negative(
+            "dist.collective_timeout_s",
+            self.collective_timeout_s,
+            example=600,
+            note="whole seconds; 0 = the backend's own",
+        )
 
     @classmethod
     def from_env(cls, base: DistributedConfig | None = None) -> DistributedConfig:
@@ -159,6 +176,15 @@ class ProcessInfo:
             f"process {self.process_id} of {self.num_processes} · {self.local_devices} local "
             f"{self.platform} devices · {self.global_devices} global devices"
         )
+
+
+def with_collective_timeout(xla_flags: str, seconds: int) -> str:
+    """`xla_flags` with each `COLLECTIVE_TIMEOUT_FLAGS` set to `seconds`, unless already set."""
+    flags = xla_flags.split()
+    for name in COLLECTIVE_TIMEOUT_FLAGS:
+        if not any(f.lstrip("-").startswith(name + "=") for f in flags):
+            flags.append(f"--{name}={seconds}")
+    return " ".join(flags)
 
 
 def _split_address(address: str, what: str) -> tuple[str, int]:
@@ -264,6 +290,10 @@ def initialize(config: DistributedConfig | None = None, *, verbose: bool = True)
                     f"dist coordinator={cfg.coordinator}: port {port} is already in use on "
                     "this machine; choose a free port (meshtrain launch picks one itself)"
                 )
+        if cfg.collective_timeout_s:
+            os.environ["XLA_FLAGS"] = with_collective_timeout(
+                os.environ.get("XLA_FLAGS", ""), cfg.collective_timeout_s
+            )
         # CPU devices exchange collectives over TCP with gloo; GPUs and TPUs ignore this.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kwargs = _supported_kwargs(

@@ -86,6 +86,8 @@ OVERRIDES = {
     "--tensorboard": ([], True),
     "--progress": ([], False),  # given as --no-progress
     "--max-bad-steps": (["2"], 2),
+    "--hang-factor": (["8"], 8.0),
+    "--hang-floor-s": (["60"], 60.0),
     "--checkpoint-dir": (["/tmp/ckpts"], "/tmp/ckpts"),
     "--save-every": (["25"], 25),
     "--keep-last": (["5"], 5),
@@ -147,6 +149,7 @@ OVERRIDES = {
     "--dist.heartbeat-timeout-s": (["9"], 9),
     "--dist.init-timeout-s": (["30"], 30),
     "--dist.shutdown-timeout-s": (["20"], 20),
+    "--dist.collective-timeout-s": (["90"], 90),
     "--mlp.dtype": (["bfloat16"], "bfloat16"),
     "--loss": (["mse"], "mse"),
     "--data.image-shape": (["16", "16", "1"], (16, 16, 1)),

@@ -30,6 +30,9 @@ class TrainConfig:
             see kernels/README.md. With ``loss=mse``: the MSE kernels' switch.
         loss: ``cross_entropy`` or ``mse`` (squared error to the one-hot targets, for
             classifiers; the surveys' proof of concept).
+        hang_factor: the hang watchdog declares a hang after this many median step times
+            without a completed step (`meshtrain.train.watchdog`).
+        hang_floor_s: ... and never before this many seconds; 0 turns the watchdog off.
     """
 
     steps: int = 300
@@ -44,6 +47,8 @@ class TrainConfig:
     max_bad_steps: int = 5
     loss_impl: str = "xla"
     loss: str = "cross_entropy"
+    hang_factor: float = 20.0
+    hang_floor_s: float = 300.0
 
     def __post_init__(self):
         validate.reject(self)
@@ -56,4 +61,8 @@ class TrainConfig:
             problems += v.positive(name, getattr(self, name), example=getattr(TrainConfig, name))
         problems += v.non_negative("eval_every", self.eval_every, note="0 = only at the end")
         problems += v.one_of("loss_impl", self.loss_impl, LOSS_IMPLS, example="pallas")
+        problems += v.at_least("hang_factor", self.hang_factor, 1, integer=False, example=20)
+        problems += v.non_negative(
+            "hang_floor_s", self.hang_floor_s, integer=False, example=300, note="0 = no watchdog"
+        )
         return problems + v.one_of("loss", self.loss, LOSSES, example="mse")

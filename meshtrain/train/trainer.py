@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -24,10 +25,13 @@ from meshtrain.problem import raise_if
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import abstract_model, abstract_target, init_train_state
+from meshtrain.train import events
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
 from meshtrain.train.optim import make_optimizer, make_schedule
 from meshtrain.train.step import jit_eval_step, jit_train_step
+from meshtrain.train.stopping import AgreedStop
+from meshtrain.train.watchdog import Watchdog
 
 
 def perplexity(loss: float) -> float:
@@ -147,6 +151,8 @@ class Trainer:
         )
         self._eval_data = None
         self.history: list[dict] = []
+        self._watchdog = Watchdog(1.0, 0.0)  # fit() replaces it with the configured one
+        self._reported_first = False
         if run.checkpoint is not None and run.checkpoint.resume:
             self.resume()
 
@@ -194,8 +200,10 @@ class Trainer:
 
         Metrics of step i are read after step i+1 is dispatched, so the host never waits for
         the device except to stay one step behind. With checkpoints, the state is saved every
-        ``save_every`` steps and at the end. A SIGTERM/SIGINT stops after the current step with
-        a synchronous save (`stop_reason` names the signal); a second one exits at once.
+        ``save_every`` steps and at the end. A SIGTERM/SIGINT to any process stops every
+        process after one agreed step, which each saves synchronously (`stop_reason` names
+        the signal; `meshtrain.train.stopping`); a second one exits at once. A step that does
+        not complete within the watchdog's bound ends the process (`meshtrain.train.watchdog`).
 
         Args:
             until: stop after this step (default: ``config.steps``).
@@ -215,19 +223,29 @@ class Trainer:
         last_ready = None
         self._bad_streak, self._last_good = 0, start
         self.stop_reason = None
+        self._reported_first = False
+        if main:
+            where = str(Path(cfg.run_dir).absolute()) if cfg.run_dir else ""
+            saves = str(self.checkpoints.directory) if self.checkpoints else ""
+            events.report("start", step=start, run_dir=where, checkpoints=saves)
         with (
             mx.MetricsWriter(run_dir, tensorboard=cfg.tensorboard, append=start > 0) as writer,
             mx.Progress(cfg.steps, enabled=cfg.progress and main) as bar,
             StopSignals() as signals,
+            Watchdog(
+                cfg.hang_factor, cfg.hang_floor_s, run_dir=cfg.run_dir, rank=jax.process_index()
+            ) as self._watchdog,
         ):
+            stop = AgreedStop(signals)
             for step in range(start, end):
                 batch = shard_batch(next(self._iter), self.mesh, self.rules)
                 self.state, metrics = self._step(self.state, batch)
                 if pending is not None:
                     last_ready = self._record(*pending, last_ready, peak, writer, bar)
                 pending = (step + 1, metrics)
-                if signals.received:
-                    self.stop_reason = signals.received
+                stop_at = stop.poll(step + 1)
+                if stop_at is not None and step + 1 >= stop_at:
+                    self.stop_reason = stop.reason
                     break
                 if self.checkpoints and save_due(self.checkpoints.config.save_every, step + 1, end):
                     # Skipped (non-finite) steps are not saved, so that the keep policy never
@@ -238,6 +256,9 @@ class Trainer:
                 self._record(*pending, last_ready, peak, writer, bar, force=True)
             if self.checkpoints:
                 self.save(wait=True)
+            if self.stop_reason:
+                saved = int(jax.device_get(self.state.step))
+                events.report("stop", rank=jax.process_index(), step=saved)
         return self.history
 
     def save(self, *, wait: bool = False) -> Path | None:
@@ -304,8 +325,15 @@ class Trainer:
             if self.flops_per_token:
                 values.update(tflops_per_device=rate.tflops_per_device, mfu=rate.mfu)
         eval_now = step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
+        dog = self._watchdog
+        dog.step_done(step)
+        if not self._reported_first and jax.process_index() == 0:
+            events.report("first_step", step=step)
+        self._reported_first = True
         if eval_now and self.data.num_val:
-            values["eval_loss"] = self.evaluate()
+            with dog.suspended() if self._eval_data is None else contextlib.nullcontext():
+                values["eval_loss"] = self.evaluate()  # the first one compiles: not timed
+            dog.step_done(step, timed=False)
             held_out = {"loss": values["eval_loss"]}
             if self.data.kind == "lm":  # exp of the mean cross-entropy per token, in nats
                 values["eval_perplexity"] = held_out["perplexity"] = perplexity(held_out["loss"])

@@ -2,6 +2,7 @@
 
 meshtrain launch --nproc 2 --devices-per-proc 4 -- train --mesh data=2,fsdp=2,tensor=2
 meshtrain launch --nproc 2 -- python my_script.py   # calls mt.distributed.initialize()
+meshtrain launch --nproc 2 --max-restarts 3 --min-nproc 1 -- train --save-every 20
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ class LaunchSettings:
         port: coordinator port (0: a free one).
         heartbeat_timeout: seconds before a silent process is declared dead
             (MESHTRAIN_HEARTBEAT_TIMEOUT).
-        grace: seconds between SIGTERM and SIGKILL on failure.
+        grace: seconds between SIGTERM and SIGKILL on failure (without restarts).
+        max_restarts: restart the job this many times after a process fails or hangs, from
+            its newest checkpoint (a train command resumes by itself; another program
+            reads MESHTRAIN_RESTART); 0: a failure ends the job.
+        min_nproc: when a process fails this many starts in a row (its host is gone),
+            continue on fewer processes, down to this many (a train job's data, then fsdp,
+            axis shrinks and its accumulation grows, keeping the global batch); 0: never
+            fewer than --nproc.
+        restart_delay: seconds between stopping the processes and starting them again.
         command: what each process runs (the words after --).
     """
 
@@ -39,6 +48,9 @@ class LaunchSettings:
     port: int = 0
     heartbeat_timeout: int | None = None
     grace: float = 5.0
+    max_restarts: int = 0
+    min_nproc: int = 0
+    restart_delay: float = 1.0
     command: tyro.conf.Suppress[tuple[str, ...]] = ()
 
 

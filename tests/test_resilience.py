@@ -1,0 +1,367 @@
+"""Runs that heal themselves, on real processes (2 × 4 simulated CPU devices, loopback).
+
+The multi-process tests share `benchmarks/soak.py`'s job and its functions: the tiny GPT for 40
+steps, a checkpoint every 4. Each compares a healed run's losses with one uninterrupted run's,
+step by step (a re-run step's last value), bit for bit. Faults come from
+``tests/_faults/sitecustomize.py`` (a host that is gone; a hang on SIGUSR1).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import soak  # noqa: E402
+
+from meshtrain import cli  # noqa: E402
+from meshtrain.cli.launch import parse as parse_launch  # noqa: E402
+from meshtrain.distributed import with_collective_timeout  # noqa: E402
+from meshtrain.launch import plan  # noqa: E402
+from meshtrain.launch.resize import CannotResize, resized  # noqa: E402
+from meshtrain.train import events  # noqa: E402
+from meshtrain.train.hooks import StopSignals  # noqa: E402
+from meshtrain.train.stopping import AgreedStop  # noqa: E402
+from meshtrain.train.watchdog import HANG_EXIT, Watchdog  # noqa: E402
+
+FAULTS = str(ROOT / "tests" / "_faults")
+BOUND_SLACK = 4.0  # seconds past a watchdog's bound: its check interval and process exit
+
+
+def _faults_env(**extra: str) -> dict[str, str]:
+    """PYTHONPATH with the fault injector first, plus `extra`."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": f"{FAULTS}{os.pathsep}{path}" if path else FAULTS, **extra}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return tmp_path_factory.mktemp("resilience")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base):
+    """The uninterrupted 2-process run's losses."""
+    return soak.reference(base)
+
+
+# ---------------------------------------------------------------- multi-process, restarts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mid_save", [False, True], ids=["random-moment", "mid-save"])
+def test_killed_process_restarts_and_matches_the_uninterrupted_run(base, uninterrupted, mid_save):
+    """Two trials of the crash soak: one of 2 processes SIGKILLed, the launcher restarts."""
+    rng = random.Random()
+    record = soak.trial(
+        base,
+        f"killed-{'mid' if mid_save else 'any'}",
+        uninterrupted,
+        mid_save=mid_save,
+        victim=rng.randrange(2),
+        delay=rng.uniform(0.0, 1.0),
+    )
+    assert record["steps_lost"] == 0 and record["resumed"] == record["committed"]
+    assert record["seconds_to_first_step"] <= 60, record
+    print(record)
+
+
+@pytest.mark.slow
+def test_hung_process_is_ended_by_its_watchdog_and_the_job_restarts(base, uninterrupted):
+    floor = 6.0
+    run_dir = base / "hang"
+    proc = soak.launch(
+        run_dir, "--max-restarts", "1", "--restart-delay", "0",
+        job=["--hang-floor-s", str(floor)], extra_env=_faults_env(),
+    )  # fmt: skip
+    try:
+        soak.wait_for(lambda: soak.committed(run_dir), 180, "a first checkpoint", proc)
+        os.kill(soak.child(proc, 1), signal.SIGUSR1)
+        hung_at = time.time()
+    finally:
+        out = soak.finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert "[p1] fault: hanging now" in out
+    (record,) = soak.restarts(run_dir)
+    assert "hung: no step done for" in record["cause"], record
+    hung = record["cause"].split(":")[0].removeprefix("process ")  # whichever fired first
+    assert record["exit_codes"][hung] == HANG_EXIT, record
+    # The watchdog fired within its bound (the floor: steps take milliseconds here).
+    assert record["time"] - hung_at <= floor + BOUND_SLACK, (record["time"] - hung_at, out[-3000:])
+    stacks = sorted((run_dir / "hangs").glob("p1-*.txt"))
+    assert stacks, sorted((run_dir / "hangs").iterdir())
+    text = stacks[0].read_text()
+    assert "in _hang" in text and "in fit" in text, text  # hung inside the training loop
+    assert record["resumed"] == record["committed"]
+    assert soak.losses(run_dir) == uninterrupted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["process", "launcher"])
+def test_sigterm_stops_every_process_after_one_saved_step(base, uninterrupted, target):
+    """SIGTERM to process 1 alone, or to the launcher (which passes it to both, so both
+    propose a step and the first proposal wins): every process saves the same step."""
+    run_dir = base / f"sigterm-{target}"
+    proc = soak.launch(run_dir, "--max-restarts", "1")
+    try:
+        soak.wait_for(lambda: soak.committed(run_dir), 180, "a first checkpoint", proc)
+        os.kill(soak.child(proc, 1) if target == "process" else proc.pid, signal.SIGTERM)
+    finally:
+        out = soak.finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    line = [x for x in out.splitlines() if x.startswith("[launch] all 2 processes stopped")]
+    assert len(line) == 1, out[-3000:]
+    step = int(line[0].split("after step ")[1].split()[0])
+    assert step < soak.STEPS and soak.committed(run_dir)[-1] == step
+    why = "SIGTERM to another process" if target == "process" else "SIGTERM"
+    assert f"[p0] meshtrain: {why}: stopped after step {step}" in out, out[-3000:]
+    assert not soak.restarts(run_dir)  # a stop is not a failure
+    if target == "launcher":
+        return
+    resumed = soak.finish(soak.launch(run_dir, job=["--resume"]))
+    assert f"resumed from {run_dir / 'checkpoints' / str(step)}" in resumed, resumed[-3000:]
+    assert soak.losses(run_dir) == uninterrupted
+
+
+@pytest.mark.slow
+def test_a_process_that_cannot_come_back_leaves_the_job_on_one_process(base, uninterrupted):
+    run_dir, marker = base / "resize", base / "host-1-gone"
+    proc = soak.launch(
+        run_dir, "--max-restarts", "3", "--min-nproc", "1", "--restart-delay", "0",
+        extra_env=_faults_env(FAULT_GONE_RANK="1", FAULT_GONE_MARKER=str(marker)),
+    )  # fmt: skip
+    try:
+        soak.wait_for(lambda: len(soak.committed(run_dir)) >= 2, 180, "two checkpoints", proc)
+        marker.touch()
+        os.kill(soak.child(proc, 1), signal.SIGKILL)
+    finally:
+        out = soak.finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("[p1] fault: the host of process 1 is gone") == 2, out[-3000:]
+    assert (
+        "[launch] process 1 failed 2 starts in a row: its host is taken as gone; continuing on "
+        "1 process(es): mesh data=2,tensor=2, 2 accumulation steps (the same global batch)"
+    ) in out, out[-3000:]
+    records = soak.restarts(run_dir)
+    assert len(records) == 3 and records[-1]["nproc"] == 1, records
+    resumed = records[-1]["resumed"]
+    assert resumed == records[0]["committed"]  # nothing was saved while process 1 was gone
+    got = soak.losses(run_dir)
+    # A fresh 1-process resume from that checkpoint, with the resized job, logs the same.
+    fresh = base / "resize-fresh"
+    (fresh / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / str(resumed), fresh / "checkpoints" / str(resumed))
+    single = subprocess.run(
+        [sys.executable, "-m", "meshtrain.cli", "train", "--devices", "4", *soak.JOB,
+         "--mesh", "data=2,tensor=2", "--accum-steps", "2", "--run-dir", str(fresh), "--resume"],
+        cwd=ROOT, env=soak.env(), capture_output=True, text=True, timeout=soak.TIMEOUT,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
+    want = soak.losses(fresh)
+    after = range(resumed + 1, soak.STEPS + 1)
+    assert sorted(want) == list(after)
+    assert [got[s] for s in after] == [want[s] for s in after]
+    # The same global batch: the loss curve goes on as the 2-process run's would have
+    # (only the order of the sums differs).
+    np.testing.assert_allclose(
+        [got[s] for s in after], [uninterrupted[s] for s in after], rtol=1e-4
+    )
+
+
+# ---------------------------------------------------------------- the launcher, no jax
+
+
+def _launch_script(script: str, *flags: str, timeout: float = 120):
+    return subprocess.run(
+        [sys.executable, "-m", "meshtrain.cli", "launch", "--nproc", "2", *flags, "--",
+         sys.executable, "-c", script],
+        cwd=ROOT, env=soak.env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_restarts_exhausted_end_with_one_line_and_the_failure_status():
+    script = (
+        "import os, sys, time\n"
+        "r = os.environ['MESHTRAIN_PROCESS_ID']\n"
+        "print('start', os.environ['MESHTRAIN_RESTART'], flush=True)\n"
+        "if r == '1':\n    time.sleep(0.3); sys.exit(3)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    done = _launch_script(script, "--max-restarts", "1", "--restart-delay", "0")
+    assert done.returncode == 3, done.stdout
+    assert "[p1] start 0" in done.stdout and "[p1] start 1" in done.stdout
+    assert "[launch] restart 1 of 1 on 2 process(es) in 0 s, from the start" in done.stdout
+    last = done.stdout.strip().splitlines()[-1]
+    assert last == (
+        "[launch] restarts exhausted (1 of 1 used); giving up with exit code 3; no checkpoint "
+        "was committed"
+    ), done.stdout
+    assert time.monotonic() - start < 60
+
+
+def test_a_refused_job_is_not_restarted():
+    done = _launch_script("import sys; sys.exit(2)", "--max-restarts", "3")
+    assert done.returncode == 2, done.stdout
+    assert "refused the job (exit code 2): not restarting" in done.stdout
+    assert "restart 1" not in done.stdout
+
+
+def test_a_script_whose_process_keeps_failing_at_start_goes_on_with_fewer():
+    script = (
+        "import os, sys, time\n"
+        "r, n = os.environ['MESHTRAIN_PROCESS_ID'], os.environ['MESHTRAIN_NUM_PROCESSES']\n"
+        "if r == '1':\n    sys.exit(1)\n"
+        "if n == '2':\n    time.sleep(60)\n"
+        "print('alone:', n, 'process', flush=True)\n"
+    )
+    done = _launch_script(script, "--max-restarts", "3", "--min-nproc", "1", "--restart-delay", "0")
+    assert done.returncode == 0, done.stdout
+    assert "continuing on 1 process(es)\n" in done.stdout
+    assert "[p0] alone: 1 process" in done.stdout
+    no_room = _launch_script(script, "--max-restarts", "3", "--restart-delay", "0")
+    assert no_room.returncode == 1, no_room.stdout
+    assert "--min-nproc 2 allows no fewer than 2 processes: giving up" in no_room.stdout
+
+
+def test_launch_settings_are_checked_before_anything_starts():
+    for flags, message in [
+        (["--max-restarts", "-1"], "launch --max-restarts -1: must be ≥ 0"),
+        (["--min-nproc", "3"], "launch --min-nproc 3: must be between 1 and --nproc 2"),
+        (["--min-nproc", "1"], "launch --min-nproc 1 needs restarts"),
+        (["--max-restarts", "1", "--restart-delay", "-1"], "--restart-delay -1.0: must be ≥ 0"),
+    ]:
+        settings = parse_launch(["--nproc", "2", *flags, "--", "train"])
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            plan(settings)
+    done = subprocess.run(
+        [sys.executable, "-m", "meshtrain.cli", "launch", "--nproc", "2", "--min-nproc", "1",
+         "--", "train"], cwd=ROOT, env=soak.env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "needs restarts" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------- in-process units
+
+
+@pytest.mark.parametrize(
+    "mesh, nproc, to, devices, accum, want",
+    [
+        ("data=4,tensor=2", 2, 1, 4, 1, ("data=2,tensor=2", 2)),
+        ("data=2,fsdp=2,tensor=2", 2, 1, 4, 1, ("fsdp=2,tensor=2", 2)),  # data first
+        ("data=2,fsdp=4", 4, 1, 2, 2, ("fsdp=2", 8)),  # then fsdp
+        ("pipe=2,data=-1", 4, 2, 2, 1, ("pipe=2,data=2", 2)),  # a fill axis, resolved
+    ],
+)
+def test_resize_shrinks_the_batch_axes_and_keeps_the_global_batch(
+    mesh, nproc, to, devices, accum, want
+):
+    job = cli.parse(["train", "--mesh", mesh, "--accum-steps", str(accum), "--data.batch-size",
+                     "16"])  # fmt: skip
+    assert resized(job, nproc, to, devices) == want
+
+
+@pytest.mark.parametrize(
+    "mesh, nproc, to, batch, extra, message",
+    [
+        ("pipe=2,tensor=4", 2, 1, 16, [], "only the batch axes shrink"),
+        ("data=8", 3, 2, 16, [], "not a whole factor"),
+        ("data=8", 2, 1, 12, [], "global batch 12 does not split into 2 microbatches"),
+        ("data=8", 2, 1, 16, ["--sync-every", "4"], r"keeps each replica's parameters"),
+        ("data=8", 2, 1, 16, ["--grad-compression", "int8"], "error-feedback residuals"),
+        ("data=8", 2, 1, 16, ["--staleness", "1"], "the gradients still in flight"),
+    ],
+)
+def test_resize_refuses_what_it_cannot_keep(mesh, nproc, to, batch, extra, message):
+    job = cli.parse(["train", "--mesh", mesh, "--data.batch-size", str(batch), *extra])
+    with pytest.raises(CannotResize, match=message):
+        resized(job, nproc, to, 8 // nproc)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_watchdog_bound_arming_suspension_and_dump(tmp_path):
+    clock, exits = _Clock(), []
+    dog = Watchdog(10.0, 3.0, run_dir=str(tmp_path), rank=1, clock=clock, exit=exits.append)
+    clock.now += 1000  # the first step compiles: not armed before it completes
+    assert not dog.check()
+    for step in range(1, 6):
+        dog.step_done(step)
+        clock.now += 0.5  # a median step of 0.5 s: the bound is max(10 × 0.5, 3) = 5 s
+    assert dog.bound() == pytest.approx(5.0)
+    dog.step_done(6)
+    with dog.suspended():
+        clock.now += 60  # a first evaluation: not timed
+        assert not dog.check()
+    clock.now += 4.9
+    assert not dog.check() and not exits
+    clock.now += 0.2
+    assert dog.check() and exits == [HANG_EXIT]
+    text = (tmp_path / "hangs" / "p1-step6.txt").read_text()
+    assert text.startswith("process 1: no step completed for 5.1 s after step 6 (bound 5.0 s)")
+    assert "test_watchdog_bound_arming_suspension_and_dump" in text  # this thread's stack
+    assert Watchdog(20, 0).enabled is False
+
+
+def test_watchdog_answers_the_launchers_request_for_stacks(tmp_path, monkeypatch):
+    monkeypatch.setenv(events.EVENTS_VAR, str(tmp_path / "events.jsonl"))
+    dog = Watchdog(10.0, 3.0, run_dir=str(tmp_path), rank=0, exit=pytest.fail)
+    dog.step_done(7)
+    assert not dog.answer_request()
+    Path(events.dump_request()).touch()
+    assert dog.answer_request() and not dog.answer_request()  # once
+    (event,) = events.read(tmp_path / "events.jsonl")
+    assert event["event"] == "stacks" and event["rank"] == 0 and event["step"] == 7
+    assert "asked by the launcher" in Path(event["stacks"]).read_text()
+
+
+def test_events_round_trip_and_a_partial_line_waits(tmp_path, monkeypatch):
+    path = tmp_path / "events.jsonl"
+    events.report("start", step=3)  # no MESHTRAIN_EVENTS: nothing written
+    assert not path.exists()
+    monkeypatch.setenv(events.EVENTS_VAR, str(path))
+    events.report("start", step=3, run_dir="r")
+    events.report("first_step", step=4)
+    with open(path, "a") as f:
+        f.write('{"event": "hang"')  # still being written
+    got = events.read(path)
+    assert [(e["event"], e["step"]) for e in got] == [("start", 3), ("first_step", 4)]
+    assert events.read(path, skip=1)[0]["event"] == "first_step"
+    monkeypatch.setenv(events.RESTART_VAR, "2")
+    assert events.restart_count() == 2
+
+
+def test_a_single_process_stops_after_its_current_step():
+    with StopSignals() as signals:
+        stop = AgreedStop(signals)
+        assert stop.poll(5) is None
+        signals.received = "SIGTERM"
+        assert stop.poll(6) == 6 and stop.poll(7) == 6 and stop.reason == "SIGTERM"
+
+
+def test_collective_timeout_flags_are_added_unless_given():
+    assert with_collective_timeout("--a=1", 30).split() == [
+        "--a=1",
+        "--xla_cpu_collective_timeout_seconds=30",
+        "--xla_gpu_nccl_termination_timeout_seconds=30",
+    ]
+    given = "--xla_cpu_collective_timeout_seconds=5"
+    assert with_collective_timeout(given, 30).split()[0] == given
+    assert with_collective_timeout(given, 30).count("xla_cpu_collective_timeout") == 1

@@ -234,6 +234,24 @@ def test_a_script_whose_process_keeps_failing_at_start_goes_on_with_fewer():
     assert "--min-nproc 2 allows no fewer than 2 processes: giving up" in no_room.stdout
 
 
+def test_ctrl_c_to_the_launcher_stops_every_process():
+    script = "import time; print('up', flush=True); time.sleep(120)"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtrain.cli", "launch", "--nproc", "2", "--max-restarts", "2",
+         "--grace", "1", "--", sys.executable, "-c", script],
+        cwd=ROOT, env=soak.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    children = [soak.child(proc, r) for r in range(2)]
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "[launch] interrupted; stopping all processes" in out
+    for pid in children:  # none is left behind (gone, or a zombie awaiting its parent)
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def test_launch_settings_are_checked_before_anything_starts():
     for flags, message in [
         (["--max-restarts", "-1"], "launch --max-restarts -1: must be ≥ 0"),

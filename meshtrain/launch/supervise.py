@@ -59,6 +59,7 @@ class Supervisor:
         self._terms = 0
         self._lock = threading.Lock()
         self._dir = Path(tempfile.mkdtemp(prefix="meshtrain-launch-"))
+        self._gen: Generation | None = None
 
     def say(self, message: str) -> None:
         """Prints one ``[launch]`` line."""
@@ -75,6 +76,11 @@ class Supervisor:
                 status = self._generation()
                 if status is not None:
                     return status
+        except KeyboardInterrupt:
+            self.say("interrupted; stopping all processes")
+            if self._gen is not None:
+                self._gen.stop(self.settings.grace)
+            return 130
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -107,7 +113,7 @@ class Supervisor:
                 f"{self.nproc} processes × {self.devices} CPU devices · coordinator "
                 f"127.0.0.1:{port} · {' '.join(command)}"
             )
-        gen = Generation(command, envs, self._lock)
+        gen = self._gen = Generation(command, envs, self._lock)
         watch = _Watch(path)
         forwarded = 0
         while True:

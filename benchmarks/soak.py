@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from datetime import date
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,10 +224,12 @@ def main() -> None:
                 "benchmark": "soak",
                 "date": date.today().isoformat(),
                 "device": "CPU, 2 processes × 4 simulated devices, loopback",
+                "jax_version": version("jax"),
                 "command": f"python benchmarks/soak.py --trials {args.trials} --seed {args.seed}",
                 "trials": args.trials,
                 "passed": len(records),
                 "failures": failures,
+                "victims": [sum(r["victim"] == v for r in records) for v in (0, 1)],
                 "killed_mid_save": sum(r["mid_save"] for r in records),
                 "saves_interrupted": sum(r["interrupted_a_save"] for r in records),
                 "steps_lost_beyond_uncommitted": sum(r["steps_lost"] for r in records),

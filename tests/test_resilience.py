@@ -8,6 +8,7 @@ step by step (a re-run step's last value), bit for bit. Faults come from
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import shutil
@@ -20,19 +21,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import soak  # noqa: E402
+from meshtrain import cli
+from meshtrain.cli.launch import parse as parse_launch
+from meshtrain.distributed import with_collective_timeout
+from meshtrain.launch import plan
+from meshtrain.launch.resize import CannotResize, resized
+from meshtrain.train import events
+from meshtrain.train.hooks import StopSignals
+from meshtrain.train.stopping import AgreedStop
+from meshtrain.train.watchdog import HANG_EXIT, Watchdog
 
-from meshtrain import cli  # noqa: E402
-from meshtrain.cli.launch import parse as parse_launch  # noqa: E402
-from meshtrain.distributed import with_collective_timeout  # noqa: E402
-from meshtrain.launch import plan  # noqa: E402
-from meshtrain.launch.resize import CannotResize, resized  # noqa: E402
-from meshtrain.train import events  # noqa: E402
-from meshtrain.train.hooks import StopSignals  # noqa: E402
-from meshtrain.train.stopping import AgreedStop  # noqa: E402
-from meshtrain.train.watchdog import HANG_EXIT, Watchdog  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
+soak = importlib.util.module_from_spec(_SPEC)  # the soak's job and functions
+_SPEC.loader.exec_module(soak)
 
 FAULTS = str(ROOT / "tests" / "_faults")
 BOUND_SLACK = 4.0  # seconds past a watchdog's bound: its check interval and process exit

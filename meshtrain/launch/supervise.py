@@ -296,15 +296,13 @@ class Supervisor:
             self._log(self._pending)
             self._pending = None
         steps = sorted(set(watch.stopped.values()))
+        who = f"all {self.nproc} processes" if self.nproc > 1 else "the process"
         if len(steps) == 1 and len(watch.stopped) == self.nproc:
-            self.say(
-                f"all {self.nproc} processes stopped after step {steps[0]} and saved it; "
-                "--resume continues"
-            )
+            self.say(f"{who} stopped after step {steps[0]} and saved it; --resume continues")
         elif steps:
             self.say(f"processes stopped after different steps: {watch.stopped}")
         else:
-            self.say(f"all {self.nproc} processes finished")
+            self.say(f"{who} finished")
         return 0
 
     def _log(self, record: dict) -> None:

@@ -48,8 +48,9 @@ def resized(job, nproc: int, to: int, devices: int) -> tuple[str, int]:
         (mesh, accum_steps): e.g. ("data=1,fsdp=2,tensor=2", 2).
 
     Raises:
-        CannotResize: the devices lost are not a whole factor of data × fsdp, or the global
-            batch does not split into the larger number of microbatches.
+        CannotResize: the devices lost are not a whole factor of data × fsdp, the global
+            batch does not split into the larger number of microbatches, or the run keeps
+            state per replica (local SGD, error feedback, staleness).
     """
     ratio = Fraction(nproc, to)
     if ratio.denominator != 1:

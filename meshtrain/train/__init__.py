@@ -4,6 +4,8 @@
 - `loss`: `cross_entropy` and the ``loss_impl`` switch;
 - `optim`: `OptimConfig`, `make_optimizer`, `make_schedule`;
 - `config`: `TrainConfig`; `hooks`: the save schedule, the non-finite stop, signals;
+- `stopping`: one stop step for every process; `watchdog`: the hang watchdog; `events`: what a
+  launched process tells its launcher;
 - `trainer`: the `Trainer`.
 
 The step and the `Trainer` read a `meshtrain.run.RunSpec`, which holds this package's configs;

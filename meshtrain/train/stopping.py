@@ -40,11 +40,13 @@ class AgreedStop:
         self._client = jax_distributed_client() if jax.process_count() > 1 else None
         self._key = f"meshtrain/stop/{next(_FITS)}/"
         self._proposed = False
+        self._theirs = "a signal"  # the signal of the process whose proposal won
 
     @property
     def reason(self) -> str:
-        """The signal's name, or the other process's that proposed the stop."""
-        return self.signals.received or "SIGTERM to another process"
+        """This process's signal, else the one another process got: "SIGTERM" or "SIGINT to
+        another process"."""
+        return self.signals.received or f"{self._theirs} to another process"
 
     def poll(self, dispatched: int) -> int | None:
         """The agreed stop step (None while no process asked to stop).
@@ -63,14 +65,16 @@ class AgreedStop:
         if self.signals.received and not self._proposed:
             self._proposed = True
             try:  # the first proposal wins; a later one fails here and is ignored
-                self._client.key_value_set(self._key + "step", str(dispatched + LEAD))
+                proposal = f"{dispatched + LEAD} {self.signals.received}"
+                self._client.key_value_set(self._key + "step", proposal)
             except jax.errors.JaxRuntimeError as e:
                 if "ALREADY_EXISTS" not in str(e):
                     raise
         found = self._client.key_value_dir_get(self._key)
         if not found:
             return None
-        self.step = int(found[0][1])
+        step, self._theirs = found[0][1].split()
+        self.step = int(step)
         if dispatched > self.step:
             raise StopDisagreement(
                 f"process {jax.process_index()} had run {dispatched} steps when its job agreed "

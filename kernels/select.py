@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from meshtrain.kernels import _common
-from meshtrain.kernels.attention import HEAD_DIMS
+from meshtrain.kernels.attention import DTYPES, HEAD_DIMS
 
 
 def check_impls(attention_impl: str, norm_impl: str, head_dim: int) -> None:
@@ -23,9 +25,11 @@ def check_impls(attention_impl: str, norm_impl: str, head_dim: int) -> None:
         )
 
 
-def model_attention_impl(impl: str, head_dim: int) -> str:
+def model_attention_impl(impl: str, head_dim: int, dtype=None) -> str:
     """The attention impl the GPT runs: ``"auto"`` is Pallas on a GPU for a supported head
-    width and the jnp path (`layers.causal_attention`) otherwise."""
+    width and dtype (float32, bfloat16), and the jnp path (`layers.causal_attention`)
+    otherwise."""
     if impl != "auto":
         return impl
-    return "pallas" if _common.on_gpu() and head_dim in HEAD_DIMS else "xla"
+    supported = dtype is None or jnp.dtype(dtype) in DTYPES
+    return "pallas" if _common.on_gpu() and head_dim in HEAD_DIMS and supported else "xla"

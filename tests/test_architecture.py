@@ -20,7 +20,7 @@ LAYERS = [
         "meshtrain.mesh",
     ],
     ["meshtrain.layout"],
-    ["meshtrain.kernels", "meshtrain.context_parallel"],
+    ["meshtrain.kernels", "meshtrain.context_parallel", "meshtrain.precision"],
     [
         "meshtrain.models",
         "meshtrain.state",

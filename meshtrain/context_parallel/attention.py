@@ -50,9 +50,10 @@ def algorithm_problems(algorithm) -> list[Problem]:
     ]
 
 
-def block_impl(impl: str, head_dim: int) -> str:
+def block_impl(impl: str, head_dim: int, dtype=None) -> str:
     """The block impl `impl` names for heads of width `head_dim`: ``"auto"`` is the Pallas
-    kernel on a GPU for widths 64 and 128 and the jnp math otherwise; raises a ValueError for
+    kernel on a GPU for widths 64 and 128 (and a `dtype` it takes: float32, bfloat16) and the
+    jnp math otherwise; raises a ValueError for
     an impl context parallelism cannot run (``"cudnn"``: no position mask, no log-sum-exp)."""
     if impl == "cudnn":
         raise ValueError(
@@ -61,7 +62,7 @@ def block_impl(impl: str, head_dim: int) -> str:
         )
     if impl not in IMPLS:
         raise ValueError(f"context parallelism: impl={impl!r}; choose from {', '.join(IMPLS)}")
-    return model_attention_impl(impl, head_dim)
+    return model_attention_impl(impl, head_dim, dtype)
 
 
 def context_attention(
@@ -100,7 +101,7 @@ def context_attention(
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
     """
     raise_if(algorithm_problems(algorithm))
-    opts = blocks.Options(causal, window, block_impl(impl, q_BTHK.shape[-1]))
+    opts = blocks.Options(causal, window, block_impl(impl, q_BTHK.shape[-1], q_BTHK.dtype))
     axis = AXIS
     n = mesh.shape[axis]
     T, H = q_BTHK.shape[1], q_BTHK.shape[2]

@@ -19,7 +19,11 @@ from flax import nnx
 
 from meshtrain.problem import Problem
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # compute dtypes by name
+DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}  # compute dtypes by name
 
 
 class DataSpec(NamedTuple):
@@ -60,7 +64,9 @@ class ModelConfig(Protocol):
     sequences cannot be split over ``seq`` (the run check then refuses ``seq > 1``).
 
     Attributes:
-        dtype: the compute dtype name (``float32`` or ``bfloat16``), for the peak-FLOPs lookup.
+        dtype: the compute dtype name (``float32``, ``bfloat16`` or ``float16``), for the
+            peak-FLOPs lookup. A config whose dense matmuls can run in fp8 also has a bool
+            ``fp8`` field (`meshtrain.precision.Precision` sets both).
     """
 
     dtype: str

@@ -48,7 +48,8 @@ class CNNConfig:
         groups: groups of the group norm (must divide every width).
         act_impl: the ReLU: ``xla`` (`jax.nn.relu`), ``pallas`` (the hand-written kernels
             `meshtrain.kernels.relu`) or ``auto`` (Pallas on a GPU).
-        dtype: compute dtype, ``float32`` or ``bfloat16``; parameters stay float32.
+        dtype: compute dtype, ``float32``, ``bfloat16`` or ``float16``; parameters stay
+            float32 (the CNN has no fp8 layers).
     """
 
     preset: str = "lenet"

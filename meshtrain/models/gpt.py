@@ -33,7 +33,11 @@ class Attention(nnx.Module):
         D, H, G, K = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         bias = cfg.style == "gpt2"
         dense = functools.partial(
-            nnx.LinearGeneral, use_bias=bias, dtype=cfg.compute_dtype, rngs=rngs
+            nnx.LinearGeneral,
+            use_bias=bias,
+            dtype=cfg.compute_dtype,
+            dot_general=cfg.dot_general,
+            rngs=rngs,
         )
         qkv = functools.partial(dense, use_bias=bias or cfg.qkv_bias)
         self.q = qkv(
@@ -68,7 +72,7 @@ class Attention(nnx.Module):
                 cfg.rope_original_max_seq_len,
             )
         self.window = cfg.sliding_window or None
-        self.impl = kernels.model_attention_impl(cfg.attention_impl, K)
+        self.impl = kernels.model_attention_impl(cfg.attention_impl, K, cfg.compute_dtype)
 
     def __call__(
         self,
@@ -130,7 +134,13 @@ class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.ff_dim
         bias = cfg.style == "gpt2"
-        dense = functools.partial(nnx.Linear, use_bias=bias, dtype=cfg.compute_dtype, rngs=rngs)
+        dense = functools.partial(
+            nnx.Linear,
+            use_bias=bias,
+            dtype=cfg.compute_dtype,
+            dot_general=cfg.dot_general,
+            rngs=rngs,
+        )
         up = layers.init(("embed", "mlp"))
         up_bias = layers.const_init(nnx.initializers.zeros, ("mlp",))
         self.swiglu = cfg.style == "llama"

@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import jax
 from flax import nnx
 
 from meshtrain import context_parallel, kernels, validate
@@ -15,6 +16,7 @@ from meshtrain.layout import Rules, alternatives, axes_of, resolve
 from meshtrain.models import layers
 from meshtrain.models.base import DTYPES, DataSpec
 from meshtrain.models.remat import policy_problems
+from meshtrain.precision import fp8
 from meshtrain.problem import Problem
 
 if TYPE_CHECKING:
@@ -38,7 +40,11 @@ class GPTConfig:
         norm_eps: epsilon of the norms.
         tie_embeddings: reuse the token embedding as the output head.
         remat: rematerialisation policy: none, full, save-dots, save-attention-out.
-        dtype: compute dtype, ``float32`` or ``bfloat16``. Parameters stay float32.
+        dtype: compute dtype, ``float32``, ``bfloat16`` or ``float16``. Parameters stay
+            float32. A run sets it (and `fp8`) from its precision policy
+            (`meshtrain.precision.Precision`).
+        fp8: the attention and MLP projections run as fp8 matmuls
+            (`meshtrain.precision.fp8.dot_general`); the embedding and head do not.
         attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (Pallas on
             a GPU when head width is 64 or 128, else xla). See kernels/README.md.
         norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto.
@@ -77,6 +83,7 @@ class GPTConfig:
     tie_embeddings: bool = False
     remat: str = "none"
     dtype: str = "float32"
+    fp8: bool = False
     attention_impl: str = "xla"
     norm_impl: str = "xla"
     rope_scaling: str = "none"
@@ -176,6 +183,11 @@ class GPTConfig:
     def compute_dtype(self):
         """The jnp dtype matmuls run in."""
         return DTYPES[self.dtype]
+
+    @property
+    def dot_general(self):
+        """The ``dot_general`` of the dense projections: fp8's, or jax's."""
+        return fp8.dot_general if self.fp8 else jax.lax.dot_general
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (all but embeddings and norms)."""

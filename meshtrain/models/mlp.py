@@ -12,6 +12,7 @@ from meshtrain import validate
 from meshtrain.layout import constrain
 from meshtrain.models import layers
 from meshtrain.models.base import DTYPES, DataSpec
+from meshtrain.precision import fp8
 from meshtrain.problem import Problem
 
 
@@ -25,7 +26,9 @@ class MLPConfig:
         d_model: width of the residual stream.
         d_hidden: hidden width of each residual MLP block.
         n_layers: residual MLP blocks.
-        dtype: compute dtype, ``float32`` or ``bfloat16``. Parameters stay float32.
+        dtype: compute dtype, ``float32``, ``bfloat16`` or ``float16``. Parameters stay
+            float32.
+        fp8: every dense layer runs as an fp8 matmul (`meshtrain.precision.fp8`).
     """
 
     num_features: int = 64
@@ -34,6 +37,7 @@ class MLPConfig:
     d_hidden: int = 256
     n_layers: int = 2
     dtype: str = "float32"
+    fp8: bool = False
 
     def __post_init__(self):
         validate.reject(self)
@@ -118,6 +122,7 @@ class MLPClassifier(nnx.Module):
                 n_in,
                 n_out,
                 dtype=dtype,
+                dot_general=fp8.dot_general if cfg.fp8 else jax.lax.dot_general,
                 rngs=rngs,
                 kernel_init=layers.init(names, std),
                 bias_init=layers.const_init(zeros, names[1:]),

@@ -102,6 +102,7 @@ class Experts(nnx.Module):
             n_experts=cfg.n_experts,
             slots=slots or 0,
             grouped=cfg.grouped_impl,
+            fp8=cfg.fp8,
         )
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)

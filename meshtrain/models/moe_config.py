@@ -30,8 +30,9 @@ class MoEConfig:
 
     Args:
         vocab_size, max_seq_len, d_model, n_layers, n_heads, n_kv_heads, rope_theta, norm_eps,
-            tie_embeddings, remat, dtype, attention_impl, sliding_window, vocab_multiple: as
-            in `GPTConfig`.
+            tie_embeddings, remat, dtype, fp8, attention_impl, sliding_window, vocab_multiple:
+            as in `GPTConfig`; with fp8 the experts' products are fp8 too
+            (`meshtrain.precision.fp8.matmul`).
         d_ff: hidden width of the dense feed-forward blocks (0: Llama's default).
         n_experts: experts per MoE block.
         top_k: experts each token is sent to (1 or 2, or any ≤ ``n_experts``).
@@ -80,6 +81,7 @@ class MoEConfig:
     tie_embeddings: bool = False
     remat: str = "none"
     dtype: str = "float32"
+    fp8: bool = False
     attention_impl: str = "xla"
     sliding_window: int = 0
     vocab_multiple: int = 128
@@ -160,6 +162,7 @@ class MoEConfig:
             tie_embeddings=self.tie_embeddings,
             remat=self.remat,
             dtype=self.dtype,
+            fp8=self.fp8,
             attention_impl=self.attention_impl,
             sliding_window=self.sliding_window,
             vocab_multiple=self.vocab_multiple,

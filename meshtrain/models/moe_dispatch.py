@@ -43,6 +43,7 @@ from meshtrain.layout import (
     manual_axes,
     manual_in_layout,
 )
+from meshtrain.precision import fp8 as precision_fp8
 
 DISPATCH = ("capacity", "dropless")
 
@@ -69,23 +70,31 @@ class Routing(NamedTuple):
     keep_BTK: jax.Array
 
 
-def swiglu_experts(x_LCD, gate_LDF, up_LDF, down_LFD):
-    """Each expert's SwiGLU feed-forward on its own buffer of tokens."""
-    h_LCF = jax.nn.silu(jnp.einsum("lcd,ldf->lcf", x_LCD, gate_LDF))
-    h_LCF = h_LCF * jnp.einsum("lcd,ldf->lcf", x_LCD, up_LDF)
-    return jnp.einsum("lcf,lfd->lcd", h_LCF, down_LFD)
+def _einsum(a, b, spec: str):
+    return jnp.einsum(spec, a, b)
 
 
-def _grouped_swiglu(x_MD, sizes_L, weights, impl: str, tile: int):
+def swiglu_experts(x_LCD, gate_LDF, up_LDF, down_LFD, fp8: bool = False):
+    """Each expert's SwiGLU feed-forward on its own buffer of tokens (fp8 products with
+    `fp8`)."""
+    product = precision_fp8.matmul(_einsum) if fp8 else _einsum
+    h_LCF = jax.nn.silu(product(x_LCD, gate_LDF, "lcd,ldf->lcf"))
+    h_LCF = h_LCF * product(x_LCD, up_LDF, "lcd,ldf->lcf")
+    return product(h_LCF, down_LFD, "lcf,lfd->lcd")
+
+
+def _grouped_swiglu(x_MD, sizes_L, weights, impl: str, tile: int, fp8: bool = False):
     """The SwiGLU experts on rows grouped by expert (`sizes_L` rows each, in order; rows past
-    the groups give zeros), in tiles of `tile` rows."""
+    the groups give zeros), in tiles of `tile` rows (fp8 products with `fp8`)."""
     gate_LDF, up_LDF, down_LFD = weights
     matmul = functools.partial(grouped_matmul, sizes_L=sizes_L, impl=impl, tile=tile)
+    if fp8:
+        matmul = precision_fp8.matmul(matmul)
     h_MF = jax.nn.silu(matmul(x_MD, gate_LDF)) * matmul(x_MD, up_LDF)
     return matmul(h_MF, down_LFD)
 
 
-def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, shards):
+def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, shards, fp8=False):
     """Capacity dispatch on one shard's rows: buffers, exchange, experts, exchange, combine."""
     B, T, D = x_BTD.shape
     expert_BTK, weight_BTK, slot_BTK, keep_BTK = routing
@@ -99,7 +108,7 @@ def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, 
         buf_BECD = jax.lax.all_to_all(buf_BECD, axis, 1, 0, tiled=True)
     G, L = buf_BECD.shape[:2]
     buf_LGCD = buf_BECD.transpose(1, 0, 2, 3).reshape(L, G * slots, D)
-    y_LGCD = swiglu_experts(buf_LGCD, *weights).reshape(L, G, slots, D)
+    y_LGCD = swiglu_experts(buf_LGCD, *weights, fp8=fp8).reshape(L, G, slots, D)
     y_BECD = y_LGCD.transpose(1, 0, 2, 3)
     if shards > 1:  # back: [S·B, L, C, D] → [B, E, C, D]
         y_BECD = jax.lax.all_to_all(y_BECD, axis, 0, 1, tiled=True)
@@ -107,7 +116,9 @@ def capacity_local(x_BTD, routing: Routing, weights, *, n_experts, slots, axis, 
     return jnp.sum(y_BTKD * weight_BTK[..., None].astype(y_BTKD.dtype), axis=2)
 
 
-def dropless_local(x_BTD, routing: Routing, weights, *, n_experts, axis, shards, grouped):
+def dropless_local(
+    x_BTD, routing: Routing, weights, *, n_experts, axis, shards, grouped, fp8=False
+):
     """Dropless dispatch on one shard's rows: sort by expert, grouped matmuls (`grouped`:
     the `grouped_matmul` impl), unsort."""
     B, T, D = x_BTD.shape
@@ -121,7 +132,7 @@ def dropless_local(x_BTD, routing: Routing, weights, *, n_experts, axis, shards,
     # Tiles sized for the choices a shard's experts get when balanced (A rows over E / S
     # experts), not for the exchange's worst-case buffer; the planner assumes the same.
     tile = tile_rows(A, n_experts // shards)
-    experts = functools.partial(_grouped_swiglu, weights=weights, impl=grouped, tile=tile)
+    experts = functools.partial(_grouped_swiglu, weights=weights, impl=grouped, tile=tile, fp8=fp8)
     if shards == 1:
         y_AD = experts(rows_AD, sizes_E)
     else:
@@ -235,6 +246,7 @@ def dispatch(
     n_experts: int,
     slots: int,
     grouped: str = "auto",
+    fp8: bool = False,
 ):
     """Runs the experts on `x_BTD` by `routing`: per shard over the active layout's
     ``expert`` and batch axes, or whole outside any layout.
@@ -247,14 +259,15 @@ def dispatch(
         n_experts: E.
         slots: capacity slots per expert and sequence (capacity only).
         grouped: the grouped-matmul impl of dropless dispatch (`grouped_matmul`'s ``impl``).
+        fp8: the experts' products as fp8 matmuls (`meshtrain.precision.fp8.matmul`).
 
     Returns:
         [B, T, D]: the weighted sum of each token's kept experts' outputs (0 if all dropped).
     """
     if kind == "capacity":
-        local = functools.partial(capacity_local, n_experts=n_experts, slots=slots)
+        local = functools.partial(capacity_local, n_experts=n_experts, slots=slots, fp8=fp8)
     else:
-        local = functools.partial(dropless_local, n_experts=n_experts, grouped=grouped)
+        local = functools.partial(dropless_local, n_experts=n_experts, grouped=grouped, fp8=fp8)
     layout = active()
     if layout is None:
         return local(x_BTD, routing, weights, axis=None, shards=1)

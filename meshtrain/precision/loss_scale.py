@@ -1,0 +1,85 @@
+"""Dynamic loss scaling for float16: small gradients kept above float16's underflow.
+
+The backward starts from ``scale × 1`` instead of 1 (`scale_backward`; the loss's value is
+untouched), so every gradient comes out `scale` times too large; `unscale` divides them in
+float32. A step whose gradients are not finite is skipped and the scale halves; after
+``period`` good steps in a row it doubles (`adjust`). Scales are powers of two, so scaling and
+unscaling are exact.
+
+The scale lives in the optimizer state (`with_loss_scale` wraps the optax transformation),
+so it is checkpointed, restored and resharded with it. DeepMind's jmp has the same scheme but
+has not been released since 2022; this is the thirty lines it takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class LossScaleState(NamedTuple):
+    """The optimizer state under loss scaling: the scale, the good steps since it last
+    changed, and the wrapped optimizer's own state."""
+
+    scale: jax.Array  # float32 []
+    good_steps: jax.Array  # int32 []
+    inner: Any
+
+
+def with_loss_scale(tx: optax.GradientTransformation, init: float) -> optax.GradientTransformation:
+    """`tx` whose state also holds a loss scale starting at `init` (`LossScaleState`).
+
+    The update is `tx`'s; the train step reads and adjusts the scale (`adjust`).
+    """
+
+    def init_fn(params):
+        return LossScaleState(jnp.float32(init), jnp.int32(0), tx.init(params))
+
+    def update_fn(updates, state, params=None):
+        updates, inner = tx.update(updates, state.inner, params)
+        return updates, state._replace(inner=inner)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def state_of(opt_state) -> LossScaleState | None:
+    """The loss-scale state of an optimizer state, or None without loss scaling."""
+    return opt_state if isinstance(opt_state, LossScaleState) else None
+
+
+@jax.custom_vjp
+def scale_backward(loss: jax.Array, scale: jax.Array) -> jax.Array:
+    """`loss` itself; its gradient flows back multiplied by `scale`."""
+    return loss
+
+
+def _scale_fwd(loss, scale):
+    return loss, scale
+
+
+def _scale_bwd(scale, g):
+    return g * scale.astype(g.dtype), jnp.zeros_like(scale)
+
+
+scale_backward.defvjp(_scale_fwd, _scale_bwd)
+
+
+def unscale(grads, scale: jax.Array):
+    """Gradients of a scaled backward divided by `scale`, in float32."""
+    return jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), grads)
+
+
+def adjust(state: LossScaleState, finite: jax.Array, period: int) -> LossScaleState:
+    """The scale after a step: halved (not below 1) when its gradients were not `finite`,
+    doubled after `period` good steps in a row, else kept."""
+    good = jnp.where(finite, state.good_steps + 1, 0)
+    grow = good >= period
+    scale = jnp.where(
+        finite,
+        jnp.where(grow, state.scale * 2, state.scale),
+        jnp.maximum(state.scale / 2, 1.0),
+    )
+    return state._replace(scale=scale, good_steps=jnp.where(grow, 0, good))

@@ -7,6 +7,7 @@ order, so gradients agree to a few ulps of their largest entry; we allow 2e-5 of
 instead (see `_assert_as_accurate`).
 """
 
+import contextlib
 import dataclasses
 import itertools
 import re
@@ -32,6 +33,7 @@ from meshtrain.pipeline import (
     pipeline_loss_and_grads,
     pipeline_problems,
     schedule_table,
+    spmd,
 )
 from meshtrain.pipeline.schedules import buffer_depth
 from meshtrain.train.loss import cross_entropy_with
@@ -139,12 +141,13 @@ def layouts():
 
 
 def _pipelined(env, config, poison=False):
-    """Loss and gradients of the pipelined GPT on `env`."""
+    """Loss and gradients of the pipelined GPT on `env` (its buffers NaN-filled with `poison`)."""
     mesh, rules = env["mesh"], env["rules"]
 
     @jax.jit
     def run(params, batch):
-        with activation_rules(mesh, rules):
+        poisoned = spmd.poison_buffers() if poison else contextlib.nullcontext()
+        with activation_rules(mesh, rules), poisoned:
             return pipeline_loss_and_grads(
                 env["graphdef"],
                 params,
@@ -153,7 +156,6 @@ def _pipelined(env, config, poison=False):
                 config=config,
                 mesh=mesh,
                 loss_fn=cross_entropy,
-                poison=poison,
             )
 
     return run(env["state"].params, env["batch"])

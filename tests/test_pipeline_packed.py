@@ -31,7 +31,7 @@ from meshtrain.layout import (
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPT, DataSpec, GPTConfig, MoEConfig, PipelineParts
-from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
+from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads, spmd
 from meshtrain.run import RunSpec
 from meshtrain.state import TrainState, abstract_model
 from meshtrain.train.loss import cross_entropy
@@ -176,10 +176,10 @@ def test_nan_filled_1f1b_bubbles_with_a_packed_moe_batch_equal_one_device():
 
     @jax.jit
     def piped(params, batch):
-        with activation_rules(mesh, rules):
+        with activation_rules(mesh, rules), spmd.poison_buffers():
             config = PipelineConfig(schedule="1f1b", microbatches=4)
             return pipeline_loss_and_grads(graphdef, params, {}, batch, config=config, mesh=mesh,
-                                           loss_fn=cross_entropy, poison=True)  # fmt: skip
+                                           loss_fn=cross_entropy)  # fmt: skip
 
     loss, grads = piped(sharded.params, shard_batch(batch, mesh, rules))
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=LOSS_RTOL)

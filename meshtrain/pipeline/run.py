@@ -43,6 +43,7 @@ from meshtrain.models.base import PACKED_KEYS, PipelineParts, pipeline_parts
 from meshtrain.pipeline import spmd
 from meshtrain.pipeline.config import PipelineConfig
 from meshtrain.pipeline.schedules import HAND_SCHEDULED, schedule_table
+from meshtrain.precision.loss_scale import scale_backward
 
 LossFn = Callable[..., jax.Array]
 
@@ -225,7 +226,6 @@ def pipeline_loss(
     config: PipelineConfig,
     mesh: Mesh,
     loss_fn: LossFn,
-    poison: bool = False,
     with_metrics: bool = False,
 ):
     """Mean loss of the model over `batch`, its blocks run by the gpipe / circular forward loop
@@ -269,7 +269,14 @@ def pipeline_loss(
         # Cast after marking it per-stage, so its gradient's sum over stages is in float32.
         x_MbTD = varying(x_MbTD).astype(dtype)
         return spmd.forward_loop(
-            cut.stage, chunks, x_MbTD, side_Mb, stages=p, repeats=v, rows=rows_axes, poison=poison
+            cut.stage,
+            chunks,
+            x_MbTD,
+            side_Mb,
+            stages=p,
+            repeats=v,
+            rows=rows_axes,
+            poison=spmd.poisoning(),
         )
 
     # The embedded batch crosses into the loop in float32: its gradient is summed over the
@@ -291,8 +298,8 @@ def pipeline_loss_and_grads(
     config: PipelineConfig,
     mesh: Mesh,
     loss_fn: LossFn,
-    poison: bool = False,
     with_metrics: bool = False,
+    loss_scale: jax.Array | None = None,
 ):
     """Mean loss and its gradient with respect to `params`, pipelined by ``config.schedule``.
 
@@ -303,17 +310,26 @@ def pipeline_loss_and_grads(
     ``mask=`` and each microbatch's mean is weighted by its share of the batch's real tokens.
     The loss terms of the blocks' statistics (an MoE's router losses) are each microbatch's,
     weighted 1/M, as gradient accumulation over M microbatches weighs them.
+    With `loss_scale` (float16's dynamic loss scaling), every loss term's backward starts from
+    the scale (`meshtrain.precision.loss_scale.scale_backward`): the gradients come out
+    scaled, the loss does not.
 
     Returns:
         ``(loss, grads)``, `grads` shaped like `params`; with `with_metrics`,
         ``((loss, metrics), grads)`` (see `pipeline_loss`).
     """
-    kwargs = dict(config=config, mesh=mesh, loss_fn=loss_fn, poison=poison)
+    kwargs = dict(config=config, mesh=mesh, loss_fn=loss_fn)
+
+    def scaled(loss):
+        return loss if loss_scale is None else scale_backward(loss, loss_scale)
+
     if config.schedule not in HAND_SCHEDULED:
-        (loss, metrics), grads = jax.value_and_grad(
-            lambda prm: pipeline_loss(graphdef, prm, rest, batch, with_metrics=True, **kwargs),
-            has_aux=True,
-        )(params)
+
+        def whole(prm):
+            loss, metrics = pipeline_loss(graphdef, prm, rest, batch, with_metrics=True, **kwargs)
+            return scaled(loss), metrics
+
+        (loss, metrics), grads = jax.value_and_grad(whole, has_aux=True)(params)
         return ((loss, metrics), grads) if with_metrics else (loss, grads)
 
     p = mesh_sizes(mesh)[PIPE]
@@ -348,7 +364,7 @@ def pipeline_loss_and_grads(
 
     def aux_fn(stats):
         """One microbatch's loss terms: the statistics' terms weighted 1/M."""
-        return cut.finish(stats, m)[0]
+        return scaled(cut.finish(stats, m)[0])
 
     def body(blocks, outer, x_MbTD, side_Mb, labels_Mb, count):
         # This stage's chunks [v, Lc, ...]; local chunk r is the model's chunk r·p + stage.
@@ -361,11 +377,11 @@ def pipeline_loss_and_grads(
             with override_activations(vocab=None):
                 logits = parts.head(y_bTD)
                 if "mask" not in labels:
-                    return loss_fn(logits, labels["targets"]) / (m * n)
+                    return scaled(loss_fn(logits, labels["targets"]) / (m * n))
                 # This shard's mean over its real tokens, weighted by their share of the
                 # batch's: the sum over the microbatches and shards is the batch's mean.
                 share = jnp.sum(labels["mask"]).astype(jnp.float32) / count
-                return loss_fn(logits, labels["targets"], mask=labels["mask"]) * share
+                return scaled(loss_fn(logits, labels["targets"], mask=labels["mask"]) * share)
 
         h = {k: outer[k] for k in cut.head_keys}
         loss, totals, g_chunks, g_head, g_x = spmd.scheduled(
@@ -377,7 +393,7 @@ def pipeline_loss_and_grads(
             table,
             aux_fn=aux_fn if cut.stats is not None else None,
             rows=spmd.Rows(rows_axes, outer_rows),
-            poison=poison,
+            poison=spmd.poisoning(),
         )
         g_blocks = jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), g_chunks)
         g_blocks = jax.tree.map(

@@ -23,8 +23,8 @@ slot, the same on every stage, naming only the stage pairs it moves something be
 
 Slots where a stage has nothing to do still run in lockstep. Their values are never allowed
 to reach a result: every write is a `jnp.where` on the schedule, and stage inputs are zeroed
-outside their valid ticks. ``poison=True`` fills those slots and all unused buffer entries with
-NaN to prove it.
+outside their valid ticks. ``poison=True`` (or tracing inside `poison_buffers`) fills those
+slots and all unused buffer entries with NaN to prove it.
 
 Side inputs and statistics: a stage runs ``stage_fn(chunk, x, side) -> (y, stats)``, where
 `side` holds the [b, T] entries of the microbatch it is processing (a packed batch's segment
@@ -38,6 +38,8 @@ layers per chunk.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -84,6 +86,25 @@ class Rows(NamedTuple):
 
     inner: tuple[str, ...] = ()
     outer: tuple[str, ...] = ()
+
+
+_POISON = contextvars.ContextVar("meshtrain_pipeline_poison", default=False)
+
+
+@contextlib.contextmanager
+def poison_buffers():
+    """While tracing inside this block, the pipelines' idle slots and unused buffer entries
+    start out NaN (testing: a value that reaches a result shows)."""
+    token = _POISON.set(True)
+    try:
+        yield
+    finally:
+        _POISON.reset(token)
+
+
+def poisoning() -> bool:
+    """Whether the trace is inside `poison_buffers`."""
+    return _POISON.get()
 
 
 def _fill(x: jax.Array, poison: bool) -> jax.Array:

@@ -34,6 +34,7 @@ from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devic
 from meshtrain.models import CNN, GPT, CNNConfig, GPTConfig, MLPClassifier, MLPConfig, families
 from meshtrain.models.layers import Embed
 from meshtrain.pipeline import PipelineConfig, schedule_table
+from meshtrain.precision import Precision
 from meshtrain.problem import RunCheckError
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
@@ -58,6 +59,7 @@ __all__ = [
     "MeshConfig",
     "OptimConfig",
     "PipelineConfig",
+    "Precision",
     "Rules",
     "RunCheckError",
     "RunSpec",

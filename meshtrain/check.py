@@ -60,7 +60,8 @@ def check_run(
     model, data, rules = run.model_config, run.data, run.rules
     sizes, pipeline, k = run.sizes, run.pipeline, run.train.accum_steps
     spec = run.data_spec
-    problems = pair_problems(run)  # features that do not run together (meshtrain.composition)
+    problems = run.precision.model_problems(run.model)
+    problems += pair_problems(run)  # features that do not run together (meshtrain.composition)
     algorithm = getattr(rules, "context_parallel", "ring")
     problems += context_problems(sizes, algorithm, seq_len=spec.seq_len, kind=spec.kind)
     ways = rules.batch_ways(sizes)

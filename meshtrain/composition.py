@@ -23,6 +23,7 @@ from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import HAND_SCHEDULED
+from meshtrain.precision import Precision
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
@@ -120,6 +121,12 @@ def _pooled_router_loss(run: RunSpec) -> bool:
     if not isinstance(model, MoEConfig):
         return False
     return model.router_losses == "mixtral" and model.aux_loss_coef > 0
+
+
+def _kernels(run: RunSpec) -> set[str]:
+    """The hand-written kernels (pallas, cudnn) the model's attention or norms name."""
+    names = {getattr(run.model, f, None) for f in ("attention_impl", "norm_impl")}
+    return names & {"pallas", "cudnn"}
 
 
 def _mesh_value(axis: str) -> Callable[[RunSpec], int]:
@@ -451,6 +458,54 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda run: run.sync.staleness,
         _sync_example({"sync_every": 4, "staleness": 2}, {"staleness": 2}),
         cells=_cells(("staleness",), _LOCAL),
+    ),
+    Refusal(
+        "fp16",
+        "the Pallas or cuDNN kernels",
+        "meshtrain's attention and norm kernels take float32 and bfloat16 only",
+        lambda run: run.precision.resolved(run.model) == "fp16" and bool(_kernels(run)),
+        "precision",
+        "use --precision bf16, or --{model}.attention-impl xla and --{model}.norm-impl xla",
+        lambda run: run.precision.policy,
+        lambda: (
+            _run(
+                {"data": 8}, model=GPTConfig(norm_impl="pallas"), precision=Precision(policy="fp16")
+            ),
+            _run(
+                {"data": 8}, model=GPTConfig(norm_impl="pallas"), precision=Precision(policy="bf16")
+            ),
+        ),
+        cells=(("pallas", "fp16"), ("cudnn", "fp16")),
+    ),
+    Refusal(
+        "fp16 loss scaling",
+        "local SGD",
+        "the loss scale is one value for the run, and local SGD's replicas step apart, each "
+        "with gradients that overflow on their own",
+        lambda run: run.loss_scaling and _local(run),
+        "precision",
+        "use --precision bf16 (no loss scaling), or drop --sync-every",
+        lambda run: run.precision.policy,
+        lambda: (
+            _run({"data": 8}, sync=SyncConfig(sync_every=2), precision=Precision(policy="fp16")),
+            _run({"data": 8}, sync=SyncConfig(sync_every=2), precision=Precision(policy="bf16")),
+        ),
+        cells=(("local-sgd", "fp16"), ("diloco", "fp16")),
+    ),
+    Refusal(
+        "fp16 loss scaling",
+        "bounded staleness",
+        "a gradient applied s steps later was scaled by the scale of its own step, which may "
+        "have changed since",
+        lambda run: run.loss_scaling and bool(run.sync.staleness),
+        "precision",
+        "use --precision bf16 (no loss scaling), or drop --staleness",
+        lambda run: run.precision.policy,
+        lambda: (
+            _run({"data": 8}, sync=SyncConfig(staleness=1), precision=Precision(policy="fp16")),
+            _run({"data": 8}, sync=SyncConfig(staleness=1)),
+        ),
+        cells=(("staleness", "fp16"),),
     ),
     Refusal(
         "an outer optimizer",

@@ -70,6 +70,7 @@ def _load_meshtrain(source: Path):
     from meshtrain.checkpoint import restore
     from meshtrain.layout import rules_for
     from meshtrain.mesh import make_mesh
+    from meshtrain.precision import Precision, with_loss_scale
     from meshtrain.state import abstract_model, abstract_train_state
     from meshtrain.train.optim import OptimConfig, make_optimizer
 
@@ -78,6 +79,9 @@ def _load_meshtrain(source: Path):
     cfg = _model_config(meta, f"{directory / str(step)}")
     config = meta["config"]
     tx = make_optimizer(OptimConfig(**config["optim"]), config["train"]["steps"])
+    precision = Precision(**config.get("precision") or {})
+    if precision.loss_scaling(cfg):  # the loss scale sits in the optimizer state
+        tx = with_loss_scale(tx, precision.loss_scale_init)
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     rules = rules_for("dp", mesh)
     ctor = lambda: cfg.build(rngs=nnx.Rngs(0))

@@ -4,7 +4,7 @@ The `Trainer` (`import meshtrain as mt; mt.Trainer`) is built from exactly these
 
     from meshtrain import lower
     run = mt.RunSpec(model=ctor, data=data, mesh=mesh, rules=rules, sync=sync)
-    tx = lower.make_optimizer(run.optim, total_steps=100)
+    tx = run.optimizer(total_steps=100)   # make_optimizer's, + the loss scale under fp16
     graphdef, state, shardings = lower.init_train_state(ctor, tx, mesh, rules)
     state, shardings = lower.with_sync(sync, tx, state, shardings, mesh, rules)  # optional
     step = lower.jit_train_step(run, graphdef, tx, shardings,
@@ -31,6 +31,7 @@ from meshtrain.layout import (
 )
 from meshtrain.models import build_model, sample
 from meshtrain.pipeline import pipeline_loss, pipeline_loss_and_grads
+from meshtrain.precision import with_loss_scale
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec
@@ -85,5 +86,6 @@ __all__ = [
     "shard_batch",
     "split_microbatches",
     "train_step",
+    "with_loss_scale",
     "with_sync",
 ]

@@ -29,11 +29,12 @@ from meshtrain.layout import Rules, rules_for
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models.base import DataSpec
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.precision import Precision, with_loss_scale
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.loss import LossFn, loss_with
-from meshtrain.train.optim import OptimConfig
+from meshtrain.train.optim import OptimConfig, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,8 @@ class RunSpec:
         optim: optimizer, schedule and clipping (`OptimConfig`).
         pipeline: schedule and microbatches, used where the mesh has ``pipe > 1``.
         sync: how the data-parallel replicas synchronise (`meshtrain.replicas.SyncConfig`).
+        precision: dtypes, fp8 and loss scaling (`meshtrain.precision.Precision`); a model
+            config computes by it (see `model_config`).
         checkpoint: checkpoint settings; None keeps no checkpoints.
         loss_fn: a custom ``(logits, targets) -> mean loss``; None: ``train.loss`` with
             ``train.loss_impl``.
@@ -66,6 +69,7 @@ class RunSpec:
     optim: OptimConfig = OptimConfig()
     pipeline: PipelineConfig = PipelineConfig()
     sync: SyncConfig = SyncConfig()
+    precision: Precision = Precision()
     checkpoint: CheckpointConfig | None = None
     loss_fn: Callable | None = None
 
@@ -79,6 +83,7 @@ class RunSpec:
             "optim": (OptimConfig, "an OptimConfig(...)"),
             "pipeline": (PipelineConfig, "a PipelineConfig(...)"),
             "sync": (SyncConfig, "a SyncConfig(...)"),
+            "precision": (Precision, "a Precision(...)"),
             "checkpoint": ((CheckpointConfig, type(None)), "a CheckpointConfig(...) or None"),
             "rules": ((Rules, type(None)), "rules_for(...) or None"),
             "mesh": ((Mesh, Mapping, type(None)), "make_mesh(...), axis sizes, or None"),
@@ -137,18 +142,32 @@ class RunSpec:
 
     @property
     def model_config(self):
-        """`model` when it is a model config (it has ``build``), else None."""
-        return self.model if callable(getattr(self.model, "build", None)) else None
+        """`model` when it is a model config (it has ``build``), with its dtypes set by
+        `precision` (`Precision.applied`); else None."""
+        if not callable(getattr(self.model, "build", None)):
+            return None
+        return self.precision.applied(self.model)
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the step scales the loss (`meshtrain.precision.loss_scale`)."""
+        return self.precision.loss_scaling(self.model)
 
     @property
     def step_loss(self) -> LossFn:
         """The loss the step minimises: `loss_fn`, or ``train.loss`` with ``train.loss_impl``."""
         return self.loss_fn or loss_with(self.train.loss, self.train.loss_impl)
 
+    def optimizer(self, total_steps: int):
+        """The run's optax transformation: `optim`'s (`make_optimizer`), holding the loss
+        scale in its state when `loss_scaling` (`meshtrain.precision.with_loss_scale`)."""
+        tx = make_optimizer(self.optim, total_steps)
+        return with_loss_scale(tx, self.precision.loss_scale_init) if self.loss_scaling else tx
+
     def constructor(self) -> tuple[Callable[[], nnx.Module], list[Problem]]:
         """A zero-argument constructor of the model, and a problem if ``train.seed`` cannot
         reach it."""
-        return model_constructor(self.model, self.train.seed)
+        return model_constructor(self.model_config or self.model, self.train.seed)
 
 
 def _shown(value) -> object:

@@ -36,8 +36,11 @@ def _flags() -> dict[str, tuple[str | None, str]]:
             continue
         omit = annotated and tyro.conf.OmitArgPrefixes in hint.__metadata__
         prefix = "--" if omit else f"--{f.name}."
+        inner = typing.get_type_hints(cls, include_extras=True)
         for g in dataclasses.fields(cls):
-            flags[prefix + g.name.replace("_", "-")] = (f.name, g.name)
+            marks = getattr(inner[g.name], "__metadata__", ())
+            named = next((m.name for m in marks if getattr(m, "name", None)), g.name)
+            flags[prefix + named.replace("_", "-")] = (f.name, g.name)
     return flags
 
 
@@ -78,6 +81,11 @@ OVERRIDES = {
     "--outer-lr": (["0.5"], 0.5),
     "--outer-momentum": (["0.8"], 0.8),
     "--staleness": (["2"], 2),
+    "--precision": (["fp16"], "fp16"),
+    "--loss-scale": (["off"], "off"),
+    "--loss-scale-init": (["1024"], 1024.0),
+    "--loss-scale-period": (["500"], 500),
+    "--matmul-precision": (["highest"], "highest"),
     "--eval-every": (["5"], 5),
     "--eval-batches": (["2"], 2),
     "--log-every": (["3"], 3),
@@ -127,6 +135,7 @@ OVERRIDES = {
     "--gpt.tie-embeddings": ([], True),
     "--gpt.remat": (["full"], "full"),
     "--gpt.dtype": (["bfloat16"], "bfloat16"),
+    "--gpt.fp8": ([], True),
     "--gpt.attention-impl": (["auto"], "auto"),
     "--gpt.norm-impl": (["pallas"], "pallas"),
     "--gpt.vocab-multiple": (["64"], 64),
@@ -151,6 +160,7 @@ OVERRIDES = {
     "--dist.shutdown-timeout-s": (["20"], 20),
     "--dist.collective-timeout-s": (["90"], 90),
     "--mlp.dtype": (["bfloat16"], "bfloat16"),
+    "--mlp.fp8": ([], True),
     "--loss": (["mse"], "mse"),
     "--data.image-shape": (["16", "16", "1"], (16, 16, 1)),
     "--cnn.preset": (["vgg"], "vgg"),
@@ -186,6 +196,7 @@ OVERRIDES = {
     "--moe.tie-embeddings": ([], True),
     "--moe.remat": (["full"], "full"),
     "--moe.dtype": (["bfloat16"], "bfloat16"),
+    "--moe.fp8": ([], True),
     "--moe.attention-impl": (["auto"], "auto"),
     "--moe.grouped-impl": (["xla"], "xla"),
     "--moe.router-losses": (["mixtral"], "mixtral"),

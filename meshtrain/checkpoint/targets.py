@@ -18,6 +18,9 @@ def mesh_meta(mesh: jax.sharding.Mesh) -> dict:
     return {"axes": sizes, "devices": int(mesh.devices.size), "platform": platform}
 
 
+_SCALE = "opt_state/scale"  # the loss scale of meshtrain.precision.loss_scale.LossScaleState
+
+
 def layout_mismatch(saved: Any, target: TrainState) -> str | None:
     """Compares the saved tree's paths, shapes and dtypes with the target's.
 
@@ -47,6 +50,15 @@ def layout_mismatch(saved: Any, target: TrainState) -> str | None:
             "other synchronisation settings (--grad-compression with error feedback, "
             f"--sync-every, --staleness): {len(differ)} arrays differ",
             differ,
+        )
+    elif _SCALE in differ:  # meshtrain.precision.with_loss_scale's state, in one of the two
+        saved_has = _SCALE in have
+        resumes = "fp16" if saved_has else "fp32, bf16 or fp8"
+        head, shown = (
+            f"{'' if saved_has else 'no '}loss scaling, and this run has "
+            f"{'none' if saved_has else 'one'} (--precision fp16 keeps its loss scale in the "
+            f"optimizer state; --precision {resumes} resumes it)",
+            [_SCALE],
         )
     elif any(k.startswith("opt_state/") for k in differ):
         head, shown = f"a different optimizer: {len(differ)} optimizer-state arrays differ", differ

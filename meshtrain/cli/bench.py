@@ -3,6 +3,7 @@
     meshtrain bench --size tiny                      # CPU smoke (seconds)
     meshtrain bench --size 125m                      # on a GPU: bf16, cuDNN attention
     meshtrain bench --size 1.3b --seq-len 2048 --profile runs/trace
+    meshtrain bench --size 125m --precision fp8 --compile-only   # compiled memory, no timing
 
 What it measures is described in `meshtrain.bench`.
 """
@@ -32,6 +33,10 @@ class BenchSettings:
         seq_len: tokens per sequence (0: the size's).
         batch: global batch (0: the size's default).
         dtype: compute dtype ("": bfloat16 on a GPU, float32 elsewhere).
+        precision: a precision policy (fp32, bf16, fp16, fp8; see `meshtrain.Precision`) in
+            place of --dtype; fp8's MFU is against the bfloat16 peak, as peers report it.
+        compile_only: compile the step and report its compiled memory, compile time and
+            FLOPs; time nothing.
         attention: attention kernel; default: cudnn on a GPU, xla elsewhere.
         norm: norm kernel.
         loss: cross-entropy kernel.
@@ -55,6 +60,8 @@ class BenchSettings:
     seq_len: int = 0
     batch: int = 0
     dtype: Literal["", "bfloat16", "float32"] = ""
+    precision: Literal["", "fp32", "bf16", "fp16", "fp8"] = ""
+    compile_only: bool = False
     attention: Literal["default", "xla", "pallas", "cudnn", "auto"] = "default"
     norm: Literal["xla", "pallas", "auto"] = "xla"
     loss: Literal["xla", "pallas", "auto"] = "xla"
@@ -78,6 +85,12 @@ class BenchSettings:
         """What is wrong with these settings (empty when they can run)."""
         counts = ("seq_len", "batch", "warmup", "devices", "matmul_peak_reps", "profile_steps")
         found = [p for n in counts for p in validate.non_negative(n, getattr(self, n), example=0)]
+        found += validate.require(
+            not (self.dtype and self.precision),
+            "dtype",
+            self.dtype,
+            "give either --dtype or --precision (the policy sets the compute dtype)",
+        )
         return found + validate.positive("steps", self.steps, example=10)
 
 

@@ -17,6 +17,7 @@ __all__ = ["flag_table", "given", "parse", "suggest"]
 
 _POSITIONAL = typing.get_args(tyro.conf.Positional[int])[1:]
 _SUPPRESS = typing.get_args(tyro.conf.Suppress[int])[1:]
+_ARG = type(tyro.conf.arg())  # a field's flag settings, e.g. tyro.conf.arg(name="precision")
 
 
 def _flag(name: str) -> str:
@@ -38,13 +39,15 @@ def flag_table(cls: type, prefix: str = "", path: str = "") -> dict[str, str]:
             continue
         kind = typing.get_args(hint)[0] if marks else hint
         where = f"{path}{f.name}"
+        renamed = [getattr(m, "name", None) for m in marks if isinstance(m, _ARG)]
+        named = next((n for n in renamed if n), f.name)
         if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             inner = prefix if tyro.conf.OmitArgPrefixes in marks else f"{prefix}{_flag(f.name)}."
             table.update(flag_table(kind, inner, f"{where}."))
             continue
-        table[f"--{prefix}{_flag(f.name)}"] = where
+        table[f"--{prefix}{_flag(named)}"] = where
         if kind is bool:
-            table[f"--{prefix}no-{_flag(f.name)}"] = where
+            table[f"--{prefix}no-{_flag(named)}"] = where
     return table
 
 

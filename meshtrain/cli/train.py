@@ -2,7 +2,8 @@
 
 meshtrain train                                   # the embedded default job
 meshtrain train --mesh data=4,tensor=2 --strategy fsdp --steps 300
-meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --gpt.dtype bfloat16
+meshtrain train --gpt.style gpt2 --gpt.n-layers 8 --precision bf16
+meshtrain train --precision fp16                  # float16 with dynamic loss scaling
 meshtrain train --mesh pipe=2,data=2,tensor=2 --schedule 1f1b --microbatches 8
 meshtrain train --run-dir runs/a --save-every 50 --resume   # continue from the newest checkpoint
 meshtrain train --config plan.json                # flags from a file (later ones win)
@@ -29,6 +30,7 @@ from meshtrain.mesh import PIPE, SEQ
 from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, families
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import CHUNKED
+from meshtrain.precision import Precision
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
@@ -43,6 +45,13 @@ _Flat = tyro.conf.OmitArgPrefixes  # the section's flags without its prefix: --s
 
 def _family_default(name: str):
     return dataclasses.field(default=families()[name].default)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrecisionFlags(Precision):
+    """`Precision` with its policy on the command line as ``--precision``."""
+
+    policy: Annotated[str, tyro.conf.arg(name="precision")] = "auto"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +79,9 @@ class TrainJob:
             only training choices (remat, dtype, kernels).
         export_hf: after training, write the model (and tokenizer) as a Hugging Face checkpoint
             to this new directory (transformers loads it).
+        precision: fp32, bf16, fp16 (dynamic loss scaling) or fp8 (e4m3/e5m2 dense
+            matmuls); auto: the model's --NAME.dtype (fp32 unless set). See the Precision
+            guide.
         gpt: the gpt family's config (with --model gpt).
         mlp: the mlp family's config (with --model mlp).
         cnn: the cnn family's config (with --model cnn).
@@ -92,6 +104,7 @@ class TrainJob:
     checkpoint: Annotated[CheckpointConfig, _Flat] = CheckpointConfig()
     optim: Annotated[OptimConfig, _Flat] = OptimConfig()
     sync: Annotated[SyncConfig, _Flat] = SyncConfig()
+    precision: Annotated[PrecisionFlags, _Flat] = PrecisionFlags()
     data: DataConfig = DataConfig()
     # One field per registered model family (tests/test_cli_package.py checks the registry).
     gpt: GPTConfig = _family_default("gpt")
@@ -201,6 +214,7 @@ def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
         optim=job.optim,
         pipeline=job.pipeline,
         sync=job.sync,
+        precision=job.precision,
         checkpoint=checkpoint,
     )
 
@@ -296,7 +310,8 @@ def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
         )
     n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
     size = f"{n_params / 1e6:.2f}M parameters"
-    say(f"model {model_cfg.describe()} · {size} · {model_cfg.dtype} compute")
+    say(f"model {model_cfg.describe()} · {size}")
+    say(job.precision.describe(model_cfg))
     if job.init_from and not first:
         say(f"weights and tokenizer from {job.init_from} · data.tokenizer {job.data.tokenizer}")
     say(

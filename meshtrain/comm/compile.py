@@ -30,7 +30,7 @@ from meshtrain.models.base import batch_structs
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
 from meshtrain.state import TrainState, abstract_model, abstract_target, state_layout
-from meshtrain.train.optim import make_optimizer, make_schedule
+from meshtrain.train.optim import make_schedule
 from meshtrain.train.step import jit_train_step
 
 FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -87,7 +87,7 @@ def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
         )
     run = run.resolved()
     mesh, rules, steps = run.mesh, run.rules, run.train.steps
-    tx, schedule = make_optimizer(run.optim, steps), make_schedule(run.optim, steps)
+    tx, schedule = run.optimizer(steps), make_schedule(run.optim, steps)
     ctor, _ = run.constructor()
     graphdef, abstract = abstract_model(ctor)
     graphdef, param_vars, rest_vars = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)

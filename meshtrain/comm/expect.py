@@ -163,7 +163,7 @@ class Traffic(NamedTuple):
         sizes, spec, sync, rules = run.sizes, run.data_spec, run.sync, run.rules
         assert rules is not None  # resolved() fills them in
         codec = parse_compression(sync.grad_compression) if sync.compresses else None
-        dtype = getattr(run.model, "dtype", "float32")
+        dtype = getattr(run.model_config, "dtype", "float32")
         return cls(
             sizes,
             rules.batch_axes(sizes),

@@ -17,6 +17,7 @@ from meshtrain.layout import Rules, activation_rules, split_microbatches, varyin
 from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
+from meshtrain.precision import loss_scale, matmul_precision
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import TrainState
 from meshtrain.train.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
@@ -75,6 +76,13 @@ def train_step(
     function of batches consumed, so the update after a skip runs at the learning rate of its
     own step, and the optimizer's counters always equal ``state.step``.
 
+    With float16's dynamic loss scaling (``run.precision``; the scale in ``state.opt_state``,
+    see `meshtrain.precision.loss_scale`), the backward starts from the scale and the
+    gradients are unscaled in float32 before anything reads them. A step whose gradients
+    overflow while its loss is finite skips its batch as above (error-feedback residuals
+    included), halves the scale and reports ``overflow``; it is not ``skipped``, which counts
+    bad steps only.
+
     With ``run.sync``, the data-parallel replicas synchronise as `meshtrain.replicas` describes: a
     compressed gradient exchange in a region manual over the replica axes (error-feedback
     residuals in ``state.comm``); local SGD / DiLoCo (the whole step is
@@ -102,20 +110,30 @@ def train_step(
     Returns:
         The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
         `meshtrain.train.loss.loss_and_metrics`, whose metrics are included), ``grad_norm``,
-        ``skipped`` (1 when the update was
-        skipped, else 0) and (with `schedule`) ``lr``, the rate of this step (``schedule`` at
-        the old ``state.step``), which is the one the update used.
+        ``skipped`` (1 when a non-finite loss or gradient skipped the update, else 0; 0 for a
+        loss-scale overflow), under loss scaling ``loss_scale`` (after the step) and
+        ``overflow``, and (with `schedule`) ``lr``, the rate of this step (``schedule`` at the
+        old ``state.step``), which is the one the update used.
     """
 
     if run is None or legacy:
         call = "train_step(graphdef, tx, state, batch, run={run})"
         run = run_from_legacy(call, run, legacy, accepted=_STEP_LEGACY)
     accum_steps, loss_fn, pipeline = run.train.accum_steps, run.step_loss, run.pipeline
+    scaler = loss_scale.state_of(state.opt_state)
+    if run.loss_scaling and scaler is None:
+        raise ValueError(
+            "precision: loss scaling keeps its scale in the optimizer state; build the "
+            "optimizer with run.optimizer(total_steps) (or meshtrain.precision.with_loss_scale)"
+        )
+    scale = None if scaler is None else scaler.scale
 
     def loss_of(params, rest, mb, share=None):
         model = nnx.merge(graphdef, params, rest)
         output = call_model(model, mb)
         loss, extra = loss_and_metrics(loss_fn, output, mb["targets"], loss_mask(mb), share)
+        if scale is not None:  # the backward starts from the scale; the value stays
+            loss = loss_scale.scale_backward(loss, scale)
         return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
     mesh = _pipeline_mesh(pipeline, run.mesh)
@@ -133,6 +151,7 @@ def train_step(
                 mesh=mesh,
                 loss_fn=loss_fn,
                 with_metrics=True,
+                loss_scale=scale,
             )
             if share is not None:  # accumulated packed microbatches: see `_accumulated`
                 loss, grads = loss * share, jax.tree.map(lambda g: g * share, grads)
@@ -141,8 +160,10 @@ def train_step(
             return (loss, (rest, extra)), grads
 
     def compute(params, rest, batch):
-        """Loss, new variables, metrics and gradient of `batch` (accumulated over microbatches)."""
-        return _accumulated(grad_fn, params, rest, batch, accum_steps)
+        """Loss, new variables, metrics and gradient of `batch` (accumulated over microbatches,
+        unscaled)."""
+        out, grads = _accumulated(grad_fn, params, rest, batch, accum_steps)
+        return out, grads if scale is None else loss_scale.unscale(grads, scale)
 
     sync = run.sync
     if sync.local:
@@ -185,11 +206,24 @@ def train_step(
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if skip_nonfinite or sync.staleness:
-        apply = (finite if skip_nonfinite else True) & ready
+    # Under loss scaling, gradients that overflow with a finite loss are the scale's doing:
+    # the step is skipped and the scale halves, but it is no bad step.
+    overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)) if scaler else jnp.bool_(False)
+    if skip_nonfinite or sync.staleness or scaler:
+        apply = (finite if skip_nonfinite or scaler else True) & ready
         params, opt_state, rest = _keep_if_not(apply, (params, opt_state, rest), state)
+    if scaler is not None:
+        comm = jax.tree.map(lambda n, o: jnp.where(overflow, o, n), comm, dict(state.comm))
+        adjusted = loss_scale.adjust(opt_state, ~overflow, run.precision.loss_scale_period)
+        # a bad step (a non-finite loss) leaves the scale and its count of good steps alone
+        opt_state = jax.tree.map(
+            lambda n, o: jnp.where(jnp.isfinite(loss), n, o), adjusted, opt_state
+        )
     metrics = {**extra, "loss": loss, "grad_norm": grad_norm}
-    metrics["skipped"] = (~finite).astype(jnp.int32)
+    metrics["skipped"] = (~finite & ~overflow).astype(jnp.int32)
+    if scaler is not None:
+        metrics["loss_scale"] = opt_state.scale
+        metrics["overflow"] = overflow.astype(jnp.int32)
     if schedule is not None:
         metrics["lr"] = schedule(state.step)
     return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
@@ -422,7 +456,7 @@ def jit_train_step(
     mesh, rules = run.mesh, run.rules
 
     def step(state, batch):
-        with activation_rules(mesh, rules):
+        with activation_rules(mesh, rules), matmul_precision(run.precision.matmul_precision):
             return train_step(
                 graphdef,
                 tx,
@@ -454,11 +488,13 @@ def jit_eval_step(
     *,
     loss_fn: LossFn = cross_entropy,
     pipeline: PipelineConfig | None = None,
+    precision: str = "default",
 ):
-    """`eval_loss` jitted with the same layout as the train step."""
+    """`eval_loss` jitted with the same layout as the train step (and its `precision` of
+    float32 matmuls, `matmul_precision`)."""
 
     def step(state, batch):
-        with activation_rules(mesh, rules):
+        with activation_rules(mesh, rules), matmul_precision(precision):
             return eval_loss(
                 graphdef, state, batch, loss_fn=loss_fn, pipeline=pipeline or PipelineConfig()
             )

@@ -28,7 +28,7 @@ from meshtrain.state import abstract_model, abstract_target, init_train_state
 from meshtrain.train import events
 from meshtrain.train.config import TrainConfig
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
-from meshtrain.train.optim import make_optimizer, make_schedule
+from meshtrain.train.optim import make_schedule
 from meshtrain.train.step import jit_eval_step, jit_train_step
 from meshtrain.train.stopping import AgreedStop
 from meshtrain.train.watchdog import Watchdog
@@ -121,7 +121,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
 
         total = self.config.steps
-        self.tx = make_optimizer(self.optim, total)
+        self.tx = run.optimizer(total)
         self.schedule = make_schedule(self.optim, total)
         self.graphdef, self.state, self.shardings = init_train_state(
             ctor, self.tx, mesh, rules, params
@@ -148,6 +148,7 @@ class Trainer:
             self._batch_sharding,
             loss_fn=self.loss_fn,
             pipeline=self.pipeline,
+            precision=run.precision.matmul_precision,
         )
         self._eval_data = None
         self.history: list[dict] = []
@@ -179,6 +180,7 @@ class Trainer:
                 "train": as_dict(self.config),
                 "optim": as_dict(self.optim),
                 "sync": as_dict(self.sync),
+                "precision": as_dict(self.run.precision),
                 "checkpoint": as_dict(self.checkpoints.config) if self.checkpoints else None,
                 **self._run_meta,
             },

@@ -85,6 +85,7 @@ class Shape:
             "seq_len": self.seq_len,
             "batch": self.batch,
             "dtype": c.dtype,
+            "fp8": c.fp8,
             "remat": c.remat,
             "attention_impl": c.attention_impl,
             "norm_impl": c.norm_impl,
@@ -108,6 +109,8 @@ def resolve_shape(args) -> Shape:
     if attention == "default":
         attention = "cudnn" if on_gpu() else "xla"
     dtype = args.dtype or ("bfloat16" if on_gpu() else "float32")
+    if getattr(args, "precision", ""):
+        dtype = "float32"  # the policy sets it below
     config = mt.GPTConfig(
         style=args.style,
         vocab_size=size["vocab_size"],
@@ -120,6 +123,8 @@ def resolve_shape(args) -> Shape:
         attention_impl=attention,
         norm_impl=args.norm,
     )
+    if getattr(args, "precision", ""):
+        config = mt.Precision(policy=args.precision).applied(config)
     return Shape(config=config, seq_len=seq_len, batch=args.batch or size["batch"])
 
 
@@ -213,19 +218,37 @@ def run(args) -> dict:
     record["strategy"] = args.strategy
     n_devices = mesh.devices.size
     total = args.warmup + 2 * args.steps + args.profile_steps + 1
-    tx = mt.lower.make_optimizer(mt.OptimConfig(warmup_steps=2), total_steps=total)
+    precision = mt.Precision(policy=getattr(args, "precision", "") or "auto")
+    record["precision"] = precision.resolved(shape.config)
+    optim = mt.OptimConfig(warmup_steps=2)
+    run = mt.RunSpec(
+        model=shape.config,
+        mesh=mesh,
+        rules=rules,
+        optim=optim,
+        precision=precision,
+        loss_fn=loss_fn_for(args.loss),
+    )
+    tx = run.optimizer(total)
     graphdef, state, shardings = mt.lower.init_train_state(
         lambda: mt.lower.build_model(shape.config, seed=args.seed), tx, mesh, rules
     )
     record["params"] = sum(int(x.size) for x in jax.tree.leaves(state.params))
     batches = [mt.lower.shard_batch(b, mesh, rules) for b in synthetic_tokens(shape, 3, args.seed)]
     batch_sharding = {k: v.sharding for k, v in batches[0].items()}
-    run = mt.RunSpec(mesh=mesh, rules=rules, loss_fn=loss_fn_for(args.loss))
     jitted = mt.lower.jit_train_step(run, graphdef, tx, shardings, batch_sharding)
     t0 = time.perf_counter()
     compiled = jitted.lower(state, batches[0]).compile()
     record["compile_s"] = time.perf_counter() - t0
     log(f"compiled in {record['compile_s']:.1f} s · {record['params'] / 1e6:.1f}M parameters")
+    if getattr(args, "compile_only", False):
+        record.update(memory_figures(device, compiled))
+        cost = compiled.cost_analysis() or {}
+        cost = cost[0] if isinstance(cost, list) else cost
+        record["compiled_flops"] = float(cost.get("flops", 0.0)) or None
+        record["note"] = "compiled only: memory and FLOPs of the compiled step; nothing timed"
+        record["command"] = "meshtrain bench " + " ".join(getattr(args, "argv", []))
+        return record
 
     state, metrics0 = compiled(state, batches[0])
     record["first_loss"] = float(metrics0["loss"])
@@ -280,6 +303,8 @@ def run(args) -> dict:
             peak_measured=peak_measured,
         )
     )
+    if shape.config.fp8:
+        record["mfu_note"] = "fp8: MFU is against the bfloat16 peak, as peers report fp8 MFU"
     record["tokens_per_step"] = shape.tokens_per_step
     record["tokens_per_s_per_device"] = record["tokens_per_s"] / n_devices
     record["note"] = (

@@ -2,7 +2,8 @@
 # The one command to run on a GPU machine: install the bundled wheels, print versions and the
 # device, then, each stage under its own timeout and all inside --budget seconds, run
 #   the gpu-marked tests, meshtrain bench + its jax and PyTorch baselines at 125m and 1.3b
-#   (benchmarks/e2e.py), benchmarks/kernels.py, and 1.3b with the Pallas kernels;
+#   (benchmarks/e2e.py), bf16 against fp8 at 350m and 1.3b (meshtrain bench --precision),
+#   benchmarks/kernels.py, and 1.3b with the Pallas kernels;
 # write every JSON line and the whole log under $OUT (a local folder when $OUT is unset) and
 # print a summary table last.
 #
@@ -10,7 +11,8 @@
 #                             [--no-profile] [--stages gpu_tests,bench_1.3b,...]
 #
 # Stages, in this order (most wanted first): gpu_tests, bench_1.3b (bench_1.3b_small if it
-# fails), bench_125m, kernels, bench_1.3b_pallas. A 540 s budget may not reach the last ones;
+# fails), bench_125m, precision_350m_bf16, precision_350m_fp8, precision_1.3b_fp8, kernels,
+# bench_1.3b_pallas. A 540 s budget may not reach the last ones;
 # a second call with --stages runs the rest.
 #
 # On a machine with an NVIDIA GPU, with the wheels of `make gpu-bundle` in .whl/ beside it:
@@ -170,12 +172,13 @@ print(json.dumps({'stage': 'import', 'jax': jax.__version__, 'jax_file': jax.__f
 cd "$ROOT" || exit 2
 mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 if [ "$DRY" = 1 ]; then
-  SIZE_A=(--size tiny) SIZE_B=(--size tiny)
+  SIZE_A=(--size tiny) SIZE_B=(--size tiny) SIZE_P=(--size tiny) SIZE_Q=(--size tiny)
   STEPS=(--steps 2 --warmup 1)
   PALLAS=(--attention pallas --norm pallas --loss pallas)
   KERNELS=(--selftest)
 else
   SIZE_A=(--size 125m) SIZE_B=(--size 1.3b --seq-len 2048 --dtype bfloat16)
+  SIZE_P=(--size 350m) SIZE_Q=(--size 1.3b --seq-len 2048)  # bf16 vs fp8 (1.3b bf16: bench_1.3b)
   STEPS=(--steps 10 --warmup 3)
   PALLAS=(--attention pallas --norm pallas --loss pallas)
   KERNELS=(--warmup 3 --reps 10)
@@ -191,6 +194,12 @@ if [ -z "$STAGES" ] || [[ "$STAGES" == *",bench_1.3b,"* ]] && ! ok bench_1.3b; t
     --batch 4 --remat full --torch off
 fi
 stage bench_125m 150 "$PYTHON" benchmarks/e2e.py "${SIZE_A[@]}" "${STEPS[@]}"
+stage precision_350m_bf16 120 "$PYTHON" -m meshtrain.cli bench "${SIZE_P[@]}" --precision bf16 \
+  "${STEPS[@]}"
+stage precision_350m_fp8 120 "$PYTHON" -m meshtrain.cli bench "${SIZE_P[@]}" --precision fp8 \
+  "${STEPS[@]}"
+stage precision_1.3b_fp8 180 "$PYTHON" -m meshtrain.cli bench "${SIZE_Q[@]}" --precision fp8 \
+  "${STEPS[@]}"
 stage kernels 150 "$PYTHON" benchmarks/kernels.py "${KERNELS[@]}"
 stage bench_1.3b_pallas 150 "$PYTHON" benchmarks/e2e.py "${SIZE_B[@]}" "${STEPS[@]}" \
   "${PALLAS[@]}" --torch off --no-jax-baseline

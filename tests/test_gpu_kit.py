@@ -23,7 +23,10 @@ import gpu_bundle  # noqa: E402
 from lowest_versions import lower_bounds  # noqa: E402
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-STAGES = ("install", "env", "import", "gpu_tests", "bench_125m", "bench_1.3b", "kernels")
+STAGES = (
+    "install", "env", "import", "gpu_tests", "bench_125m", "bench_1.3b", "precision_350m_bf16",
+    "precision_350m_fp8", "precision_1.3b_fp8", "kernels",
+)  # fmt: skip
 
 
 def _env():

@@ -83,7 +83,11 @@ GROUPS: dict[str, dict[str, str]] = {
     },
     "remat": {"remat": "rematerialisation of the blocks' activations (--remat)"},
     "accumulation": {"accumulation": "gradient accumulation over microbatches (--accum-steps)"},
-    "bf16": {"bf16": "bfloat16 compute with float32 parameters and optimizer state"},
+    "precision": {
+        "bf16": "bfloat16 compute with float32 parameters and optimizer state",
+        "fp16": "float16 compute with dynamic loss scaling (--precision fp16)",
+        "fp8": "fp8 dense matmuls: e4m3 operands, e5m2 gradients (--precision fp8)",
+    },
     "resume": {
         "resume-relayout": "a checkpoint resumed onto another mesh or strategy",
     },
@@ -99,6 +103,7 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
     frozenset({"moe-capacity", "moe-dropless"}),  # one dispatch
     frozenset({"pallas", "cudnn"}),  # one attention implementation
     frozenset({"local-sgd", "diloco"}),  # DiLoCo is local SGD with an outer optimizer
+    frozenset({"bf16", "fp16", "fp8"}),  # one precision policy
 )
 
 # Cells found not to work (cell → the configuration and the error), until a fix lands or a

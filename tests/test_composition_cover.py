@@ -8,7 +8,10 @@ Tolerances: float32 as the context-parallel GPT tests (loss 1e-5, parameters 5e-
 after plain SGD steps of lr 0.1, which move them by ~1e-2); bf16 compute as the
 context-parallel CLI test (2e-2 on the loss) and, on the parameters, each leaf's update within
 8% in relative Frobenius norm (bf16 rounds each product to ~0.4% and the 8-device run sums in
-another order; in an MoE a token near a routing tie may pick another expert); the bf16 codec
+another order; in an MoE a token near a routing tie may pick another expert); fp16 likewise,
+2e-3 and 3% (it rounds to 2⁻¹¹; tests/test_precision.py measures ~1e-5 and 0.1% on plain
+layouts); fp8 2e-2 and 15% (its gradients are rounded to 2⁻³, and another summation order
+moves entries across that grid: ~7% measured on plain layouts); the bf16 codec
 of gradient compression rounds the exchanged gradient twice (<= 0.8% of it), so each entry of
 an update is held to 2% of the leaf's largest. With ``resume``, the 8-device state is saved and
 restored onto another layout (one device, or the same replicas where compression or local
@@ -41,6 +44,7 @@ from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import DataSpec, GPTConfig, MoEConfig, build_model
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import CHUNKED
+from meshtrain.precision import Precision, with_loss_scale
 from meshtrain.replicas import SyncConfig, with_sync
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_target
@@ -70,7 +74,9 @@ MOE = MoEConfig(
     vocab_multiple=16, max_seq_len=T, capacity_factor=4.0,
 )  # fmt: skip
 LOSS_ATOL, PARAM_ATOL = 1e-5, 5e-5  # float32
-BF16_LOSS_ATOL, BF16_UPDATE_RTOL = 2e-2, 8e-2
+# (loss atol, update relative Frobenius) of the lower precisions
+LOW = {"bf16": (2e-2, 8e-2), "fp16": (2e-3, 3e-2), "fp8": (2e-2, 0.15)}
+LOSS_SCALE = 2.0**10  # float16's first loss scale here: no overflow on these tiny models
 CODEC_UPDATE_RTOL = 2e-2
 
 
@@ -91,7 +97,7 @@ class Case:
     sync: SyncConfig = SyncConfig()
     remat: bool = False
     accum: int = 1
-    bf16: bool = False
+    precision: str = "fp32"  # bf16, fp16 or fp8: the precision policy
     resume: bool = False
     # Where to resume: one device, or (mesh, strategy) with the same replicas, for the
     # per-replica state of compression and local SGD.
@@ -114,9 +120,9 @@ class Case:
             "staleness": bool(sync.staleness),
             "remat": self.remat,
             "accumulation": self.accum > 1,
-            "bf16": self.bf16,
             "resume-relayout": self.resume,
         }
+        out |= {self.precision} if self.precision != "fp32" else set()
         return out | {f for f, on in flags.items() if on}
 
     def config(self):
@@ -134,10 +140,8 @@ class Case:
             shape = PALLAS if self.model == "gpt" else {"d_model": 128}
             shape = {"d_model": 128, "n_heads": 2, "n_kv_heads": 1} if shape is PALLAS else shape
             base = dataclasses.replace(base, attention_impl="cudnn", **shape)
-        return dataclasses.replace(
-            base,
-            remat="full" if self.remat else "none",
-            dtype="bfloat16" if self.bf16 else "float32",
+        return Precision(policy=self.precision).applied(
+            dataclasses.replace(base, remat="full" if self.remat else "none")
         )
 
 
@@ -205,6 +209,9 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX):
         nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
         return nnx.merge(graphdef, state)
 
+    precision = Precision(policy=case.precision, loss_scale_init=LOSS_SCALE)
+    if precision.loss_scaling(cfg):  # float16: the scale rides in the optimizer state
+        tx = with_loss_scale(tx, LOSS_SCALE)
     graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules)
     state, shardings = with_sync(sync, tx, state, shardings, mesh, rules)
     pipeline = PipelineConfig(
@@ -213,7 +220,15 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX):
         repeats=2 if case.schedule in CHUNKED else 1,
     )
     train = TrainConfig(accum_steps=accum, run_dir="")
-    run = RunSpec(mesh=mesh, rules=rules, train=train, optim=OPTIM, pipeline=pipeline, sync=sync)
+    run = RunSpec(
+        mesh=mesh,
+        rules=rules,
+        train=train,
+        optim=OPTIM,
+        pipeline=pipeline,
+        sync=sync,
+        precision=precision,
+    )
     data = DataSpec("lm", B, T, cfg.vocab_size, packed=case.packed)
     # the run check accepts the combination: nothing refused is run here
     assert check_run(run.replace(model=cfg, data=data, mesh=mesh_sizes(mesh))) == []
@@ -227,17 +242,19 @@ def _train(case, state, step, batches):
     losses, params = [], []
     for b in batches:
         state, m = step(state, b)
-        assert int(m["skipped"]) == 0
+        assert int(m["skipped"]) == 0 and int(m.get("overflow", 0)) == 0
         losses.append(float(m["loss"]))
         params.append(jax.tree.map(np.asarray, state.params))
     return np.array(losses), params, state
 
 
 def _assert_same(case, loss, params, want_loss, want_params, start):
-    """Losses and parameters agree (float32); under bf16, each leaf's update in relative
-    Frobenius norm (a token near a routing tie may pick another expert, moving a few
-    entries); under a lossy codec, each entry of each update."""
-    atol = BF16_LOSS_ATOL if case.bf16 else LOSS_ATOL
+    """Losses and parameters agree (float32); under bf16, fp16 or fp8, each leaf's update in
+    relative Frobenius norm (a token near a routing tie may pick another expert, moving a few
+    entries); under a lossy codec, each entry of each update (with a lower precision, the
+    Frobenius norm again, at least bf16's tolerance)."""
+    low = LOW.get(case.precision)
+    atol = low[0] if low else LOSS_ATOL
     if case.sync.compresses:
         atol = max(atol, 1e-3)
     np.testing.assert_allclose(loss, want_loss, rtol=0, atol=atol)
@@ -249,10 +266,11 @@ def _assert_same(case, loss, params, want_loss, want_params, start):
     for (path, w), g, s, u in zip(leaves, got, flat_start, updates, strict=True):
         name = jax.tree_util.keystr(path)
         assert g.shape == w.shape, name
-        if case.bf16:
+        if low:
             # a leaf whose updates are tiny is held to a share of the largest leaf's
             err = float(np.linalg.norm((g - s) - u))
-            bound = BF16_UPDATE_RTOL * max(float(np.linalg.norm(u)), 0.02 * largest_norm)
+            rtol = max(low[1], LOW["bf16"][1]) if case.sync.compresses else low[1]
+            bound = rtol * max(float(np.linalg.norm(u)), 0.02 * largest_norm)
             assert err <= bound, f"{name}: |Δ got − Δ want| = {err:.2e} > {bound:.2e}"
         elif case.sync.compresses:
             bound = CODEC_UPDATE_RTOL * max(float(np.abs(u).max()), 0.02 * largest)
@@ -331,7 +349,7 @@ CASES = [
     ),
     pytest.param(
         Case("fsdp=2,seq=2,tensor=2", "fsdp+tp", context="ulysses", remat=True, accum=2,
-             bf16=True, resume=True),
+             precision="bf16", resume=True),
         marks=[
             pair("fsdp", "tp"), pair("fsdp", "ulysses"), pair("fsdp", "remat"),
             pair("fsdp", "accumulation"), pair("fsdp", "bf16"), pair("fsdp", "resume-relayout"),
@@ -367,7 +385,8 @@ CASES = [
         id="dp-ulysses-staleness-resume",
     ),
     pytest.param(
-        Case("fsdp=4,seq=2", "fsdp", context="ring", bf16=True, sync=SyncConfig(staleness=1)),
+        Case("fsdp=4,seq=2", "fsdp", context="ring", precision="bf16",
+             sync=SyncConfig(staleness=1)),
         marks=[
             pair("fsdp", "ring"), pair("fsdp", "staleness"), pair("fsdp", "bf16"),
             pair("ring", "staleness"), pair("ring", "bf16"), pair("staleness", "bf16"),
@@ -375,7 +394,7 @@ CASES = [
         id="fsdp-ring-bf16-staleness",
     ),
     pytest.param(
-        Case("fsdp=4,seq=2", "fsdp", context="allgather", accum=2, bf16=True),
+        Case("fsdp=4,seq=2", "fsdp", context="allgather", accum=2, precision="bf16"),
         marks=[
             pair("fsdp", "allgather"), pair("fsdp", "accumulation"), pair("fsdp", "bf16"),
             pair("allgather", "accumulation"), pair("allgather", "bf16"),
@@ -384,7 +403,7 @@ CASES = [
         id="fsdp-allgather-accum-bf16",
     ),
     pytest.param(
-        Case("data=2,fsdp=2,seq=2", "hsdp", context="ring", accum=2, bf16=True),
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="ring", accum=2, precision="bf16"),
         marks=[
             pair("hsdp", "ring"), pair("hsdp", "accumulation"), pair("hsdp", "bf16"),
             pair("ring", "accumulation"), pair("ring", "bf16"), pair("accumulation", "bf16"),
@@ -415,7 +434,7 @@ CASES = [
     # pipelines
     pytest.param(
         Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="circular", remat=True, accum=2,
-             bf16=True, resume=True),
+             precision="bf16", resume=True),
         marks=[
             pair("zero1", "tp"), pair("zero1", "circular"), pair("zero1", "remat"),
             pair("zero1", "accumulation"), pair("zero1", "bf16"),
@@ -474,7 +493,7 @@ CASES = [
     # the interleaved-1f1b and zb-h1 schedules
     pytest.param(
         Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="interleaved-1f1b", remat=True,
-             accum=2, bf16=True, sync=SyncConfig(staleness=1), resume=True),
+             accum=2, precision="bf16", sync=SyncConfig(staleness=1), resume=True),
         marks=[
             pair("zero1", "tp"), pair("zero1", "interleaved-1f1b"), pair("zero1", "staleness"),
             pair("zero1", "remat"), pair("zero1", "accumulation"), pair("zero1", "bf16"),
@@ -530,7 +549,7 @@ CASES = [
         id="fsdp-pallas-interleaved-1f1b",
     ),
     pytest.param(
-        Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="zb-h1", remat=True, bf16=True,
+        Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="zb-h1", remat=True, precision="bf16",
              sync=SyncConfig(grad_compression="bf16"), resume=True,
              resume_onto=("pipe=2,data=2,tensor=2", "dp+tp")),
         marks=[
@@ -583,7 +602,7 @@ CASES = [
     # mixtures of experts
     pytest.param(
         Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-capacity", remat=True, accum=2,
-             bf16=True, sync=SyncConfig(staleness=1)),
+             precision="bf16", sync=SyncConfig(staleness=1)),
         marks=[
             pair("hsdp", "moe-capacity"), pair("hsdp", "staleness"), pair("hsdp", "remat"),
             pair("hsdp", "accumulation"), pair("hsdp", "bf16"),
@@ -613,7 +632,7 @@ CASES = [
         id="zero1-moe-dropless-packed-remat-accum-staleness-resume",
     ),
     pytest.param(
-        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-dropless", packed=True, bf16=True),
+        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-dropless", packed=True, precision="bf16"),
         marks=[
             pair("hsdp", "moe-dropless"), pair("hsdp", "packed"), pair("hsdp", "bf16"),
             pair("moe-dropless", "packed"), pair("moe-dropless", "bf16"), pair("packed", "bf16"),
@@ -647,7 +666,7 @@ CASES = [
         id="fsdp-moe-dropless-allgather",
     ),
     pytest.param(
-        Case("data=4,seq=2", "dp", model="moe-capacity", context="ulysses", bf16=True,
+        Case("data=4,seq=2", "dp", model="moe-capacity", context="ulysses", precision="bf16",
              resume=True),
         marks=[
             pair("dp", "ulysses"), pair("dp", "moe-capacity"), pair("dp", "bf16"),
@@ -669,7 +688,7 @@ CASES = [
     ),
     # communicating less (the one-device reference as `_reference` says), packed documents
     pytest.param(
-        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, bf16=True,
+        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, precision="bf16",
              sync=SyncConfig(sync_every=1), resume=True, resume_onto=("data=2,tensor=4", "tp")),
         marks=[
             pair("hsdp", "local-sgd"), pair("hsdp", "remat"), pair("hsdp", "accumulation"),
@@ -683,7 +702,7 @@ CASES = [
         id="hsdp-local-sgd-remat-accum-bf16-resume",
     ),
     pytest.param(
-        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, bf16=True,
+        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, precision="bf16",
              sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), resume=True,
              resume_onto=("data=2,tensor=4", "tp")),
         marks=[
@@ -698,7 +717,7 @@ CASES = [
         id="hsdp-diloco-remat-accum-bf16-resume",
     ),
     pytest.param(
-        Case("data=8", "dp", remat=True, bf16=True,
+        Case("data=8", "dp", remat=True, precision="bf16",
              sync=SyncConfig(grad_compression="bf16", staleness=1), resume=True,
              resume_onto=("data=8", "zero1")),
         marks=[
@@ -713,7 +732,7 @@ CASES = [
         id="dp-compression-staleness-remat-bf16-resume",
     ),
     pytest.param(
-        Case("data=4,fsdp=2", "zero1", packed=True, accum=2, bf16=True,
+        Case("data=4,fsdp=2", "zero1", packed=True, accum=2, precision="bf16",
              sync=SyncConfig(staleness=1), resume=True),
         marks=[
             pair("zero1", "packed"), pair("zero1", "staleness"), pair("zero1", "accumulation"),
@@ -728,7 +747,7 @@ CASES = [
     ),
     # the Pallas kernels
     pytest.param(
-        Case("data=4,tensor=2", "zero1+tp", model="pallas", accum=2, bf16=True,
+        Case("data=4,tensor=2", "zero1+tp", model="pallas", accum=2, precision="bf16",
              sync=SyncConfig(grad_compression="bf16", staleness=1)),
         marks=[
             pair("zero1", "tp"), pair("zero1", "compression"), pair("zero1", "staleness"),
@@ -805,7 +824,8 @@ CASES = [
     ),
     # cuDNN attention (on CPU: jax's XLA implementation of the same call, see the test)
     pytest.param(
-        Case("data=4,tensor=2", "dp+tp", cudnn=True, remat=True, accum=2, bf16=True, resume=True),
+        Case("data=4,tensor=2", "dp+tp", cudnn=True, remat=True, accum=2, precision="bf16",
+             resume=True),
         marks=[
             pair("dp", "tp"), pair("dp", "cudnn"), pair("dp", "remat"),
             pair("dp", "accumulation"), pair("dp", "bf16"), pair("dp", "resume-relayout"),
@@ -838,6 +858,190 @@ CASES = [
             pair("zero1", "moe-dropless"), pair("zero1", "cudnn"), pair("moe-dropless", "cudnn"),
         ],
         id="zero1-moe-dropless-cudnn",
+    ),
+    # each lower precision with the features it has not been combined with above
+    pytest.param(
+        Case("pipe=2,data=2,tensor=2", "zero1+tp",
+             schedule="interleaved-1f1b", remat=True, accum=2, resume=True, precision="fp16"),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "interleaved-1f1b"), pair("zero1", "remat"),
+            pair("zero1", "accumulation"), pair("zero1", "fp16"), pair("zero1", "resume-relayout"),
+            pair("tp", "interleaved-1f1b"), pair("tp", "remat"), pair("tp", "accumulation"),
+            pair("tp", "fp16"), pair("tp", "resume-relayout"), pair("interleaved-1f1b", "remat"),
+            pair("interleaved-1f1b", "accumulation"), pair("interleaved-1f1b", "fp16"),
+            pair("interleaved-1f1b", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "fp16"), pair("remat", "resume-relayout"), pair("accumulation", "fp16"),
+            pair("accumulation", "resume-relayout"), pair("fp16", "resume-relayout"),
+        ],
+        id="zero1-tp-interleaved-1f1b-remat-accumulation-fp16-resume-relayout",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp",
+             model="moe-capacity", schedule="zb-h1", precision="fp16"),
+        marks=[
+            pair("hsdp", "zb-h1"), pair("hsdp", "moe-capacity"), pair("hsdp", "fp16"),
+            pair("zb-h1", "moe-capacity"), pair("zb-h1", "fp16"), pair("moe-capacity", "fp16"),
+        ],
+        id="hsdp-zb-h1-moe-capacity-fp16",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,expert=2", "dp",
+             model="moe-dropless", schedule="circular", precision="fp16"),
+        marks=[
+            pair("dp", "circular"), pair("dp", "moe-dropless"), pair("dp", "fp16"),
+            pair("circular", "moe-dropless"), pair("circular", "fp16"),
+            pair("moe-dropless", "fp16"),
+        ],
+        id="dp-circular-moe-dropless-fp16",
+    ),
+    pytest.param(
+        Case("pipe=2,fsdp=4", "fsdp", schedule="1f1b", packed=True, precision="fp16"),
+        marks=[
+            pair("fsdp", "1f1b"), pair("fsdp", "packed"), pair("fsdp", "fp16"),
+            pair("1f1b", "packed"), pair("1f1b", "fp16"), pair("packed", "fp16"),
+        ],
+        id="fsdp-1f1b-packed-fp16",
+    ),
+    pytest.param(
+        Case("pipe=2,data=4", "zero1", schedule="gpipe", precision="fp16"),
+        marks=[
+            pair("zero1", "gpipe"), pair("zero1", "fp16"), pair("gpipe", "fp16"),
+        ],
+        id="zero1-gpipe-fp16",
+    ),
+    pytest.param(
+        Case("data=2,seq=2,tensor=2", "dp+tp", context="ring", precision="fp16"),
+        marks=[
+            pair("dp", "tp"), pair("dp", "ring"), pair("dp", "fp16"), pair("tp", "ring"),
+            pair("tp", "fp16"), pair("ring", "fp16"),
+        ],
+        id="dp-tp-ring-fp16",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather", precision="fp16"),
+        marks=[
+            pair("hsdp", "allgather"), pair("hsdp", "fp16"), pair("allgather", "fp16"),
+        ],
+        id="hsdp-allgather-fp16",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ulysses", precision="fp16"),
+        marks=[
+            pair("zero1", "ulysses"), pair("zero1", "fp16"), pair("ulysses", "fp16"),
+        ],
+        id="zero1-ulysses-fp16",
+    ),
+    pytest.param(
+        Case("data=8", "zero1", sync=SyncConfig(grad_compression="int8"), precision="fp16"),
+        marks=[pair("zero1", "compression"), pair("zero1", "fp16"), pair("compression", "fp16")],
+        id="zero1-compression-fp16",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,tensor=2", "zero1+tp",
+             schedule="interleaved-1f1b", remat=True, accum=2, resume=True, precision="fp8"),
+        marks=[
+            pair("zero1", "tp"), pair("zero1", "interleaved-1f1b"), pair("zero1", "remat"),
+            pair("zero1", "accumulation"), pair("zero1", "fp8"), pair("zero1", "resume-relayout"),
+            pair("tp", "interleaved-1f1b"), pair("tp", "remat"), pair("tp", "accumulation"),
+            pair("tp", "fp8"), pair("tp", "resume-relayout"), pair("interleaved-1f1b", "remat"),
+            pair("interleaved-1f1b", "accumulation"), pair("interleaved-1f1b", "fp8"),
+            pair("interleaved-1f1b", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "fp8"), pair("remat", "resume-relayout"), pair("accumulation", "fp8"),
+            pair("accumulation", "resume-relayout"), pair("fp8", "resume-relayout"),
+        ],
+        id="zero1-tp-interleaved-1f1b-remat-accumulation-fp8-resume-relayout",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp",
+             model="moe-capacity", schedule="zb-h1", precision="fp8"),
+        marks=[
+            pair("hsdp", "zb-h1"), pair("hsdp", "moe-capacity"), pair("hsdp", "fp8"),
+            pair("zb-h1", "moe-capacity"), pair("zb-h1", "fp8"), pair("moe-capacity", "fp8"),
+        ],
+        id="hsdp-zb-h1-moe-capacity-fp8",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,expert=2", "dp",
+             model="moe-dropless", schedule="circular", precision="fp8"),
+        marks=[
+            pair("dp", "circular"), pair("dp", "moe-dropless"), pair("dp", "fp8"),
+            pair("circular", "moe-dropless"), pair("circular", "fp8"), pair("moe-dropless", "fp8"),
+        ],
+        id="dp-circular-moe-dropless-fp8",
+    ),
+    pytest.param(
+        Case("pipe=2,fsdp=4", "fsdp", schedule="1f1b", packed=True, precision="fp8"),
+        marks=[
+            pair("fsdp", "1f1b"), pair("fsdp", "packed"), pair("fsdp", "fp8"),
+            pair("1f1b", "packed"), pair("1f1b", "fp8"), pair("packed", "fp8"),
+        ],
+        id="fsdp-1f1b-packed-fp8",
+    ),
+    pytest.param(
+        Case("pipe=2,data=4", "zero1",
+             schedule="gpipe", sync=SyncConfig(staleness=1), precision="fp8"),
+        marks=[
+            pair("zero1", "gpipe"), pair("zero1", "staleness"), pair("zero1", "fp8"),
+            pair("gpipe", "staleness"), pair("gpipe", "fp8"), pair("staleness", "fp8"),
+        ],
+        id="zero1-gpipe-staleness-fp8",
+    ),
+    pytest.param(
+        Case("data=2,seq=2,tensor=2", "dp+tp", context="ring", precision="fp8"),
+        marks=[
+            pair("dp", "tp"), pair("dp", "ring"), pair("dp", "fp8"), pair("tp", "ring"),
+            pair("tp", "fp8"), pair("ring", "fp8"),
+        ],
+        id="dp-tp-ring-fp8",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather", precision="fp8"),
+        marks=[
+            pair("hsdp", "allgather"), pair("hsdp", "fp8"), pair("allgather", "fp8"),
+        ],
+        id="hsdp-allgather-fp8",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ulysses", precision="fp8"),
+        marks=[
+            pair("zero1", "ulysses"), pair("zero1", "fp8"), pair("ulysses", "fp8"),
+        ],
+        id="zero1-ulysses-fp8",
+    ),
+    pytest.param(
+        Case("data=8", "zero1",
+             model="pallas", sync=SyncConfig(grad_compression="int8"), precision="fp8"),
+        marks=[
+            pair("zero1", "compression"), pair("zero1", "pallas"), pair("zero1", "fp8"),
+            pair("compression", "pallas"), pair("compression", "fp8"), pair("pallas", "fp8"),
+        ],
+        id="zero1-compression-pallas-fp8",
+    ),
+    pytest.param(
+        Case("data=4,tensor=2", "dp+tp", cudnn=True, precision="fp8"),
+        marks=[
+            pair("dp", "tp"), pair("dp", "cudnn"), pair("dp", "fp8"), pair("tp", "cudnn"),
+            pair("tp", "fp8"), pair("cudnn", "fp8"),
+        ],
+        id="dp-tp-cudnn-fp8",
+    ),
+    pytest.param(
+        Case("data=4,tensor=2", "dp+tp", packed=True, sync=SyncConfig(sync_every=1),
+             precision="fp8"),
+        marks=[
+            pair("dp", "tp"), pair("dp", "packed"), pair("dp", "local-sgd"), pair("dp", "fp8"),
+            pair("tp", "packed"), pair("tp", "local-sgd"), pair("tp", "fp8"),
+            pair("packed", "local-sgd"), pair("packed", "fp8"), pair("local-sgd", "fp8"),
+        ],
+        id="dp-tp-packed-local-sgd-fp8",
+    ),
+    pytest.param(
+        Case("data=8", "dp",
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), precision="fp8"),
+        marks=[
+            pair("dp", "diloco"), pair("dp", "fp8"), pair("diloco", "fp8"),
+        ],
+        id="dp-diloco-fp8",
     ),
 
 ]  # fmt: skip

@@ -125,7 +125,7 @@ def _pooled_router_loss(run: RunSpec) -> bool:
 
 def _kernels(run: RunSpec) -> set[str]:
     """The hand-written kernels (pallas, cudnn) the model's attention or norms name."""
-    names = {getattr(run.model, f, None) for f in ("attention_impl", "norm_impl")}
+    names = {str(getattr(run.model, f, "")) for f in ("attention_impl", "norm_impl")}
     return names & {"pallas", "cudnn"}
 
 

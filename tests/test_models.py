@@ -448,7 +448,7 @@ def test_build_model_rejects_an_unknown_config():
     "kw, match",
     [
         (dict(style="bert"), r"gpt.style='bert': choose from gpt2, llama"),
-        (dict(dtype="float16"), r"gpt.dtype='float16': choose from float32, bfloat16"),
+        (dict(dtype="float64"), r"gpt.dtype='float64': choose from float32, bfloat16, float16"),
         (dict(n_layers=0), r"gpt.n_layers=0: must be a positive integer"),
         (dict(d_ff=-1), r"gpt.d_ff=-1: must be an integer ≥ 0"),
     ],

@@ -168,6 +168,8 @@ BAD = {
     "meshtrain.models.mlp.MLPConfig": ("d_hidden", 0, "mlp.d_hidden"),
     "meshtrain.models.cnn_config.CNNConfig": ("groups", 0, "cnn.groups"),
     "meshtrain.cli.train.TrainJob": ("devices", -1, "devices"),
+    "meshtrain.cli.train.PrecisionFlags": ("loss_scale_period", 0, "loss_scale_period"),
+    "meshtrain.precision.policy.Precision": ("policy", "fp9", "precision"),
     "meshtrain.run.RunSpec": ("mesh", "data=8", "run.mesh"),
     "meshtrain.cli.inspect.InspectJob": ("sample_tokens", -1, "sample_tokens"),
     "meshtrain.cli.bench.BenchSettings": ("steps", 0, "steps"),

@@ -30,9 +30,18 @@ class LossScaleState(NamedTuple):
 
 
 def with_loss_scale(tx: optax.GradientTransformation, init: float) -> optax.GradientTransformation:
-    """`tx` whose state also holds a loss scale starting at `init` (`LossScaleState`).
+    """`tx` whose state also holds a loss scale (`LossScaleState`), for float16 training.
 
-    The update is `tx`'s; the train step reads and adjusts the scale (`adjust`).
+    The update is `tx`'s; the train step reads the scale, scales the backward by it, and
+    adjusts it after each step (`adjust`). `meshtrain.RunSpec.optimizer` wraps the run's
+    optimizer this way when its precision scales the loss.
+
+    Args:
+        tx: the optax transformation to wrap.
+        init: the first loss scale, a power of two (e.g. 32768).
+
+    Returns:
+        The wrapped transformation; its state is ``LossScaleState(scale, good_steps, inner)``.
     """
 
     def init_fn(params):

@@ -4,11 +4,14 @@ the default optimizer and batch), on one device, from the same seed.
 
     python benchmarks/precision.py                      # fp32, bf16, fp16, fp8; 200 steps
     python benchmarks/precision.py --policies bf16 fp8 --steps 50
+    python benchmarks/precision.py --policies bf16 fp16 fp8 --check   # the guide's bounds
 
 Each line has the final training loss (the mean of the last 10 steps'), the held-out loss,
 their ratios to bf16's (when bf16 ran), and under fp16 the final loss scale and the steps its
 overflows skipped. The compiled memory of each policy comes from ``meshtrain bench --size 125m
---precision P --compile-only``; the test suite runs `converge` (tests/test_precision.py).
+--precision P --compile-only``. With ``--check`` it exits 1 unless fp16's held-out loss is
+within 2% of bf16's and fp8's within 3% (about 5 minutes on 2 cores: outside the test suite,
+whose time it would take).
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--devices", type=int, default=8, help="CPU devices to simulate")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 unless fp16 is within 2%% and fp8 within 3%%"
+    )
     args = parser.parse_args(argv)
     import meshtrain as mt
 
@@ -83,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
             command=" ".join(["python benchmarks/precision.py", *words]),
         )
         print(json.dumps(r), flush=True)
+    if args.check and base is not None:  # the precision guide's bounds
+        bounds = {"fp16": 0.02, "fp8": 0.03}
+        off = [
+            f"{r['policy']}: held-out loss {r['eval_loss_vs_bf16']:.4f} × bf16's"
+            for r in results
+            if r["policy"] in bounds and abs(r["eval_loss_vs_bf16"] - 1) > bounds[r["policy"]]
+        ]
+        if off:
+            print("outside the bounds (fp16 2%, fp8 3%): " + "; ".join(off), file=sys.stderr)
+            return 1
     return 0
 
 

@@ -2,11 +2,11 @@
 
 Each operand is scaled by a power of two so that its largest magnitude lands just below the
 format's maximum (the scale is this step's amax: *current* scaling), rounded to fp8, and
-multiplied back (quantise-dequantise). XLA's GPU compiler turns a dot of such operands into
-an fp8 GEMM on Hopper; on other backends the same program runs, and rounds, exactly as fp8
-would, in the compute dtype. The backward quantises the incoming gradient to e5m2 (more
-range, less precision) and multiplies it with the e4m3 operands saved by the forward, which
-are kept in fp8 (one byte each).
+multiplied back (quantise-dequantise). On Hopper, XLA's GPU compiler rewrites a dot of such
+operands into an fp8 GEMM (a `gpu`-marked test counts them; not yet run on a GPU); on other
+backends the same program runs, and rounds, exactly as fp8 would, in the compute dtype. The
+backward quantises the incoming gradient to e5m2 (more range, less precision) and multiplies
+it with the e4m3 operands saved by the forward, which are kept in fp8 (one byte each).
 
 Why current scaling rather than delayed (an amax history): it needs no state, so it composes
 with every layout, pipeline schedule and accumulation as the plain matmul does, and a spike

@@ -151,8 +151,8 @@ class Precision:
                 Problem(
                     "precision",
                     "fp8",
-                    f"the {name} model has no fp8-capable layers (its matmuls are "
-                    "convolutions); use --precision bf16",
+                    f"the {name} model has no fp8-capable layers (its config has no fp8 "
+                    "field); use --precision bf16",
                 )
             ]
         if model.dtype not in ("float32", compute):

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from meshtrain.launch.resize import CannotResize, resized
 from meshtrain.train import events
 from meshtrain.train.hooks import StopSignals
 from meshtrain.train.stopping import AgreedStop
-from meshtrain.train.watchdog import HANG_EXIT, Watchdog
+from meshtrain.train.watchdog import HANG_EXIT, PEER_WAIT_S, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 _SPEC = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
@@ -37,7 +38,9 @@ soak = importlib.util.module_from_spec(_SPEC)  # the soak's job and functions
 _SPEC.loader.exec_module(soak)
 
 FAULTS = str(ROOT / "tests" / "_faults")
-BOUND_SLACK = 4.0  # seconds past a watchdog's bound: its check interval and process exit
+# Seconds past a watchdog's bound: its check interval, the wait for its peers' stacks and its
+# exit.
+BOUND_SLACK = 4.0 + PEER_WAIT_S
 
 
 def _faults_env(**extra: str) -> dict[str, str]:
@@ -349,7 +352,42 @@ def test_watchdog_answers_the_launchers_request_for_stacks(tmp_path, monkeypatch
     assert dog.answer_request() and not dog.answer_request()  # once
     (event,) = events.read(tmp_path / "events.jsonl")
     assert event["event"] == "stacks" and event["rank"] == 0 and event["step"] == 7
-    assert "asked by the launcher" in Path(event["stacks"]).read_text()
+    assert "asked after another process hung" in Path(event["stacks"]).read_text()
+
+
+@pytest.mark.parametrize("peer_answers", [True, False], ids=["peer-answers", "peer-silent"])
+def test_a_firing_watchdog_asks_its_peers_for_stacks_before_it_exits(
+    tmp_path, monkeypatch, peer_answers
+):
+    """Process 0's exit can end its peers' runtime: their stacks are asked for first."""
+    monkeypatch.setenv(events.EVENTS_VAR, str(tmp_path / "events.jsonl"))
+    clock, exits = _Clock(), []
+    dog = Watchdog(10.0, 3.0, run_dir=str(tmp_path), rank=0, processes=2, clock=clock,
+                   exit=exits.append)  # fmt: skip
+    peer = Watchdog(10.0, 3.0, run_dir=str(tmp_path), rank=1, exit=pytest.fail)
+    peer.step_done(5)
+
+    def answer():  # the peer's watchdog thread, polling
+        while not exits:
+            if peer_answers and peer.answer_request():
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    dog.step_done(5)
+    clock.now += 3.5
+    started = time.monotonic()
+    assert dog.check() and exits == [HANG_EXIT]
+    waited = time.monotonic() - started
+    thread.join()
+    kinds = [(e["event"], e["rank"]) for e in events.read(tmp_path / "events.jsonl")]
+    if peer_answers:
+        assert kinds == [("hang", 0), ("stacks", 1)] and waited < PEER_WAIT_S, (kinds, waited)
+        assert (tmp_path / "hangs" / "p1-step5-asked.txt").exists()
+    else:
+        assert kinds == [("hang", 0)] and waited >= PEER_WAIT_S, (kinds, waited)
+    assert not dog.answer_request()  # its own stacks are written already
 
 
 def test_events_round_trip_and_a_partial_line_waits(tmp_path, monkeypatch):

@@ -8,8 +8,8 @@
 - ``hang``: the watchdog found no step done in time: ``stacks`` names the dump (any process);
 - ``stop``: a SIGTERM/SIGINT was agreed on: this process saved ``step`` and exits 0 (every
   process);
-- ``stacks``: the process wrote its stacks because the launcher asked (`dump_request`), after
-  another process hung.
+- ``stacks``: the process wrote its stacks because the launcher or another process's watchdog
+  asked (`dump_request`), after that process hung.
 
 Without ``MESHTRAIN_EVENTS`` nothing is written. `read` returns the events written so far.
 """

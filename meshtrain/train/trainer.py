@@ -235,7 +235,11 @@ class Trainer:
             mx.Progress(cfg.steps, enabled=cfg.progress and main) as bar,
             StopSignals() as signals,
             Watchdog(
-                cfg.hang_factor, cfg.hang_floor_s, run_dir=cfg.run_dir, rank=jax.process_index()
+                cfg.hang_factor,
+                cfg.hang_floor_s,
+                run_dir=cfg.run_dir,
+                rank=jax.process_index(),
+                processes=jax.process_count(),
             ) as self._watchdog,
         ):
             stop = AgreedStop(signals)

@@ -6,8 +6,11 @@ A thread watches the time since the last completed step. Once it exceeds
 stack to ``<run_dir>/hangs/`` (stderr without a run directory), reports a ``hang`` event and
 exits the process with status `HANG_EXIT`. It arms only after the first step (which
 compiles), and a `suspended` block (the first evaluation, which compiles too) is not timed.
-When the launcher asks (`meshtrain.train.events.dump_request`, after another process hung),
-the watchdog writes this process's stacks there too, and the process goes on.
+A watchdog that fires asks the job's other processes for their stacks
+(`meshtrain.train.events.dump_request`; the launcher asks too) and waits up to `PEER_WAIT_S`
+for them before it exits: a hang's cause may be a peer, and process 0's exit can end its
+peers' distributed runtime before the launcher's request reaches them. A process asked writes
+its stacks there too, and goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from meshtrain.train import events
 
 HANG_EXIT = 124  # the status of a process ended by the watchdog (as timeout(1) uses)
+PEER_WAIT_S = 3.0  # how long a watchdog that fired waits for the other processes' stacks
 _WINDOW = 64  # step times the median is taken over
 
 
@@ -36,6 +40,7 @@ class Watchdog:
         floor_s: the least time that counts as a hang; 0 turns the watchdog off.
         run_dir: where ``hangs/p<rank>-step<N>.txt`` goes; empty: stderr.
         rank: this process's index in its job.
+        processes: how many processes the job has (whose stacks a firing watchdog asks for).
         clock: seconds, monotonic (tests pass a fake one).
         exit: called with `HANG_EXIT` once the stacks are written (tests pass a recorder).
     """
@@ -47,11 +52,12 @@ class Watchdog:
         *,
         run_dir: str = "",
         rank: int = 0,
+        processes: int = 1,
         clock=time.monotonic,
         exit=os._exit,
     ):
         self.factor, self.floor_s = factor, floor_s
-        self.run_dir, self.rank = run_dir, rank
+        self.run_dir, self.rank, self.processes = run_dir, rank, processes
         self._clock, self._exit = clock, exit
         self._times: deque[float] = deque(maxlen=_WINDOW)
         self._last: float | None = None  # when the last step completed; None: not armed
@@ -108,6 +114,7 @@ class Watchdog:
             why = f"no step completed for {idle:.1f} s after step {step} (bound {bound:.1f} s)"
             self.fired = self._dump(why, f"p{self.rank}-step{step}.txt")
         events.report("hang", rank=self.rank, step=step, idle_s=idle, stacks=self.fired)
+        self._ask_peers()
         print(
             f"meshtrain: watchdog: process {self.rank} completed no step for {idle:.0f} s "
             f"after step {step} (bound {bound:.0f} s = max({self.factor:g} × median step "
@@ -127,10 +134,25 @@ class Watchdog:
         with self._lock:
             step, since = self._step, self._last
         idle = f"{self._clock() - since:.1f} s" if since is not None else "before any step"
-        why = f"asked by the launcher after another process hung ({idle} since step {step})"
+        why = f"asked after another process hung ({idle} since step {step})"
         path = self._dump(why, f"p{self.rank}-step{step}-asked.txt")
         events.report("stacks", rank=self.rank, step=step, stacks=path)
         return True
+
+    def _ask_peers(self) -> None:
+        """Asks the other processes for their stacks; waits up to `PEER_WAIT_S` for them."""
+        log = os.environ.get(events.EVENTS_VAR, "")
+        if self.processes < 2 or not self._request or not log:
+            return
+        self._answered = True  # this process's stacks are written already
+        Path(self._request).touch()
+        others = set(range(self.processes)) - {self.rank}
+        deadline = time.monotonic() + PEER_WAIT_S
+        while time.monotonic() < deadline:
+            answered = {e.get("rank") for e in events.read(log) if e.get("event") == "stacks"}
+            if others <= answered:
+                return
+            time.sleep(0.05)
 
     def _dump(self, why: str, name: str) -> str:
         """Writes every thread's stack to ``<run_dir>/hangs/<name>`` (or stderr); returns

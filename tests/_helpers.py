@@ -1,15 +1,21 @@
-"""Helpers shared by several test files."""
+"""Helpers shared by several test files (jax is imported lazily: conftest.py reads
+`FAST_COMPILE` before jax initialises)."""
 
 import contextlib
+import os
 
-import jax
-
+# Compiling dominates the suite (tiny models, few steps); LLVM's -O0 for XLA's CPU code roughly
+# halves each compile. It changes neither the HLO nor its partitioning, only how fast the
+# generated loops run.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 @contextlib.contextmanager
 def count_compiles():
     """Counts XLA backend compiles inside the block; yields a list whose length is the count."""
+    import jax
+
     seen = []
 
     def listener(event, duration, **kwargs):
@@ -21,3 +27,13 @@ def count_compiles():
         yield seen
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def fresh_env(devices: int | None = None) -> dict[str, str]:
+    """The environment of a fresh Python process (a CLI run, a notebook kernel, a benchmark) as
+    a user starts one: this process's variables on the CPU platform, and ``XLA_FLAGS`` with no
+    device count (the process simulates its own devices; `devices` sets one for a script that
+    expects it from the user), only the cheap compiles of `FAST_COMPILE`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    count = f"--xla_force_host_platform_device_count={devices} " if devices else ""
+    return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": count + FAST_COMPILE}

@@ -2,11 +2,10 @@
 
 import os
 
-# Compiling dominates the suite (tiny models, few steps); LLVM's -O0 for XLA's CPU code roughly
-# halves each compile. It changes neither the HLO nor its partitioning, only how fast the
-# generated loops run. Subprocesses that inherit XLA_FLAGS get it too; the notebooks, the CLI's
-# fresh-process runs and the benchmarks start from their own flags, as a user would.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from _helpers import FAST_COMPILE  # cheap compiles (jax is not imported yet)
+
+# Subprocesses that inherit XLA_FLAGS get them too; the notebooks, the CLI's fresh-process runs
+# and the benchmarks start without the device count, as a user would (`_helpers.fresh_env`).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 " + FAST_COMPILE
 ).strip()

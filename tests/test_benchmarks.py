@@ -2,12 +2,12 @@
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from _helpers import fresh_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "overhead.py"
@@ -37,9 +37,7 @@ def _positive_finite(x) -> bool:
 
 @pytest.mark.slow
 def test_overhead_quick_prints_one_json_line():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = fresh_env(devices=8)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick"],
         cwd=ROOT,
@@ -89,13 +87,8 @@ def test_pipeline_memory_quick_counts_permutes_and_memory():
     """`--quick` prints one JSON line: every schedule's compiled permutes are the table's stage
     pairs and send exactly the useful bytes it implies, its counted bubble is the closed form,
     and 1F1B's temporary memory is below gpipe's."""
-    env = dict(os.environ)
     # Compile-only figures (HLO permutes, buffer sizes): LLVM -O0 leaves them as they are.
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8"
-        " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    )
-    env["JAX_PLATFORMS"] = "cpu"
+    env = fresh_env(devices=8)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "pipeline_memory.py"), "--quick"],
         cwd=ROOT,
@@ -120,8 +113,7 @@ def test_pipeline_memory_quick_counts_permutes_and_memory():
 
 @pytest.mark.slow
 def test_save_overhead_quick_prints_one_json_line():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = fresh_env()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "save_overhead.py"), "--quick"],
         cwd=ROOT,

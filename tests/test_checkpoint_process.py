@@ -14,6 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _helpers import fresh_env
 
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointConfig, CheckpointManager
@@ -37,9 +38,7 @@ KILLED_AFTER_3 = (
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return fresh_env()
 
 
 def _job(tmp_path, run_dir, *, d_model=16, d_hidden=32, **flags):

@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import typing
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import tyro
+from _helpers import fresh_env
 
 from meshtrain import cli
 from meshtrain.cli import train as cli_train
@@ -350,8 +350,7 @@ def test_console_script_end_to_end(tmp_path):
         "--sample-tokens", "16",
         "--eval-every", "0",
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = fresh_env()
     proc = subprocess.run(
         argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420, check=False
     )
@@ -409,10 +408,7 @@ def test_running_the_default_job_twice_keeps_the_first_run(tmp_path):
     argv = [str(script), "train", "--steps", "1", "--gpt.d-model", "32", "--gpt.n-layers", "2",
             "--data.seq-len", "32", "--data.batch-size", "16", "--sample-tokens", "0",
             "--eval-every", "0", "--no-progress"]  # fmt: skip
-    # No device count in XLA_FLAGS (the CLI must simulate the devices), only cheap compiles.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = fresh_env()  # no device count: the CLI must simulate the devices
     outs = []
     for _ in range(2):
         proc = subprocess.run(
@@ -442,8 +438,7 @@ def test_resuming_with_another_model_size_is_one_line_and_changes_nothing(tmp_pa
     before = {str(p.relative_to(ckpts)): p.stat().st_mtime_ns for p in ckpts.rglob("*")}
     assert sorted(p.name for p in ckpts.iterdir()) == ["0"]
     script = Path(sys.executable).parent / "meshtrain"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = fresh_env()
     proc = subprocess.run(
         [str(script), "train", *flags, "--gpt.d-model", "64", "--resume"],
         env=env,

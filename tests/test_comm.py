@@ -4,7 +4,6 @@ planner's choices confirmed by compiling. One compile per layout, shared (module
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from _helpers import fresh_env
 from flax import nnx
 
 import meshtrain as mt
@@ -318,7 +318,7 @@ def test_meshtrain_inspect_json_prints_the_compiled_steps_collectives(capsys):
 @pytest.mark.slow
 def test_the_comm_benchmark_quick_meets_its_target_on_every_layout():
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = fresh_env(devices=8)
     proc = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "comm.py"), "--quick"],
         cwd=root, env=env, capture_output=True, text=True, timeout=600,

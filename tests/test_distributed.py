@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import FAST_COMPILE
 
 from meshtrain.cli.launch import parse as parse_launch
 from meshtrain.data import DataConfig, make_dataset, prepare_corpus
@@ -30,7 +31,6 @@ from meshtrain.mesh import host_layout, make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "_dist_driver.py"
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 RUN_TIMEOUT = 420  # hard bound on any one multi-process run, in seconds
 # float32, 3 AdamW steps; only the order of cross-device sums differs (measured: losses
 # ≤ 4.8e-7 apart, parameters ≤ 1.2e-7).

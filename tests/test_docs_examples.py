@@ -7,13 +7,13 @@ which examples the suite runs. Fragments that continue an earlier example, such 
 Face one, are not scripts and are not run. The README and every page under docs/ are read.
 """
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from _helpers import fresh_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 MARK = "<!-- runnable -->"
@@ -56,8 +56,7 @@ def test_complete_examples_are_exactly_the_runnable_ones():
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(RUNNABLE)), ids=[p for p, _ in RUNNABLE])
 def test_docs_example_runs(index, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = fresh_env()
     proc = subprocess.run(
         [sys.executable, "-c", RUNNABLE[index][1]],
         cwd=tmp_path,

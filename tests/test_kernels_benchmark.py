@@ -3,12 +3,12 @@
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from _helpers import fresh_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernels.py"
@@ -16,8 +16,7 @@ KERNELS = ("attention", "rms_norm", "layer_norm", "cross_entropy", "matmul")
 
 
 def _run(*args) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = fresh_env()
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         cwd=ROOT,

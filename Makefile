@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m ruff check .
 	$(VENV)/bin/python -m mypy
 	$(DOCS_BUILD)
-	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -q -m "not kit and not lowest" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -q --durations=25 -m "not kit and not lowest" $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The lowest versions pyproject.toml allows (jax 0.11.2, the GPU image's), in .venv-lowest:
 # the GPU kit's dry run in an image-like venv with the bundle, then a smoke subset.

@@ -12,6 +12,7 @@ losses move by ~1e-4 and a leaf's update by up to ~7% (measured): held to 1e-3 a
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -25,7 +26,7 @@ from meshtrain.checkpoint import CheckpointManager, restore
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
-from meshtrain.models import CNNConfig, DataSpec, GPTConfig, MoEConfig, build_model
+from meshtrain.models import CNNConfig, DataSpec, GPTConfig, MLPConfig, MoEConfig, build_model
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import POLICIES, Precision, fp8, loss_scale, with_loss_scale
 from meshtrain.problem import RunCheckError
@@ -513,3 +514,66 @@ def test_resuming_across_loss_scaling_names_the_precision():
     line = layout_mismatch(scaled._asdict(), plain)
     assert line.startswith("loss scaling, and this run has none") and "--precision fp16" in line
     assert layout_mismatch(plain._asdict(), _setup(cfg, Precision(policy="fp8"))[0]) is None
+
+
+# ---- the settings reach the program ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", ["default", "highest"])
+def test_matmul_precision_reaches_every_float32_dot_of_the_step(setting):
+    """--matmul-precision is in force while the step traces: under ``highest`` every dot of
+    the lowered float32 step (forward and backward) asks for HIGHEST, under ``default`` none."""
+    precision = Precision(policy="fp32", matmul_precision=setting)
+    cfg = dataclasses.replace(GPT, n_layers=2)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    rules = rules_for("dp", mesh)
+    run = RunSpec(model=cfg, mesh=mesh, rules=rules, optim=OPTIM, precision=precision,
+                  train=TrainConfig(run_dir=""))  # fmt: skip
+    tx = run.optimizer(10)
+    graphdef, state, shardings = init_train_state(lambda: build_model(cfg), tx, mesh, rules)
+    batch = shard_batch(_batches(1, cfg.vocab_size)[0], mesh, rules)
+    step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(batch, mesh, rules))
+    dots = [line for line in step.lower(state, batch).as_text().splitlines()
+            if "stablehlo.dot_general" in line]  # fmt: skip
+    highest = [line for line in dots if "precision = [HIGHEST, HIGHEST]" in line]
+    assert len(dots) >= 3 * 7  # 7 projections a block, each with a forward and two backward dots
+    assert len(highest) == (len(dots) if setting == "highest" else 0), (len(highest), len(dots))
+
+
+def test_the_mlp_classifier_runs_every_dense_layer_in_fp8():
+    """``MLPConfig(fp8=True)``: each dense layer (input, two per block, head) rounds both
+    operands to e4m3 in the forward and its gradient to e5m2 in the backward; the logits stay
+    within fp8's rounding of the bfloat16 model's (same parameters)."""
+    cfg = MLPConfig(num_features=16, num_classes=8, d_model=32, d_hidden=64, n_layers=2,
+                    dtype="bfloat16")  # fmt: skip
+    dense = 1 + 2 * cfg.n_layers + 1
+    graphdef, params = nnx.split(build_model(cfg), nnx.Param)
+    graphdef8, _ = nnx.split(build_model(dataclasses.replace(cfg, fp8=True)), nnx.Param)
+    x = jax.random.normal(jax.random.key(3), (32, cfg.num_features), jnp.float32)
+
+    def loss(g, p):
+        return jnp.sum(nnx.merge(g, p)(x).astype(jnp.float32) ** 2)
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: loss(graphdef8, p)))(params))
+    assert jaxpr.count("new_dtype=float8_e4m3fn") >= 2 * dense, jaxpr[-3000:]
+    assert jaxpr.count("new_dtype=float8_e5m2") >= dense
+    plain = str(jax.make_jaxpr(jax.grad(lambda p: loss(graphdef, p)))(params))
+    assert "float8" not in plain
+    y8 = np.asarray(nnx.merge(graphdef8, params)(x), np.float64)
+    y = np.asarray(nnx.merge(graphdef, params)(x), np.float64)
+    rel = np.linalg.norm(y8 - y) / np.linalg.norm(y)
+    assert 2.0**-9 < rel < 0.1, rel  # fp8's rounding, more than bfloat16's, within its bound
+
+
+def test_bench_compile_only_reports_the_compiled_step_under_a_policy(capsys):
+    """``meshtrain bench --precision fp8 --compile-only``: one JSON line with the policy,
+    the compiled memory, FLOPs and compile time, and nothing timed."""
+    from meshtrain.cli import main
+
+    assert main(["bench", "--size", "tiny", "--precision", "fp8", "--compile-only"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1, lines
+    out = json.loads(lines[0])
+    assert out["precision"] == "fp8" and out["compile_s"] > 0 and out["compiled_flops"] > 0
+    assert out["compiled_memory_bytes"]["temp"] > 0 and "compiled only" in out["note"]
+    assert "step_time_s" not in out and out["command"].startswith("meshtrain bench --size tiny")

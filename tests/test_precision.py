@@ -241,6 +241,26 @@ def test_float16_trains_with_a_scaled_backward_equal_to_the_unscaled_math():
     assert float(metrics[-1]["loss_scale"]) == SCALE
 
 
+def test_settle_halves_on_overflow_doubles_after_the_period_and_ignores_a_bad_step():
+    """`loss_scale.settle`, the step's whole loss-scale bookkeeping, on each kind of step;
+    the wrapped optimizer's state comes back as it went in."""
+    inner = {"mu": jnp.arange(3.0)}
+    state = loss_scale.LossScaleState(jnp.float32(1024), jnp.int32(2), inner)
+    cases = {  # (loss, grad_norm) -> (overflow, scale, good_steps), with period 3
+        "good, the third in a row": ((1.0, 2.0), (False, 2048, 0)),
+        "overflow": ((1.0, np.inf), (True, 512, 0)),
+        "bad step": ((np.nan, np.nan), (False, 1024, 2)),
+        "bad loss only": ((np.inf, 2.0), (False, 1024, 2)),
+    }
+    for name, ((loss, norm), (want_overflow, want_scale, want_good)) in cases.items():
+        got, overflow = loss_scale.settle(state, jnp.float32(loss), jnp.float32(norm), 3)
+        assert bool(overflow) is want_overflow, name
+        assert (float(got.scale), int(got.good_steps)) == (want_scale, want_good), name
+        assert got.inner is inner, name
+    floor = loss_scale.LossScaleState(jnp.float32(1), jnp.int32(0), inner)
+    assert float(loss_scale.settle(floor, jnp.float32(1), jnp.float32(np.inf), 3)[0].scale) == 1
+
+
 def test_overflow_skips_exactly_that_step_halves_the_scale_and_is_no_bad_step():
     """A scale of 2²⁴ overflows float16's backward (max 65504): each such step leaves the
     parameters and moments as they were, halves the scale and reports ``overflow`` (not

@@ -2,8 +2,9 @@
 
 The backward starts from ``scale × 1`` instead of 1 (`scale_backward`; the loss's value is
 untouched), so every gradient comes out `scale` times too large; `unscale` divides them in
-float32. A step whose gradients are not finite is skipped and the scale halves; after
-``period`` good steps in a row it doubles (`adjust`). Scales are powers of two, so scaling and
+float32. A step whose gradients are not finite while its loss is (an overflow) is skipped and
+the scale halves; after ``period`` good steps in a row it doubles (`adjust`; `settle` is the
+train step's whole after-step handling). Scales are powers of two, so scaling and
 unscaling are exact.
 
 The scale lives in the optimizer state (`with_loss_scale` wraps the optax transformation),
@@ -92,3 +93,20 @@ def adjust(state: LossScaleState, finite: jax.Array, period: int) -> LossScaleSt
         jnp.maximum(state.scale / 2, 1.0),
     )
     return state._replace(scale=scale, good_steps=jnp.where(grow, 0, good))
+
+
+def settle(state: LossScaleState, loss: jax.Array, grad_norm: jax.Array, period: int):
+    """The train step's loss-scale bookkeeping after its update; returns ``(state, overflow)``.
+
+    An overflow is a finite loss with non-finite gradients: the scale's doing, so the step
+    (already skipped by the caller) halves the scale. A non-finite loss is a bad step, not
+    the scale's: it leaves the scale and its count of good steps alone. Only the two scalars
+    change; the wrapped optimizer's state is returned as it came.
+    """
+    finite_loss = jnp.isfinite(loss)
+    overflow = finite_loss & ~jnp.isfinite(grad_norm)
+    adjusted = adjust(state, ~overflow, period)
+    return state._replace(
+        scale=jnp.where(finite_loss, adjusted.scale, state.scale),
+        good_steps=jnp.where(finite_loss, adjusted.good_steps, state.good_steps),
+    ), overflow

@@ -206,19 +206,15 @@ def train_step(
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    # Under loss scaling, gradients that overflow with a finite loss are the scale's doing:
-    # the step is skipped and the scale halves, but it is no bad step.
-    overflow = (jnp.isfinite(loss) & ~jnp.isfinite(grad_norm)) if scaler else jnp.bool_(False)
     if skip_nonfinite or sync.staleness or scaler:
         apply = (finite if skip_nonfinite or scaler else True) & ready
         params, opt_state, rest = _keep_if_not(apply, (params, opt_state, rest), state)
-    if scaler is not None:
-        comm = jax.tree.map(lambda n, o: jnp.where(overflow, o, n), comm, dict(state.comm))
-        adjusted = loss_scale.adjust(opt_state, ~overflow, run.precision.loss_scale_period)
-        # a bad step (a non-finite loss) leaves the scale and its count of good steps alone
-        opt_state = jax.tree.map(
-            lambda n, o: jnp.where(jnp.isfinite(loss), n, o), adjusted, opt_state
+    overflow = jnp.bool_(False)
+    if scaler is not None:  # an overflow is skipped, error-feedback residuals included
+        opt_state, overflow = loss_scale.settle(
+            opt_state, loss, grad_norm, run.precision.loss_scale_period
         )
+        comm = jax.tree.map(lambda n, o: jnp.where(overflow, o, n), comm, dict(state.comm))
     metrics = {**extra, "loss": loss, "grad_norm": grad_norm}
     metrics["skipped"] = (~finite & ~overflow).astype(jnp.int32)
     if scaler is not None:

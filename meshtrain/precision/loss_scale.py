@@ -34,7 +34,7 @@ def with_loss_scale(tx: optax.GradientTransformation, init: float) -> optax.Grad
     """`tx` whose state also holds a loss scale (`LossScaleState`), for float16 training.
 
     The update is `tx`'s; the train step reads the scale, scales the backward by it, and
-    adjusts it after each step (`adjust`). `meshtrain.RunSpec.optimizer` wraps the run's
+    adjusts it after each step (`settle`). `meshtrain.RunSpec.optimizer` wraps the run's
     optimizer this way when its precision scales the loss.
 
     Args:

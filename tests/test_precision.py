@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -423,6 +424,83 @@ def test_fp8_dense_layer_stays_within_the_formats_error_bound_forward_and_backwa
     assert "f8_e4m3fn" in str(jaxpr)
 
 
+DOTS = [  # (lhs shape, rhs shape, dimension numbers): every way a dot's axes can sit
+    ((6, 8), (8, 5), (((1,), (0,)), ((), ()))),
+    ((3, 6, 8), (8, 5), (((2,), (0,)), ((), ()))),
+    ((4, 6, 8), (4, 8, 5), (((2,), (1,)), ((0,), (0,)))),
+    ((8, 6, 3), (5, 3, 8), (((0, 2), (2, 1)), ((), ()))),
+    ((2, 8, 6, 3), (3, 5, 2, 8), (((1, 3), (3, 0)), ((0,), (2,)))),
+]
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", DOTS)
+def test_the_fp8_dot_multiplies_fp8_operands_forward_and_backward(lhs_shape, rhs_shape, dims):
+    """All three products of an fp8 dot (y, dlhs, drhs) take fp8 operands, for any layout of
+    contracting and batch axes, and equal plain float32 dots of the rounded operands exactly
+    (the products of fp8 values and their power-of-two scales are exact in float32)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(len(lhs_shape) + len(dims[0][0])), 3)
+    x = jax.random.normal(k1, lhs_shape, jnp.float32)
+    w = jax.random.normal(k2, rhs_shape, jnp.float32) * 3.0
+    y, vjp = jax.vjp(lambda a, b: fp8.dot_general(a, b, dims), x, w)
+    g = jax.random.normal(k3, y.shape, jnp.float32) * 1e-2
+    dx, dw = vjp(g)
+    rx, rw = fp8.round_trip(x, fp8.E4M3), fp8.round_trip(w, fp8.E4M3)
+    want_y, ref_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims), rx, rw)
+    want_dx, want_dw = ref_vjp(fp8.round_trip(g, fp8.E5M2))
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-9)
+    assert not np.allclose(np.asarray(dx), np.asarray(ref_vjp(g)[0]), rtol=1e-3)  # it rounds
+
+    def operand_types(jaxpr):
+        return [
+            tuple(str(v.aval.dtype) for v in eqn.invars)
+            for eqn in _all_eqns(jaxpr.jaxpr)
+            if eqn.primitive.name == "dot_general"
+        ]
+
+    e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
+    assert operand_types(jax.make_jaxpr(lambda a, b: fp8.dot_general(a, b, dims))(x, w)) == [
+        (e4m3, e4m3)
+    ]
+    assert operand_types(jax.make_jaxpr(vjp)(g)) == [(e5m2, e4m3)] * 2
+
+
+def _all_eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _all_eqns(inner)
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=["e4m3", "e5m2"])
+def test_round_trip_rounds_bit_for_bit_as_fp8_without_an_fp8_array(fmt):
+    """`round_trip` (the MoE's fp8 products) equals converting to fp8 and back, bit for bit,
+    on every fp8 value, every midpoint between two (the ties), subnormals and random
+    magnitudes, in float32 and bfloat16; its program holds no fp8 array for a compiler to
+    simplify away."""
+    every = np.asarray(jnp.arange(256, dtype=jnp.uint8).view(fmt).astype(jnp.float32), np.float64)
+    every = np.unique(every[np.isfinite(every)])
+    rng = np.random.default_rng(3)
+    inputs = [
+        np.concatenate([every, (every[1:] + every[:-1]) / 2]),
+        rng.normal(size=4096) * np.exp(rng.uniform(-30, 10, size=4096)),
+        rng.standard_cauchy(size=4096),
+    ]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for values in inputs:
+            x = jnp.asarray(values, dtype)
+            got = np.asarray(fp8.round_trip(x, fmt), np.float64)
+            want = np.asarray(fp8.dequantize(*fp8.quantize(x, fmt), dtype), np.float64)
+            np.testing.assert_array_equal(got, want)
+            assert np.mean(got != np.asarray(x, np.float64)) > 0.3  # it does round
+    text = str(jax.make_jaxpr(lambda a: fp8.round_trip(a, fmt))(jnp.ones((8,), jnp.float32)))
+    assert "f8" not in text
+
+
 def _count_fp8(text: str) -> tuple[int, int]:
     return text.count("f8E4M3FN"), text.count("f8E5M2")
 
@@ -455,8 +533,14 @@ def test_the_fp8_train_step_lowers_for_an_h100_with_every_dense_projection_in_fp
         )
     text = exported.mlir_module()
     e4m3, e5m2 = _count_fp8(text)
-    # converts to fp8 (and back) per operand: at least one each way per projection operand
+    # converts to fp8 per operand: at least one per projection operand and gradient
     assert e4m3 >= 2 * 7 and e5m2 >= 7, (e4m3, e5m2)
+    # and every projection's three products multiply fp8 operands (the blocks are one scan body)
+    fp8_dots = [
+        line for line in text.splitlines()
+        if "stablehlo.dot_general" in line and line.split("->")[0].count("f8E") == 2
+    ]  # fmt: skip
+    assert len(fp8_dots) >= 3 * 7, len(fp8_dots)
     plain = dataclasses.replace(cfg, fp8=False)
     graphdef0, params0 = nnx.split(build_model(plain), nnx.Param)
     text0 = jax.jit(lambda p: nnx.merge(graphdef0, p)(batch["inputs"])).lower(params0).as_text()
@@ -505,20 +589,33 @@ def test_each_precision_under_a_layout_equals_its_one_device_run(
 # ---- convergence ------------------------------------------------------------------------------
 
 
+def _fp8_products(compiled: str) -> int:
+    """Matrix products of two fp8 operands in a compiled GPU program: cuBLASLt's fp8 GEMMs and
+    dots (inside Triton GEMM fusions) whose operands are fp8 instructions."""
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", compiled))
+    dots = re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", compiled)
+    fused = sum(
+        types.get(a, "").startswith("f8") and types.get(b, "").startswith("f8") for a, b in dots
+    )
+    return fused + compiled.count('"__cublas$lt$matmul$f8"')
+
+
 @pytest.mark.gpu
 def test_the_compiled_fp8_layer_runs_fp8_gemms_on_a_gpu():
-    """On a GPU (Hopper or later), XLA rewrites the dequantised dots into fp8 GEMMs: the
-    forward and both backward products of one dense layer."""
-    x = jax.random.normal(jax.random.key(0), (256, 512), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(1), (512, 256), jnp.bfloat16) * 0.05
+    """On a GPU (Hopper or later) all three products of an fp8 dense layer (forward, and both
+    of the backward, with a random incoming gradient) run with fp8 operands."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k1, (256, 512), jnp.bfloat16)
+    w = jax.random.normal(k2, (512, 256), jnp.bfloat16) * 0.05
+    g = jax.random.normal(k3, (256, 256), jnp.bfloat16)
     dims = (((1,), (0,)), ((), ()))
 
-    def loss(a, b):
-        return jnp.sum(fp8.dot_general(a, b, dims).astype(jnp.float32))
+    def layer(a, b, dy):
+        y, vjp = jax.vjp(lambda p, q: fp8.dot_general(p, q, dims), a, b)
+        return y, *vjp(dy)
 
-    text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).compile().as_text()
-    gemms = [line for line in text.splitlines() if "custom-call" in line and "f8" in line]
-    assert len(gemms) >= 3, "\n".join(gemms) or text[-4000:]
+    text = jax.jit(layer).lower(x, w, g).compile().as_text()
+    assert _fp8_products(text) >= 3, text[-6000:]
 
 
 def test_resuming_across_loss_scaling_names_the_precision():

@@ -1,12 +1,19 @@
 """fp8 matmuls with current scaling: e4m3 operands forward, e5m2 gradients backward.
 
 Each operand is scaled by a power of two so that its largest magnitude lands just below the
-format's maximum (the scale is this step's amax: *current* scaling), rounded to fp8, and
-multiplied back (quantise-dequantise). On Hopper, XLA's GPU compiler rewrites a dot of such
-operands into an fp8 GEMM (a `gpu`-marked test counts them; not yet run on a GPU); on other
-backends the same program runs, and rounds, exactly as fp8 would, in the compute dtype. The
-backward quantises the incoming gradient to e5m2 (more range, less precision) and multiplies
-it with the e4m3 operands saved by the forward, which are kept in fp8 (one byte each).
+format's maximum (the scale is this step's amax: *current* scaling) and rounded to fp8. The
+dot multiplies the fp8 arrays themselves (`lax.dot_general` with fp8 operands, the result in
+the compute dtype) and multiplies the result by the two scales. On Hopper that dot is an fp8
+GEMM; elsewhere XLA widens the operands, which is exact, so every backend computes the same
+function. The backward quantises the incoming gradient to e5m2 (more range, less precision)
+and multiplies it with the e4m3 operands saved by the forward, which are kept in fp8 (one
+byte each).
+
+Why the dot takes fp8 operands rather than dequantised ones: next to a bfloat16 dot, XLA's GPU
+compiler simplifies a conversion to fp8 and straight back into one conversion to bfloat16, so
+the rounding disappears and the dot runs in bfloat16 (seen in the compiled program on an H100,
+jax 0.11.2). `round_trip`, for the products that are not one `dot_general`, rounds without an
+fp8 array for the same reason.
 
 Why current scaling rather than delayed (an amax history): it needs no state, so it composes
 with every layout, pipeline schedule and accumulation as the plain matmul does, and a spike
@@ -57,8 +64,21 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 
 def round_trip(x: jax.Array, fmt) -> jax.Array:
-    """`x` rounded through `fmt` with current scaling, back in its own dtype."""
-    return dequantize(*quantize(x, fmt), x.dtype)
+    """`x` rounded through `fmt` with current scaling, back in its own dtype.
+
+    Bit for bit what ``quantize`` then ``dequantize`` give, computed without an fp8 array:
+    XLA's GPU compiler simplifies a conversion to fp8 and straight back away (seen on an
+    H100, jax 0.11.2), which would silently skip the rounding. ``reduce_precision`` keeps the
+    format's mantissa bits (round to nearest even) and below the smallest normal the values
+    round to multiples of the smallest subnormal, as fp8 does."""
+    info = jnp.finfo(fmt)
+    scale = lax.stop_gradient(scale_for(jnp.max(jnp.abs(x)), fmt))
+    top = float(info.max)
+    y = jnp.clip(x.astype(jnp.float32) / scale, -top, top)
+    step = float(info.smallest_subnormal)
+    normal = lax.reduce_precision(y, exponent_bits=8, mantissa_bits=int(info.nmant))
+    r = jnp.where(jnp.abs(y) < float(info.smallest_normal), jnp.round(y / step) * step, normal)
+    return (r * scale).astype(x.dtype)
 
 
 def dot_general(
@@ -92,17 +112,60 @@ def _fp8_dot(lhs: jax.Array, rhs: jax.Array, dot) -> jax.Array:
     return _fwd_rule(lhs, rhs, dot)[0]
 
 
+def _scaled_dot(dot, lhs_q, rhs_q, scale, dtype, **dims) -> jax.Array:
+    """A dot of fp8 operands, its result in `dtype` multiplied by `scale` (a power of two)."""
+    out = dot(lhs_q, rhs_q, preferred_element_type=dtype, **dims)
+    return out * scale.astype(dtype)
+
+
 def _fwd_rule(lhs, rhs, dot):
-    lhs_q, rhs_q = quantize(lhs, E4M3), quantize(rhs, E4M3)
-    out = dot(dequantize(*lhs_q, lhs.dtype), dequantize(*rhs_q, rhs.dtype))
+    (lhs_q, lhs_s), (rhs_q, rhs_s) = quantize(lhs, E4M3), quantize(rhs, E4M3)
+    dtype = jax.eval_shape(dot, lhs, rhs).dtype
+    # The dot's operands ARE fp8: XLA's GPU compiler turns it into an fp8 GEMM, and no pass
+    # can drop the rounding (a quantise-dequantise pair next to a bf16 dot is simplified
+    # to bf16 by XLA's GPU compiler: seen on an H100, jax 0.11.2).
+    out = _scaled_dot(dot, lhs_q, rhs_q, lhs_s * rhs_s, dtype)
     # The operands are saved in fp8; empty arrays carry their dtypes to the backward.
-    return out, (lhs_q, rhs_q, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    saved = (lhs_q, lhs_s, rhs_q, rhs_s, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return out, saved
 
 
 def _bwd_rule(dot, saved, g):
-    lhs_q, rhs_q, lhs_like, rhs_like = saved
-    lhs, rhs = dequantize(*lhs_q, lhs_like.dtype), dequantize(*rhs_q, rhs_like.dtype)
-    return jax.vjp(dot, lhs, rhs)[1](round_trip(g, E5M2))
+    lhs_q, lhs_s, rhs_q, rhs_s, lhs_like, rhs_like = saved
+    g_q, g_s = quantize(g, E5M2)
+    (contract_l, contract_r), (batch_l, batch_r) = dot.keywords["dimension_numbers"]
+    free_l = _free(lhs_q.ndim, contract_l, batch_l)
+    free_r = _free(rhs_q.ndim, contract_r, batch_r)
+    nb = len(batch_l)
+    g_batch = tuple(range(nb))
+    g_of_l = tuple(range(nb, nb + len(free_l)))  # g's axes that come from lhs's free axes
+    g_of_r = tuple(range(nb + len(free_l), g.ndim))
+    # dlhs = g · rhs over rhs's free axes: [batch, lhs free, rhs contracting (ascending)]
+    d_lhs = _scaled_dot(
+        dot, g_q, rhs_q, g_s * rhs_s, lhs_like.dtype,
+        dimension_numbers=((g_of_r, free_r), (g_batch, batch_r)), out_sharding=None,
+    )  # fmt: skip
+    d_lhs = _to_operand_axes(d_lhs, batch_l, free_l, contract_l, contract_r)
+    # drhs = g · lhs over lhs's free axes: [batch, rhs free, lhs contracting (ascending)]
+    d_rhs = _scaled_dot(
+        dot, g_q, lhs_q, g_s * lhs_s, rhs_like.dtype,
+        dimension_numbers=((g_of_l, free_l), (g_batch, batch_l)), out_sharding=None,
+    )  # fmt: skip
+    d_rhs = _to_operand_axes(d_rhs, batch_r, free_r, contract_r, contract_l)
+    return d_lhs, d_rhs
+
+
+def _free(ndim: int, contracting, batch) -> tuple[int, ...]:
+    """The axes of an operand that are neither contracted nor batched, in order."""
+    return tuple(a for a in range(ndim) if a not in contracting and a not in batch)
+
+
+def _to_operand_axes(grad, batch, free, contracting, other_contracting) -> jax.Array:
+    """A gradient laid out [batch, free, the other operand's contracting axes ascending]
+    transposed to its operand's own axis order."""
+    pairs = sorted(zip(other_contracting, contracting, strict=True))
+    source = (*batch, *free, *(mine for _, mine in pairs))  # operand axis of each grad axis
+    return jnp.transpose(grad, tuple(source.index(a) for a in range(grad.ndim)))
 
 
 _fp8_dot.defvjp(_fwd_rule, _bwd_rule)

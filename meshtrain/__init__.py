@@ -33,6 +33,7 @@ from meshtrain.layout import LOGICAL_AXES, STRATEGIES, Rules, constrain, rules_f
 from meshtrain.mesh import AXES, MeshConfig, describe, make_mesh, simulate_devices
 from meshtrain.models import CNN, GPT, CNNConfig, GPTConfig, MLPClassifier, MLPConfig, families
 from meshtrain.models.layers import Embed
+from meshtrain.offload import Offload
 from meshtrain.pipeline import PipelineConfig, schedule_table
 from meshtrain.precision import Precision
 from meshtrain.problem import RunCheckError
@@ -59,6 +60,7 @@ __all__ = [
     "MeshConfig",
     "OptimConfig",
     "PipelineConfig",
+    "Offload",
     "Precision",
     "Rules",
     "RunCheckError",

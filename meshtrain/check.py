@@ -61,6 +61,7 @@ def check_run(
     sizes, pipeline, k = run.sizes, run.pipeline, run.train.accum_steps
     spec = run.data_spec
     problems = run.precision.model_problems(run.model)
+    problems += offload_problems(run)
     problems += pair_problems(run)  # features that do not run together (meshtrain.composition)
     algorithm = getattr(rules, "context_parallel", "ring")
     problems += context_problems(sizes, algorithm, seq_len=spec.seq_len, kind=spec.kind)
@@ -205,3 +206,24 @@ def _layers_field(model) -> str:
     if model is None or not hasattr(model, "n_layers"):
         return "layers"
     return f"{model_name(model)}.n_layers"
+
+
+def offload_problems(run: RunSpec) -> list[Problem]:
+    """Host offload (the optimizer state, or a remat policy's residuals) on a backend without
+    the host memory it needs, as one `Problem`."""
+    from jax.sharding import Mesh
+
+    from meshtrain.layout.memory import HOST
+    from meshtrain.models.remat import offloads
+    from meshtrain.offload import config as offload_config
+
+    devices = list(run.mesh.devices.flat) if isinstance(run.mesh, Mesh) else None
+    problems = run.offload.backend_problems(devices)
+    remat = getattr(run.model_config, "remat", "none")
+    if offloads(remat) and HOST not in offload_config.memory_kinds(devices):
+        message = (
+            f"this backend has no {HOST} memory to offload residuals to; choose a policy "
+            "that keeps them on the device (save-dots, save:NAME,...)"
+        )
+        problems.append(Problem(f"{model_name(run.model_config)}.remat", remat, message))
+    return problems

@@ -7,6 +7,7 @@ The `Trainer` (`import meshtrain as mt; mt.Trainer`) is built from exactly these
     tx = run.optimizer(total_steps=100)   # make_optimizer's, + the loss scale under fp16
     graphdef, state, shardings = lower.init_train_state(ctor, tx, mesh, rules)
     state, shardings = lower.with_sync(sync, tx, state, shardings, mesh, rules)  # optional
+    state, shardings = lower.with_offload(run.offload, state, shardings)  # optional
     step = lower.jit_train_step(run, graphdef, tx, shardings,
                                 lower.batch_shardings(batch, mesh, rules))
     rows = lower.process_rows(mesh, rules, batch_size)      # what this process reads
@@ -30,6 +31,7 @@ from meshtrain.layout import (
     split_microbatches,
 )
 from meshtrain.models import build_model, sample
+from meshtrain.offload import to_device, with_offload
 from meshtrain.pipeline import pipeline_loss, pipeline_loss_and_grads
 from meshtrain.precision import with_loss_scale
 from meshtrain.problem import Problem, RunCheckError
@@ -85,7 +87,9 @@ __all__ = [
     "sample",
     "shard_batch",
     "split_microbatches",
+    "to_device",
     "train_step",
     "with_loss_scale",
+    "with_offload",
     "with_sync",
 ]

@@ -28,6 +28,7 @@ from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.layout import Rules, rules_for
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models.base import DataSpec
+from meshtrain.offload import Offload
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import Precision, with_loss_scale
 from meshtrain.problem import Problem
@@ -56,6 +57,7 @@ class RunSpec:
         sync: how the data-parallel replicas synchronise (`meshtrain.replicas.SyncConfig`).
         precision: dtypes, fp8 and loss scaling (`meshtrain.precision.Precision`); a model
             config computes by it (see `model_config`).
+        offload: what lives in host memory between steps (`meshtrain.offload.Offload`).
         checkpoint: checkpoint settings; None keeps no checkpoints.
         loss_fn: a custom ``(logits, targets) -> mean loss``; None: ``train.loss`` with
             ``train.loss_impl``.
@@ -70,6 +72,7 @@ class RunSpec:
     pipeline: PipelineConfig = PipelineConfig()
     sync: SyncConfig = SyncConfig()
     precision: Precision = Precision()
+    offload: Offload = Offload()
     checkpoint: CheckpointConfig | None = None
     loss_fn: Callable | None = None
 
@@ -84,6 +87,7 @@ class RunSpec:
             "pipeline": (PipelineConfig, "a PipelineConfig(...)"),
             "sync": (SyncConfig, "a SyncConfig(...)"),
             "precision": (Precision, "a Precision(...)"),
+            "offload": (Offload, "an Offload(...)"),
             "checkpoint": ((CheckpointConfig, type(None)), "a CheckpointConfig(...) or None"),
             "rules": ((Rules, type(None)), "rules_for(...) or None"),
             "mesh": ((Mesh, Mapping, type(None)), "make_mesh(...), axis sizes, or None"),

@@ -29,7 +29,13 @@ LAYERS = [
         "meshtrain.distributed",
     ],  # fmt: skip
     # The cost model reads pipeline schedule tables (the lockstep bubble).
-    ["meshtrain.pipeline", "meshtrain.checkpoint", "meshtrain.replicas", "meshtrain.costmodel"],
+    [
+        "meshtrain.pipeline",
+        "meshtrain.checkpoint",
+        "meshtrain.replicas",
+        "meshtrain.offload",
+        "meshtrain.costmodel",
+    ],
     ["meshtrain.train", "meshtrain.run", "meshtrain.check", "meshtrain.composition"],
     [
         "meshtrain.lower",

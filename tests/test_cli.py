@@ -86,6 +86,8 @@ OVERRIDES = {
     "--loss-scale-init": (["1024"], 1024.0),
     "--loss-scale-period": (["500"], 500),
     "--matmul-precision": (["highest"], "highest"),
+    "--offload": (["optimizer"], "optimizer"),
+    "--offload-memory-kind": (["unpinned_host"], "unpinned_host"),
     "--eval-every": (["5"], 5),
     "--eval-batches": (["2"], 2),
     "--log-every": (["3"], 3),

@@ -254,8 +254,8 @@ def test_remat_policy_gives_the_same_loss_and_grads(remat):
 def test_unknown_remat_policy_is_rejected():
     with pytest.raises(
         ValueError,
-        match=r"remat='everything': choose from none, full, save-dots, save-attention-out "
-        r"\(unknown remat policy\)",
+        match=r"remat='everything': choose from none, full, save-dots, save-attention-out, "
+        r"offload-dots \(or save:NAME,\.\.\. / offload:NAME,\.\.\. joined by \+\)",
     ):
         gpt_config(remat="everything")
 

@@ -170,6 +170,8 @@ BAD = {
     "meshtrain.cli.train.TrainJob": ("devices", -1, "devices"),
     "meshtrain.cli.train.PrecisionFlags": ("loss_scale_period", 0, "loss_scale_period"),
     "meshtrain.precision.policy.Precision": ("policy", "fp9", "precision"),
+    "meshtrain.offload.config.Offload": ("memory_kind", "device", "offload.memory_kind"),
+    "meshtrain.cli.train.OffloadFlags": ("offload", "all", "offload"),
     "meshtrain.run.RunSpec": ("mesh", "data=8", "run.mesh"),
     "meshtrain.cli.inspect.InspectJob": ("sample_tokens", -1, "sample_tokens"),
     "meshtrain.cli.bench.BenchSettings": ("steps", 0, "steps"),

@@ -26,8 +26,10 @@ from meshtrain.cli import parsing
 from meshtrain.cli.errors import UsageError
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
+from meshtrain.layout.memory import HOST_KINDS
 from meshtrain.mesh import PIPE, SEQ
 from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, families
+from meshtrain.offload import Offload
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import CHUNKED
 from meshtrain.precision import Precision
@@ -52,6 +54,34 @@ class PrecisionFlags(Precision):
     """`Precision` with its policy on the command line as ``--precision``."""
 
     policy: Annotated[str, tyro.conf.arg(name="precision")] = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadFlags:
+    """`meshtrain.offload.Offload` on the command line.
+
+    Args:
+        offload: what lives in host memory between steps: none, or optimizer (the optimizer
+            state; each step fetches it and writes it back). Activations go to host memory
+            through a remat policy (--gpt.remat offload-dots). See the Memory guide.
+        offload_memory_kind: the host memory: pinned_host or unpinned_host.
+    """
+
+    offload: str = "none"
+    offload_memory_kind: str = "pinned_host"
+
+    def __post_init__(self):
+        validate.reject(self)
+
+    def problems(self) -> list[Problem]:
+        """An unknown choice of either flag."""
+        return validate.one_of("offload", self.offload, ("none", "optimizer")) + validate.one_of(
+            "offload_memory_kind", self.offload_memory_kind, HOST_KINDS
+        )
+
+    def config(self) -> Offload:
+        """The `Offload` these flags describe."""
+        return Offload(optimizer=self.offload == "optimizer", memory_kind=self.offload_memory_kind)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,6 +135,7 @@ class TrainJob:
     optim: Annotated[OptimConfig, _Flat] = OptimConfig()
     sync: Annotated[SyncConfig, _Flat] = SyncConfig()
     precision: Annotated[PrecisionFlags, _Flat] = PrecisionFlags()
+    offload: Annotated[OffloadFlags, _Flat] = OffloadFlags()
     data: DataConfig = DataConfig()
     # One field per registered model family (tests/test_cli_package.py checks the registry).
     gpt: GPTConfig = _family_default("gpt")
@@ -215,7 +246,22 @@ def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
         pipeline=job.pipeline,
         sync=job.sync,
         precision=job.precision,
+        offload=job.offload.config(),
         checkpoint=checkpoint,
+    )
+
+
+def describe_offload(trainer) -> str:
+    """One line saying what lives in host memory, e.g. "offload optimizer · 2.1 MB per device
+    in pinned_host memory, fetched and written back each step"."""
+    from meshtrain.comm.report import fmt_bytes
+    from meshtrain.offload import host_bytes
+
+    state, shardings, kind = trainer.state, trainer.shardings, trainer.run.offload.memory_kind
+    per_device = host_bytes(state.opt_state, shardings.opt_state)
+    return (
+        f"offload optimizer · {fmt_bytes(per_device)} per device in {kind} memory, fetched "
+        "and written back each step"
     )
 
 
@@ -312,6 +358,8 @@ def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
     size = f"{n_params / 1e6:.2f}M parameters"
     say(f"model {model_cfg.describe()} · {size}")
     say(job.precision.describe(model_cfg))
+    if trainer.run.offload.active:
+        say(describe_offload(trainer))
     if job.init_from and not first:
         say(f"weights and tokenizer from {job.init_from} · data.tokenizer {job.data.tokenizer}")
     say(

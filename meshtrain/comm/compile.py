@@ -27,6 +27,7 @@ from flax import nnx
 
 from meshtrain.layout import batch_shardings
 from meshtrain.models.base import batch_structs
+from meshtrain.offload import transfer_bytes, with_offload
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
 from meshtrain.state import TrainState, abstract_model, abstract_target, state_layout
@@ -78,13 +79,28 @@ def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
 
     Returns:
         ``(compiled, info)``: the compiled step and a dict with ``compile_s``, ``stderr`` (what
-        XLA printed while compiling) and ``state`` (the abstract `TrainState`).
+        XLA printed while compiling), ``state`` (the abstract `TrainState`) and ``transfers``
+        (host↔device bytes per device per step of offloaded activations,
+        `meshtrain.offload.transfer_bytes`).
     """
     run, legacy = positional_legacy("compile_step", run, old_args, _LEGACY[:4], legacy)
     if run is None or legacy:
         run = run_from_legacy(
             "compile_step({run})", run, legacy, accepted=_LEGACY, defaults={"steps": 100}
         )
+    step, state, batch = step_parts(run)
+    t0 = time.perf_counter()
+    with captured_stderr() as err:
+        traced = step.trace(state, batch)
+        compiled = traced.lower().compile(FAST_CODEGEN if fast_codegen else None)
+    info = {"compile_s": time.perf_counter() - t0, "stderr": err[0], "state": state}
+    info["transfers"] = transfer_bytes(traced.jaxpr, run.resolved().mesh.devices.size)
+    return compiled, info
+
+
+def step_parts(run: RunSpec):
+    """``(jitted step, abstract state, abstract batch)`` of a run: what `compile_step` traces
+    (also to lower it for another platform)."""
     run = run.resolved()
     mesh, rules, steps = run.mesh, run.rules, run.train.steps
     tx, schedule = run.optimizer(steps), make_schedule(run.optim, steps)
@@ -96,14 +112,12 @@ def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
     state, shardings = with_sync(
         run.sync, tx, abstract_target(shapes, shardings), shardings, mesh, rules
     )
+    _, shardings = with_offload(run.offload, None, shardings)
+    state = abstract_target(state, shardings)
     batch = batch_structs(run.data_spec)
     batch_sh = batch_shardings(batch, mesh, rules)
     batch = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k]) for k, v in batch.items()
     }
     step = jit_train_step(run, graphdef, tx, shardings, batch_sh, schedule=schedule)
-    t0 = time.perf_counter()
-    with captured_stderr() as err:
-        compiled = step.lower(state, batch).compile(FAST_CODEGEN if fast_codegen else None)
-    info = {"compile_s": time.perf_counter() - t0, "stderr": err[0], "state": state}
-    return compiled, info
+    return step, state, batch

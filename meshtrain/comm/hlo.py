@@ -279,3 +279,20 @@ def collectives(hlo: str, n_devices: int | None = None) -> list[Collective]:
                 )
             )
     return out
+
+
+_HOST_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}")
+
+
+def entry_host_bytes(hlo: str) -> tuple[int, int]:
+    """Per-device bytes of the entry's parameters and results that live in host memory
+    (memory space 5, ``S(5)`` in the compiled program's ``entry_computation_layout``)."""
+    head = hlo.split("\n", 1)[0]
+    start = head.find("entry_computation_layout={")
+    if start < 0:
+        return 0, 0
+    params, _, results = head[start:].partition(")->")
+    return tuple(  # type: ignore[return-value]
+        sum(shape_bytes(f"{dtype}[{dims}]")[0] for dtype, dims in _HOST_SHAPE.findall(part))
+        for part in (params, results)
+    )

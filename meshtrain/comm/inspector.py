@@ -19,7 +19,7 @@ from flax import nnx
 from meshtrain.check import check_run
 from meshtrain.comm.compile import compile_step
 from meshtrain.comm.expect import BUCKETS, Expectation, bucket_of, expected, judge, param_layouts
-from meshtrain.comm.hlo import Collective, collectives
+from meshtrain.comm.hlo import Collective, collectives, entry_host_bytes
 from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
 from meshtrain.pipeline.slots import count_permutes
 from meshtrain.problem import raise_if
@@ -37,8 +37,11 @@ class Inspection:
     Attributes:
         mesh: axis sizes.
         strategy: the rules' name.
-        memory: bytes: ``argument``, ``output``, ``temp``, ``alias`` and ``peak`` (arguments +
-            outputs + temporaries − aliased: what the step holds at once).
+        memory: device bytes: ``argument``, ``output``, ``temp``, ``alias`` and ``peak``
+            (arguments + outputs + temporaries − aliased: what the step holds at once); and
+            host bytes (`meshtrain.offload`): ``host_argument``, ``host_output``, ``host_temp``.
+        transfers: host↔device bytes per step, ``to_device`` and ``to_host``: the offloaded
+            state's fetch and write-back, and the offloaded activations.
         flops: XLA's FLOP count of the step (per device).
         collectives: every collective instruction that runs.
         rows: the collectives summed by kind and mesh axes.
@@ -63,6 +66,7 @@ class Inspection:
     compile_s: float
     batch_axes: tuple[str, ...] = ()
     compressed_axes: tuple[str, ...] = ()  # the replica axes a gradient codec reduces over
+    transfers: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def comm_bytes(self) -> int:
@@ -86,6 +90,7 @@ class Inspection:
             "mesh": self.mesh,
             "strategy": self.strategy,
             "memory_bytes": self.memory,
+            "transfer_bytes": {k: round(v) for k, v in self.transfers.items()},
             "flops": self.flops,
             "param_bytes": self.param_bytes,
             "collectives": [r.as_dict() for r in self.rows],
@@ -114,6 +119,13 @@ class Inspection:
             f"{fmt_bytes(m['argument'])}, outputs {fmt_bytes(m['output'])}, temporaries "
             f"{fmt_bytes(m['temp'])}, peak {fmt_bytes(m['peak'])} · {self.flops / 1e9:.3g} GFLOP"
         )
+        host = m.get("host_argument", 0) + m.get("host_temp", 0)
+        if host or any(self.transfers.values()):
+            console.print(
+                f"host memory {fmt_bytes(host)} per device · per step "
+                f"{fmt_bytes(self.transfers.get('to_device', 0))} to the device, "
+                f"{fmt_bytes(self.transfers.get('to_host', 0))} to host"
+            )
         table = Table("collective", "axes", "per step", "bytes", "sent (ring)", "expected as")
         for r in self.rows:
             bucket = bucket_of(r, self.batch_axes, self.compressed_axes)
@@ -168,6 +180,7 @@ def inspect_compiled(
     param_vars: nnx.State,
     stderr: str = "",
     compile_s: float = 0.0,
+    transfers: dict[str, float] | None = None,
     **legacy,
 ) -> Inspection:
     """An `Inspection` of an already compiled step (see `inspect`).
@@ -178,6 +191,7 @@ def inspect_compiled(
         param_vars: the model's (abstract) parameters.
         stderr: what XLA printed while compiling.
         compile_s: the compile time.
+        transfers: the step's activation transfers (`meshtrain.offload.transfer_bytes`).
         **legacy: the older keywords ``mesh=, rules=, spec=, model=, pipeline=, sync=``,
             deprecated: they build the `RunSpec` and warn.
 
@@ -198,6 +212,7 @@ def inspect_compiled(
         "temp": int(ma.temp_size_in_bytes),
         "alias": int(ma.alias_size_in_bytes),
     }
+    memory.update(_host_memory(compiled, ma, memory))
     memory["peak"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -228,7 +243,29 @@ def inspect_compiled(
         compile_s=compile_s,
         batch_axes=batch_axes,
         compressed_axes=compressed,
+        transfers={
+            "to_device": memory["host_argument"] + (transfers or {}).get("to_device", 0.0),
+            "to_host": memory["host_output"] + (transfers or {}).get("to_host", 0.0),
+        },
     )
+
+
+def _host_memory(compiled, ma, memory: dict[str, int]) -> dict[str, int]:
+    """The step's host bytes per device, taking them out of `memory`'s device figures where
+    the backend counts them there (CPU reports no host figures; its compiled program still
+    places the parameters and results in host memory, ``S(5)`` in its entry layout)."""
+    host = {
+        "host_argument": int(ma.host_argument_size_in_bytes),
+        "host_output": int(ma.host_output_size_in_bytes),
+        "host_temp": int(ma.host_temp_size_in_bytes),
+    }
+    if not any(host.values()):
+        args, results = entry_host_bytes(compiled.as_text())
+        host.update(host_argument=args, host_output=results)
+        memory["argument"] -= args
+        memory["output"] -= results
+        memory["alias"] -= min(args, results, memory["alias"])  # donated: host aliases host
+    return host
 
 
 _POSITIONAL = ("model", "data", "mesh", "rules")  # the older form's positional parameters
@@ -273,4 +310,5 @@ def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
         param_vars=param_vars,
         stderr=info["stderr"],
         compile_s=info["compile_s"],
+        transfers=info["transfers"],
     )

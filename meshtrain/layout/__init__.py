@@ -4,7 +4,8 @@
 - `resolve`: logical names → `PartitionSpec`, with one divisibility policy for everything;
 - `batch`: batch shardings, the rows each process reads, microbatch splits;
 - `context`: the active layout while a step is traced, and `constrain` for activations;
-- `manual`: regions manual over some mesh axes (pipelines, kernels).
+- `manual`: regions manual over some mesh axes (pipelines, kernels);
+- `memory`: the memory kinds an array can live in (`ACCELERATOR`, `HOST`).
 
 The axis names (`PIPE`, `DATA`, `FSDP`, `EXPERT`, `SEQ`, `TENSOR`, defined in `meshtrain.mesh`)
 are re-exported here, so a model can name an axis without naming the mesh.

@@ -21,9 +21,10 @@ from jax.ad_checkpoint import checkpoint_name
 from meshtrain import context_parallel, kernels
 from meshtrain.layout import constrain
 from meshtrain.models import layers, token_ends
+from meshtrain.models import remat as remat_policies
 from meshtrain.models.base import PipelineParts
 from meshtrain.models.gpt_config import GPTConfig
-from meshtrain.models.remat import ATTN_OUT, POLICIES
+from meshtrain.models.remat import ATTN_OUT
 
 
 class Attention(nnx.Module):
@@ -87,6 +88,7 @@ class Attention(nnx.Module):
         q_BTHK = constrain(self.q(x_BTD), ("batch", "seq", "heads", "kv"))
         k_BTGK = constrain(self.k(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         v_BTGK = constrain(self.v(x_BTD), ("batch", "seq", "kv_heads", "kv"))
+        q_BTHK, k_BTGK, v_BTGK = (checkpoint_name(a, "qkv") for a in (q_BTHK, k_BTGK, v_BTGK))
         T = x_BTD.shape[1]
         cp = context_parallel.active_context()
         order = None if cp is None else context_parallel.order(T, cp.n)  # the tokens' positions
@@ -159,7 +161,7 @@ class MLP(nnx.Module):
         else:
             h_BTF = jax.nn.gelu(self.up(x_BTD))
         h_BTF = constrain(h_BTF, ("batch", "seq", "mlp"))
-        return self.down(h_BTF)
+        return self.down(checkpoint_name(h_BTF, "mlp_hidden"))
 
 
 class Block(nnx.Module):
@@ -188,9 +190,10 @@ class Block(nnx.Module):
         segment_ids_BT: jax.Array | None = None,
         positions_BT: jax.Array | None = None,
     ) -> jax.Array:
-        h_BTD = layers.apply_norm(self.norm1, x_BTD, self.norm_impl)
+        h_BTD = checkpoint_name(layers.apply_norm(self.norm1, x_BTD, self.norm_impl), "attn_in")
         x_BTD = x_BTD + self.attn(h_BTD, segment_ids_BT, positions_BT)
-        x_BTD = x_BTD + self.mlp(layers.apply_norm(self.norm2, x_BTD, self.norm_impl))
+        h_BTD = checkpoint_name(layers.apply_norm(self.norm2, x_BTD, self.norm_impl), "mlp_in")
+        x_BTD = x_BTD + self.mlp(h_BTD)
         return constrain(x_BTD, ("batch", "seq", "embed"))
 
 
@@ -332,6 +335,6 @@ def scan_blocks(
         return block(x_BTD, seg_BT, pos_BT)
 
     if remat != "none":
-        body = nnx.remat(body, policy=POLICIES[remat], prevent_cse=False)
+        body = nnx.remat(body, policy=remat_policies.policy(remat), prevent_cse=False)
     scan = nnx.scan(body, in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry)
     return scan(blocks, x_BTD, segment_ids_BT, positions_BT)

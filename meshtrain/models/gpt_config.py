@@ -39,7 +39,9 @@ class GPTConfig:
         rope_theta: RoPE base (llama).
         norm_eps: epsilon of the norms.
         tie_embeddings: reuse the token embedding as the output head.
-        remat: rematerialisation policy: none, full, save-dots, save-attention-out.
+        remat: rematerialisation policy: none, full, save-dots, save-attention-out,
+            offload-dots (matmul outputs to host memory), or a selection of named
+            intermediates such as save:attn_out+offload:mlp_hidden (see the Memory guide).
         dtype: compute dtype, ``float32``, ``bfloat16`` or ``float16``. Parameters stay
             float32. A run sets it (and `fp8`) from its precision policy
             (`meshtrain.precision.Precision`).

@@ -21,6 +21,7 @@ from flax import nnx
 from meshtrain import context_parallel
 from meshtrain.layout import constrain
 from meshtrain.models import layers, token_ends
+from meshtrain.models import remat as remat_policies
 from meshtrain.models.base import ModelOutput, PipelineParts
 from meshtrain.models.gpt import MLP, Attention, Block
 from meshtrain.models.moe_config import MoEConfig
@@ -33,7 +34,6 @@ from meshtrain.models.moe_routing import (
     router_sums,
     z_loss,
 )
-from meshtrain.models.remat import POLICIES
 
 
 def _param(rngs: nnx.Rngs, names, shape, std=0.02) -> nnx.Param:
@@ -246,7 +246,7 @@ def scan_groups(
         return group(x_BTD, seg_BT, pos_BT)
 
     if remat != "none":
-        body = nnx.remat(body, policy=POLICIES[remat], prevent_cse=False)
+        body = nnx.remat(body, policy=remat_policies.policy(remat), prevent_cse=False)
     scan = nnx.scan(body, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
     x_BTD, stats = scan(groups, x_BTD, segment_ids_BT, positions_BT)
     return x_BTD, {k: jnp.sum(v, axis=0) for k, v in stats.items()}

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import layout, replicas
+from meshtrain import layout, offload, replicas
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
 from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import call_model
@@ -120,6 +120,7 @@ def train_step(
         call = "train_step(graphdef, tx, state, batch, run={run})"
         run = run_from_legacy(call, run, legacy, accepted=_STEP_LEGACY)
     accum_steps, loss_fn, pipeline = run.train.accum_steps, run.step_loss, run.pipeline
+    state = offload.to_device(state)  # a state kept in host memory (`Offload`) comes in first
     scaler = loss_scale.state_of(state.opt_state)
     if run.loss_scaling and scaler is None:
         raise ValueError(

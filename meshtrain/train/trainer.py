@@ -21,6 +21,7 @@ from meshtrain.data import Dataset
 from meshtrain.layout import Rules, batch_shardings, process_rows, shard_batch
 from meshtrain.models.base import batch_structs
 from meshtrain.models.sampling import sample
+from meshtrain.offload import with_offload
 from meshtrain.problem import raise_if
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec, run_from_legacy
@@ -129,6 +130,7 @@ class Trainer:
         self.state, self.shardings = with_sync(
             self.sync, self.tx, self.state, self.shardings, mesh, rules
         )
+        self.state, self.shardings = with_offload(run.offload, self.state, self.shardings)
         self._rows = process_rows(mesh, rules, data.batch_size)  # this process's batch rows
         self._iter = data.train_iter(self._rows)
         self._batch_sharding = batch_shardings(batch_structs(data), mesh, rules)

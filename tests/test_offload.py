@@ -1,0 +1,332 @@
+"""Host offload (meshtrain.offload and the offloading remat policies): each mode computes what
+the run without it computes, under every layout; the state really is in host memory; a
+checkpoint moves between runs with and without offload; bad settings are one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshtrain import offload
+from meshtrain.check import check_run
+from meshtrain.layout import batch_shardings, rules_for, shard_batch
+from meshtrain.lower import init_train_state, jit_train_step
+from meshtrain.mesh import make_mesh
+from meshtrain.models import DataSpec, GPTConfig, build_model
+from meshtrain.offload import Offload
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.run import RunSpec
+from meshtrain.train.config import TrainConfig
+from meshtrain.train.optim import OptimConfig
+
+B, T = 16, 16
+GPT = GPTConfig(
+    n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=T, vocab_size=64,
+    vocab_multiple=16,
+)  # fmt: skip
+OPTIM = OptimConfig(optimizer="adamw", lr=1e-2, warmup_steps=0)
+_INIT: dict = {}
+
+
+def _initial(cfg):
+    """The model's initial parameters on the host (the same for every layout and run)."""
+    if cfg not in _INIT:
+        state = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
+        _INIT[cfg] = jax.tree.map(np.asarray, state)
+    return _INIT[cfg]
+
+
+def _batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(0, GPT.vocab_size, (B, T + 1), np.int32) for _ in range(n)]
+    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+NO_OFFLOAD = Offload()
+
+
+def _setup(model, mesh_str, strategy, off=NO_OFFLOAD, **run_kw):
+    """(state, shardings, step on host batches, run) of `model` as the Trainer builds them."""
+    mesh = make_mesh(mesh_str)
+    run = RunSpec(
+        model=model, data=DataSpec("lm", B, T, model.vocab_size), mesh=mesh,
+        rules=rules_for(strategy, mesh), optim=OPTIM, offload=off,
+        train=TrainConfig(run_dir=""), **run_kw,
+    )  # fmt: skip
+    assert check_run(run) == []
+    values = _initial(model)
+
+    def ctor():
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(model)))
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
+        return nnx.merge(graphdef, state)
+
+    tx = run.optimizer(10)
+    graphdef, state, shardings = init_train_state(ctor, tx, mesh, run.rules)
+    state, shardings = offload.with_offload(off, state, shardings)
+    example = _batches(1)[0]
+    step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(example, mesh, run.rules))
+    return state, shardings, (lambda s, b: step(s, shard_batch(b, mesh, run.rules))), step
+
+
+def _train(state, step, batches):
+    losses = []
+    for b in batches:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return np.array(losses), state
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+LAYOUTS = [
+    pytest.param("data=8", "dp", {}, id="dp"),
+    pytest.param("fsdp=8", "fsdp", {}, id="fsdp"),
+    pytest.param("data=2,fsdp=2,tensor=2", "fsdp+tp", {}, id="fsdp+tp"),
+    pytest.param(
+        "pipe=2,data=2,tensor=2", "dp+tp",
+        {"pipeline": PipelineConfig(schedule="1f1b", microbatches=2)}, id="1f1b",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh_str, strategy, extra", LAYOUTS)
+def test_optimizer_offload_equals_the_run_on_device_bit_for_bit(mesh_str, strategy, extra):
+    """Three Adam steps with the optimizer state in host memory give the same losses,
+    parameters and moments, bit for bit, as with it on the device; between steps every
+    leaf of the optimizer state (its count too) is in host memory, each device holding its
+    own shard."""
+    batches = _batches(3)
+    plain, _, step, _ = _setup(GPT, mesh_str, strategy, **extra)
+    state, shardings, step_off, jitted = _setup(
+        GPT, mesh_str, strategy, Offload(optimizer=True), **extra
+    )
+    want_loss, want = _train(plain, step, batches)
+    got_loss, got = _train(state, step_off, batches)
+    np.testing.assert_array_equal(got_loss, want_loss)
+    for a, b in zip(_leaves((got.params, got.opt_state)), _leaves((want.params, want.opt_state)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(got.opt_state)}
+    assert kinds == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(got.params)} == {"device"}
+    for x, s in zip(jax.tree.leaves(got.opt_state), jax.tree.leaves(shardings.opt_state),
+                    strict=True):  # fmt: skip
+        assert x.sharding == s
+        assert {sh.data.shape for sh in x.addressable_shards} == {s.shard_shape(x.shape)}
+    assert jitted.fn._cache_size() == 1  # one compile: the placements agree from the first step
+
+
+@pytest.mark.parametrize("saved_with, restored_with", [(True, False), (False, True)])
+def test_a_checkpoint_moves_between_runs_with_and_without_offload(
+    tmp_path, saved_with, restored_with
+):
+    """An orbax checkpoint of a run with the optimizer state in host memory restores onto a run
+    without offload (on the device), and the other way round, bit for bit; the restored state
+    sits where the restoring run keeps it, and the next step equals the unbroken run's."""
+    from meshtrain.checkpoint import CheckpointManager, restore
+    from meshtrain.state import abstract_target
+
+    batches = _batches(3, seed=1)
+    state, _, step, _ = _setup(GPT, "fsdp=8", "fsdp", Offload(optimizer=saved_with))
+    _, state = _train(state, step, batches[:2])
+    saved = _leaves(state)
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        mgr.save(2, state)
+    other, shardings, step2, _ = _setup(GPT, "fsdp=8", "fsdp", Offload(optimizer=restored_with))
+    restored = restore(tmp_path / "ck", abstract_target(other, shardings)).state
+    for a, b in zip(_leaves(restored), saved, strict=True):
+        np.testing.assert_array_equal(a, b)
+    want = "pinned_host" if restored_with else "device"
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state)} == {want}
+    got_loss, got = _train(restored, step2, batches[2:])
+    want_loss, want_state = _train(state, step, batches[2:])
+    np.testing.assert_array_equal(got_loss, want_loss)
+    for a, b in zip(_leaves(got.params), _leaves(want_state.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_inspector_reports_the_host_bytes_and_the_device_bytes_fall_by_them():
+    """The compiled step places the optimizer state in host memory (``S(5)`` in its entry
+    layout, host memory kinds in its input shardings); the inspector reports those bytes per
+    device, the device arguments fall by exactly the optimizer state's bytes (the target: at
+    least 0.9 of them), and each step moves them to the device and back."""
+    import meshtrain as mt
+    from meshtrain.comm.compile import compile_step
+    from meshtrain.comm.hlo import entry_host_bytes
+
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    base = RunSpec(
+        model=GPT, data=DataSpec("lm", B, T, GPT.vocab_size), mesh=mesh,
+        rules=rules_for("fsdp+tp", mesh), optim=OPTIM, train=TrainConfig(run_dir=""),
+    )  # fmt: skip
+    plain = mt.inspect(base)
+    off = mt.inspect(base.replace(offload=Offload(optimizer=True)))
+    compiled, info = compile_step(base.replace(offload=Offload(optimizer=True)))
+    state = info["state"]
+    moments = offload.host_bytes(
+        state.opt_state, jax.tree.map(lambda x: x.sharding, state.opt_state)
+    )
+    assert moments > 0
+    assert entry_host_bytes(compiled.as_text()) == (moments, moments)
+    kinds = {s.memory_kind for s in jax.tree.leaves(compiled.input_shardings[0][0].opt_state)}
+    assert kinds == {"pinned_host"}
+    assert off.memory["host_argument"] == moments and plain.memory["host_argument"] == 0
+    saved = plain.memory["argument"] - off.memory["argument"]
+    assert saved == moments  # ≥ 0.9 × the analytic saving: it is all of it
+    assert off.transfers == {"to_device": moments, "to_host": moments}
+    assert plain.transfers == {"to_device": 0, "to_host": 0}
+    assert off.as_dict()["transfer_bytes"] == {"to_device": moments, "to_host": moments}
+
+
+def _grads(model, mesh_str, strategy, **extra):
+    """Loss and gradients of one step's batch, through the real step's loss (pipelines too)."""
+    state, _, step, _ = _setup(model, mesh_str, strategy, **extra)
+    loss, new = _train(state, step, _batches(1, seed=2))
+    return loss, _leaves(new.params)
+
+
+@pytest.mark.parametrize(
+    "offloaded, kept",
+    [
+        ("offload:mlp_hidden", "save:mlp_hidden"),
+        ("save:attn_out+offload:qkv,mlp_in", "save:attn_out,qkv,mlp_in"),
+        ("offload-dots", "save-dots"),
+    ],
+    ids=["one-name", "mixed", "dots"],
+)  # fmt: skip
+def test_activation_offload_equals_saving_the_same_residuals_on_the_device(offloaded, kept):
+    """A remat policy that moves residuals to host memory computes exactly what the same
+    policy keeping them on the device does (one Adam step, fsdp+tp), and what no remat does
+    up to float32 rounding."""
+    cfg = lambda remat: dataclasses.replace(GPT, remat=remat)  # noqa: E731
+    got = _grads(cfg(offloaded), "data=2,fsdp=2,tensor=2", "fsdp+tp")
+    want = _grads(cfg(kept), "data=2,fsdp=2,tensor=2", "fsdp+tp")
+    plain = _grads(cfg("none"), "data=2,fsdp=2,tensor=2", "fsdp+tp")
+    np.testing.assert_array_equal(got[0], want[0])
+    for a, b, c in zip(got[1], want[1], plain[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)  # Adam: lr × g / |g|
+
+
+def test_activation_offload_under_a_pipeline_is_refused_in_one_line():
+    """A pipeline keeps its microbatches' residuals in its own device buffers: an offloading
+    remat policy beside pipe > 1 is refused in one line naming both, before anything
+    compiles; keeping the same residuals on the device runs."""
+    pipe = PipelineConfig(schedule="1f1b", microbatches=2)
+    mesh = make_mesh("pipe=2,data=2,tensor=2")
+
+    def run(remat):
+        return RunSpec(
+            model=dataclasses.replace(GPT, remat=remat), data=DataSpec("lm", B, T, 64),
+            mesh=mesh, rules=rules_for("dp+tp", mesh), pipeline=pipe,
+            train=TrainConfig(run_dir=""),
+        )  # fmt: skip
+
+    problems = [str(p) for p in check_run(run("offload:mlp_hidden"))]
+    assert len(problems) == 1 and "\n" not in problems[0], problems
+    assert problems[0].startswith(
+        "gpt.remat='offload:mlp_hidden': activation offload with pipelines"
+    )
+    assert check_run(run("save:mlp_hidden")) == []
+
+
+def test_activation_offload_moves_the_named_residuals_per_layer_and_lowers_for_a_gpu():
+    """The step's transfers are the analytic count: one [B, T, F] float32 residual per layer to
+    host in the forward and back in the backward, split over the 8 devices; lowered for
+    ``cuda``, each scanned block body holds one move to host and one back per offloaded name
+    (on CPU those moves compile to nothing, so the CPU program is the same as saving)."""
+    from meshtrain.comm.compile import compile_step
+
+    cfg = dataclasses.replace(GPT, remat="offload:mlp_hidden", dtype="float32")
+    mesh = make_mesh("fsdp=8")
+    run = RunSpec(
+        model=cfg, data=DataSpec("lm", B, T, GPT.vocab_size), mesh=mesh,
+        rules=rules_for("fsdp", mesh), optim=OPTIM, train=TrainConfig(run_dir=""),
+    )  # fmt: skip
+    _, info = compile_step(run)
+    analytic = cfg.n_layers * B * T * cfg.ff_dim * 4 / 8
+    assert info["transfers"] == {"to_host": analytic, "to_device": analytic}
+    none = compile_step(run.replace(model=dataclasses.replace(cfg, remat="save:mlp_hidden")))[1]
+    assert none["transfers"] == {"to_host": 0, "to_device": 0}
+
+    def lowered_for_cuda(remat):
+        from meshtrain.comm import compile as comp
+
+        r = run.replace(model=dataclasses.replace(cfg, remat=remat))
+        step, state, batch = comp.step_parts(r)
+        text = step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+        moves = re.findall(r'_xla_buffer_placement = "(\w+)"', text)
+        return moves.count("pinned_host"), moves.count("device")
+
+    host, device = lowered_for_cuda("offload:mlp_hidden")
+    plain = lowered_for_cuda("save:mlp_hidden")
+    assert host - plain[0] >= 1 and device - plain[1] >= 1, (host, device, plain)
+
+
+@pytest.mark.parametrize(
+    "remat, words",
+    [
+        ("offload", "choose from none, full, save-dots"),
+        ("offload:logits", "name logits"),
+        ("keep:qkv", "kind keep"),
+        ("save:qkv+offload:qkv", "qkv both saved and offloaded"),
+    ],
+)
+def test_a_bad_remat_selection_is_one_line_naming_the_field(remat, words):
+    from meshtrain.problem import RunCheckError
+
+    with pytest.raises(RunCheckError) as err:
+        dataclasses.replace(GPT, remat=remat)
+    message = str(err.value)
+    assert message.count("\n") == 0 and "gpt.remat" in message and words in message, message
+
+
+def test_offload_on_a_backend_without_host_memory_is_one_line(monkeypatch):
+    """A backend without the host memory kind refuses optimizer offload, and an offloading
+    remat policy, in one line each, before anything compiles; a bad memory kind is refused
+    when the setting is made."""
+    from meshtrain.offload import config
+    from meshtrain.problem import RunCheckError
+
+    with pytest.raises(RunCheckError, match="offload.memory_kind='device': choose from"):
+        Offload(optimizer=True, memory_kind="device")
+    monkeypatch.setattr(config, "memory_kinds", lambda devices=None: ("device",))
+    mesh = make_mesh("data=8")
+    run = RunSpec(
+        model=dataclasses.replace(GPT, remat="offload:mlp_hidden"),
+        data=DataSpec("lm", B, T, GPT.vocab_size), mesh=mesh, rules=rules_for("dp", mesh),
+        offload=Offload(optimizer=True), train=TrainConfig(run_dir=""),
+    )  # fmt: skip
+    problems = [str(p) for p in check_run(run)]
+    assert problems == [
+        "offload='optimizer': the cpu backend has no pinned_host memory; drop --offload",
+        "gpt.remat='offload:mlp_hidden': this backend has no pinned_host memory to offload "
+        "residuals to; choose a policy that keeps them on the device (save-dots, save:NAME,...)",
+    ], problems
+
+
+def test_the_cli_trains_with_offload_and_refuses_a_bad_choice(tmp_path, capsys):
+    """``meshtrain train --offload optimizer`` trains and says so, and an unknown choice exits
+    2 with one line before anything compiles, writing nothing."""
+    from meshtrain.cli import main
+
+    code = main(["train", "--offload", "everything", "--run-dir", str(tmp_path / "bad")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "offload='everything': choose from none, optimizer" in err[0], err
+    assert not (tmp_path / "bad").exists()
+    argv = ["train", "--offload", "optimizer", "--steps", "2", "--sample-tokens", "0"]
+    argv += ["--gpt.d-model", "32", "--gpt.n-layers", "2", "--data.seq-len", "32"]
+    argv += ["--eval-every", "0", "--no-save", "--no-progress", "--run-dir", str(tmp_path / "ok")]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "offload optimizer" in out.out + out.err, out

@@ -348,6 +348,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "--mesh; the optimizer state can still go to host memory (--offload optimizer)",
         lambda run: getattr(run.model, "remat", None),
         _pair({"pipe": 2, "data": 4}, {"data": 8}, model=lambda: GPTConfig(remat="offload-dots")),
+        cells=_cells(("offload-activations",), _PIPELINES),
     ),
     Refusal(
         "context parallelism",

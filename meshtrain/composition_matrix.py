@@ -82,6 +82,10 @@ GROUPS: dict[str, dict[str, str]] = {
         "cudnn": "cuDNN's fused attention (GPU)",
     },
     "remat": {"remat": "rematerialisation of the blocks' activations (--remat)"},
+    "offload": {
+        "offload-optimizer": "the optimizer state in host memory between steps (--offload)",
+        "offload-activations": "residuals moved to host memory by the remat policy (offload:...)",
+    },
     "accumulation": {"accumulation": "gradient accumulation over microbatches (--accum-steps)"},
     "precision": {
         "bf16": "bfloat16 compute with float32 parameters and optimizer state",
@@ -104,6 +108,7 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
     frozenset({"pallas", "cudnn"}),  # one attention implementation
     frozenset({"local-sgd", "diloco"}),  # DiLoCo is local SGD with an outer optimizer
     frozenset({"bf16", "fp16", "fp8"}),  # one precision policy
+    frozenset({"remat", "offload-activations"}),  # one remat policy
 )
 
 # Cells found not to work (cell → the configuration and the error), until a fix lands or a

@@ -42,6 +42,7 @@ from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import DataSpec, GPTConfig, MoEConfig, build_model
+from meshtrain.offload import Offload, with_offload
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import CHUNKED
 from meshtrain.precision import Precision, with_loss_scale
@@ -96,6 +97,8 @@ class Case:
     packed: bool = False
     sync: SyncConfig = SyncConfig()
     remat: bool = False
+    offload: bool = False  # the optimizer state in host memory (Offload(optimizer=True))
+    offload_acts: bool = False  # a remat policy that moves residuals to host memory
     accum: int = 1
     precision: str = "fp32"  # bf16, fp16 or fp8: the precision policy
     resume: bool = False
@@ -119,6 +122,8 @@ class Case:
             "diloco": sync.local and sync.outer_optimizer != "average",
             "staleness": bool(sync.staleness),
             "remat": self.remat,
+            "offload-optimizer": self.offload,
+            "offload-activations": self.offload_acts,
             "accumulation": self.accum > 1,
             "resume-relayout": self.resume,
         }
@@ -140,9 +145,8 @@ class Case:
             shape = PALLAS if self.model == "gpt" else {"d_model": 128}
             shape = {"d_model": 128, "n_heads": 2, "n_kv_heads": 1} if shape is PALLAS else shape
             base = dataclasses.replace(base, attention_impl="cudnn", **shape)
-        return Precision(policy=self.precision).applied(
-            dataclasses.replace(base, remat="full" if self.remat else "none")
-        )
+        remat = "full" if self.remat else "offload-dots" if self.offload_acts else "none"
+        return Precision(policy=self.precision).applied(dataclasses.replace(base, remat=remat))
 
 
 def _packed_layout(rng, rows):
@@ -196,8 +200,9 @@ def _reference(case):
     return SyncConfig(staleness=sync.staleness), tx
 
 
-def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX):
-    """State, shardings and the jitted step of `case` on one layout (`sync`: the case's)."""
+def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX, offload=False):
+    """State, shardings and the jitted step of `case` on one layout (`sync`: the case's;
+    `offload`: the optimizer state in host memory)."""
     sync = case.sync if sync is None else sync
     cfg = case.config()
     mesh = make_mesh(mesh_str, devices=devices)
@@ -214,6 +219,7 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX):
         tx = with_loss_scale(tx, LOSS_SCALE)
     graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules)
     state, shardings = with_sync(sync, tx, state, shardings, mesh, rules)
+    state, shardings = with_offload(Offload(optimizer=offload), state, shardings)
     pipeline = PipelineConfig(
         schedule=case.schedule or "gpipe",
         microbatches=MICROBATCHES,
@@ -228,6 +234,7 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX):
         pipeline=pipeline,
         sync=sync,
         precision=precision,
+        offload=Offload(optimizer=offload),
     )
     data = DataSpec("lm", B, T, cfg.vocab_size, packed=case.packed)
     # the run check accepts the combination: nothing refused is run here
@@ -298,7 +305,7 @@ def _check(case, tmp_path):
     start = jax.tree.map(np.asarray, ref_state.params)
     want_loss, want_params, _ = _train(case, ref_state, ref_step, batches)
 
-    state, _, step = _setup(case, case.mesh, case.strategy, None, case.accum)
+    state, _, step = _setup(case, case.mesh, case.strategy, None, case.accum, offload=case.offload)
     loss, params, state = _train(case, state, step, batches[:STEPS])
     _assert_same(case, loss, params[-1], want_loss[:STEPS], want_params[STEPS - 1], start)
     if not case.resume:
@@ -327,7 +334,7 @@ CASES = [
     # context parallelism with each strategy
     pytest.param(
         Case("data=2,seq=2,tensor=2", "zero1+tp", context="ring", remat=True, accum=2,
-             resume=True),
+             resume=True, offload=True),
         marks=[
             pair("zero1", "tp"), pair("zero1", "ring"), pair("zero1", "remat"),
             pair("zero1", "accumulation"), pair("zero1", "resume-relayout"), pair("tp", "ring"),
@@ -335,21 +342,32 @@ CASES = [
             pair("ring", "remat"), pair("ring", "accumulation"), pair("ring", "resume-relayout"),
             pair("remat", "accumulation"), pair("remat", "resume-relayout"),
             pair("accumulation", "resume-relayout"),
+            pair("offload-optimizer", "accumulation"),
+            pair("offload-optimizer", "resume-relayout"),
+            pair("remat", "offload-optimizer"),
+            pair("ring", "offload-optimizer"),
+            pair("tp", "offload-optimizer"),
+            pair("zero1", "offload-optimizer"),
         ],
         id="zero1+tp-ring-remat-accum-resume",
     ),
     pytest.param(
-        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather", remat=True, resume=True),
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather", remat=True, resume=True,
+             offload=True),
         marks=[
             pair("hsdp", "allgather"), pair("hsdp", "remat"), pair("hsdp", "resume-relayout"),
             pair("allgather", "remat"), pair("allgather", "resume-relayout"),
             pair("remat", "resume-relayout"),
+            pair("allgather", "offload-optimizer"),
+            pair("hsdp", "offload-optimizer"),
+            pair("offload-optimizer", "resume-relayout"),
+            pair("remat", "offload-optimizer"),
         ],
         id="hsdp-allgather-remat-resume",
     ),
     pytest.param(
         Case("fsdp=2,seq=2,tensor=2", "fsdp+tp", context="ulysses", remat=True, accum=2,
-             precision="bf16", resume=True),
+             precision="bf16", resume=True, offload=True),
         marks=[
             pair("fsdp", "tp"), pair("fsdp", "ulysses"), pair("fsdp", "remat"),
             pair("fsdp", "accumulation"), pair("fsdp", "bf16"), pair("fsdp", "resume-relayout"),
@@ -360,6 +378,13 @@ CASES = [
             pair("remat", "bf16"), pair("remat", "resume-relayout"),
             pair("accumulation", "bf16"), pair("accumulation", "resume-relayout"),
             pair("bf16", "resume-relayout"),
+            pair("fsdp", "offload-optimizer"),
+            pair("offload-optimizer", "accumulation"),
+            pair("offload-optimizer", "bf16"),
+            pair("offload-optimizer", "resume-relayout"),
+            pair("remat", "offload-optimizer"),
+            pair("tp", "offload-optimizer"),
+            pair("ulysses", "offload-optimizer"),
         ],
         id="fsdp+tp-ulysses-remat-accum-bf16-resume",
     ),
@@ -386,10 +411,19 @@ CASES = [
     ),
     pytest.param(
         Case("fsdp=4,seq=2", "fsdp", context="ring", precision="bf16",
-             sync=SyncConfig(staleness=1)),
+             sync=SyncConfig(staleness=1), offload=True, offload_acts=True),
         marks=[
             pair("fsdp", "ring"), pair("fsdp", "staleness"), pair("fsdp", "bf16"),
             pair("ring", "staleness"), pair("ring", "bf16"), pair("staleness", "bf16"),
+            pair("fsdp", "offload-activations"),
+            pair("fsdp", "offload-optimizer"),
+            pair("offload-activations", "bf16"),
+            pair("offload-optimizer", "bf16"),
+            pair("offload-optimizer", "offload-activations"),
+            pair("ring", "offload-activations"),
+            pair("ring", "offload-optimizer"),
+            pair("staleness", "offload-activations"),
+            pair("staleness", "offload-optimizer"),
         ],
         id="fsdp-ring-bf16-staleness",
     ),
@@ -450,13 +484,18 @@ CASES = [
     ),
     pytest.param(
         Case("pipe=2,data=4", "zero1", schedule="gpipe", accum=2, sync=SyncConfig(staleness=1),
-             resume=True),
+             resume=True, offload=True),
         marks=[
             pair("zero1", "gpipe"), pair("zero1", "staleness"), pair("zero1", "accumulation"),
             pair("zero1", "resume-relayout"), pair("gpipe", "staleness"),
             pair("gpipe", "accumulation"), pair("gpipe", "resume-relayout"),
             pair("staleness", "accumulation"), pair("staleness", "resume-relayout"),
             pair("accumulation", "resume-relayout"),
+            pair("gpipe", "offload-optimizer"),
+            pair("offload-optimizer", "accumulation"),
+            pair("offload-optimizer", "resume-relayout"),
+            pair("staleness", "offload-optimizer"),
+            pair("zero1", "offload-optimizer"),
         ],
         id="zero1-gpipe-accum-staleness-resume",
     ),
@@ -493,7 +532,7 @@ CASES = [
     # the interleaved-1f1b and zb-h1 schedules
     pytest.param(
         Case("pipe=2,data=2,tensor=2", "zero1+tp", schedule="interleaved-1f1b", remat=True,
-             accum=2, precision="bf16", sync=SyncConfig(staleness=1), resume=True),
+             accum=2, precision="bf16", sync=SyncConfig(staleness=1), resume=True, offload=True),
         marks=[
             pair("zero1", "tp"), pair("zero1", "interleaved-1f1b"), pair("zero1", "staleness"),
             pair("zero1", "remat"), pair("zero1", "accumulation"), pair("zero1", "bf16"),
@@ -507,6 +546,14 @@ CASES = [
             pair("staleness", "resume-relayout"), pair("remat", "accumulation"),
             pair("remat", "bf16"), pair("remat", "resume-relayout"), pair("accumulation", "bf16"),
             pair("accumulation", "resume-relayout"), pair("bf16", "resume-relayout"),
+            pair("interleaved-1f1b", "offload-optimizer"),
+            pair("offload-optimizer", "accumulation"),
+            pair("offload-optimizer", "bf16"),
+            pair("offload-optimizer", "resume-relayout"),
+            pair("remat", "offload-optimizer"),
+            pair("staleness", "offload-optimizer"),
+            pair("tp", "offload-optimizer"),
+            pair("zero1", "offload-optimizer"),
         ],
         id="zero1+tp-interleaved-1f1b-remat-accum-bf16-staleness-resume",
     ),
@@ -514,11 +561,15 @@ CASES = [
     # the hand-written backward gives each replica the whole of their gradient.
     pytest.param(
         Case("pipe=2,data=2,fsdp=2", "hsdp", model="moe-capacity", schedule="zb-h1",
-             sync=SyncConfig(grad_compression="bf16")),
+             sync=SyncConfig(grad_compression="bf16"), offload=True),
         marks=[
             pair("hsdp", "zb-h1"), pair("hsdp", "moe-capacity"), pair("hsdp", "compression"),
             pair("zb-h1", "moe-capacity"), pair("zb-h1", "compression"),
             pair("moe-capacity", "compression"),
+            pair("compression", "offload-optimizer"),
+            pair("hsdp", "offload-optimizer"),
+            pair("moe-capacity", "offload-optimizer"),
+            pair("zb-h1", "offload-optimizer"),
         ],
         id="hsdp-moe-capacity-zb-h1-compression",
     ),
@@ -585,17 +636,24 @@ CASES = [
         id="fsdp-moe-dropless-zb-h1-packed",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1", sync=SyncConfig(sync_every=1)),
+        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1", sync=SyncConfig(sync_every=1),
+             offload=True),
         marks=[
             pair("hsdp", "zb-h1"), pair("hsdp", "local-sgd"), pair("zb-h1", "local-sgd"),
+            pair("hsdp", "offload-optimizer"),
+            pair("local-sgd", "offload-optimizer"),
+            pair("zb-h1", "offload-optimizer"),
         ],
         id="hsdp-zb-h1-local-sgd",
     ),
     pytest.param(
         Case("pipe=2,data=4", "dp", schedule="zb-h1",
-             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov")),
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), offload=True),
         marks=[
             pair("dp", "zb-h1"), pair("dp", "diloco"), pair("zb-h1", "diloco"),
+            pair("diloco", "offload-optimizer"),
+            pair("dp", "offload-optimizer"),
+            pair("zb-h1", "offload-optimizer"),
         ],
         id="dp-zb-h1-diloco",
     ),
@@ -632,10 +690,15 @@ CASES = [
         id="zero1-moe-dropless-packed-remat-accum-staleness-resume",
     ),
     pytest.param(
-        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-dropless", packed=True, precision="bf16"),
+        Case("data=2,fsdp=2,expert=2", "hsdp", model="moe-dropless", packed=True, precision="bf16",
+             offload_acts=True),
         marks=[
             pair("hsdp", "moe-dropless"), pair("hsdp", "packed"), pair("hsdp", "bf16"),
             pair("moe-dropless", "packed"), pair("moe-dropless", "bf16"), pair("packed", "bf16"),
+            pair("hsdp", "offload-activations"),
+            pair("moe-dropless", "offload-activations"),
+            pair("offload-activations", "bf16"),
+            pair("packed", "offload-activations"),
         ],
         id="hsdp-moe-dropless-packed-bf16",
     ),
@@ -667,13 +730,18 @@ CASES = [
     ),
     pytest.param(
         Case("data=4,seq=2", "dp", model="moe-capacity", context="ulysses", precision="bf16",
-             resume=True),
+             resume=True, offload_acts=True),
         marks=[
             pair("dp", "ulysses"), pair("dp", "moe-capacity"), pair("dp", "bf16"),
             pair("dp", "resume-relayout"), pair("ulysses", "moe-capacity"),
             pair("ulysses", "bf16"), pair("ulysses", "resume-relayout"),
             pair("moe-capacity", "bf16"), pair("moe-capacity", "resume-relayout"),
             pair("bf16", "resume-relayout"),
+            pair("dp", "offload-activations"),
+            pair("moe-capacity", "offload-activations"),
+            pair("offload-activations", "bf16"),
+            pair("offload-activations", "resume-relayout"),
+            pair("ulysses", "offload-activations"),
         ],
         id="dp-moe-capacity-ulysses-bf16-resume",
     ),
@@ -748,7 +816,7 @@ CASES = [
     # the Pallas kernels
     pytest.param(
         Case("data=4,tensor=2", "zero1+tp", model="pallas", accum=2, precision="bf16",
-             sync=SyncConfig(grad_compression="bf16", staleness=1)),
+             sync=SyncConfig(grad_compression="bf16", staleness=1), offload_acts=True),
         marks=[
             pair("zero1", "tp"), pair("zero1", "compression"), pair("zero1", "staleness"),
             pair("zero1", "pallas"), pair("zero1", "accumulation"), pair("zero1", "bf16"),
@@ -758,6 +826,13 @@ CASES = [
             pair("compression", "bf16"), pair("staleness", "pallas"),
             pair("staleness", "accumulation"), pair("staleness", "bf16"),
             pair("pallas", "accumulation"), pair("pallas", "bf16"), pair("accumulation", "bf16"),
+            pair("compression", "offload-activations"),
+            pair("offload-activations", "accumulation"),
+            pair("offload-activations", "bf16"),
+            pair("pallas", "offload-activations"),
+            pair("staleness", "offload-activations"),
+            pair("tp", "offload-activations"),
+            pair("zero1", "offload-activations"),
         ],
         id="zero1+tp-pallas-compression-staleness-accum-bf16",
     ),
@@ -774,27 +849,38 @@ CASES = [
         id="hsdp-moe-capacity-pallas-remat-resume",
     ),
     pytest.param(
-        Case("data=4,expert=2", "dp", model="moe-dropless", pallas=True, packed=True),
+        Case("data=4,expert=2", "dp", model="moe-dropless", pallas=True, packed=True, offload=True),
         marks=[
             pair("dp", "moe-dropless"), pair("dp", "packed"), pair("dp", "pallas"),
             pair("moe-dropless", "packed"), pair("moe-dropless", "pallas"),
             pair("packed", "pallas"),
+            pair("dp", "offload-optimizer"),
+            pair("moe-dropless", "offload-optimizer"),
+            pair("packed", "offload-optimizer"),
+            pair("pallas", "offload-optimizer"),
         ],
         id="dp-moe-dropless-pallas-packed",
     ),
     pytest.param(
-        Case("data=8", "zero1", model="pallas", sync=SyncConfig(sync_every=1)),
+        Case("data=8", "zero1", model="pallas", sync=SyncConfig(sync_every=1), offload_acts=True),
         marks=[
             pair("zero1", "local-sgd"), pair("zero1", "pallas"), pair("local-sgd", "pallas"),
+            pair("local-sgd", "offload-activations"),
+            pair("pallas", "offload-activations"),
+            pair("zero1", "offload-activations"),
         ],
         id="zero1-pallas-local-sgd",
     ),
     pytest.param(
         Case("data=4,tensor=2", "zero1+tp", model="pallas",
-             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov")),
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), offload_acts=True),
         marks=[
             pair("zero1", "tp"), pair("zero1", "diloco"), pair("zero1", "pallas"),
             pair("tp", "diloco"), pair("tp", "pallas"), pair("diloco", "pallas"),
+            pair("diloco", "offload-activations"),
+            pair("pallas", "offload-activations"),
+            pair("tp", "offload-activations"),
+            pair("zero1", "offload-activations"),
         ],
         id="zero1+tp-pallas-diloco",
     ),
@@ -825,7 +911,7 @@ CASES = [
     # cuDNN attention (on CPU: jax's XLA implementation of the same call, see the test)
     pytest.param(
         Case("data=4,tensor=2", "dp+tp", cudnn=True, remat=True, accum=2, precision="bf16",
-             resume=True),
+             resume=True, offload=True),
         marks=[
             pair("dp", "tp"), pair("dp", "cudnn"), pair("dp", "remat"),
             pair("dp", "accumulation"), pair("dp", "bf16"), pair("dp", "resume-relayout"),
@@ -835,6 +921,13 @@ CASES = [
             pair("cudnn", "resume-relayout"), pair("remat", "accumulation"),
             pair("remat", "bf16"), pair("remat", "resume-relayout"), pair("accumulation", "bf16"),
             pair("accumulation", "resume-relayout"), pair("bf16", "resume-relayout"),
+            pair("cudnn", "offload-optimizer"),
+            pair("dp", "offload-optimizer"),
+            pair("offload-optimizer", "accumulation"),
+            pair("offload-optimizer", "bf16"),
+            pair("offload-optimizer", "resume-relayout"),
+            pair("remat", "offload-optimizer"),
+            pair("tp", "offload-optimizer"),
         ],
         id="dp+tp-cudnn-remat-accum-bf16-resume",
     ),
@@ -895,10 +988,14 @@ CASES = [
         id="dp-circular-moe-dropless-fp16",
     ),
     pytest.param(
-        Case("pipe=2,fsdp=4", "fsdp", schedule="1f1b", packed=True, precision="fp16"),
+        Case("pipe=2,fsdp=4", "fsdp", schedule="1f1b", packed=True, precision="fp16", offload=True),
         marks=[
             pair("fsdp", "1f1b"), pair("fsdp", "packed"), pair("fsdp", "fp16"),
             pair("1f1b", "packed"), pair("1f1b", "fp16"), pair("packed", "fp16"),
+            pair("1f1b", "offload-optimizer"),
+            pair("fsdp", "offload-optimizer"),
+            pair("offload-optimizer", "fp16"),
+            pair("packed", "offload-optimizer"),
         ],
         id="fsdp-1f1b-packed-fp16",
     ),
@@ -918,9 +1015,13 @@ CASES = [
         id="dp-tp-ring-fp16",
     ),
     pytest.param(
-        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather", precision="fp16"),
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather", precision="fp16",
+             offload_acts=True),
         marks=[
             pair("hsdp", "allgather"), pair("hsdp", "fp16"), pair("allgather", "fp16"),
+            pair("allgather", "offload-activations"),
+            pair("hsdp", "offload-activations"),
+            pair("offload-activations", "fp16"),
         ],
         id="hsdp-allgather-fp16",
     ),
@@ -962,10 +1063,14 @@ CASES = [
     ),
     pytest.param(
         Case("pipe=2,data=2,expert=2", "dp",
-             model="moe-dropless", schedule="circular", precision="fp8"),
+             model="moe-dropless", schedule="circular", precision="fp8", offload=True),
         marks=[
             pair("dp", "circular"), pair("dp", "moe-dropless"), pair("dp", "fp8"),
             pair("circular", "moe-dropless"), pair("circular", "fp8"), pair("moe-dropless", "fp8"),
+            pair("circular", "offload-optimizer"),
+            pair("dp", "offload-optimizer"),
+            pair("moe-dropless", "offload-optimizer"),
+            pair("offload-optimizer", "fp8"),
         ],
         id="dp-circular-moe-dropless-fp8",
     ),
@@ -1018,10 +1123,14 @@ CASES = [
         id="zero1-compression-pallas-fp8",
     ),
     pytest.param(
-        Case("data=4,tensor=2", "dp+tp", cudnn=True, precision="fp8"),
+        Case("data=4,tensor=2", "dp+tp", cudnn=True, precision="fp8", offload_acts=True),
         marks=[
             pair("dp", "tp"), pair("dp", "cudnn"), pair("dp", "fp8"), pair("tp", "cudnn"),
             pair("tp", "fp8"), pair("cudnn", "fp8"),
+            pair("cudnn", "offload-activations"),
+            pair("dp", "offload-activations"),
+            pair("offload-activations", "fp8"),
+            pair("tp", "offload-activations"),
         ],
         id="dp-tp-cudnn-fp8",
     ),

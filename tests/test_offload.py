@@ -51,9 +51,9 @@ def _batches(n, seed=0):
 NO_OFFLOAD = Offload()
 
 
-def _setup(model, mesh_str, strategy, off=NO_OFFLOAD, **run_kw):
+def _setup(model, mesh_str, strategy, off=NO_OFFLOAD, devices=None, **run_kw):
     """(state, shardings, step on host batches, run) of `model` as the Trainer builds them."""
-    mesh = make_mesh(mesh_str)
+    mesh = make_mesh(mesh_str, devices=devices)
     run = RunSpec(
         model=model, data=DataSpec("lm", B, T, model.vocab_size), mesh=mesh,
         rules=rules_for(strategy, mesh), optim=OPTIM, offload=off,
@@ -217,6 +217,17 @@ def test_activation_offload_equals_saving_the_same_residuals_on_the_device(offlo
         np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5)  # Adam: lr × g / |g|
 
 
+def test_activation_offload_under_context_parallelism_equals_saving_on_the_device():
+    """Residuals offloaded beside ring attention over seq = 2 (the q, k, v projections and
+    the MLP's hidden activation): the same step as keeping them on the device."""
+    mesh = "data=2,seq=2,tensor=2"
+    got = _grads(dataclasses.replace(GPT, remat="offload:qkv,mlp_hidden"), mesh, "dp+tp")
+    want = _grads(dataclasses.replace(GPT, remat="save:qkv,mlp_hidden"), mesh, "dp+tp")
+    np.testing.assert_array_equal(got[0], want[0])
+    for a, b in zip(got[1], want[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_activation_offload_under_a_pipeline_is_refused_in_one_line():
     """A pipeline keeps its microbatches' residuals in its own device buffers: an offloading
     remat policy beside pipe > 1 is refused in one line naming both, before anything
@@ -330,3 +341,63 @@ def test_the_cli_trains_with_offload_and_refuses_a_bad_choice(tmp_path, capsys):
     assert main(argv) == 0
     out = capsys.readouterr()
     assert "offload optimizer" in out.out + out.err, out
+
+
+def test_the_offload_benchmark_meets_its_targets_on_the_tiny_model(capsys):
+    """benchmarks/offload.py's lines hold the issue's targets: the device arguments fall by
+    at least 0.9 of the optimizer state's bytes, and the offloaded residuals' transfers equal
+    the analytic count within 10%."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "offload.py"
+    spec = importlib.util.spec_from_file_location("offload_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    settings = ["plain", "optimizer", "offload:mlp_hidden"]
+    assert module.main(["--size", "tiny", "--settings", *settings]) == 0
+    lines = {d["setting"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+    plain, opt, act = (lines[s] for s in settings)
+    fall = plain["memory_bytes"]["argument"] - opt["memory_bytes"]["argument"]
+    assert fall >= 0.9 * opt["analytic_moments_bytes"] > 0
+    for way in ("to_host", "to_device"):
+        assert abs(act["transfer_bytes"][way] / act["analytic_transfer_bytes"] - 1) <= 0.1
+    assert act["cuda_moves_to_host"] >= 1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_offloaded_state_and_residuals_leave_device_memory_with_the_same_step():
+    """On a GPU, where the moves compile into copies: the device temporaries fall by at least
+    0.8 of the offloaded residuals' bytes and the device arguments by the optimizer state's,
+    XLA's memory analysis counts them as host memory, and one step computes the same losses
+    and parameters as keeping everything on the device (offload through a scan has given
+    wrong gradients on GPUs before: openxla/xla PR 46231)."""
+    from meshtrain.comm.compile import compile_step
+
+    cfg = dataclasses.replace(GPT, d_model=256, n_heads=4, n_kv_heads=4, dtype="bfloat16")
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+
+    def compiled(remat, optimizer):
+        run = RunSpec(
+            model=dataclasses.replace(cfg, remat=remat), data=DataSpec("lm", B, T, 64),
+            mesh=mesh, rules=rules_for("dp", mesh), optim=OPTIM, train=TrainConfig(run_dir=""),
+            offload=Offload(optimizer=optimizer),
+        )  # fmt: skip
+        return compile_step(run)[0].memory_analysis()
+
+    kept, moved = compiled("save:mlp_hidden", False), compiled("offload:mlp_hidden", True)
+    residuals = cfg.n_layers * B * T * cfg.ff_dim * 2
+    assert kept.temp_size_in_bytes - moved.temp_size_in_bytes >= 0.8 * residuals
+    assert moved.host_argument_size_in_bytes > 0
+    assert kept.argument_size_in_bytes > moved.argument_size_in_bytes
+    batches, one = _batches(2, seed=4), jax.devices()[:1]
+    want = _setup(dataclasses.replace(cfg, remat="save:mlp_hidden"), "data=1", "dp", devices=one)
+    got = _setup(
+        dataclasses.replace(cfg, remat="offload:mlp_hidden"), "data=1", "dp",
+        Offload(optimizer=True), devices=one,
+    )  # fmt: skip
+    want, got = _train(want[0], want[2], batches), _train(got[0], got[2], batches)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(_leaves(got[1].params), _leaves(want[1].params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

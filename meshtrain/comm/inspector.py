@@ -119,7 +119,9 @@ class Inspection:
             f"{fmt_bytes(m['argument'])}, outputs {fmt_bytes(m['output'])}, temporaries "
             f"{fmt_bytes(m['temp'])}, peak {fmt_bytes(m['peak'])} · {self.flops / 1e9:.3g} GFLOP"
         )
-        host = m.get("host_argument", 0) + m.get("host_temp", 0)
+        # offloaded residuals live on host from the forward to the backward
+        residuals = self.transfers.get("to_host", 0) - m.get("host_output", 0)
+        host = m.get("host_argument", 0) + max(m.get("host_temp", 0), residuals)
         if host or any(self.transfers.values()):
             console.print(
                 f"host memory {fmt_bytes(host)} per device · per step "

@@ -21,7 +21,6 @@ from meshtrain.models import families
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_config import MoEConfig
-from meshtrain.models.remat import offloads
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.precision import Precision
@@ -336,19 +335,6 @@ REFUSALS: tuple[Refusal, ...] = (
         _mesh_value(SEQ),
         _pair({"seq": 2, "pipe": 2, "data": 2}, {"seq": 2, "data": 4}),
         cells=_cells(_CONTEXT, _PIPELINES),
-    ),
-    Refusal(
-        "activation offload",
-        "pipelines",
-        "a pipeline keeps each microbatch's residuals in ring buffers on the device between "
-        "its forward and backward slots, which do not hold host-resident residuals yet",
-        lambda run: _axis(run, PIPE) > 1 and offloads(getattr(run.model, "remat", "none")),
-        "{model}.remat",
-        "keep them on the device (--{model}.remat save-dots or save:NAME,...) or set pipe=1 in "
-        "--mesh; the optimizer state can still go to host memory (--offload optimizer)",
-        lambda run: getattr(run.model, "remat", None),
-        _pair({"pipe": 2, "data": 4}, {"data": 8}, model=lambda: GPTConfig(remat="offload-dots")),
-        cells=_cells(("offload-activations",), _PIPELINES),
     ),
     Refusal(
         "context parallelism",

@@ -121,6 +121,24 @@ def _put(buf: jax.Array, value: jax.Array, index, when) -> jax.Array:
     return lax.dynamic_update_index_in_dim(buf, jnp.where(when, value, buf[index]), index, 0)
 
 
+def _on_host(x) -> bool:
+    """Whether `x` (an array or a shape) lives in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def _host_ring(shape, depth: int, axes) -> jax.Array:
+    """A ring buffer of `depth` + 1 slots in host memory (the last one takes discarded
+    writes), typed to vary over `axes`."""
+    ring = varying(jnp.zeros((depth + 1, *shape.shape), shape.dtype), axes)
+    return jax.device_put(ring, jax.memory.Space.Host)
+
+
+def _put_host(buf: jax.Array, value: jax.Array, index, when) -> jax.Array:
+    """``buf[index] = value`` where `when`, else into the spare last slot: a masked write to a
+    host ring with no select on host memory."""
+    return lax.dynamic_update_index_in_dim(buf, value, jnp.where(when, index, buf.shape[0] - 1), 0)
+
+
 def _from_stage(x: jax.Array, stage: int) -> jax.Array:
     """Stage `stage`'s value of `x` on every stage: a psum with the others contributing zeros.
 
@@ -420,11 +438,13 @@ def scheduled(
     # depend on the stage): a residual the same on every replica (an MoE's router statistics,
     # averaged over the rows) must not come back varying, or its cotangents would not type.
     res_axes: list[frozenset[str]] = []
+    on_host: list[bool] = []  # a residual a remat policy moved to host memory
     hand_axes: list[frozenset[str]] = []
 
     def kept_and_stats(c, x, side):
         _, stats, kept = run.forward(c, x, side)
         res_axes[:] = [varying_axes(k) | {AXIS} for k in kept]
+        on_host[:] = [_on_host(k) for k in kept]
         return kept, stats
 
     res_shapes, stats_shape = jax.eval_shape(kept_and_stats, chunk0, x0, side0)
@@ -449,7 +469,19 @@ def scheduled(
     def ring(shape, depth, axes):
         return varying(_fill(jnp.zeros((depth, *shape.shape), shape.dtype), poison), axes)
 
-    residuals = [ring(r, plan.depth["res"], a) for r, a in zip(res_shapes, res_axes, strict=True)]
+    # A residual a remat policy moved to host memory stays there: its ring is a host buffer,
+    # one slot longer, whose last slot takes the writes of the slots that keep nothing (a
+    # write is a dynamic update alone, no compute on host memory).
+    residuals = [
+        _host_ring(r, plan.depth["res"], a) if h else ring(r, plan.depth["res"], a)
+        for r, a, h in zip(res_shapes, res_axes, on_host, strict=True)
+    ]
+
+    def unused(bufs):
+        """Stand-ins for the residuals a slot keeps none of: zeros, or a host ring's spare
+        slot (written back to itself)."""
+        return [b[-1] if h else jnp.zeros_like(b[0]) for b, h in zip(bufs, on_host, strict=True)]
+
     handovers: list = []
     if split:
 
@@ -475,7 +507,7 @@ def scheduled(
             nan_like(x0),
             stats_zero,
             nan_like(x0),
-            [nan_like(r[0]) for r in residuals],
+            [r[-1] if h else nan_like(r[0]) for r, h in zip(residuals, on_host, strict=True)],
             [nan_like(h[0]) for h in handovers],
             jax.tree.map(nan_like, chunk_zero),
         )
@@ -486,7 +518,7 @@ def scheduled(
         return (y, stats, jnp.zeros_like(x0), kept, zeros, chunk_zero)
 
     def bwd(c, x_in, side, cot, stored, hand):
-        zeros = [jnp.zeros_like(r[0]) for r in residuals]
+        zeros = unused(residuals)
         if split:
             g_x, handover = run.input_pass(c, stored, cot, side, d_stats)
             return (jnp.zeros_like(x0), stats_zero, g_x, zeros, handover, chunk_zero)
@@ -495,7 +527,7 @@ def scheduled(
 
     def wgt(c, x_in, side, cot, stored, hand):
         g_chunk = run.weight_pass(c, stored, hand, cot, side, d_stats)
-        zeros = [jnp.zeros_like(r[0]) for r in residuals]
+        zeros = unused(residuals)
         hand_zeros = [jnp.zeros_like(h[0]) for h in handovers]
         return (jnp.zeros_like(x0), stats_zero, jnp.zeros_like(x0), zeros, hand_zeros, g_chunk)
 
@@ -555,7 +587,10 @@ def scheduled(
             last_fwd & (s == p - 1), head_step, no_head, head, y, _at(labels_Mb, last_mb)
         )
         is_f, is_b = ph == FWD, ph == BWD
-        res = [_put(b, k, writes["res"][s], is_f) for b, k in zip(res, kept, strict=True)]
+        res = [
+            _put_host(b, k, writes["res"][s], is_f) if h else _put(b, k, writes["res"][s], is_f)
+            for b, k, h in zip(res, kept, on_host, strict=True)
+        ]
         hand = [_put(b, h, writes["hand"][s], is_b) for b, h in zip(hand, hand_out, strict=True)]
         loss = jnp.where(is_f & model_last, loss + loss_i, loss)
         totals = jax.tree.map(lambda a, b: jnp.where(is_f, a + b, a), totals, stats)

@@ -77,6 +77,11 @@ MOE = MoEConfig(
 LOSS_ATOL, PARAM_ATOL = 1e-5, 5e-5  # float32
 # (loss atol, update relative Frobenius) of the lower precisions
 LOW = {"bf16": (2e-2, 8e-2), "fp16": (2e-3, 3e-2), "fp8": (2e-2, 0.15)}
+# A token whose top-k choice sits within the precision's rounding of a tie picks another expert
+# in one layout than in the other, moving its share of the update between two experts. That
+# share does not shrink with the precision: one such choice moved 4.9% of the stacked experts'
+# update (fp16, 2 steps of the test MoE), so expert and router leaves are held to 12% (two).
+ROUTING_FLIP_RTOL = 0.12
 LOSS_SCALE = 2.0**10  # float16's first loss scale here: no overflow on these tiny models
 CODEC_UPDATE_RTOL = 2e-2
 
@@ -258,8 +263,9 @@ def _train(case, state, step, batches):
 def _assert_same(case, loss, params, want_loss, want_params, start):
     """Losses and parameters agree (float32); under bf16, fp16 or fp8, each leaf's update in
     relative Frobenius norm (a token near a routing tie may pick another expert, moving a few
-    entries); under a lossy codec, each entry of each update (with a lower precision, the
-    Frobenius norm again, at least bf16's tolerance)."""
+    entries: `ROUTING_FLIP_RTOL` for the experts and the router); under a lossy codec, each
+    entry of each update (with a lower precision, the Frobenius norm again, at least bf16's
+    tolerance)."""
     low = LOW.get(case.precision)
     atol = low[0] if low else LOSS_ATOL
     if case.sync.compresses:
@@ -277,6 +283,8 @@ def _assert_same(case, loss, params, want_loss, want_params, start):
             # a leaf whose updates are tiny is held to a share of the largest leaf's
             err = float(np.linalg.norm((g - s) - u))
             rtol = max(low[1], LOW["bf16"][1]) if case.sync.compresses else low[1]
+            if "['moe']" in name:
+                rtol = max(rtol, ROUTING_FLIP_RTOL)
             bound = rtol * max(float(np.linalg.norm(u)), 0.02 * largest_norm)
             assert err <= bound, f"{name}: |Δ got − Δ want| = {err:.2e} > {bound:.2e}"
         elif case.sync.compresses:

@@ -1,6 +1,6 @@
 """The α-β cost model: device and link profiles, collective costs per algorithm, a roofline
-step-time estimate with a stated overlap assumption, and what a pipeline schedule costs in
-lockstep."""
+step-time estimate with a stated overlap assumption, what a pipeline schedule costs in
+lockstep, and what offload's host transfers cost."""
 
 from meshtrain.costmodel.collectives import (
     ALGORITHMS,
@@ -12,6 +12,7 @@ from meshtrain.costmodel.collectives import (
     ring_all_reduce,
     tree_all_reduce,
 )
+from meshtrain.costmodel.host import HostTransfer, exposed_time, transfer_time
 from meshtrain.costmodel.pipeline import (
     held_microbatches,
     lockstep_bubble,
@@ -26,9 +27,11 @@ __all__ = [
     "PROFILES",
     "CommItem",
     "DeviceProfile",
+    "HostTransfer",
     "Link",
     "StepEstimate",
     "collective_time",
+    "exposed_time",
     "flat_cost",
     "held_microbatches",
     "hierarchical_all_reduce",
@@ -42,5 +45,6 @@ __all__ = [
     "recursive_doubling_all_reduce",
     "ring_all_reduce",
     "step_time",
+    "transfer_time",
     "tree_all_reduce",
 ]

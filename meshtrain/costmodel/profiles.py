@@ -12,7 +12,19 @@ Sources:
   NVLink 3 at 600 GB/s total (300 GB/s each way).
 - Across nodes: DGX H100 / H200 user guide: eight ConnectX-7 InfiniBand NDR ports of 400 Gb/s,
   one per GPU (50 GB/s each way); DGX A100: eight HDR ports of 200 Gb/s (25 GB/s).
+- GH200: NVIDIA GH200 Grace Hopper Superchip datasheet (2023): the H100's compute, 96 GB HBM3
+  at 4 TB/s, NVLink-C2C to the Grace CPU at 900 GB/s total (450 GB/s each way), 480 GB LPDDR5X.
+  Nodes of four superchips (as in CSCS Alps' quad-GH200 nodes, one 200 Gb/s Slingshot port per
+  superchip, 25 GB/s each way); within the node each GPU pair has 6 NVLink 4 links (150 GB/s
+  each way, assumed to be what one collective gets).
 - TPU v5e: Google Cloud TPU v5e documentation: 197 TFLOP/s BF16, 819 GB/s HBM, 16 GB, ICI.
+- Host links (what offload moves data over), per device and direction: PCIe 5.0 x16 for the
+  H100 and H200 (their datasheets: 128 GB/s, 64 GB/s each way), PCIe 4.0 x16 for the A100
+  (64 GB/s, 32 each way), NVLink-C2C for the GH200. Host memory per device: DGX H100 / H200
+  2 TB for 8 GPUs, DGX A100 1 TB for 8, the GH200's own 480 GB. Where GPUs share a PCIe switch
+  and all offload at once they share its uplink; that is not modelled, so offload times are
+  lower bounds like the rest. The TPU v5e profile has no host-link figure: offload is not
+  planned on it.
 - cpu-sim: the simulated CPU devices of the tests. Nominal figures, not measured: simulated
   devices share one host's cores and memory, so no speed can be read off them.
 """
@@ -50,6 +62,9 @@ class DeviceProfile:
         source: where the numbers come from.
         platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``: what runs there (the MoE dispatch
             exchanges exactly the routed rows on GPUs and a padded buffer elsewhere).
+        host: the link between the device and its host's memory (None: no figure, so offload
+            is not planned).
+        host_memory: host memory per device, bytes (what offload can fill).
     """
 
     name: str
@@ -61,6 +76,8 @@ class DeviceProfile:
     inter: Link
     source: str
     platform: str = "gpu"
+    host: Link | None = None
+    host_memory: float = 0.0
 
     @property
     def is_gpu(self) -> bool:
@@ -70,6 +87,7 @@ class DeviceProfile:
 
 _NVLINK_ALPHA = 3e-6  # assumed: a few µs per NCCL step within a node
 _IB_ALPHA = 8e-6  # assumed: a few more µs per step across nodes
+_HOST_ALPHA = 10e-6  # assumed: a copy engine's start and the host's page-locked buffer
 
 PROFILES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile(
@@ -81,6 +99,8 @@ PROFILES: dict[str, DeviceProfile] = {
         Link(_NVLINK_ALPHA, 450e9),
         Link(_IB_ALPHA, 50e9),
         "NVIDIA H100 SXM5 datasheet; DGX H100 (8 × ConnectX-7 NDR 400 Gb/s)",
+        host=Link(_HOST_ALPHA, 64e9),
+        host_memory=2e12 / 8,
     ),
     "h200": DeviceProfile(
         "h200",
@@ -91,6 +111,20 @@ PROFILES: dict[str, DeviceProfile] = {
         Link(_NVLINK_ALPHA, 450e9),
         Link(_IB_ALPHA, 50e9),
         "NVIDIA H200 SXM datasheet; DGX H200 (8 × ConnectX-7 NDR 400 Gb/s)",
+        host=Link(_HOST_ALPHA, 64e9),
+        host_memory=2e12 / 8,
+    ),
+    "gh200": DeviceProfile(
+        "gh200",
+        989e12,
+        4.0e12,
+        96e9,
+        4,
+        Link(_NVLINK_ALPHA, 150e9),
+        Link(_IB_ALPHA, 25e9),
+        "NVIDIA GH200 Grace Hopper Superchip datasheet; quad-GH200 nodes (CSCS Alps)",
+        host=Link(_HOST_ALPHA, 450e9),
+        host_memory=480e9,
     ),
     "a100": DeviceProfile(
         "a100",
@@ -101,6 +135,8 @@ PROFILES: dict[str, DeviceProfile] = {
         Link(_NVLINK_ALPHA, 300e9),
         Link(_IB_ALPHA, 25e9),
         "NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8 × HDR 200 Gb/s)",
+        host=Link(_HOST_ALPHA, 32e9),
+        host_memory=1e12 / 8,
     ),
     "tpu-v5e": DeviceProfile(
         "tpu-v5e",
@@ -123,6 +159,8 @@ PROFILES: dict[str, DeviceProfile] = {
         Link(1e-5, 5e9),
         "nominal: simulated CPU devices share one host; not measured",
         platform="cpu",
+        host=Link(1e-5, 5e9),
+        host_memory=16e9,
     ),
 }
 

@@ -9,16 +9,18 @@ they cost only what exceeds the compute time (``overlap=1``; ``overlap=0`` expos
 Tensor-parallel activation all-reduces, pipeline sends and a mixture of experts' dispatch
 all-to-alls sit on the critical path (the next matmul needs their result: the experts need
 their tokens) and are always exposed. A pipeline idles for its bubble fraction
-b: compute is divided by (1 − b).
+b: compute is divided by (1 − b). Host transfers (offload) cost what exceeds their window of
+the compute (`meshtrain.costmodel.host`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from meshtrain.costmodel.collectives import ALGORITHMS, flat_cost, hierarchical_cost
+from meshtrain.costmodel.host import HostTransfer, exposed_time, transfer_time
 from meshtrain.costmodel.profiles import DeviceProfile
 
 OVERLAPPABLE = ("gradient reduction", "parameter gathers")
@@ -96,6 +98,8 @@ class StepEstimate:
         algorithms: the algorithm chosen per bucket.
         exposed_s: communication not hidden behind compute.
         total_s: the step time.
+        host_s: seconds of host transfer per direction and kind (offload).
+        host_exposed_s: host transfer not hidden behind compute (part of `total_s`).
     """
 
     compute_s: float
@@ -104,6 +108,8 @@ class StepEstimate:
     algorithms: dict[str, str]
     exposed_s: float
     total_s: float
+    host_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    host_exposed_s: float = 0.0
 
 
 def step_time(
@@ -116,6 +122,7 @@ def step_time(
     bubble: float = 0.0,
     overlap: float = 1.0,
     matmul_share: float = 0.95,
+    host: Sequence[HostTransfer] = (),
 ) -> StepEstimate:
     """The modelled time of one step on one device (see the module docstring).
 
@@ -129,9 +136,13 @@ def step_time(
         overlap: share of the compute time that gathers and reductions can hide behind.
         matmul_share: share of the FLOPs in matrix multiplies (the rest, with all of
             `hbm_bytes`, runs at the bandwidth roof).
+        host: the transfers to and from host memory per device per step (offload).
 
     Returns:
         A `StepEstimate`.
+
+    Raises:
+        ValueError: host transfers on a profile without a host link.
     """
     matmul = matmul_share * flops / device.peak_flops
     other = max((1 - matmul_share) * flops / device.peak_flops, hbm_bytes / device.hbm_bandwidth)
@@ -146,4 +157,16 @@ def step_time(
     hidden = sum(t for b, t in comm_s.items() if b in OVERLAPPABLE)
     exposed = sum(t for b, t in comm_s.items() if b not in OVERLAPPABLE)
     exposed += max(0.0, hidden - overlap * compute)
-    return StepEstimate(compute, bubble, comm_s, algos, exposed, busy + exposed)
+    host_s: dict[str, float] = {}
+    host_exposed = 0.0
+    if host:
+        if device.host is None:
+            raise ValueError(
+                f"device={device.name!r}: no host-link figure; offload is not modelled"
+            )
+        for t in host:
+            key = f"{t.what} {t.direction}"
+            host_s[key] = host_s.get(key, 0.0) + transfer_time(t, device.host)
+        host_exposed = exposed_time(list(host), device.host, compute)
+    total = busy + exposed + host_exposed
+    return StepEstimate(compute, bubble, comm_s, algos, exposed, total, host_s, host_exposed)

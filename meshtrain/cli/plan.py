@@ -31,11 +31,13 @@ class PlanSettings:
         dispatch: an MoE's dispatch, capacity or dropless (default: the preset's).
         devices: devices to plan for.
         hosts: hosts (0: the profile's node size).
-        device: device profile: h100, h200, a100, tpu-v5e, cpu-sim.
+        device: device profile: h100, h200, gh200, a100, tpu-v5e, cpu-sim.
         device_memory: memory per device, e.g. 80GB (default: the profile's).
         batch: global batch (0: 2 per device).
         seq_len: tokens per sequence (0: the size's).
         dtype: compute dtype (default: bfloat16, float32 on cpu-sim).
+        offload: also try host offload (remat residuals, and the optimizer state of a
+            layout over the cap) on profiles with a host-link figure.
         top: candidates to print.
         confirm: best candidates to compile.
         write: save the winner as a train config (JSON) for meshtrain train --config.
@@ -54,6 +56,7 @@ class PlanSettings:
     batch: int = 0
     seq_len: int = 0
     dtype: str = ""
+    offload: bool = True
     top: int = 5
     confirm: int = 2
     write: str = ""

@@ -207,15 +207,7 @@ def inspect_compiled(
     mesh, rules, sizes, sync = run.mesh, run.rules, run.sizes, run.sync
     codec = parse_compression(sync.grad_compression) if sync.compresses else None
     compressed = rules.replica_axes(sizes) if codec is not None else ()
-    ma = compiled.memory_analysis()
-    memory = {
-        "argument": int(ma.argument_size_in_bytes),
-        "output": int(ma.output_size_in_bytes),
-        "temp": int(ma.temp_size_in_bytes),
-        "alias": int(ma.alias_size_in_bytes),
-    }
-    memory.update(_host_memory(compiled, ma, memory))
-    memory["peak"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    memory = compiled_memory(compiled)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     flops = float((cost or {}).get("flops", 0.0))
@@ -250,6 +242,22 @@ def inspect_compiled(
             "to_host": memory["host_output"] + (transfers or {}).get("to_host", 0.0),
         },
     )
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """A compiled program's bytes per device: device ``argument``, ``output``, ``temp``,
+    ``alias`` and ``peak`` (argument + output + temp − alias), and its host bytes
+    (``host_argument``, ``host_output``, ``host_temp``)."""
+    ma = compiled.memory_analysis()
+    memory = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+    }
+    memory.update(_host_memory(compiled, ma, memory))
+    memory["peak"] = memory["argument"] + memory["output"] + memory["temp"] - memory["alias"]
+    return memory
 
 
 def _host_memory(compiled, ma, memory: dict[str, int]) -> dict[str, int]:

@@ -18,6 +18,18 @@ Memory per device, in bytes:
 - with ``gather_once``, the stage's layer weights that batch axes split, whole (at their size
   after pipe and tensor split them), and their gradient: 2 × `stage_gathered_bytes`.
 
+Offload (host memory, `meshtrain.costmodel.host`):
+- ``offload-dots`` moves the residuals ``save-dots`` would keep to host in the forward and back
+  in the backward: the device keeps each layer's input, as with ``full``; host memory holds
+  the save-dots activations; the FLOPs and device traffic are save-dots'. The writes run
+  beside the forward's compute and the fetches beside the backward's; what exceeds them is
+  exposed. One transfer per layer and microbatch each way (α each).
+- With the optimizer state on host (``Candidate.offload``), the moments are fetched for the
+  update, after the backward has freed its activations, and written back after it: device
+  memory counts the larger of the moments and the activations with the logits, host memory
+  the moments, and both transfers are exposed (one per leaf each way).
+- Host memory per device must hold both (`DeviceProfile.host_memory`).
+
 Device-memory traffic: weights read in the forward and backward and written once (3×), the
 optimizer moments read and written (2×), the activations without remat written and read
 once (half again for ``save-dots``, which re-runs the elementwise ops), and the logits.
@@ -55,11 +67,13 @@ from meshtrain.comm.expect import (
 from meshtrain.costmodel import (
     CommItem,
     DeviceProfile,
+    HostTransfer,
     StepEstimate,
     held_microbatches,
     lockstep_bubble,
     step_time,
 )
+from meshtrain.costmodel.host import FORWARD_SHARE
 from meshtrain.layout import rules_for
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.models.moe_config import MoEConfig
@@ -69,6 +83,7 @@ from meshtrain.plan.space import Candidate
 
 MOMENTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1}
 REMAT_ACTIVATION = {"none": 1.0, "save-dots": 0.5}
+HOST_REMATS = {"offload-dots": "save-dots"}  # a policy moving residuals to host → whose they are
 MOE_BUCKET = "expert all-to-all"
 
 
@@ -82,11 +97,29 @@ class Modelled:
     flops_per_device: float
     moe: MoEStep | None = None
     gather_once_bytes: float = 0.0  # what gather-once costs (or would cost) per device
+    host: dict[str, float] = dataclasses.field(default_factory=dict)  # host bytes per device
 
     @property
     def peak(self) -> float:
-        """Modelled bytes per device, all parts together."""
-        return sum(self.memory.values())
+        """Modelled bytes per device: all parts together; with the optimizer state on host,
+        the larger of the moments (fetched for the update) and the activations with the
+        logits (freed by then)."""
+        if not self.candidate.offload:
+            return sum(self.memory.values())
+        rest = dict(self.memory)
+        during = rest.pop("activations") + rest.pop("logits")
+        update = rest.pop("optimizer")
+        return sum(rest.values()) + max(update, during)
+
+    @property
+    def host_peak(self) -> float:
+        """Modelled host bytes per device (offload)."""
+        return sum(self.host.values())
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the candidate keeps anything in host memory."""
+        return bool(self.host)
 
 
 def model_candidate(
@@ -141,8 +174,13 @@ def model_candidate(
         exchanges = 4 if cand.remat == "none" else 6  # remat re-runs the forward's dispatch
         moe = MoEStep(cost, n_moe / p, exchanges)
     traffic = 2 * tokens_local * (L / p) * per_token  # activations written and read once
+    host_token = 0.0
     if cand.remat == "full":
         per_token = 2 * D * item / 2
+    elif cand.remat in HOST_REMATS:
+        host_token = per_token * REMAT_ACTIVATION[HOST_REMATS[cand.remat]]
+        per_token = 2 * D * item / 2
+        traffic *= 1.5  # as save-dots: the elementwise ops re-run
     else:
         per_token *= REMAT_ACTIVATION[cand.remat]
         traffic *= 1.5 if cand.remat == "save-dots" else 1.0  # elementwise ops re-run
@@ -160,6 +198,23 @@ def model_candidate(
     else:
         act_tokens = tokens_local
     activations = act_tokens * layers_here * per_token
+    host: dict[str, float] = {}
+    transfers: list[HostTransfer] = []
+    if host_token:
+        host["activations"] = act_tokens * layers_here * host_token
+        moved = tokens_local * layers_here * host_token  # every microbatch's, once each way
+        copies = round(layers_here) * max(1, cand.microbatches)
+        transfers += [
+            HostTransfer("residuals", "to host", moved, FORWARD_SHARE, copies),
+            HostTransfer("residuals", "to device", moved, 1 - FORWARD_SHARE, copies),
+        ]
+    if cand.offload:
+        host["optimizer"] = opt
+        leaves = len(layouts) * MOMENTS.get(optimizer, 2)
+        transfers += [
+            HostTransfer("optimizer", "to device", opt, 0.0, leaves),
+            HostTransfer("optimizer", "to host", opt, 0.0, leaves),
+        ]
     logits = tokens_local * g.padded_vocab / t * 8
     memory = {
         "parameters": params,
@@ -188,11 +243,17 @@ def model_candidate(
     hbm = 3 * params + 2 * opt + traffic + logits  # weights read ×2, update r/w
     bubble = lockstep_bubble(cand.schedule, p, cand.microbatches, cand.repeats) if p > 1 else 0.0
     est = step_time(
-        flops=flops, hbm_bytes=hbm, comm=comm, sizes=sizes, device=device, bubble=bubble
+        flops=flops,
+        hbm_bytes=hbm,
+        comm=comm,
+        sizes=sizes,
+        device=device,
+        bubble=bubble,
+        host=transfers,
     )
     if moe is not None:
         moe = dataclasses.replace(moe, seconds=est.comm_s.get(MOE_BUCKET, 0.0))
-    return Modelled(cand, memory, est, flops, moe, whole)
+    return Modelled(cand, memory, est, flops, moe, whole, host)
 
 
 def _moe_items(moe: MoEStep, cand: Candidate) -> list[CommItem]:

@@ -135,8 +135,11 @@ def reasoning(plan: Plan, top: int) -> list[str]:
         f"{plan.considered} layouts · {plan.failed_check} fail the run check · "
         f"{plan.over_memory} over the memory cap (modelled)"
         + (f" · {plan.over_memory_compiled} over it compiled" if plan.over_memory_compiled else "")
+        + (" · offload not needed" if plan.offload and not plan.best.modelled.offloads else "")
         + f" · {plan.wall_s:.1f} s"
     ]
+    if plan.offload and plan.best.modelled.offloads:
+        lines.append(_offload_reason(plan))
     for i, c in enumerate(plan.ranked[:top], 1):
         m, e = c.modelled, c.modelled.estimate
         comm = (
@@ -151,16 +154,70 @@ def reasoning(plan: Plan, top: int) -> list[str]:
             f"   compute {e.compute_s * 1e3:.2f} ms · bubble {e.bubble:.0%} · exposed comm "
             f"{e.exposed_s * 1e3:.2f} ms · {comm}"
         )
-        state = m.memory["parameters"] + m.memory["gradients"] + m.memory["optimizer"]
-        lines.append(
-            f"   memory {mem} (parameters, gradients and optimizer {_size(state)}, "
-            f"activations {_size(m.memory['activations'])}, logits {_size(m.memory['logits'])})"
+        state = m.memory["parameters"] + m.memory["gradients"]
+        parts = f"parameters, gradients and optimizer {_size(state + m.memory['optimizer'])}"
+        if m.candidate.offload:
+            parts = f"parameters and gradients {_size(state)}"
+        act = f"activations {_size(m.memory['activations'])}, logits {_size(m.memory['logits'])}"
+        update = (
+            f"; the update holds the optimizer's {_size(m.memory['optimizer'])} in their place"
+            if m.candidate.offload
+            else ""
         )
+        lines.append(f"   memory {mem} ({parts}, {act}{update})")
         if m.moe is not None:
             lines.append("   " + m.moe.describe(m.candidate.expert))
         if m.gather_once_bytes:
             lines.append("   " + _gathering(m))
+        if m.host:
+            lines.append("   " + _host(m))
     return lines
+
+
+def _offload_reason(plan: Plan) -> str:
+    """Why the best layout keeps state in host memory: nothing fits without it, or what it
+    gains over the best layout that does not."""
+    best = plan.best.modelled
+    what = " and ".join(_HOST_PARTS[k] for k in best.host)
+    if plan.without_offload is None:
+        small = plan.smallest_without_offload
+        need = (
+            f"; the smallest needs {_size(small.peak)} per device ({small.candidate.describe()})"
+            if small is not None
+            else ""
+        )
+        return (
+            f"offload: no layout fits in device memory without it{need}; the best keeps "
+            f"{what} in host memory"
+        )
+    other = plan.without_offload
+    gain = other.estimate.total_s / best.estimate.total_s - 1
+    return (
+        f"offload: keeping {what} in host memory is {gain:.0%} faster than the best layout "
+        f"without it ({other.candidate.describe()}: {other.estimate.total_s * 1e3:.2f} ms/step)"
+    )
+
+
+_HOST_PARTS = {"optimizer": "the optimizer state", "activations": "the remat residuals"}
+
+
+def _host(m) -> str:
+    """What a candidate keeps in host memory and what moving it costs."""
+    e = m.estimate
+    parts = []
+    if "activations" in m.host:
+        moved = e.host_s.get("residuals to host", 0.0) + e.host_s.get("residuals to device", 0.0)
+        parts.append(
+            f"residuals {_size(m.host['activations'])} (written in the forward, fetched in the "
+            f"backward: {moved * 1e3:.2f} ms of transfers)"
+        )
+    if "optimizer" in m.host:
+        moved = e.host_s.get("optimizer to device", 0.0) + e.host_s.get("optimizer to host", 0.0)
+        parts.append(
+            f"optimizer {_size(m.host['optimizer'])} (fetched for the update, written back: "
+            f"{moved * 1e3:.2f} ms)"
+        )
+    return f"host memory {', '.join(parts)} · {e.host_exposed_s * 1e3:.2f} ms exposed"
 
 
 def _gathering(m) -> str:
@@ -206,6 +263,8 @@ def train_flags(plan: Plan, cfg, *, batch: int, seq_len: int, devices: int, simu
         if cfg.d_ff:
             flags["gpt.d-ff"] = cfg.d_ff
     flags.update({"data.batch-size": batch, "data.seq-len": seq_len})
+    if c.offload:
+        flags["offload"] = "optimizer"
     if c.pipe > 1:
         flags.update(schedule=c.schedule, microbatches=c.microbatches)
         if c.repeats > 1:
@@ -258,6 +317,7 @@ def run(args) -> int:
         memory_cap=cap,
         hosts=args.hosts or 1,
         confirm=args.confirm,
+        offload=args.offload,
     )
     flags = train_flags(
         result,
@@ -274,6 +334,7 @@ def run(args) -> int:
                     "best": result.best.candidate.describe(),
                     "train_flags": flags,
                     "modelled_step_s": result.best.modelled.estimate.total_s,
+                    "host_bytes": result.best.modelled.host,
                     "compiled": result.compiled,
                     "considered": result.considered,
                     "wall_s": round(result.wall_s, 2),

@@ -3,7 +3,11 @@
 1. Enumerate candidates (`space.candidates`; for a mixture of experts the ``expert`` axis too).
 2. Prune with the run check (`check_run` on the axis sizes and the abstract model: nothing is
    allocated) and with the analytic memory model against the cap.
-3. Rank the survivors by modelled step time (`analytic.model_candidate`).
+   With offload allowed (and a host-link figure in the device profile), ``offload-dots`` is
+   among the remat policies, and a candidate over the cap is modelled again with its
+   optimizer state in host memory; host memory must hold what either moves there.
+3. Rank the survivors by modelled step time (`analytic.model_candidate`); note the best
+   without offload, so the reasoning can say what offload bought.
 4. Confirm by compiling, best first, until `confirm` candidates compile within the cap. This
    needs as many devices as the plan: with fewer (say, 64 devices planned on a machine that
    simulates 8) memory stays analytic, and the plan says so. Compiling a scaled proxy instead
@@ -28,6 +32,7 @@ from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.analytic import Modelled, model_candidate
 from meshtrain.plan.space import (
+    OFFLOAD_REMATS,
     PIPELINE_SCHEDULES,
     REMATS,
     Candidate,
@@ -69,6 +74,11 @@ class Plan:
         over_memory_compiled: how many compiled above the cap.
         compiled: whether memory was confirmed by compiling.
         wall_s: planning time.
+        offload: whether host offload was searched.
+        without_offload: the fastest layout that fits keeping everything on the device
+            (modelled); None when none does.
+        smallest_without_offload: the layout needing the least device memory without
+            offload (modelled).
     """
 
     ranked: list[Choice]
@@ -78,6 +88,9 @@ class Plan:
     over_memory_compiled: int
     compiled: bool
     wall_s: float
+    offload: bool = False
+    without_offload: Modelled | None = None
+    smallest_without_offload: Modelled | None = None
 
     @property
     def best(self) -> Choice:
@@ -112,6 +125,7 @@ def plan(
     remats: tuple[str, ...] = REMATS,
     microbatch_factors: tuple[int, ...] = (2, 4),
     schedules: tuple[str, ...] = PIPELINE_SCHEDULES,
+    offload: bool = True,
 ) -> Plan:
     """Searches layouts of a GPT or a mixture of experts on `devices` devices (see the module
     docstring).
@@ -135,6 +149,8 @@ def plan(
         microbatch_factors: pipeline microbatches per stage to try.
         schedules: pipeline schedules to try (interleaved-1f1b with v = 2 where the layers
             allow; with fsdp > 1 each also gathering the stage's weights once per step).
+        offload: also try host offload (``offload-dots``, and the optimizer state of a
+            layout over the cap) where the profile has a host-link figure.
 
     Returns:
         A `Plan`.
@@ -156,6 +172,9 @@ def plan(
     if batch < 1 or seq_len < 1:
         raise PlanError(f"batch={batch}, seq_len={seq_len}: must be positive")
     max_tensor = max_tensor or device.devices_per_node
+    offload = offload and device.host is not None
+    if offload:
+        remats = (*remats, *(r for r in OFFLOAD_REMATS if r not in remats))
     spec = DataSpec("lm", batch, seq_len, cfg.vocab_size, None)
     graphdef, abstract = abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))
     param_vars = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
@@ -192,24 +211,29 @@ def plan(
         lk = (cand.mesh, cand.strategy)
         if lk not in layouts_cache:
             layouts_cache[lk] = param_layouts(param_vars, rules, sizes)
-        m = model_candidate(
-            dataclasses.replace(cand),
-            layouts_cache[lk],
-            dataclasses.replace(cfg, remat=cand.remat),
-            batch=batch,
-            seq_len=seq_len,
-            device=device,
-            optimizer=optimizer,
-        )
-        modelled.append(m)
+        variants = [cand, dataclasses.replace(cand, offload=True)] if offload else [cand]
+        for c in variants:
+            m = model_candidate(
+                c,
+                layouts_cache[lk],
+                dataclasses.replace(cfg, remat=c.remat),
+                batch=batch,
+                seq_len=seq_len,
+                device=device,
+                optimizer=optimizer,
+            )
+            modelled.append(m)
+            if _fits(m, memory_cap, device):
+                break  # the optimizer state moves to host only where the layout needs it
+        else:
+            over += 1
     if not modelled:
         why, _ = reasons.most_common(1)[0] if reasons else ("no candidates", 0)
         raise PlanError(
             f"devices={devices}: none of {len(cands)} layouts passes the run check; the most "
             f"common problem: {why}"
         )
-    fits = [m for m in modelled if m.peak <= memory_cap]
-    over = len(modelled) - len(fits)
+    fits = [m for m in modelled if _fits(m, memory_cap, device)]
     if not fits:
         small = min(modelled, key=lambda m: m.peak)
         raise PlanError(
@@ -257,7 +281,17 @@ def plan(
         over_memory_compiled=over_compiled,
         compiled=compile_fn is not None and confirm > 0,
         wall_s=time.perf_counter() - t0,
+        offload=offload,
+        without_offload=next((m for m in fits if not m.offloads), None),
+        smallest_without_offload=min(
+            (m for m in modelled if not m.offloads), key=lambda m: m.peak, default=None
+        ),
     )
+
+
+def _fits(m: Modelled, memory_cap: float, device: DeviceProfile) -> bool:
+    """Whether a modelled candidate fits the device memory cap and its host's memory."""
+    return m.peak <= memory_cap and m.host_peak <= device.host_memory
 
 
 def _schedule_problems(cand: Candidate) -> list[Problem]:
@@ -292,21 +326,23 @@ def _default_compile(cfg, spec: DataSpec, devices: int) -> Callable | None:
 
     def compile_peak(cand: Candidate) -> float:
         from meshtrain.comm.compile import compile_step
+        from meshtrain.comm.inspector import compiled_memory
         from meshtrain.mesh import make_mesh
+        from meshtrain.offload import Offload
 
         mesh = make_mesh(cand.mesh)
         model = dataclasses.replace(cfg, remat=cand.remat)
         pc = _pipeline_config(cand)
         rules = rules_for(cand.strategy, mesh)
-        compiled, _ = compile_step(
-            RunSpec(model=model, data=spec, mesh=mesh, rules=rules, pipeline=pc)
+        run = RunSpec(
+            model=model,
+            data=spec,
+            mesh=mesh,
+            rules=rules,
+            pipeline=pc,
+            offload=Offload(optimizer=cand.offload),
         )
-        ma = compiled.memory_analysis()
-        return float(
-            ma.argument_size_in_bytes
-            + ma.output_size_in_bytes
-            + ma.temp_size_in_bytes
-            - ma.alias_size_in_bytes
-        )
+        compiled, _ = compile_step(run)
+        return float(compiled_memory(compiled)["peak"])  # device bytes (host ones apart)
 
     return compile_peak

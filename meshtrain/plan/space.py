@@ -1,5 +1,6 @@
 """The candidate layouts a planner searches: mesh factorisations, strategies, remat policies,
-pipeline schedules and microbatches, and whether a pipeline gathers its weights once."""
+pipeline schedules and microbatches, whether a pipeline gathers its weights once, and what
+lives in host memory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 from meshtrain.mesh import AXES, DATA, EXPERT, FSDP, PIPE, TENSOR
 
 REMATS = ("none", "save-dots", "full")
+OFFLOAD_REMATS = ("offload-dots",)  # remat policies that move residuals to host memory
 # The pipeline schedules searched (gpipe and circular keep every microbatch's activations).
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1")
 INTERLEAVED_REPEATS = 2  # chunks per stage tried for interleaved-1f1b
@@ -18,7 +20,8 @@ INTERLEAVED_REPEATS = 2  # chunks per stage tried for interleaved-1f1b
 class Candidate:
     """One layout to model: axis sizes, a strategy preset, a remat policy, microbatches (and
     the ``expert`` axis of a mixture of experts); a pipeline's schedule, its chunks per stage
-    (``repeats``, v) and whether it gathers its fsdp-split weights once per step."""
+    (``repeats``, v) and whether it gathers its fsdp-split weights once per step; whether the
+    optimizer state lives in host memory between steps (``offload``)."""
 
     pipe: int
     data: int
@@ -31,6 +34,7 @@ class Candidate:
     expert: int = 1
     repeats: int = 1
     gather_once: bool = False
+    offload: bool = False
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -51,12 +55,14 @@ class Candidate:
         return ",".join(parts) or "data=1"
 
     def describe(self) -> str:
-        """``mesh · strategy · remat`` (and the schedule, its v and gather-once when set)."""
+        """``mesh · strategy · remat`` (and the schedule, its v, gather-once and optimizer
+        offload when set)."""
         extra = ""
         if self.pipe > 1:
-            extra = f" · {self.schedule} m={self.microbatches}"
+            extra += f" · {self.schedule} m={self.microbatches}"
             extra += f" v={self.repeats}" if self.repeats > 1 else ""
             extra += " · gather once" if self.gather_once else ""
+        extra += " · optimizer on host" if self.offload else ""
         return f"{self.mesh} · {self.strategy} · remat {self.remat}{extra}"
 
 

@@ -9,6 +9,7 @@ import os
 # generated loops run.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_INITIAL: dict = {}
 
 
 @contextlib.contextmanager
@@ -37,3 +38,18 @@ def fresh_env(devices: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     count = f"--xla_force_host_platform_device_count={devices} " if devices else ""
     return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": count + FAST_COMPILE}
+
+
+def initial_values(cfg) -> dict:
+    """A model config's initial values on the host, as a pure dict (built once per config and
+    shared, so every layout and run of a test starts from the same numbers)."""
+    if cfg not in _INITIAL:
+        import jax
+        import numpy as np
+        from flax import nnx
+
+        from meshtrain.models import build_model
+
+        state = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
+        _INITIAL[cfg] = jax.tree.map(np.asarray, state)
+    return _INITIAL[cfg]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import initial_values
 from flax import nnx
 
 from meshtrain.check import check_run
@@ -180,17 +181,6 @@ def _batches(case, vocab, n):
     return out
 
 
-_INIT: dict = {}
-
-
-def _initial(cfg):
-    """The model's initial values on the host (the same for every layout)."""
-    if cfg not in _INIT:
-        state = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
-        _INIT[cfg] = jax.tree.map(np.asarray, state)
-    return _INIT[cfg]
-
-
 def _reference(case):
     """The one-device run's sync settings and optimizer: staleness as the case (it needs no
     replicas); no compression (its codec's tolerance applies); for local SGD with H = 1,
@@ -212,7 +202,7 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX, offload=F
     cfg = case.config()
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for(strategy, mesh, context_parallel=case.context or "ring")
-    values = _initial(cfg)
+    values = initial_values(cfg)
 
     def ctor():
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import initial_values
 from flax import nnx
 
 from meshtrain import offload
@@ -31,15 +32,6 @@ GPT = GPTConfig(
     vocab_multiple=16,
 )  # fmt: skip
 OPTIM = OptimConfig(optimizer="adamw", lr=1e-2, warmup_steps=0)
-_INIT: dict = {}
-
-
-def _initial(cfg):
-    """The model's initial parameters on the host (the same for every layout and run)."""
-    if cfg not in _INIT:
-        state = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
-        _INIT[cfg] = jax.tree.map(np.asarray, state)
-    return _INIT[cfg]
 
 
 def _batches(n, seed=0):
@@ -60,7 +52,7 @@ def _setup(model, mesh_str, strategy, off=NO_OFFLOAD, devices=None, **run_kw):
         train=TrainConfig(run_dir=""), **run_kw,
     )  # fmt: skip
     assert check_run(run) == []
-    values = _initial(model)
+    values = initial_values(model)
 
     def ctor():
         graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(model)))

@@ -120,42 +120,11 @@ def test_a_7b_on_8_h100s_fits_only_with_the_optimizer_on_host(capsys):
     assert lines[1].startswith("offload: no layout fits in device memory without it")
     assert "the best keeps the optimizer state in host memory" in lines[1]
     assert any(line.strip().startswith("host memory optimizer") for line in lines)
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "7b",
-                "--devices",
-                "8",
-                "--batch",
-                "512",
-                "--confirm",
-                "0",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    argv = "plan --model 7b --devices 8 --batch 512 --confirm 0".split()
+    assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["train_flags"]["offload"] == "optimizer" and out["host_bytes"]["optimizer"] > 0
-    assert (
-        main(
-            [
-                "plan",
-                "--model",
-                "7b",
-                "--devices",
-                "8",
-                "--batch",
-                "512",
-                "--confirm",
-                "0",
-                "--no-offload",
-            ]
-        )
-        == 2
-    )
+    assert main([*argv, "--no-offload"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no layout of 8 devices fits" in err[0]
 
@@ -217,3 +186,17 @@ def test_the_planners_compile_counts_an_offloaded_optimizer_as_host_memory():
     on_device, on_host = compile_peak(dp), compile_peak(dataclasses.replace(dp, offload=True))
     moments = _modelled(dp, cfg, batch=16, device="cpu-sim").memory["optimizer"]
     assert moments > 0 and on_device - on_host >= 0.9 * moments
+
+
+def test_host_transfers_on_a_profile_without_a_host_link_are_refused():
+    from meshtrain.costmodel import step_time
+
+    with pytest.raises(ValueError, match="device='tpu-v5e': no host-link figure"):
+        step_time(
+            flops=1e12,
+            hbm_bytes=0.0,
+            comm=[],
+            sizes={"data": 8},
+            device=profile("tpu-v5e"),
+            host=[HostTransfer("optimizer", "to device", 1e9)],
+        )

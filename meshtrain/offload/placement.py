@@ -7,7 +7,7 @@ import math
 import jax
 import numpy as np
 
-from meshtrain.layout.memory import HOST_KINDS
+from meshtrain.layout.memory import HOST_KINDS, on_host
 from meshtrain.offload.config import Offload
 
 
@@ -35,17 +35,11 @@ def with_offload(offload: Offload, state, shardings):
     return state, shardings
 
 
-def _on_host(x) -> bool:
-    """Whether `x` (an array or a tracer) lives in host memory."""
-    space = getattr(jax.typeof(x), "memory_space", None)
-    return space == jax.memory.Space.Host
-
-
 def to_device(tree):
     """`tree` with every host-resident leaf fetched to the device (a no-op for the others);
     the train step's first operation, so nothing computes on host memory."""
     return jax.tree.map(
-        lambda x: jax.device_put(x, jax.memory.Space.Device) if _on_host(x) else x, tree
+        lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, tree
     )
 
 

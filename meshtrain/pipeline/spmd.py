@@ -50,6 +50,7 @@ from jax import lax
 
 from meshtrain._compat import varying_axes
 from meshtrain.layout import varying
+from meshtrain.layout.memory import on_host
 from meshtrain.mesh import PIPE
 from meshtrain.pipeline.schedules import BWD, FWD, WGT, ScheduleTable, forward_ticks
 from meshtrain.pipeline.slots import slot_plan, tick_patterns
@@ -119,11 +120,6 @@ def _fill(x: jax.Array, poison: bool) -> jax.Array:
 def _put(buf: jax.Array, value: jax.Array, index, when) -> jax.Array:
     """``buf[index] = value`` where `when`, else unchanged; a masked ring-buffer write."""
     return lax.dynamic_update_index_in_dim(buf, jnp.where(when, value, buf[index]), index, 0)
-
-
-def _on_host(x) -> bool:
-    """Whether `x` (an array or a shape) lives in host memory."""
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def _host_ring(shape, depth: int, axes) -> jax.Array:
@@ -438,13 +434,13 @@ def scheduled(
     # depend on the stage): a residual the same on every replica (an MoE's router statistics,
     # averaged over the rows) must not come back varying, or its cotangents would not type.
     res_axes: list[frozenset[str]] = []
-    on_host: list[bool] = []  # a residual a remat policy moved to host memory
+    hosted: list[bool] = []  # a residual a remat policy moved to host memory
     hand_axes: list[frozenset[str]] = []
 
     def kept_and_stats(c, x, side):
         _, stats, kept = run.forward(c, x, side)
         res_axes[:] = [varying_axes(k) | {AXIS} for k in kept]
-        on_host[:] = [_on_host(k) for k in kept]
+        hosted[:] = [on_host(k) for k in kept]
         return kept, stats
 
     res_shapes, stats_shape = jax.eval_shape(kept_and_stats, chunk0, x0, side0)
@@ -474,13 +470,13 @@ def scheduled(
     # write is a dynamic update alone, no compute on host memory).
     residuals = [
         _host_ring(r, plan.depth["res"], a) if h else ring(r, plan.depth["res"], a)
-        for r, a, h in zip(res_shapes, res_axes, on_host, strict=True)
+        for r, a, h in zip(res_shapes, res_axes, hosted, strict=True)
     ]
 
     def unused(bufs):
         """Stand-ins for the residuals a slot keeps none of: zeros, or a host ring's spare
         slot (written back to itself)."""
-        return [b[-1] if h else jnp.zeros_like(b[0]) for b, h in zip(bufs, on_host, strict=True)]
+        return [b[-1] if h else jnp.zeros_like(b[0]) for b, h in zip(bufs, hosted, strict=True)]
 
     handovers: list = []
     if split:
@@ -507,7 +503,7 @@ def scheduled(
             nan_like(x0),
             stats_zero,
             nan_like(x0),
-            [r[-1] if h else nan_like(r[0]) for r, h in zip(residuals, on_host, strict=True)],
+            [r[-1] if h else nan_like(r[0]) for r, h in zip(residuals, hosted, strict=True)],
             [nan_like(h[0]) for h in handovers],
             jax.tree.map(nan_like, chunk_zero),
         )
@@ -589,7 +585,7 @@ def scheduled(
         is_f, is_b = ph == FWD, ph == BWD
         res = [
             _put_host(b, k, writes["res"][s], is_f) if h else _put(b, k, writes["res"][s], is_f)
-            for b, k, h in zip(res, kept, on_host, strict=True)
+            for b, k, h in zip(res, kept, hosted, strict=True)
         ]
         hand = [_put(b, h, writes["hand"][s], is_b) for b, h in zip(hand, hand_out, strict=True)]
         loss = jnp.where(is_f & model_last, loss + loss_i, loss)

@@ -11,7 +11,9 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 - `staleness`: bounded staleness (updates apply gradients `s` steps old);
 - `sets`: the sync axes and each parameter's replica set (an MoE's expert weights have fewer);
 - `state`: the train state's ``comm`` part and its layout (`with_sync`);
-- `stack`: per-replica leaves, stacked on a dimension split over the replica axes.
+- `stack`: per-replica leaves, stacked on a dimension split over the replica axes;
+- `gossip`: gossip mixing over a graph of replicas (ring, torus, exponential, complete) by
+  collective permutes, and the replicas' consensus distance.
 """
 
 from meshtrain.replicas.codecs import Codec, parse_compression

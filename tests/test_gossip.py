@@ -1,0 +1,148 @@
+"""Gossip mixing over the replica axes: each topology's step is its mixing matrix applied to
+the replicas' values, through collective permutes only, with bytes independent of the replica
+count; the exponential graph reaches exact consensus in log₂ m steps."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshtrain.comm.hlo import collectives
+from meshtrain.mesh import make_mesh
+from meshtrain.replicas import gossip
+
+
+def _oracle(topology, sizes, step):
+    """W written from each topology's definition, independently of `gossip`."""
+    dims = tuple(sizes.values())
+    m = math.prod(dims)
+    w = np.zeros((m, m))
+    index = {c: i for i, c in enumerate(itertools.product(*map(range, dims)))}
+    for c, r in index.items():
+        if topology == "complete":
+            w[r] = 1 / m
+        elif topology == "ring":
+            for d in (0, 1, -1) if m > 2 else (0, 1):
+                w[r, (r - d) % m] += 1 / 3 if m > 2 else 1 / 2
+        elif topology == "exponential":
+            k = step % int(math.log2(m))
+            w[r, r] += 1 / 2
+            w[r, (r - 2**k) % m] += 1 / 2
+        elif topology == "torus":
+            w[r, r] += 1 / 5
+            for dim, d in itertools.product(range(2), (1, -1)):
+                n = list(c)
+                n[dim] = (n[dim] + d) % dims[dim]
+                w[r, index[tuple(n)]] += 1 / 5
+    return w
+
+
+def _mixed(topology, sizes, x, steps):
+    """The replicas' rows of `x` after mixing steps `steps` (traced), on a mesh of `sizes`."""
+    m = math.prod(sizes.values())
+    mesh = make_mesh(",".join(f"{a}={s}" for a, s in sizes.items()), devices=jax.devices()[:m])
+    axes = tuple(sizes)
+    spec = P(axes if len(axes) > 1 else axes[0])
+
+    def body(rows, ts):
+        for i in range(len(steps)):
+            rows = gossip.mix(rows, topology, sizes, ts[i])
+        return rows
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P()), out_specs=spec))
+    rows = jax.device_put(x, NamedSharding(mesh, spec))
+    return np.asarray(fn(rows, jnp.asarray(steps, jnp.int32))), fn, (rows, steps)
+
+
+CASES = [
+    ("ring", {"data": 8}),
+    ("ring", {"data": 2}),
+    ("ring", {"data": 2, "fsdp": 4}),
+    ("torus", {"data": 2, "fsdp": 4}),
+    ("exponential", {"data": 8}),
+    ("exponential", {"data": 4}),
+    ("complete", {"data": 4}),
+]
+
+
+@pytest.mark.parametrize(("topology", "sizes"), CASES)
+def test_each_mixing_step_is_its_matrix_applied_to_the_replicas(topology, sizes):
+    m = math.prod(sizes.values())
+    x = np.random.default_rng().normal(size=(m, 5)).astype(np.float32)
+    for step in range(gossip.period(topology, sizes) + 1):
+        w = _oracle(topology, sizes, step)
+        np.testing.assert_allclose(gossip.matrix(topology, sizes, step), w, atol=1e-12)
+        np.testing.assert_allclose(w.sum(0), 1, atol=1e-12)  # doubly stochastic
+        np.testing.assert_allclose(w.sum(1), 1, atol=1e-12)
+        got, _, _ = _mixed(topology, sizes, x, [step])
+        np.testing.assert_allclose(got, w @ x, rtol=1e-6, atol=1e-6)
+
+
+def test_the_complete_graph_averages_every_replica():
+    x = np.random.default_rng().normal(size=(8, 3)).astype(np.float32)
+    got, _, _ = _mixed("complete", {"data": 8}, x, [0])
+    np.testing.assert_allclose(got, np.broadcast_to(x.mean(0), x.shape), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_the_exponential_graph_reaches_consensus_in_log2_m_steps(m):
+    rng = np.random.default_rng()
+    x = (rng.normal() + rng.normal(size=(m, 4))).astype(np.float32)  # a constant plus offsets
+    steps = int(math.log2(m))
+    got, _, _ = _mixed("exponential", {"data": m}, x, list(range(steps)))
+    np.testing.assert_allclose(got, np.broadcast_to(x.mean(0), x.shape), rtol=1e-6, atol=1e-6)
+    if steps > 1:  # one step fewer is not yet consensus
+        early, _, _ = _mixed("exponential", {"data": m}, x, list(range(steps - 1)))
+        assert np.abs(early - x.mean(0)).max() > 1e-2
+
+
+@pytest.mark.parametrize("topology", ["ring", "exponential"])
+def test_a_mixing_step_sends_the_same_bytes_over_permutes_alone_whatever_the_replicas(topology):
+    sent = {}
+    for m in (2, 4, 8):
+        x = np.zeros((m, 1024), np.float32)
+        _, fn, args = _mixed(topology, {"data": m}, x, [0])
+        found = collectives(fn.lower(*args).compile().as_text(), m)
+        assert {c.kind for c in found} == {"collective-permute"}, found
+        sent[m] = sum(c.wire_bytes * c.count for c in found if not c.conditional)
+        sent[m] += max((c.wire_bytes for c in found if c.conditional), default=0)
+        assert sent[m] == gossip.sent_per_step(topology, {"data": m}) * 1024 * 4
+    assert sent[4] == sent[8]  # constant in m for a fixed degree (m = 2: the ring's one peer)
+
+
+def test_consensus_distance_is_the_mean_distance_to_the_average():
+    sizes = {"data": 4}
+    x = np.random.default_rng().normal(size=(4, 6)).astype(np.float32)
+    mesh = make_mesh("data=4", devices=jax.devices()[:4])
+    fn = jax.shard_map(
+        lambda r: gossip.consensus_distance({"w": r}, ("data",)),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+    )
+    got = float(jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P("data")))))
+    want = np.mean(np.linalg.norm(x - x.mean(0), axis=1))
+    assert got == pytest.approx(want, rel=1e-5)
+    assert gossip.sent_per_step("torus", {"data": 2, "fsdp": 4}) == 4
+    assert gossip.sent_per_step("complete", sizes) == 3
+
+
+@pytest.mark.parametrize(
+    ("topology", "sizes", "needle"),
+    [
+        ("star", {"data": 8}, "sync.gossip='star': choose from ring, torus, exponential"),
+        ("ring", {}, "needs at least 2 replicas; the replica axes give 1"),
+        ("torus", {"data": 8}, "needs two replica axes of size ≥ 2"),
+        ("exponential", {"data": 2, "fsdp": 3}, "needs a power-of-two number of replicas"),
+    ],
+)
+def test_a_topology_the_replicas_cannot_form_is_one_line(topology, sizes, needle):
+    found = gossip.problems(topology, sizes)
+    assert len(found) == 1 and needle in str(found[0]), found
+    with pytest.raises(ValueError, match="sync.gossip="):
+        gossip.terms(topology, sizes)

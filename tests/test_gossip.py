@@ -101,18 +101,20 @@ def test_the_exponential_graph_reaches_consensus_in_log2_m_steps(m):
         assert np.abs(early - x.mean(0)).max() > 1e-2
 
 
-@pytest.mark.parametrize("topology", ["ring", "exponential"])
+@pytest.mark.parametrize("topology", ["ring", "exponential", "torus"])
 def test_a_mixing_step_sends_the_same_bytes_over_permutes_alone_whatever_the_replicas(topology):
     sent = {}
-    for m in (2, 4, 8):
+    for m in (2, 4, 8) if topology != "torus" else (4, 8):
+        sizes = {"data": m} if topology != "torus" else {"data": 2, "fsdp": m // 2}
         x = np.zeros((m, 1024), np.float32)
-        _, fn, args = _mixed(topology, {"data": m}, x, [0])
+        _, fn, args = _mixed(topology, sizes, x, [0])
         found = collectives(fn.lower(*args).compile().as_text(), m)
         assert {c.kind for c in found} == {"collective-permute"}, found
         sent[m] = sum(c.wire_bytes * c.count for c in found if not c.conditional)
         sent[m] += max((c.wire_bytes for c in found if c.conditional), default=0)
-        assert sent[m] == gossip.sent_per_step(topology, {"data": m}) * 1024 * 4
-    assert sent[4] == sent[8]  # constant in m for a fixed degree (m = 2: the ring's one peer)
+        assert sent[m] == gossip.sent_per_step(topology, sizes) * 1024 * 4
+    if topology != "torus":  # constant in m for a fixed degree (m = 2: the ring's one peer)
+        assert sent[4] == sent[8]
 
 
 def test_consensus_distance_is_the_mean_distance_to_the_average():
@@ -128,7 +130,7 @@ def test_consensus_distance_is_the_mean_distance_to_the_average():
     got = float(jax.jit(fn)(jax.device_put(x, NamedSharding(mesh, P("data")))))
     want = np.mean(np.linalg.norm(x - x.mean(0), axis=1))
     assert got == pytest.approx(want, rel=1e-5)
-    assert gossip.sent_per_step("torus", {"data": 2, "fsdp": 4}) == 4
+    assert gossip.sent_per_step("torus", {"data": 2, "fsdp": 4}) == 3  # data ±1: one peer
     assert gossip.sent_per_step("complete", sizes) == 3
 
 
@@ -146,3 +148,24 @@ def test_a_topology_the_replicas_cannot_form_is_one_line(topology, sizes, needle
     assert len(found) == 1 and needle in str(found[0]), found
     with pytest.raises(ValueError, match="sync.gossip="):
         gossip.terms(topology, sizes)
+
+
+def test_the_gossip_benchmark_prints_the_compiled_bytes_beside_the_model(capsys):
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gossip.py"
+    spec = importlib.util.spec_from_file_location("gossip_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--params-mb", "0.004", "--topologies", "ring", "torus"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [(x["topology"], x["replicas"]) for x in lines] == [
+        ("ring", 2), ("ring", 4), ("ring", 8), ("torus", 4), ("torus", 8)
+    ]  # fmt: skip
+    for x in lines:
+        assert x["collectives"] == ["collective-permute"]
+        assert x["sent_bytes_per_step"] == x["analytic_bytes_per_step"] > 0
+        assert x["modelled_s"] > 0 and x["device_profile"] == "h100"
+    assert lines[1]["sent_bytes_per_step"] == lines[2]["sent_bytes_per_step"]

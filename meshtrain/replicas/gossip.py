@@ -9,7 +9,7 @@ depend on its degree, not on m.
 - ``ring``: W = (I + S + S⁻¹) / 3, S the cyclic shift over the replicas (m = 2: (I + S) / 2);
 - ``torus``: over two replica axes of sizes a × b, W = (I + S_a + S_a⁻¹ + S_b + S_b⁻¹) / 5, S_a
   shifting along the first axis and S_b along the second (an axis of size 2 has S = S⁻¹: that
-  neighbour counts twice, and W stays doubly stochastic);
+  neighbour counts twice, through one permute, and W stays doubly stochastic);
 - ``exponential``: one peer per step, at distance 2^k with k = t mod log₂ m: W_t = (I + S^(2^k))
   / 2. For m a power of two, log₂ m consecutive steps multiply to 11ᵀ / m (Assran et al.,
   "Stochastic Gradient Push", 2019): exact consensus;
@@ -99,15 +99,22 @@ def terms(topology: str, sizes: dict[str, int], step: int = 0) -> list[Term]:
     axes = tuple(sizes)
     m = math.prod(sizes.values())
     if topology == "complete":
-        return [Term(axes, by, 1 / m) for by in range(m)]
-    if topology == "exponential":
-        return [Term(axes, 0, 0.5), Term(axes, 2 ** (step % period(topology, sizes)), 0.5)]
-    if topology == "ring":
-        if m == 2:
-            return [Term(axes, 0, 0.5), Term(axes, 1, 0.5)]
-        return [Term(axes, 0, 1 / 3), Term(axes, 1, 1 / 3), Term(axes, -1, 1 / 3)]
-    own = [Term(axes, 0, 0.2)]
-    return own + [Term((a,), by, 0.2) for a in axes for by in (1, -1)]  # torus
+        raw = [(axes, by, 1 / m) for by in range(m)]
+    elif topology == "exponential":
+        raw = [(axes, 0, 0.5), (axes, 2 ** (step % period(topology, sizes)), 0.5)]
+    elif topology == "ring":
+        raw = (
+            [(axes, by, 1 / 3) for by in (0, 1, -1)] if m > 2 else [(axes, 0, 0.5), (axes, 1, 0.5)]
+        )
+    else:  # torus
+        raw = [(axes, 0, 0.2)] + [((a,), by, 0.2) for a in axes for by in (1, -1)]
+    # The same shift reached twice (±1 along an axis of size 2) is one permute, weights summed.
+    merged: dict[tuple[tuple[str, ...], int], float] = {}
+    for over, by, weight in raw:
+        n = math.prod(sizes[a] for a in over)
+        key = (axes if by % n == 0 else over, by % n)
+        merged[key] = merged.get(key, 0.0) + weight
+    return [Term(over, by, weight) for (over, by), weight in merged.items()]
 
 
 def matrix(topology: str, sizes: dict[str, int], step: int = 0) -> np.ndarray:
@@ -126,7 +133,9 @@ def matrix(topology: str, sizes: dict[str, int], step: int = 0) -> np.ndarray:
 
 
 def sent_per_step(topology: str, sizes: dict[str, int]) -> int:
-    """Copies of its parameters a replica sends per mixing step (its terms besides its own)."""
+    """Copies of its parameters a replica sends per mixing step: its distinct shifts besides its
+    own (ring 2, or 1 for two replicas; torus 4, fewer along an axis of size 2; exponential 1;
+    complete m − 1)."""
     return sum(1 for t in terms(topology, sizes) if t.by)
 
 

@@ -1,0 +1,91 @@
+"""Gossip mixing, compiled: one JSON line per topology and replica count with the bytes each
+device sends per mixing step, read from the compiled program, beside the analytic count and the
+α-β cost model's time for the same step on a device profile. Nothing runs: each mixing step
+is compiled ahead of time on simulated devices.
+
+    python benchmarks/gossip.py                          # 64 MB of parameters per replica
+    python benchmarks/gossip.py --params-mb 512 --device h100
+
+For a fixed degree the bytes do not grow with the replicas (ring: two neighbours, torus: four,
+exponential: one peer per step), where an all-reduce's grow towards twice the buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from datetime import date
+
+LAYOUTS = {  # topology -> the replica axes tried, 2, 4 and 8 replicas
+    "ring": ({"data": 2}, {"data": 4}, {"data": 8}),
+    "exponential": ({"data": 2}, {"data": 4}, {"data": 8}),
+    "torus": ({"data": 2, "fsdp": 2}, {"data": 2, "fsdp": 4}),
+    "complete": ({"data": 2}, {"data": 4}, {"data": 8}),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params-mb", type=float, default=64.0, help="parameters per replica, MB")
+    p.add_argument("--device", default="h100", help="the cost model's device profile")
+    p.add_argument("--topologies", nargs="+", default=list(LAYOUTS))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from meshtrain.comm.hlo import collectives
+    from meshtrain.costmodel import collective_time, profile
+    from meshtrain.mesh import make_mesh
+    from meshtrain.replicas import gossip
+
+    device = profile(args.device)
+    n = max(1, int(args.params_mb * 1e6 / 4))
+    for topology in args.topologies:
+        for sizes in LAYOUTS[topology]:
+            m = math.prod(sizes.values())
+            mesh = make_mesh(",".join(f"{a}={s}" for a, s in sizes.items()), jax.devices()[:m])
+            axes = tuple(sizes)
+            spec = P(axes if len(axes) > 1 else axes[0])
+            body = lambda x, t=topology, s=sizes: gossip.mix(x, t, s, 0)  # noqa: E731
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+            x = jax.ShapeDtypeStruct((m, n), jnp.float32, sharding=NamedSharding(mesh, spec))
+            found = collectives(fn.lower(x).compile().as_text(), m)
+            sent = sum(c.wire_bytes * c.count for c in found)
+            kinds = sorted({c.kind for c in found})
+            predicted = 0.0
+            for t in gossip.terms(topology, sizes):
+                if t.by:
+                    seconds, _ = collective_time(
+                        "collective-permute", t.axes, 4.0 * n, mesh.shape, device
+                    )
+                    predicted += seconds
+            line = {
+                "bench": "gossip",
+                "topology": topology,
+                "replicas": m,
+                "axes": sizes,
+                "param_bytes": 4 * n,
+                "sent_bytes_per_step": sent,
+                "analytic_bytes_per_step": gossip.sent_per_step(topology, sizes) * 4 * n,
+                "collectives": kinds,
+                "modelled_s": predicted,
+                "device_profile": device.name,
+                "jax": jax.__version__,
+                "date": date.today().isoformat(),
+                "compiled_on": "cpu (simulated devices)",
+            }
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -61,7 +61,9 @@ STOP_AFTER = (
     "trainer.fit(until=int(sys.argv[1]))\n"
     "trainer.checkpoints.close()\n"
 )
-# Optimizer moments: relative agreement (AdamW's second moments are ~1e-6 and smaller).
+# Optimizer moments: relative agreement (AdamW's second moments are ~1e-6 and smaller), with
+# each entry also allowed OPT_RTOL of its leaf's largest: a first moment near a cancellation
+# (1.7e-6 in a leaf of ~1e-3) differed by 1.8e-4 of itself between process counts.
 OPT_RTOL, OPT_ATOL = 1e-4, 1e-10
 
 
@@ -185,7 +187,9 @@ def test_resume_on_another_process_count_matches_the_straight_run(
         assert a_leaves and len(a_leaves) == len(b_leaves)
         for a, b in zip(a_leaves, b_leaves, strict=True):
             a, b = np.asarray(a), np.asarray(b)
-            np.testing.assert_allclose(b, a, atol=atol, rtol=rtol, err_msg=f"{name} {what}")
+            scale = rtol * float(np.abs(a).max(initial=0.0))
+            tol = dict(atol=max(atol, scale), rtol=rtol)
+            np.testing.assert_allclose(b, a, **tol, err_msg=f"{name} {what}")
             worst[what] = max(worst.get(what, 0.0), float(np.abs(a - b).max(initial=0.0)))
     dloss = max(abs(x - y) for (_, x), (_, y) in zip(resumed, straight, strict=True))
     print(

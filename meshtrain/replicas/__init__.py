@@ -13,7 +13,9 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 - `state`: the train state's ``comm`` part and its layout (`with_sync`);
 - `stack`: per-replica leaves, stacked on a dimension split over the replica axes;
 - `gossip`: gossip mixing over a graph of replicas (ring, torus, exponential, complete) by
-  collective permutes, and the replicas' consensus distance.
+  collective permutes, and the replicas' consensus distance;
+- `federated`: federated averaging's rounds (the clients a round samples, their weights by
+  examples, the weighted mean of their changes).
 """
 
 from meshtrain.replicas.codecs import Codec, parse_compression

@@ -81,7 +81,8 @@ LOW = {"bf16": (2e-2, 8e-2), "fp16": (2e-3, 3e-2), "fp8": (2e-2, 0.15)}
 # A token whose top-k choice sits within the precision's rounding of a tie picks another expert
 # in one layout than in the other, moving its share of the update between two experts. That
 # share does not shrink with the precision: one such choice moved 4.9% of the stacked experts'
-# update (fp16, 2 steps of the test MoE), so expert and router leaves are held to 12% (two).
+# update (fp16, 2 steps of the test MoE), so expert and router leaves are held to 12% (two),
+# in Frobenius norm, under a lower precision or a lossy codec alike.
 ROUTING_FLIP_RTOL = 0.12
 LOSS_SCALE = 2.0**10  # float16's first loss scale here: no overflow on these tiny models
 CODEC_UPDATE_RTOL = 2e-2
@@ -269,12 +270,13 @@ def _assert_same(case, loss, params, want_loss, want_params, start):
     for (path, w), g, s, u in zip(leaves, got, flat_start, updates, strict=True):
         name = jax.tree_util.keystr(path)
         assert g.shape == w.shape, name
-        if low:
+        flips = "['moe']" in name and bool(low or case.sync.compresses)  # routing ties
+        if low or flips:
             # a leaf whose updates are tiny is held to a share of the largest leaf's
             err = float(np.linalg.norm((g - s) - u))
-            rtol = max(low[1], LOW["bf16"][1]) if case.sync.compresses else low[1]
-            if "['moe']" in name:
-                rtol = max(rtol, ROUTING_FLIP_RTOL)
+            rtol = low[1] if low else 0.0
+            rtol = max(rtol, LOW["bf16"][1]) if case.sync.compresses else rtol
+            rtol = max(rtol, ROUTING_FLIP_RTOL) if flips else rtol
             bound = rtol * max(float(np.linalg.norm(u)), 0.02 * largest_norm)
             assert err <= bound, f"{name}: |Δ got − Δ want| = {err:.2e} > {bound:.2e}"
         elif case.sync.compresses:

@@ -187,9 +187,8 @@ def test_resume_on_another_process_count_matches_the_straight_run(
         assert a_leaves and len(a_leaves) == len(b_leaves)
         for a, b in zip(a_leaves, b_leaves, strict=True):
             a, b = np.asarray(a), np.asarray(b)
-            scale = rtol * float(np.abs(a).max(initial=0.0))
-            tol = dict(atol=max(atol, scale), rtol=rtol)
-            np.testing.assert_allclose(b, a, **tol, err_msg=f"{name} {what}")
+            leaf_atol = max(atol, rtol * float(np.abs(a).max(initial=0.0)))
+            np.testing.assert_allclose(b, a, atol=leaf_atol, rtol=rtol, err_msg=f"{name} {what}")
             worst[what] = max(worst.get(what, 0.0), float(np.abs(a - b).max(initial=0.0)))
     dloss = max(abs(x - y) for (_, x), (_, y) in zip(resumed, straight, strict=True))
     print(

@@ -75,14 +75,12 @@ def group_skew(partition: list[np.ndarray], groups) -> float:
     """How far the clients' group mixes are from the whole dataset's: the mean over clients,
     weighted by their examples, of the total variation distance between a client's group
     frequencies and the dataset's (0: identical mixes; near 1: disjoint groups)."""
-    groups = np.asarray(groups)
-    kinds, whole = np.unique(groups, return_counts=True)
-    whole = whole / whole.sum()
+    kinds, codes = np.unique(np.asarray(groups), return_inverse=True)
+    whole = np.bincount(codes, minlength=len(kinds)) / len(codes)
     n = sum(len(p) for p in partition)
     total = 0.0
     for p in partition:
-        if not len(p):
-            continue
-        counts = np.array([np.count_nonzero(groups[p] == k) for k in kinds]) / len(p)
-        total += len(p) / n * 0.5 * float(np.abs(counts - whole).sum())
+        if len(p):
+            mix = np.bincount(codes[p], minlength=len(kinds)) / len(p)
+            total += len(p) / n * 0.5 * float(np.abs(mix - whole).sum())
     return total

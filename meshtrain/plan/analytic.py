@@ -79,11 +79,10 @@ from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.moe import MoEStep, dispatch_costs
-from meshtrain.plan.space import Candidate
+from meshtrain.plan.space import OFFLOAD_REMATS, Candidate
 
 MOMENTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1}
 REMAT_ACTIVATION = {"none": 1.0, "save-dots": 0.5}
-HOST_REMATS = {"offload-dots": "save-dots"}  # a policy moving residuals to host → whose they are
 MOE_BUCKET = "expert all-to-all"
 
 
@@ -177,8 +176,8 @@ def model_candidate(
     host_token = 0.0
     if cand.remat == "full":
         per_token = 2 * D * item / 2
-    elif cand.remat in HOST_REMATS:
-        host_token = per_token * REMAT_ACTIVATION[HOST_REMATS[cand.remat]]
+    elif cand.remat in OFFLOAD_REMATS:
+        host_token = per_token * REMAT_ACTIVATION[OFFLOAD_REMATS[cand.remat]]
         per_token = 2 * D * item / 2
         traffic *= 1.5  # as save-dots: the elementwise ops re-run
     else:

@@ -10,7 +10,8 @@ import itertools
 from meshtrain.mesh import AXES, DATA, EXPERT, FSDP, PIPE, TENSOR
 
 REMATS = ("none", "save-dots", "full")
-OFFLOAD_REMATS = ("offload-dots",)  # remat policies that move residuals to host memory
+# Remat policies that move residuals to host memory → the policy whose residuals they are.
+OFFLOAD_REMATS = {"offload-dots": "save-dots"}
 # The pipeline schedules searched (gpipe and circular keep every microbatch's activations).
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1")
 INTERLEAVED_REPEATS = 2  # chunks per stage tried for interleaved-1f1b

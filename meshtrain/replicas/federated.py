@@ -40,7 +40,7 @@ def problems(fraction: float, local_steps: int, clients: int) -> list[Problem]:
             f"federated averaging needs at least 2 clients (the replicas); this layout has "
             f"{clients}; give the mesh a data axis of size ≥ 2"
         )
-        found.append(Problem("federated", f"{clients} replica", message))
+        found.append(Problem("federated", clients, message))
     return found
 
 

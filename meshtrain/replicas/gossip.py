@@ -174,8 +174,8 @@ def mix(tree, topology: str, sizes: dict[str, int], step: jax.Array | int = 0):
         The mixed tree, each leaf in its own dtype.
     """
     n = period(topology, sizes)
-    if n == 1 or isinstance(step, int):
-        return _mix_fixed(tree, topology, sizes, int(step) % n if isinstance(step, int) else 0)
+    if isinstance(step, int) or n == 1:
+        return _mix_fixed(tree, topology, sizes, step % n if isinstance(step, int) else 0)
     branches = [lambda tr, k=k: _mix_fixed(tr, topology, sizes, k) for k in range(n)]
     return lax.switch(jnp.asarray(step, jnp.int32) % n, branches, tree)
 
@@ -183,8 +183,8 @@ def mix(tree, topology: str, sizes: dict[str, int], step: jax.Array | int = 0):
 def consensus_distance(tree, axes: tuple[str, ...]) -> jax.Array:
     """The replicas' mean distance to their average, ‖θ_r − θ̄‖ over all leaves (inside a region
     manual over the replica `axes`; one all-reduce per leaf, so read it when logging)."""
-    squares = [
-        jnp.sum(jnp.square(x.astype(jnp.float32) - lax.pmean(x.astype(jnp.float32), axes)))
-        for x in jax.tree.leaves(tree)
-    ]
+    squares = []
+    for x in jax.tree.leaves(tree):
+        x = x.astype(jnp.float32)
+        squares.append(jnp.sum(jnp.square(x - lax.pmean(x, axes))))
     return lax.pmean(jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32))), axes)

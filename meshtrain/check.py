@@ -23,6 +23,7 @@ from meshtrain.mesh import PIPE
 from meshtrain.models.base import pipeline_parts, takes_packed
 from meshtrain.pipeline import pipeline_problems
 from meshtrain.problem import Problem
+from meshtrain.replicas.needs import layout_problems as replica_problems
 from meshtrain.run import RunSpec, run_from_legacy
 
 _LEGACY = ("model", "data", "mesh", "rules", "accum_steps", "pipeline", "checkpoint", "run_dir")
@@ -63,6 +64,7 @@ def check_run(
     problems = run.precision.model_problems(run.model)
     problems += offload_problems(run)
     problems += pair_problems(run)  # features that do not run together (meshtrain.composition)
+    problems += replica_problems(run.sync, rules, sizes)  # gossip's graph, federated clients
     algorithm = getattr(rules, "context_parallel", "ring")
     problems += context_problems(sizes, algorithm, seq_len=spec.seq_len, kind=spec.kind)
     ways = rules.batch_ways(sizes)

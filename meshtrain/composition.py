@@ -97,8 +97,23 @@ def _compresses(run: RunSpec) -> bool:
 
 
 def _local(run: RunSpec) -> bool:
-    """Local SGD is on."""
+    """The replicas step on their own: local SGD, DiLoCo, gossip or federated averaging."""
     return run.sync.local
+
+
+def _plain_local(run: RunSpec) -> bool:
+    """Local SGD or DiLoCo (the replicas restart from one average at every sync)."""
+    return run.sync.local and not (run.sync.gossips or run.sync.federates)
+
+
+def _gossips(run: RunSpec) -> bool:
+    """Gossip averaging is on."""
+    return run.sync.gossips
+
+
+def _federates(run: RunSpec) -> bool:
+    """Federated averaging is on."""
+    return run.sync.federates
 
 
 def _no_replicas(run: RunSpec) -> bool:
@@ -142,6 +157,16 @@ def _grad_compression(run: RunSpec) -> str:
 def _sync_every(run: RunSpec) -> int | None:
     """The ``--sync-every`` value."""
     return run.sync.sync_every
+
+
+def _gossip(run: RunSpec) -> str | None:
+    """The ``--gossip`` value."""
+    return run.sync.gossip
+
+
+def _client_fraction(run: RunSpec) -> float | None:
+    """The ``--client-fraction`` value."""
+    return run.sync.client_fraction
 
 
 _LM = DataSpec("lm", 16, 32, 256)  # the examples' data: 16 windows of 32 bytes
@@ -216,7 +241,7 @@ def _model_value(field: str) -> Callable[[RunSpec], object]:
 _PIPELINES = ("gpipe", "circular", "1f1b", "interleaved-1f1b", "zb-h1")
 _CONTEXT = ("ring", "allgather", "ulysses")
 _MOE = ("moe-capacity", "moe-dropless")
-_LOCAL = ("local-sgd", "diloco")
+_LOCAL = ("local-sgd", "diloco", "gossip", "federated")  # the replicas step on their own
 
 
 def _cells(firsts: tuple[str, ...], seconds: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -285,13 +310,123 @@ def _sync_axis_rows(first, field, value, flags, on, example: dict) -> tuple[Refu
         Refusal(
             first,
             "a strategy without replicas",
-            f"{flags} works across replicas (batch axes no parameter is split over), and these "
-            "rules split the parameters over every batch axis",
+            f"{flags} works across replicas (batch axes of size > 1 no parameter is split "
+            "over), and this layout has none",
             lambda run: on(run) and _no_replicas(run),
             field,
-            "use --strategy dp, zero1 or hsdp (hsdp: replicas over data)",
+            "use --strategy dp, zero1 or hsdp (hsdp: replicas over data) on a mesh with data ≥ 2",
             value,
             _sync_example(example, {}, mesh={"data": 8}, rules="fsdp"),
+        ),
+    )
+
+
+# The replicas' own step, scheme by scheme: (name, matrix ids, on, field, value, flag, the
+# settings of an example, why it exchanges no gradients).
+_SCHEMES = (
+    ("local SGD", ("local-sgd", "diloco"), _plain_local, "sync_every", _sync_every,
+     "--sync-every", {"sync_every": 4}, "local SGD exchanges parameters, not gradients"),
+    ("gossip", ("gossip",), _gossips, "gossip", _gossip, "--gossip",
+     {"gossip": "ring", "sync_every": 4},
+     "gossip mixes parameters, and compressing them needs CHOCO-SGD's correction (each "
+     "replica's running estimate of its neighbours' values), which meshtrain does not build"),
+    ("federated averaging", ("federated",), _federates, "client_fraction", _client_fraction,
+     "--client-fraction", {"client_fraction": 0.5, "sync_every": 4},
+     "federated averaging exchanges each round's parameter change, not gradients"),
+)  # fmt: skip
+
+
+def _own_step_rows() -> tuple[Refusal, ...]:
+    """Each scheme of the replicas' own step with what it cannot run beside: gradient
+    compression, bounded staleness, float16's loss scale, what its region cannot hold
+    (`_sync_axis_rows`), and for gossip and federated averaging, expert parallelism."""
+    rows: list[Refusal] = []
+    for name, ids, on, field, value, flag, example, exchange in _SCHEMES:
+        rows += [
+            Refusal(
+                name,
+                "gradient compression",
+                exchange,
+                _and(on, _compresses),
+                "grad_compression",
+                f"drop one of --grad-compression and {flag}",
+                _grad_compression,
+                _sync_example({**example, "grad_compression": "int8"}, example),
+                cells=_cells(ids, ("compression",)),
+            ),
+            Refusal(
+                "bounded staleness",
+                name,
+                "staleness models a parameter server with synchronous replicas",
+                _and(on, _stale),
+                "staleness",
+                f"drop one of --staleness and {flag}",
+                lambda run: run.sync.staleness,
+                _sync_example({**example, "staleness": 2}, {"staleness": 2}),
+                cells=_cells(("staleness",), ids),
+            ),
+            Refusal(
+                "fp16 loss scaling",
+                name,
+                f"the loss scale is one value for the run, and {name}'s replicas step apart, "
+                "each with gradients that overflow on their own",
+                _and(on, _loss_scaling),
+                "precision",
+                f"use --precision bf16 (no loss scaling), or drop {flag}",
+                lambda run: run.precision.policy,
+                _precision_example(example),
+                cells=_cells(ids, ("fp16",)),
+            ),
+            *_with_cells(_sync_axis_rows(name, field, value, flag, on, example), ids),
+        ]
+        if name != "local SGD":
+            rows += _with_cells((_expert_row(name, field, value, flag, on, example),), ids)
+    return tuple(rows)
+
+
+def _and(*checks: Callable[[RunSpec], bool]) -> Callable[[RunSpec], bool]:
+    """``run → every one of checks(run)``."""
+    return lambda run: all(check(run) for check in checks)
+
+
+def _stale(run: RunSpec) -> bool:
+    """Bounded staleness is on."""
+    return bool(run.sync.staleness)
+
+
+def _loss_scaling(run: RunSpec) -> bool:
+    """float16's dynamic loss scale is on."""
+    return run.loss_scaling
+
+
+def _precision_example(example: dict):
+    """An example for a loss-scaling row: the sync `example` under fp16, then under bf16."""
+
+    def build():
+        sync = SyncConfig(**example)
+        return (
+            _run({"data": 8}, sync=sync, precision=Precision(policy="fp16")),
+            _run({"data": 8}, sync=sync, precision=Precision(policy="bf16")),
+        )
+
+    return build
+
+
+def _expert_row(name, field, value, flag, on, example: dict) -> Refusal:
+    """Gossip or federated averaging beside expert > 1, where a replica is no one set."""
+    return Refusal(
+        name,
+        "expert parallelism (MoE)",
+        "under expert > 1 an expert's weights have one copy per data replica and the dense "
+        "weights one per device over data and expert, so the replicas form no single set to "
+        "mix or sample (local SGD averages each over its own)",
+        lambda run: on(run) and _axis(run, EXPERT) > 1,
+        field,
+        f"set expert=1 in --mesh (the experts then replicate), or use --sync-every without {flag}",
+        value,
+        lambda: (
+            _run({"expert": 2, "data": 4}, model=MoEConfig(), sync=SyncConfig(**example)),
+            _run({"data": 8}, model=MoEConfig(), sync=SyncConfig(**example)),
         ),
     )
 
@@ -393,7 +528,8 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "cuDNN attention",
-        "the replicas' own step (gradient compression, local SGD, DiLoCo)",
+        "the replicas' own step (gradient compression, local SGD, DiLoCo, gossip, federated "
+        "averaging)",
         "jax differentiates cuDNN's fused attention itself, which a region manual over the "
         "replicas cannot (the Pallas kernel's own backward can)",
         lambda run: (
@@ -401,17 +537,19 @@ REFUSALS: tuple[Refusal, ...] = (
             and getattr(run.model, "attention_impl", None) == "cudnn"
         ),
         "{model}.attention_impl",
-        "use pallas (or auto) with --grad-compression or --sync-every, or drop them",
+        "use pallas (or auto) with --grad-compression, --sync-every, --gossip or "
+        "--client-fraction, or drop them",
         lambda run: "cudnn",
         _sync_example(
             {"grad_compression": "int8"},
             {},
             model=_gpt(attention_impl="cudnn", d_model=256),
         ),
-        cells=_cells(("cudnn",), ("compression", "local-sgd", "diloco")),
+        cells=_cells(("cudnn",), ("compression", *_LOCAL)),
     ),
     Refusal(
-        "the replicas' own step (gradient compression, local SGD, DiLoCo)",
+        "the replicas' own step (gradient compression, local SGD, DiLoCo, gossip, federated "
+        "averaging)",
         "hsdp with tensor parallelism",
         "XLA's SPMD partitioner aborts compiling that step when fsdp and tensor both split the "
         "parameters inside it (a failed check in spmd_partitioner_util)",
@@ -427,9 +565,9 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
     ),
     Refusal(
-        "local SGD",
+        "local SGD (and DiLoCo, gossip, federated averaging)",
         "pipelines with global-norm clipping",
-        "local SGD's inner optimizer runs inside the replicas' region, where each stage holds "
+        "the replicas' own optimizer runs inside the replicas' region, where each stage holds "
         "only its own layers, so the gradient's global norm would be one stage's",
         lambda run: _local(run) and _axis(run, PIPE) > 1 and run.optim.clip_norm > 0,
         "optim.clip_norm",
@@ -437,28 +575,7 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda run: run.optim.clip_norm,
         _sync_example({"sync_every": 4}, {}, mesh={"pipe": 2, "data": 4}),
     ),
-    Refusal(
-        "local SGD",
-        "gradient compression",
-        "local SGD exchanges parameters, not gradients",
-        lambda run: _local(run) and _compresses(run),
-        "grad_compression",
-        "drop one of --grad-compression and --sync-every",
-        _grad_compression,
-        _sync_example({"sync_every": 4, "grad_compression": "int8"}, {"sync_every": 4}),
-        cells=_cells(_LOCAL, ("compression",)),
-    ),
-    Refusal(
-        "bounded staleness",
-        "local SGD",
-        "staleness models a parameter server with synchronous replicas",
-        lambda run: _local(run) and bool(run.sync.staleness),
-        "staleness",
-        "drop one of --staleness and --sync-every",
-        lambda run: run.sync.staleness,
-        _sync_example({"sync_every": 4, "staleness": 2}, {"staleness": 2}),
-        cells=_cells(("staleness",), _LOCAL),
-    ),
+    *_own_step_rows(),
     Refusal(
         "fp16",
         "the Pallas or cuDNN kernels",
@@ -476,21 +593,6 @@ REFUSALS: tuple[Refusal, ...] = (
             ),
         ),
         cells=(("pallas", "fp16"), ("cudnn", "fp16")),
-    ),
-    Refusal(
-        "fp16 loss scaling",
-        "local SGD",
-        "the loss scale is one value for the run, and local SGD's replicas step apart, each "
-        "with gradients that overflow on their own",
-        lambda run: run.loss_scaling and _local(run),
-        "precision",
-        "use --precision bf16 (no loss scaling), or drop --sync-every",
-        lambda run: run.precision.policy,
-        lambda: (
-            _run({"data": 8}, sync=SyncConfig(sync_every=2), precision=Precision(policy="fp16")),
-            _run({"data": 8}, sync=SyncConfig(sync_every=2), precision=Precision(policy="bf16")),
-        ),
-        cells=(("local-sgd", "fp16"), ("diloco", "fp16")),
     ),
     Refusal(
         "fp16 loss scaling",
@@ -519,6 +621,52 @@ REFUSALS: tuple[Refusal, ...] = (
             {"outer_optimizer": "nesterov"}, {"outer_optimizer": "nesterov", "sync_every": 4}
         ),
     ),
+    Refusal(
+        "gossip",
+        "federated averaging",
+        "they are two ways for the same replicas to synchronise",
+        lambda run: _gossips(run) and _federates(run),
+        "gossip",
+        "drop one of --gossip and --client-fraction",
+        _gossip,
+        _sync_example(
+            {"gossip": "ring", "client_fraction": 0.5, "sync_every": 4},
+            {"gossip": "ring", "sync_every": 4},
+        ),
+    ),
+    Refusal(
+        "gossip",
+        "no --sync-every",
+        "gossip forms the model you evaluate and save, the replicas' mean, every H steps",
+        lambda run: _gossips(run) and run.sync.sync_every is None,
+        "sync_every",
+        "add --sync-every H (e.g. 50)",
+        _sync_every,
+        _sync_example({"gossip": "ring"}, {"gossip": "ring", "sync_every": 50}),
+    ),
+    Refusal(
+        "federated averaging",
+        "no --sync-every",
+        "a federated round is H local steps",
+        lambda run: _federates(run) and run.sync.sync_every is None,
+        "sync_every",
+        "add --sync-every H (e.g. 8)",
+        _sync_every,
+        _sync_example({"client_fraction": 0.5}, {"client_fraction": 0.5, "sync_every": 8}),
+    ),
+    Refusal(
+        "an outer optimizer",
+        "gossip",
+        "gossip's model is the replicas' mean, with no outer step to apply it through",
+        lambda run: _gossips(run) and run.sync.outer_optimizer != "average",
+        "outer_optimizer",
+        "use --outer-optimizer average (the default), or drop --gossip",
+        lambda run: run.sync.outer_optimizer,
+        _sync_example(
+            {"gossip": "ring", "sync_every": 4, "outer_optimizer": "nesterov"},
+            {"gossip": "ring", "sync_every": 4},
+        ),
+    ),
     *_with_cells(
         _sync_axis_rows(
             "gradient compression",
@@ -529,12 +677,6 @@ REFUSALS: tuple[Refusal, ...] = (
             {"grad_compression": "int8"},
         ),
         ("compression",),
-    ),
-    *_with_cells(
-        _sync_axis_rows(
-            "local SGD", "sync_every", _sync_every, "--sync-every", _local, {"sync_every": 4}
-        ),
-        _LOCAL,
     ),
     Refusal(
         "Mixtral's router loss",

@@ -76,6 +76,9 @@ GROUPS: dict[str, dict[str, str]] = {
         "local-sgd": "local SGD: replicas step alone, parameters averaged every H steps",
         "diloco": "DiLoCo: local SGD with an outer Nesterov optimizer at each sync",
         "staleness": "bounded staleness: the update applies the gradient of s steps before",
+        "gossip": "gossip: replicas mix parameters with their neighbours on a graph (--gossip)",
+        "federated": "federated averaging: a sampled share of the replicas per round "
+        "(--client-fraction)",
     },
     "kernels": {
         "pallas": "the Pallas kernels (attention, norms, loss)",
@@ -106,7 +109,8 @@ EXCLUSIVE: tuple[frozenset[str], ...] = (
     frozenset({"ring", "allgather", "ulysses"}),  # one algorithm
     frozenset({"moe-capacity", "moe-dropless"}),  # one dispatch
     frozenset({"pallas", "cudnn"}),  # one attention implementation
-    frozenset({"local-sgd", "diloco"}),  # DiLoCo is local SGD with an outer optimizer
+    # DiLoCo is local SGD with an outer optimizer; gossip and federated rounds replace its sync
+    frozenset({"local-sgd", "diloco", "gossip", "federated"}),
     frozenset({"bf16", "fp16", "fp8"}),  # one precision policy
     frozenset({"remat", "offload-activations"}),  # one remat policy
 )

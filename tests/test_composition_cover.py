@@ -122,11 +122,14 @@ class Case:
         out |= {"pallas"} if self.model == "pallas" or self.pallas else set()
         out |= {"cudnn"} if self.cudnn else set()
         sync = self.sync
+        own = sync.local and not (sync.gossips or sync.federates)  # local SGD or DiLoCo
         flags = {
             "packed": self.packed,
             "compression": sync.compresses,
-            "local-sgd": sync.local and sync.outer_optimizer == "average",
-            "diloco": sync.local and sync.outer_optimizer != "average",
+            "local-sgd": own and sync.outer_optimizer == "average",
+            "diloco": own and sync.outer_optimizer != "average",
+            "gossip": sync.gossips,
+            "federated": sync.federates,
             "staleness": bool(sync.staleness),
             "remat": self.remat,
             "offload-optimizer": self.offload,
@@ -400,8 +403,8 @@ CASES = [
         id="dp+tp-allgather-accum-staleness",
     ),
     pytest.param(
-        Case("data=4,seq=2", "dp", context="ulysses", sync=SyncConfig(staleness=1),
-             resume=True),
+        Case("data=4,seq=2", "dp", context="ulysses",
+             sync=SyncConfig(staleness=1), resume=True),
         marks=[
             pair("dp", "ulysses"), pair("dp", "staleness"), pair("dp", "resume-relayout"),
             pair("ulysses", "staleness"), pair("ulysses", "resume-relayout"),
@@ -483,8 +486,8 @@ CASES = [
         id="zero1+tp-circular-remat-accum-bf16-resume",
     ),
     pytest.param(
-        Case("pipe=2,data=4", "zero1", schedule="gpipe", accum=2, sync=SyncConfig(staleness=1),
-             resume=True, offload=True),
+        Case("pipe=2,data=4", "zero1", schedule="gpipe", accum=2,
+             sync=SyncConfig(staleness=1), resume=True, offload=True),
         marks=[
             pair("zero1", "gpipe"), pair("zero1", "staleness"), pair("zero1", "accumulation"),
             pair("zero1", "resume-relayout"), pair("gpipe", "staleness"),
@@ -500,8 +503,8 @@ CASES = [
         id="zero1-gpipe-accum-staleness-resume",
     ),
     pytest.param(
-        Case("pipe=2,data=4", "zero1", schedule="1f1b", accum=2, sync=SyncConfig(staleness=1),
-             resume=True),
+        Case("pipe=2,data=4", "zero1", schedule="1f1b", accum=2,
+             sync=SyncConfig(staleness=1), resume=True),
         marks=[
             pair("zero1", "1f1b"), pair("zero1", "staleness"), pair("zero1", "accumulation"),
             pair("zero1", "resume-relayout"), pair("1f1b", "staleness"),
@@ -636,8 +639,8 @@ CASES = [
         id="fsdp-moe-dropless-zb-h1-packed",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1", sync=SyncConfig(sync_every=1),
-             offload=True),
+        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1",
+             sync=SyncConfig(sync_every=1), offload=True),
         marks=[
             pair("hsdp", "zb-h1"), pair("hsdp", "local-sgd"), pair("zb-h1", "local-sgd"),
             pair("hsdp", "offload-optimizer"),
@@ -1135,8 +1138,8 @@ CASES = [
         id="dp-tp-cudnn-fp8",
     ),
     pytest.param(
-        Case("data=4,tensor=2", "dp+tp", packed=True, sync=SyncConfig(sync_every=1),
-             precision="fp8"),
+        Case("data=4,tensor=2", "dp+tp", packed=True,
+             sync=SyncConfig(sync_every=1), precision="fp8"),
         marks=[
             pair("dp", "tp"), pair("dp", "packed"), pair("dp", "local-sgd"), pair("dp", "fp8"),
             pair("tp", "packed"), pair("tp", "local-sgd"), pair("tp", "fp8"),
@@ -1151,6 +1154,120 @@ CASES = [
             pair("dp", "diloco"), pair("dp", "fp8"), pair("diloco", "fp8"),
         ],
         id="dp-diloco-fp8",
+    ),
+    # gossip (two replicas: the ring is the complete graph) and federated averaging (every
+    # client sampled): one step each is synchronous SGD, as `_reference` says
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1",
+             sync=SyncConfig(gossip="ring", sync_every=1), offload=True),
+        marks=[
+            pair("gossip", "offload-optimizer"), pair("hsdp", "gossip"),
+            pair("hsdp", "offload-optimizer"), pair("hsdp", "zb-h1"), pair("zb-h1", "gossip"),
+            pair("zb-h1", "offload-optimizer"),
+        ],
+        id="hsdp-zb-h1-gossip",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, precision="bf16",
+             sync=SyncConfig(gossip="ring", sync_every=1), resume=True,
+             resume_onto=("data=2,tensor=4", "tp")),
+        marks=[
+            pair("accumulation", "bf16"), pair("accumulation", "resume-relayout"),
+            pair("bf16", "resume-relayout"), pair("gossip", "accumulation"),
+            pair("gossip", "bf16"), pair("gossip", "remat"), pair("gossip", "resume-relayout"),
+            pair("hsdp", "accumulation"), pair("hsdp", "bf16"), pair("hsdp", "gossip"),
+            pair("hsdp", "remat"), pair("hsdp", "resume-relayout"), pair("remat", "accumulation"),
+            pair("remat", "bf16"), pair("remat", "resume-relayout"),
+        ],
+        id="hsdp-gossip-remat-accum-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=4,tensor=2", "zero1+tp", model="pallas", packed=True,
+             sync=SyncConfig(gossip="complete", sync_every=1), offload_acts=True),
+        marks=[
+            pair("gossip", "offload-activations"), pair("gossip", "pallas"),
+            pair("packed", "gossip"), pair("packed", "offload-activations"),
+            pair("packed", "pallas"), pair("pallas", "offload-activations"), pair("tp", "gossip"),
+            pair("tp", "offload-activations"), pair("tp", "packed"), pair("tp", "pallas"),
+            pair("zero1", "gossip"), pair("zero1", "offload-activations"),
+            pair("zero1", "packed"), pair("zero1", "pallas"), pair("zero1", "tp"),
+        ],
+        id="zero1+tp-pallas-packed-gossip",
+    ),
+    pytest.param(
+        Case("pipe=2,data=4", "dp", schedule="1f1b",
+             sync=SyncConfig(gossip="complete", sync_every=1), precision="fp8"),
+        marks=[
+            pair("1f1b", "fp8"), pair("1f1b", "gossip"), pair("dp", "1f1b"), pair("dp", "fp8"),
+            pair("dp", "gossip"), pair("gossip", "fp8"),
+        ],
+        id="dp-1f1b-gossip-fp8",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,tensor=2", "dp+tp", schedule="gpipe",
+             sync=SyncConfig(gossip="ring", sync_every=1)),
+        marks=[
+            pair("dp", "gossip"), pair("dp", "gpipe"), pair("dp", "tp"), pair("gpipe", "gossip"),
+            pair("tp", "gossip"), pair("tp", "gpipe"),
+        ],
+        id="dp+tp-gpipe-gossip",
+    ),
+    pytest.param(
+        Case("pipe=2,data=4", "dp", schedule="zb-h1",
+             sync=SyncConfig(client_fraction=1.0, sync_every=1), offload=True),
+        marks=[
+            pair("dp", "federated"), pair("dp", "offload-optimizer"), pair("dp", "zb-h1"),
+            pair("federated", "offload-optimizer"), pair("zb-h1", "federated"),
+            pair("zb-h1", "offload-optimizer"),
+        ],
+        id="dp-zb-h1-federated",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=4", "hsdp", remat=True, accum=2, precision="bf16",
+             sync=SyncConfig(client_fraction=1.0, sync_every=1), resume=True,
+             resume_onto=("data=2,tensor=4", "tp")),
+        marks=[
+            pair("accumulation", "bf16"), pair("accumulation", "resume-relayout"),
+            pair("bf16", "resume-relayout"), pair("federated", "accumulation"),
+            pair("federated", "bf16"), pair("federated", "remat"),
+            pair("federated", "resume-relayout"), pair("hsdp", "accumulation"),
+            pair("hsdp", "bf16"), pair("hsdp", "federated"), pair("hsdp", "remat"),
+            pair("hsdp", "resume-relayout"), pair("remat", "accumulation"), pair("remat", "bf16"),
+            pair("remat", "resume-relayout"),
+        ],
+        id="hsdp-federated-remat-accum-bf16-resume",
+    ),
+    pytest.param(
+        Case("data=4,tensor=2", "zero1+tp", model="pallas", packed=True,
+             sync=SyncConfig(client_fraction=1.0, sync_every=1), offload_acts=True),
+        marks=[
+            pair("federated", "offload-activations"), pair("federated", "pallas"),
+            pair("packed", "federated"), pair("packed", "offload-activations"),
+            pair("packed", "pallas"), pair("pallas", "offload-activations"),
+            pair("tp", "federated"), pair("tp", "offload-activations"), pair("tp", "packed"),
+            pair("tp", "pallas"), pair("zero1", "federated"),
+            pair("zero1", "offload-activations"), pair("zero1", "packed"),
+            pair("zero1", "pallas"), pair("zero1", "tp"),
+        ],
+        id="zero1+tp-pallas-packed-federated",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="1f1b",
+             sync=SyncConfig(client_fraction=1.0, sync_every=1), precision="fp8"),
+        marks=[
+            pair("1f1b", "federated"), pair("1f1b", "fp8"), pair("federated", "fp8"),
+            pair("hsdp", "1f1b"), pair("hsdp", "federated"), pair("hsdp", "fp8"),
+        ],
+        id="hsdp-1f1b-federated-fp8",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,tensor=2", "dp+tp", schedule="gpipe",
+             sync=SyncConfig(client_fraction=1.0, sync_every=1)),
+        marks=[
+            pair("dp", "federated"), pair("dp", "gpipe"), pair("dp", "tp"),
+            pair("gpipe", "federated"), pair("tp", "federated"), pair("tp", "gpipe"),
+        ],
+        id="dp+tp-gpipe-federated",
     ),
 
 ]  # fmt: skip

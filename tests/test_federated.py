@@ -6,13 +6,16 @@ import sys
 
 import jax
 import numpy as np
+import optax
 import pytest
 from _helpers import fresh_env
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.mesh import make_mesh
-from meshtrain.replicas import federated
+from meshtrain.problem import RunCheckError
+from meshtrain.replicas import SyncConfig, federated
+from meshtrain.replicas.local_sgd import outer_optimizer
 
 
 def test_a_round_samples_its_share_of_clients_from_its_round_and_seed_alone():
@@ -75,14 +78,98 @@ def test_the_weighted_mean_over_the_replicas_is_the_servers_average():
 
 
 @pytest.mark.parametrize(
-    ("args", "needle"),
+    ("settings", "needle"),
     [
-        ((0.0, 8, 8), "federated.fraction=0.0"),
-        ((1.5, 8, 8), "federated.fraction=1.5"),
-        ((0.25, 0, 8), "federated.local_steps=0"),
-        ((0.25, 8, 1), "federated averaging needs at least 2 clients"),
+        ({"client_fraction": 0.0, "sync_every": 8}, "client_fraction=0.0"),
+        ({"client_fraction": 1.5, "sync_every": 8}, "client_fraction=1.5"),
     ],
 )
-def test_settings_no_round_can_have_are_one_line_each(args, needle):
-    found = federated.problems(*args)
-    assert len(found) == 1 and needle in str(found[0]), found
+def test_settings_no_round_can_have_are_one_line_each(settings, needle):
+    with pytest.raises(RunCheckError) as e:
+        SyncConfig(**settings)
+    assert len(e.value.problems) == 1 and needle in str(e.value.problems[0]), e.value.problems
+
+
+# --- federated rounds in the replicas' step -------------------------------------------------
+
+ROUNDS, H = 2, 2
+
+
+@pytest.mark.pair("dp", "federated")
+def test_fraction_1_one_local_step_and_sgd_everywhere_is_synchronous_sgd():
+    from test_local_sgd import GRAPHDEF, batch_of, host, mlp, mlp_compute, setup
+
+    inner = optax.sgd(0.1)
+    compute = mlp_compute(GRAPHDEF)
+    outer = outer_optimizer("average", 0.7, 0.9)  # server SGD with rate 1
+    run = setup("data=8", "dp", mlp, compute, inner, outer, 1, client_fraction=1.0)
+    params = host(run.state.params)
+
+    @jax.jit
+    def reference(params, batch):
+        (_, _), grads = compute(params, {}, batch)
+        return optax.apply_updates(params, inner.update(grads, inner.init(params), params)[0])
+
+    state = run.state
+    for i in range(3):
+        batch = batch_of(mlp, i)
+        state, metrics = run.step(state, batch)
+        params = reference(params, batch)
+        assert int(metrics["synced"]) == 1
+        # fp32: θ̄ − (θ̄ − mean θ_r) rounds once more than the synchronous step.
+        jax.tree.map(
+            lambda got, want: np.testing.assert_allclose(got, want, rtol=0, atol=5e-7),
+            host(state.params),
+            host(params),
+        )
+
+
+@pytest.mark.pair("dp", "federated")
+def test_a_round_applies_the_sampled_clients_mean_change_through_the_server_optimizer():
+    """Two rounds of two local steps on data=8 with a quarter of the clients sampled, SGD-
+    momentum clients (fresh moments each round) and FedAdam on the server, against each
+    client's steps on one device and the server step by hand."""
+    from test_local_sgd import ROWS, Linear, batch_of, host, linear_compute, linear_loss, setup
+
+    inner = optax.sgd(0.05, momentum=0.5)
+    outer = outer_optimizer("adam", 0.05, 0.9)
+    seed = int(np.random.default_rng().integers(1000))
+    run = setup("data=8", "dp", Linear, linear_compute, inner, outer, H, client_fraction=0.25,
+                client_seed=seed)  # fmt: skip
+    theta = host(run.state.params)
+    server = outer.init(theta)
+    grad = jax.jit(jax.grad(linear_loss))
+    n, rows = run.n, ROWS // run.n
+    state = run.state
+    for rnd in range(ROUNDS):
+        local = [theta] * n
+        opt = [inner.init(theta) for _ in range(n)]
+        for j in range(H):
+            batch = batch_of(Linear, rnd * H + j)
+            state, _ = run.step(state, batch)
+            for r in range(n):
+                mine = {k: v[r * rows : (r + 1) * rows] for k, v in batch.items()}
+                updates, opt[r] = inner.update(grad(local[r], mine), opt[r], local[r])
+                local[r] = host(optax.apply_updates(local[r], updates))
+        chosen = federated.sampled_clients(rnd, n, 0.25, seed)
+        assert len(chosen) == 2
+        delta = {k: theta[k] - np.mean([local[c][k] for c in chosen], axis=0) for k in theta}
+        updates, server = outer.update(delta, server, theta)
+        theta = host(optax.apply_updates(theta, updates))
+        # fp32; a client counted that was not sampled moves θ̄ by ~1e-3 here.
+        for k in theta:
+            np.testing.assert_allclose(np.asarray(state.params[k]), theta[k], atol=2e-6)
+        every = host(state.comm["local"]["params"])  # every client restarts from θ̄
+        for k in theta:
+            want = np.broadcast_to(state.params[k], every[k].shape)
+            np.testing.assert_array_equal(every[k], want)
+    others = [c for c in range(n) if c not in chosen]
+    assert np.abs(local[others[0]]["w"] - theta["w"]).max() > 1e-3  # unsampled work is real
+
+
+def test_the_run_summary_names_the_round_and_the_server_optimizer():
+    sync = SyncConfig(client_fraction=0.25, sync_every=8, outer_optimizer="adam", outer_lr=0.01)
+    assert sync.summary() == [
+        "federated averaging: 0.25 of the clients per round of 8 local steps, server Adam, "
+        "lr 0.01, β₁ 0.9"
+    ]

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from meshtrain.comm.hlo import collectives
 from meshtrain.mesh import make_mesh
 from meshtrain.replicas import gossip
+from meshtrain.replicas.local_sgd import outer_optimizer
 
 
 def _oracle(topology, sizes, step):
@@ -169,3 +171,113 @@ def test_the_gossip_benchmark_prints_the_compiled_bytes_beside_the_model(capsys)
         assert x["sent_bytes_per_step"] == x["analytic_bytes_per_step"] > 0
         assert x["modelled_s"] > 0 and x["device_profile"] == "h100"
     assert lines[1]["sent_bytes_per_step"] == lines[2]["sent_bytes_per_step"]
+
+
+# --- gossip in the replicas' step -----------------------------------------------------------
+
+STEPS, H = 4, 2  # θ̄ formed every 2 steps
+
+
+def _linear_reference(theta0, n, topology, sizes, inner):
+    """Each replica's local steps on one device (plain jax + the same optax), then the mixing
+    matrix applied in numpy (adapt, then combine); θ̄ and the consensus distance at each H."""
+    from test_local_sgd import ROWS, Linear, batch_of, host, linear_loss
+
+    grad = jax.jit(jax.grad(linear_loss))
+    local, opt = [theta0] * n, [inner.init(theta0)] * n
+    rows, out = ROWS // n, []
+    for i in range(STEPS):
+        batch = batch_of(Linear, i)
+        for r in range(n):
+            mine = {k: v[r * rows : (r + 1) * rows] for k, v in batch.items()}
+            updates, opt[r] = inner.update(grad(local[r], mine), opt[r], local[r])
+            local[r] = host(optax.apply_updates(local[r], updates))
+        w = gossip.matrix(topology, sizes, i)
+        local = [
+            {k: sum(w[r, j] * local[j][k] for j in range(n)) for k in theta0} for r in range(n)
+        ]
+        mean = {k: np.mean([p[k] for p in local], axis=0) for k in theta0}
+        gaps = [math.sqrt(sum(np.sum((p[k] - mean[k]) ** 2) for k in theta0)) for p in local]
+        out.append((list(local), mean, float(np.mean(gaps))))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("topology", "mesh_str", "sizes"),
+    [
+        ("ring", "data=8", {"data": 8}),
+        ("exponential", "data=8", {"data": 8}),
+        ("torus", "data=2,fsdp=4", {"data": 2, "fsdp": 4}),
+    ],
+)
+@pytest.mark.pair("dp", "gossip")
+def test_each_step_is_a_local_step_then_the_mixing_matrix(topology, mesh_str, sizes):
+    from test_local_sgd import Linear, batch_of, host, linear_compute, setup
+
+    inner = optax.sgd(0.05, momentum=0.5)
+    outer = outer_optimizer("average", 0.7, 0.9)
+    run = setup(mesh_str, "dp", Linear, linear_compute, inner, outer, H, gossip=topology)
+    start = host(run.state.params)
+    want = _linear_reference(dict(start), run.n, topology, sizes, inner)
+    state, theta = run.state, start
+    # fp32 rounding of values ~0.1-1; a wrong neighbour or weight moves the replicas by ~1e-2.
+    for i in range(STEPS):
+        state, metrics = run.step(state, batch_of(Linear, i))
+        local, mean, gap = want[i]
+        got = host(state.comm["local"]["params"])
+        for k in start:
+            np.testing.assert_allclose(got[k], np.stack([p[k] for p in local]), atol=1e-6)
+        if (i + 1) % H == 0:  # θ̄ is the replicas' mean; they go on from their own
+            theta = mean
+            np.testing.assert_allclose(float(metrics["consensus"]), gap, rtol=1e-4)
+        for k in start:
+            np.testing.assert_allclose(np.asarray(state.params[k]), theta[k], atol=1e-6)
+    assert gap > 1e-4  # the replicas really differ: the mixing is not a full average
+
+
+@pytest.mark.pair("dp", "gossip")
+def test_gossip_over_the_complete_graph_is_synchronous_averaging():
+    """Uniform weights over every replica after each local step: the replicas stay equal, and
+    equal synchronous DP with the same SGD-momentum optimizer (its update is linear in the
+    gradient, so the mean of the replicas' updates is the synchronous one)."""
+    from test_local_sgd import GRAPHDEF, INNER, batch_of, host, mlp, mlp_compute, setup
+
+    compute = mlp_compute(GRAPHDEF)
+    outer = outer_optimizer("average", 0.7, 0.9)
+    run = setup("data=8", "dp", mlp, compute, INNER, outer, H, gossip="complete")
+    params, opt = host(run.state.params), INNER.init(host(run.state.params))
+
+    @jax.jit
+    def reference(params, opt, batch):
+        (loss, _), grads = compute(params, {}, batch)
+        updates, opt = INNER.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    state = run.state
+    for i in range(STEPS):
+        batch = batch_of(mlp, i)
+        state, metrics = run.step(state, batch)
+        params, opt = reference(params, opt, batch)
+        # fp32: the weighted sum of 8 permuted copies rounds in another order than the mean.
+        local = host(state.comm["local"]["params"])
+        jax.tree.map(
+            lambda got, want: np.testing.assert_allclose(
+                got, np.broadcast_to(want, got.shape), rtol=0, atol=5e-7
+            ),
+            local,
+            host(params),
+        )
+    np.testing.assert_allclose(float(metrics["consensus"]), 0.0, atol=1e-5)
+    jax.tree.map(
+        lambda got, want: np.testing.assert_allclose(got, want, rtol=0, atol=5e-7),
+        host(state.params),
+        host(params),
+    )
+
+
+def test_the_run_summary_names_the_graph_and_when_the_mean_is_formed():
+    from meshtrain.replicas import SyncConfig
+
+    assert SyncConfig(gossip="torus", sync_every=50).summary() == [
+        "gossip over a torus graph every step, the replicas' mean every 50 steps"
+    ]

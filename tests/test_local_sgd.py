@@ -20,6 +20,7 @@ from meshtrain.comm.hlo import collectives
 from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import MLPConfig, build_model
+from meshtrain.replicas import SyncConfig
 from meshtrain.replicas.local_sgd import (
     local_init,
     local_shardings,
@@ -46,8 +47,11 @@ class Setup:
     jitted: object
 
 
-def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=None) -> Setup:
-    """Builds θ̄, the outer state and comm["local"] on the mesh, and the jitted local step."""
+def setup(
+    mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=None, **step_kw
+) -> Setup:
+    """Builds θ̄, the outer state and comm["local"] on the mesh, and the jitted local step
+    (`step_kw`: more `SyncConfig` settings, gossip's and federated averaging's)."""
     mesh = make_mesh(mesh_str)
     rules = rules_for(strategy, mesh)
     axes = rules.replica_axes(mesh_sizes(mesh))
@@ -67,8 +71,11 @@ def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=
         state.params, state.opt_state, n
     )
     outer_state = jax.jit(outer_tx.init, out_shardings=outer_sh)(state.params)
-    state = TrainState(state.step, state.params, outer_state, state.rest, {"local": local})
-    shardings = TrainState(sh.step, sh.params, outer_sh, sh.rest, {"local": local_sh})
+    comm, comm_sh = {"local": local}, {"local": local_sh}
+    if step_kw.get("gossip"):
+        comm["consensus"], comm_sh["consensus"] = jnp.zeros((), jnp.float32), replicated
+    state = TrainState(state.step, state.params, outer_state, state.rest, comm)
+    shardings = TrainState(sh.step, sh.params, outer_sh, sh.rest, comm_sh)
     batch_sh = batch_shardings(batch_of(ctor, 0), mesh, rules)
 
     def step(state, batch):
@@ -80,7 +87,7 @@ def setup(mesh_str, strategy, ctor, compute, tx, outer_tx, sync_every, schedule=
                 state,
                 batch,
                 sets=ReplicaSets(mesh_sizes(mesh), axes, mesh=mesh),
-                sync_every=sync_every,
+                sync=SyncConfig(sync_every=sync_every, **step_kw),
             )
         if schedule is not None:  # as train_step reports it
             metrics["lr"] = schedule(state.step)
@@ -327,10 +334,10 @@ def test_parameters_cross_the_wire_only_on_a_sync_step(diloco):
 
 def test_unknown_outer_optimizer_is_one_clear_line():
     with pytest.raises(ValueError) as err:
-        outer_optimizer("adam", 0.7, 0.9)
+        outer_optimizer("lion", 0.7, 0.9)
     message = str(err.value)
     assert "\n" not in message
-    assert "outer_optimizer='adam'" in message and "average" in message and "nesterov" in message
+    assert "outer_optimizer='lion'" in message and "average" in message and "nesterov" in message
 
 
 def test_sync_every_0_is_refused_before_tracing(diloco):
@@ -343,5 +350,5 @@ def test_sync_every_0_is_refused_before_tracing(diloco):
             start,
             batch_of(Linear, 0),
             sets=ReplicaSets(mesh_sizes(run.mesh), run.axes, mesh=run.mesh),
-            sync_every=0,
+            sync=0,
         )

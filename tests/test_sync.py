@@ -151,8 +151,10 @@ def _trainer(tmp_path, sync, steps, resume=False):
         SyncConfig(staleness=2),
         SyncConfig(sync_every=2, outer_optimizer="nesterov"),
         SyncConfig(grad_compression="int8"),
+        SyncConfig(gossip="exponential", sync_every=4),
+        SyncConfig(client_fraction=0.5, sync_every=4, outer_optimizer="adam", outer_lr=0.05),
     ],
-    ids=["staleness", "diloco", "int8-residual"],
+    ids=["staleness", "diloco", "int8-residual", "gossip-mid-average", "federated-mid-round"],
 )
 def test_comm_state_survives_a_checkpoint_and_other_settings_are_refused(tmp_path, sync):
     whole = _trainer(tmp_path / "whole", sync, 6)
@@ -186,7 +188,9 @@ def test_comm_state_survives_a_checkpoint_and_other_settings_are_refused(tmp_pat
         ({"grad_compression": "topk:0"}, "(0, 1], e.g. --grad-compression topk:0.01"),
         ({"grad_compression": "topk:x"}, "top-k fraction must be a number"),
         ({"grad_compression": "int4"}, "choose from none, bf16, int8, topk:FRACTION, sign"),
-        ({"outer_optimizer": "adam"}, "choose from average, nesterov"),
+        ({"outer_optimizer": "lion"}, "choose from average, nesterov, adam"),
+        ({"gossip": "star", "sync_every": 4}, "choose from ring, torus, exponential, complete"),
+        ({"client_fraction": 0.0, "sync_every": 4}, "client_fraction=0.0"),
         ({"outer_lr": 0.0}, "outer_lr=0.0"),
         ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
     ],
@@ -201,7 +205,7 @@ def test_bad_settings_are_one_line(kwargs, message):
     ("mesh", "strategy", "sync", "field", "words"),
     [
         ({"fsdp": 8}, "fsdp", SyncConfig(grad_compression="int8"), "grad_compression", "dp, zero1"),
-        ({"fsdp": 8}, "fsdp", SyncConfig(sync_every=4), "sync_every", "every batch axis"),
+        ({"fsdp": 8}, "fsdp", SyncConfig(sync_every=4), "sync_every", "this layout has none"),
         ({"seq": 2, "data": 4}, "dp", SyncConfig(grad_compression="sign"), "grad_compression",
          "context parallelism"),
         ({"data": 8}, "dp", SyncConfig(sync_every=4, grad_compression="bf16"),
@@ -209,6 +213,15 @@ def test_bad_settings_are_one_line(kwargs, message):
         ({"data": 8}, "dp", SyncConfig(sync_every=4, staleness=1), "staleness", "drop one"),
         ({"data": 8}, "dp", SyncConfig(outer_optimizer="nesterov"), "outer_optimizer",
          "add --sync-every"),
+        ({"data": 8}, "dp", SyncConfig(gossip="ring"), "sync_every", "add --sync-every"),
+        ({"data": 8}, "dp", SyncConfig(gossip="ring", sync_every=4, outer_optimizer="adam"),
+         "outer_optimizer", "replicas' mean"),
+        ({"data": 6}, "dp", SyncConfig(gossip="exponential", sync_every=4), "gossip",
+         "power-of-two"),
+        ({"data": 2, "fsdp": 4}, "hsdp", SyncConfig(gossip="torus", sync_every=4), "gossip",
+         "two replica axes"),
+        ({"data": 1}, "dp", SyncConfig(client_fraction=0.5, sync_every=4), "client_fraction",
+         "this layout has none"),
     ],
 )  # fmt: skip
 def test_the_run_check_refuses_what_cannot_run(mesh, strategy, sync, field, words):

@@ -306,20 +306,7 @@ def describe_sync(sync: SyncConfig, mesh, rules) -> str:
     from meshtrain.replicas import replicas
 
     axes, n = replicas(mesh, rules)
-    parts = [f"replicas: {n} over {' × '.join(axes) or 'no axis'}"]
-    if sync.compresses:
-        feedback = "with" if sync.error_feedback else "without"
-        parts.append(f"gradients {sync.grad_compression} {feedback} error feedback")
-    if sync.local:
-        outer = (
-            f"DiLoCo (Nesterov, lr {sync.outer_lr}, momentum {sync.outer_momentum})"
-            if sync.outer_optimizer == "nesterov"
-            else "averaging"
-        )
-        parts.append(f"local SGD: {sync.sync_every} local steps, then {outer}")
-    if sync.staleness:
-        parts.append(f"staleness {sync.staleness} (updates apply gradients that many steps old)")
-    return " · ".join(parts)
+    return " · ".join([f"replicas: {n} over {' × '.join(axes) or 'no axis'}", *sync.summary()])
 
 
 def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:

@@ -13,7 +13,8 @@ from meshtrain import validate
 from meshtrain.problem import Problem
 
 COMPRESSIONS = ("none", "bf16", "int8", "topk:FRACTION", "sign")
-OUTER_OPTIMIZERS = ("average", "nesterov")
+OUTER_OPTIMIZERS = ("average", "nesterov", "adam")
+TOPOLOGIES = ("ring", "torus", "exponential", "complete")  # gossip's graphs (`gossip`)
 
 
 def parse_compression_spec(spec: str) -> tuple[str, float | None]:
@@ -59,12 +60,23 @@ class SyncConfig:
             synchronise their parameters; None (the default) synchronises every step through
             the gradient.
         outer_optimizer: at each synchronisation, ``average`` sets the parameters to the
-            replicas' mean (periodic model averaging); ``nesterov`` applies the mean change
-            through Nesterov momentum SGD (DiLoCo).
-        outer_lr: the outer optimizer's learning rate (``nesterov``).
-        outer_momentum: the outer optimizer's momentum (``nesterov``).
+            replicas' mean (periodic model averaging; federated averaging's server SGD with
+            rate 1); ``nesterov`` applies the mean change through Nesterov momentum SGD
+            (DiLoCo); ``adam`` through Adam (FedAdam, Reddi et al., 2021).
+        outer_lr: the outer optimizer's learning rate (``nesterov``, ``adam``).
+        outer_momentum: the outer optimizer's momentum (``nesterov``; Adam's first moment).
         staleness: apply the gradient computed this many steps earlier (a deterministic model
             of stale-synchronous and asynchronous training); 0 is synchronous.
+        gossip: decentralized training: after every local step each replica mixes its
+            parameters with its neighbours' on this graph (`TOPOLOGIES`; collective permutes
+            only), and every `sync_every` steps the replicas' mean is formed as the model
+            (``state.params``) without resetting them (`meshtrain.replicas.gossip`).
+        client_fraction: federated averaging: the replicas are clients; each round of
+            `sync_every` local steps this share of them is sampled, and the server applies the
+            mean change of the sampled clients only, through `outer_optimizer`
+            (`meshtrain.replicas.federated`).
+        client_seed: the seed the rounds draw their clients from (with the round alone: every
+            process draws the same clients, and a resumed run the ones it would have).
     """
 
     grad_compression: str = "none"
@@ -74,6 +86,9 @@ class SyncConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     staleness: int = 0
+    gossip: str | None = None
+    client_fraction: float | None = None
+    client_seed: int = 0
 
     def __post_init__(self):
         validate.reject(self)
@@ -98,9 +113,66 @@ class SyncConfig:
         problems += v.in_range(
             "outer_momentum", self.outer_momentum, 0, 1, closed="[)", example=0.9
         )
+        problems += self._decentralized_problems()
         return problems + v.non_negative(
             "staleness", self.staleness, example=4, note="0 is synchronous"
         )
+
+    def _decentralized_problems(self) -> list[Problem]:
+        """Gossip's topology and federated averaging's fraction (their pairs with the other
+        settings are rows of `meshtrain.composition.REFUSALS`)."""
+        v = validate
+        found: list[Problem] = []
+        if self.gossip is not None:
+            found += v.one_of("gossip", self.gossip, TOPOLOGIES, example="ring")
+        if self.client_fraction is not None:
+            found += v.in_range(
+                "client_fraction", self.client_fraction, 0, 1, closed="(]", example=0.25,
+                note="the share of clients each round trains",
+            )  # fmt: skip
+        found += v.in_range(
+            "client_seed", self.client_seed, 0, 2**32, closed="[)", integer=True, example=0
+        )
+        return found
+
+    def summary(self) -> list[str]:
+        """What these settings do, a short phrase each (the CLI's run summary)."""
+        parts = []
+        if self.compresses:
+            feedback = "with" if self.error_feedback else "without"
+            parts.append(f"gradients {self.grad_compression} {feedback} error feedback")
+        outer = {
+            "nesterov": f"Nesterov, lr {self.outer_lr}, momentum {self.outer_momentum}",
+            "adam": f"Adam, lr {self.outer_lr}, β₁ {self.outer_momentum}",
+        }.get(self.outer_optimizer)
+        if self.gossips:
+            parts.append(
+                f"gossip over a {self.gossip} graph every step, the replicas' mean every "
+                f"{self.sync_every} steps"
+            )
+        elif self.federates:
+            server = f"server {outer}" if outer else "server averaging"
+            parts.append(
+                f"federated averaging: {self.client_fraction:g} of the clients per round of "
+                f"{self.sync_every} local steps, {server}"
+            )
+        elif self.local:
+            then = f"DiLoCo ({outer})" if outer else "averaging"
+            parts.append(f"local SGD: {self.sync_every} local steps, then {then}")
+        if self.staleness:
+            old = f"staleness {self.staleness} (updates apply gradients that many steps old)"
+            parts.append(old)
+        return parts
+
+    @property
+    def gossips(self) -> bool:
+        """Gossip (decentralized) averaging is on."""
+        return self.gossip is not None
+
+    @property
+    def federates(self) -> bool:
+        """Federated averaging is on."""
+        return self.client_fraction is not None
 
     @property
     def compression(self) -> str:
@@ -114,8 +186,8 @@ class SyncConfig:
 
     @property
     def local(self) -> bool:
-        """Local SGD / DiLoCo is on."""
-        return self.sync_every is not None
+        """The replicas step on their own (local SGD, DiLoCo, gossip, federated averaging)."""
+        return self.sync_every is not None or self.gossips or self.federates
 
     @property
     def keeps_residual(self) -> bool:

@@ -32,8 +32,7 @@ from jax import lax
 
 from meshtrain import validate
 from meshtrain.problem import Problem
-
-TOPOLOGIES = ("ring", "torus", "exponential", "complete")
+from meshtrain.replicas.config import TOPOLOGIES
 
 
 @dataclasses.dataclass(frozen=True)

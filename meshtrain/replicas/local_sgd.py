@@ -37,7 +37,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.layout import axes_of, manual_region, rows_apart
-from meshtrain.replicas.config import OUTER_OPTIMIZERS
+from meshtrain.replicas import federated
+from meshtrain.replicas import gossip as graphs
+from meshtrain.replicas.config import OUTER_OPTIMIZERS, SyncConfig
 from meshtrain.replicas.sets import ReplicaSets
 from meshtrain.replicas.stack import (
     entry,
@@ -57,10 +59,12 @@ def outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTran
     """The optimizer that applies the outer gradient θ̄ − mean_r θ_r to θ̄ at a synchronisation.
 
     Args:
-        name: ``"average"`` (θ̄ ← mean_r θ_r; `lr` and `momentum` are ignored) or
-            ``"nesterov"`` (DiLoCo: SGD with Nesterov momentum).
-        lr: the outer learning rate (``nesterov``).
-        momentum: the outer momentum (``nesterov``).
+        name: ``"average"`` (θ̄ ← mean_r θ_r; `lr` and `momentum` are ignored),
+            ``"nesterov"`` (DiLoCo: SGD with Nesterov momentum) or ``"adam"`` (FedAdam: Adam
+            with β₂ = 0.99 and ε = 1e-3, Reddi et al., "Adaptive Federated Optimization",
+            2021).
+        lr: the outer learning rate (``nesterov``, ``adam``).
+        momentum: the outer momentum (``nesterov``; Adam's β₁).
 
     Returns:
         An optax transformation; its state is what ``state.opt_state`` holds under local SGD.
@@ -69,9 +73,11 @@ def outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTran
         return optax.sgd(1.0)
     if name == "nesterov":
         return optax.sgd(lr, momentum=momentum, nesterov=True)
+    if name == "adam":
+        return optax.adam(lr, b1=momentum, b2=0.99, eps=1e-3)
     raise ValueError(
         f"outer_optimizer={name!r}: choose from {', '.join(OUTER_OPTIMIZERS)} "
-        "(average: plain periodic averaging; nesterov: DiLoCo)"
+        "(average: plain periodic averaging; nesterov: DiLoCo; adam: FedAdam)"
     )
 
 
@@ -122,12 +128,24 @@ def local_step(
     batch: Mapping[str, jax.Array],
     *,
     sets: ReplicaSets,
-    sync_every: int,
+    sync: SyncConfig | int,
     skip_nonfinite: bool = True,
     param_specs=None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One local step on every replica, then the outer step when ``(state.step + 1) %
-    sync_every == 0``. Call it inside `jax.jit` (it is pure).
+    """One local step on every replica, then the outer step when ``(state.step + 1) % H == 0``
+    (H = ``sync.sync_every``). Call it inside `jax.jit` (it is pure).
+
+    Two settings of `sync` change what the replicas exchange (module docstrings of
+    `meshtrain.replicas.gossip` and `meshtrain.replicas.federated`):
+
+    - ``gossip``: after its local step each replica mixes its parameters with its neighbours' on
+      the graph (mixing step t = ``state.step``); at the outer step θ̄ becomes the replicas'
+      mean, the replicas go on from their own, and ``comm["consensus"]`` keeps their mean
+      distance to it;
+    - ``client_fraction``: the round ``state.step // H`` samples its clients from
+      ``client_seed`` and the round; the outer gradient is θ̄ minus the sampled clients' mean;
+      every client starts a round from θ̄ with fresh optimizer moments (its step counters go
+      on).
 
     With `skip_nonfinite`, a replica whose loss or gradient norm is NaN or infinite keeps its
     own parameters and optimizer moments (its integer step counters still advance, as in
@@ -148,7 +166,9 @@ def local_step(
             has its own replicas, over the axes it is not split over); ``sets.stages``,
             ``("pipe",)`` under pipelines (the regions are manual over the stages too, each
             stage stepping its own layers; nothing is averaged over them).
-        sync_every: H, the number of local steps between synchronisations.
+        sync: the settings (``sync_every``, H, the local steps between synchronisations;
+            ``gossip``; ``client_fraction`` and ``client_seed``); an int H is
+            ``SyncConfig(sync_every=H)``.
         skip_nonfinite: skip a replica's update when its loss or gradient is not finite.
         param_specs: the parameters' `PartitionSpec`s (required when ``sets.split`` is not
             empty).
@@ -165,6 +185,8 @@ def local_step(
         raise ValueError(
             "local SGD needs at least one replica axis (data, or fsdp under dp/zero1) of size > 1"
         )
+    sync = SyncConfig(sync_every=sync) if isinstance(sync, int) else sync
+    sync_every, gossip, client_fraction = sync.sync_every, sync.gossip, sync.client_fraction
     if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
         raise ValueError(
             f"sync_every={sync_every!r}: the steps between synchronisations must be a positive "
@@ -185,8 +207,12 @@ def local_step(
         is_leaf=_is_spec,
     )
 
-    def inner(params_r, opt_r, rest, batch_r):
+    sizes = {a: sets.sizes[a] for a in axes}
+
+    def inner(params_r, opt_r, rest, batch_r, step):
         params_r, opt_r = own(params_r), own(opt_r)
+        if client_fraction is not None:  # a round starts with fresh moments (FedAvg's clients)
+            opt_r = _fresh_moments(tx, params_r, opt_r, step % sync_every == 0)
         with rows_apart():  # each device trains a copy of its own until the next average
             (loss, (new_rest, extra)), grads = compute(params_r, rest, batch_r)
         loss, new_rest, extra = settled((loss, new_rest, extra), sets.stages)
@@ -202,6 +228,8 @@ def local_step(
             new_params = _keep_if_not(finite, new_params, params_r)
             new_opt = _keep_if_not(finite, new_opt, opt_r)
             new_rest = _keep_if_not(finite, new_rest, rest)
+        if gossip is not None:
+            new_params = graphs.mix(new_params, gossip, sizes, step)
         metrics = {
             **replica_mean(extra, axes),
             "loss": lax.pmean(loss, axes),
@@ -214,27 +242,48 @@ def local_step(
         inner,
         mesh=mesh,
         axes=sets.manual,
-        in_specs=(param_in, opt_in, P(), P(entry(axes))),
+        in_specs=(param_in, opt_in, P(), P(entry(axes)), P()),
         out_specs=(param_in, opt_in, P(), P()),
     )
+    step = jnp.asarray(state.step, jnp.int32)
     local_params, local_opt, rest, metrics = run(
-        local["params"], local["opt_state"], state.rest, dict(batch)
+        local["params"], local["opt_state"], state.rest, dict(batch), step
     )
 
     def synchronise(carry):
-        theta_bar, outer_state, local_params = carry
-        mean = _mean_over(local_params, mesh, sets, specs)
+        theta_bar, outer_state, local_params, _ = carry
+        weight = None
+        if client_fraction is not None:
+            rnd = step // sync_every
+            weight = federated.sampled_mask(rnd, sets.devices, client_fraction, sync.client_seed)
+        mean, distance = _average(local_params, mesh, sets, specs, weight, gossip is not None)
         delta = jax.tree.map(jnp.subtract, theta_bar, mean)  # the outer gradient
         updates, outer_state = outer_tx.update(delta, outer_state, theta_bar)
         theta_bar = optax.apply_updates(theta_bar, updates)
-        return theta_bar, outer_state, _restart(theta_bar, local_params, mesh, sets, specs)
+        if gossip is None:  # every replica restarts from θ̄
+            local_params = _restart(theta_bar, local_params, mesh, sets, specs)
+        return theta_bar, outer_state, local_params, distance
 
-    synced = (state.step + 1) % sync_every == 0
-    carry = (state.params, state.opt_state, local_params)
-    params, opt_state, local_params = lax.cond(synced, synchronise, lambda c: c, carry)
+    synced = (step + 1) % sync_every == 0
+    consensus = state.comm.get("consensus", jnp.zeros((), jnp.float32))
+    carry = (state.params, state.opt_state, local_params, consensus)
+    params, opt_state, local_params, consensus = lax.cond(synced, synchronise, lambda c: c, carry)
     metrics["synced"] = synced.astype(jnp.int32)
     comm = {**state.comm, "local": {"params": local_params, "opt_state": local_opt}}
+    if "consensus" in state.comm:
+        comm["consensus"] = metrics["consensus"] = consensus
     return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
+
+
+def _fresh_moments(tx, params, opt, start: jax.Array):
+    """`opt` with its float leaves back at ``tx.init(params)``'s where `start` (its integer
+    step counters, and with them the learning-rate schedule, go on)."""
+    fresh = tx.init(params)
+
+    def pick(o, f):
+        return o if jnp.issubdtype(o.dtype, jnp.integer) else jnp.where(start, f, o)
+
+    return jax.tree.map(pick, opt, fresh)
 
 
 def _keep_if_not(ok: jax.Array, new, old):
@@ -260,21 +309,38 @@ def _norm(grads, specs, sets: ReplicaSets) -> jax.Array:
     return jnp.sqrt(total)
 
 
-def _mean_over(stacked, mesh: Mesh, sets: ReplicaSets, specs):
-    """mean_r θ_r of a stacked tree: one all-reduce per leaf over its replica axes, in
-    float32."""
+def _average(stacked, mesh: Mesh, sets: ReplicaSets, specs, weight=None, distance=False):
+    """mean_r θ_r of a stacked tree (one all-reduce per leaf over its replica axes, in
+    float32; with `weight`, a ``[replicas]`` array, the weighted mean Σ w_r θ_r / Σ w_r), and
+    with `distance` the replicas' mean distance to it, ‖θ_r − mean‖ over every leaf (else 0)."""
 
-    def body(tree):
-        return jax.tree.map(
-            lambda x, s: lax.pmean(x[0].astype(jnp.float32), sets.leaf_axes(s)).astype(x.dtype),
-            tree,
-            specs,
-        )
+    def body(tree, w):
+        w_r = None if w is None else w[lax.axis_index(sets.axes)]
+        total = jnp.zeros((), jnp.float32)
+
+        def one(x, s):
+            nonlocal total
+            x, over = x[0].astype(jnp.float32), sets.leaf_axes(s)
+            if w_r is None:
+                m = lax.pmean(x, over)
+            else:
+                m = lax.psum(w_r * x, over) / lax.psum(w_r, over)
+            if distance:
+                named = {a for e in (s or ()) for a in axes_of(e)}
+                split = tuple(a for a in sets.manual if a in named and a not in over)
+                squares = jnp.sum(jnp.square(x - m))
+                total = total + (lax.psum(squares, split) if split else squares)
+            return m
+
+        means = jax.tree.map(one, tree, specs)
+        means = jax.tree.map(lambda m, x: m.astype(x.dtype), means, tree)
+        return means, lax.pmean(jnp.sqrt(total), sets.axes) if distance else total
 
     ins, outs = _tree_specs(sets.stacked_spec, specs), _tree_specs(sets.block_spec, specs)
-    return manual_region(body, mesh=mesh, axes=sets.manual, in_specs=(ins,), out_specs=outs)(
-        stacked
+    region = manual_region(
+        body, mesh=mesh, axes=sets.manual, in_specs=(ins, P()), out_specs=(outs, P())
     )
+    return region(stacked, weight)
 
 
 def _restart(theta_bar, like, mesh: Mesh, sets: ReplicaSets, specs):

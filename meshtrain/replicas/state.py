@@ -2,7 +2,9 @@
 
 - ``comm["residual"]``: error feedback, one residual per replica and parameter;
 - ``comm["local"]``: local SGD, each replica's own parameters and inner optimizer state;
-- ``comm["stale"]``: bounded staleness, the gradients still in flight.
+- ``comm["stale"]``: bounded staleness, the gradients still in flight;
+- ``comm["consensus"]``: gossip, the replicas' mean distance to their average at the last
+  outer step.
 
 Per-replica leaves are stacked on a new dimension 0 that is split over the replica axes, so a
 device holds its own replica's copy and nothing more.
@@ -11,6 +13,7 @@ device holds its own replica's copy and nothing more.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -52,8 +55,9 @@ def with_sync(
         rules: the layout rules.
 
     Returns:
-        ``(state, shardings)`` with ``comm`` filled in; under local SGD ``opt_state`` becomes
-        the outer optimizer's and the inner one moves, per replica, into ``comm["local"]``.
+        ``(state, shardings)`` with ``comm`` filled in; under local SGD (and gossip and
+        federated averaging) ``opt_state`` becomes the outer optimizer's and the inner one
+        moves, per replica, into ``comm["local"]``; gossip adds ``comm["consensus"]``.
         An abstract `state` gives an abstract result.
     """
     if sync is None or not (sync.keeps_residual or sync.local or sync.staleness):
@@ -76,6 +80,8 @@ def with_sync(
         if sync.local:
             comm["local"] = local_init(params, opt_state, counts, opt_counts)
             opt_state = outer_tx.init(params)
+        if sync.gossips:
+            comm["consensus"] = jnp.zeros((), jnp.float32)
         return opt_state, comm
 
     comm_sh = {}
@@ -85,6 +91,8 @@ def with_sync(
         comm_sh["stale"] = jax.tree.map(
             lambda s: NamedSharding(mesh, P(None, *s.spec)), shardings.params
         )
+    if sync.gossips:
+        comm_sh["consensus"] = replicated
     opt_sh = shardings.opt_state
     if sync.local:
         comm_sh["local"] = local_shardings(shardings.params, shardings.opt_state, sets)

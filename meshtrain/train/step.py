@@ -175,7 +175,7 @@ def train_step(
             state,
             batch,
             **_replica_layout("sync_every"),
-            sync_every=sync.sync_every,
+            sync=sync,
             skip_nonfinite=skip_nonfinite,
             param_specs=param_specs,
         )

@@ -24,12 +24,15 @@ import meshtrain as mt
 from meshtrain._tree import path_str as _path_str
 from meshtrain.layout import shard_batch
 
-# name: (mesh, strategy, pipeline schedule)
+# name: (mesh, strategy, pipeline schedule[, SyncConfig settings])
 LAYOUTS = {
     "dp": ("data=8", "dp", None),
     "fsdp": ("data=2,fsdp=4", "fsdp", None),
     "tp": ("data=2,tensor=4", "tp", None),
     "pipe": ("pipe=2,data=2,tensor=2", "dp+tp", "1f1b"),
+    # federated rounds of 2 steps, a quarter of the 8 clients each: every process must draw
+    # the same clients, or the processes' means (and parameters) part
+    "federated": ("data=8", "dp", None, {"client_fraction": 0.25, "sync_every": 2}),
 }
 STEPS = 3
 GPT = dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
@@ -54,7 +57,7 @@ def run_layout(name: str, tokens: str = "") -> dict[str, np.ndarray]:
     """Trains `STEPS` steps under layout `name` (on the prepared corpus `tokens` if given);
     returns losses, rows and this process's shards of the first global batch and of the final
     parameters."""
-    mesh_text, strategy, schedule = LAYOUTS[name]
+    mesh_text, strategy, schedule, *sync = LAYOUTS[name]
     mesh = mt.make_mesh(mesh_text)
     rules = mt.rules_for(strategy, mesh)
     source = dict(source="tokens", path=tokens, packing=schedule is None) if tokens else {}
@@ -72,6 +75,7 @@ def run_layout(name: str, tokens: str = "") -> dict[str, np.ndarray]:
         optim=mt.OptimConfig(optimizer="sgd", lr=0.1, warmup_steps=1),
         config=mt.TrainConfig(steps=STEPS, log_every=1, run_dir="", progress=False, seed=3),
         pipeline=mt.PipelineConfig(schedule=schedule or "gpipe", microbatches=4),
+        sync=mt.SyncConfig(**sync[0]) if sync else None,
     )
     first = shard_batch(next(data.train_iter(trainer._rows)), mesh, rules)
     history = trainer.fit()

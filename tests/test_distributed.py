@@ -122,7 +122,7 @@ def _corpus(base: Path) -> str:
 def equivalence_runs(tmp_path_factory):
     """2 × 4 devices (meshtrain launch) and 1 × 8 devices, all layouts, run concurrently."""
     base = tmp_path_factory.mktemp("dist")
-    layouts = ["--tokens", _corpus(base), "dp", "fsdp", "tp", "pipe"]
+    layouts = ["--tokens", _corpus(base), "dp", "fsdp", "tp", "pipe", "federated"]
     multi = subprocess.Popen(
         [sys.executable, "-m", "meshtrain.cli", "launch", "--nproc", "2",
          "--devices-per-proc", "4", "--", sys.executable, str(DRIVER), str(base / "multi"),
@@ -142,9 +142,10 @@ def equivalence_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_processes_match_one(equivalence_runs):
-    """DP, FSDP, TP and 1F1B with pipe across the processes; one test, so one pair of runs."""
+    """DP, FSDP, TP, 1F1B with pipe across the processes, and federated rounds (the clients
+    each round samples, the same on every process); one test, so one pair of runs."""
     base, out = equivalence_runs
-    for layout in ("dp", "fsdp", "tp", "pipe"):
+    for layout in ("dp", "fsdp", "tp", "pipe", "federated"):
         _check_layout(base, out, layout)
 
 

@@ -279,5 +279,5 @@ def test_the_run_summary_names_the_graph_and_when_the_mean_is_formed():
     from meshtrain.replicas import SyncConfig
 
     assert SyncConfig(gossip="torus", sync_every=50).summary() == [
-        "gossip over a torus graph every step, the replicas' mean every 50 steps"
+        "gossip over the torus graph every step, the replicas' mean every 50 steps"
     ]

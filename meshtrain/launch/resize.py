@@ -18,7 +18,8 @@ class CannotResize(ValueError):
 def _per_replica_state(sync) -> str:
     """What the replicas' own state holds under `sync` ("" when nothing)."""
     if sync.local:
-        return "each replica's parameters and inner optimizer state (local SGD)"
+        scheme = "gossip" if sync.gossips else "federated" if sync.federates else "local SGD"
+        return f"each replica's parameters and inner optimizer state ({scheme})"
     if sync.keeps_residual:
         return "error-feedback residuals (gradient compression)"
     if sync.staleness:

@@ -15,7 +15,11 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 - `gossip`: gossip mixing over a graph of replicas (ring, torus, exponential, complete) by
   collective permutes, and the replicas' consensus distance;
 - `federated`: federated averaging's rounds (the clients a round samples, their weights by
-  examples, the weighted mean of their changes).
+  examples, the weighted mean of their changes);
+- `needs`: what gossip needs of the layout (a graph the replicas can form), for the run check.
+
+Gossip and federated rounds run inside `local_sgd`'s step (`SyncConfig.gossip`,
+`SyncConfig.client_fraction`).
 """
 
 from meshtrain.replicas.codecs import Codec, parse_compression

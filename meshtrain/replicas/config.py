@@ -145,11 +145,10 @@ class SyncConfig:
             "nesterov": f"Nesterov, lr {self.outer_lr}, momentum {self.outer_momentum}",
             "adam": f"Adam, lr {self.outer_lr}, β₁ {self.outer_momentum}",
         }.get(self.outer_optimizer)
+        every = f"every {self.sync_every} steps" if self.sync_every else "(no --sync-every)"
         if self.gossips:
-            parts.append(
-                f"gossip over a {self.gossip} graph every step, the replicas' mean every "
-                f"{self.sync_every} steps"
-            )
+            mean = f"the replicas' mean {every}"
+            parts.append(f"gossip over the {self.gossip} graph every step, {mean}")
         elif self.federates:
             server = f"server {outer}" if outer else "server averaging"
             parts.append(

@@ -208,6 +208,22 @@ def _check_communicating_less(nb) -> None:
     ), "the loss curves produced no image"
 
 
+def _check_decentralized(nb) -> None:
+    """The complete graph keeps the replicas together, the exponential graph mixes faster than
+    the ring; the α = 0.1 partition is skewed and the i.i.d. one is not; every run learned."""
+    text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    consensus = _named_values(text, "consensus")
+    assert set(consensus) == {"ring", "exponential", "complete"}, consensus
+    assert consensus["complete"] < 1e-4 < consensus["exponential"] < consensus["ring"], consensus
+    skew = _named_values(text, "skew")
+    assert skew["i.i.d."] < 0.2 and skew["α=0.1"] > 0.4, skew
+    accuracy = _named_values(text, "accuracy")
+    assert set(accuracy) == {"synchronous", "i.i.d.", "α=0.1"}, accuracy
+    assert all(0.2 < a <= 1 for a in accuracy.values()), accuracy  # chance is 0.1
+    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # the two figures
+
+
 CHECKS = {
     "01_quickstart.ipynb": _check_quickstart,
     "02_pipelines.ipynb": _check_pipelines,
@@ -218,6 +234,7 @@ CHECKS = {
     "08_long_context.ipynb": _check_long_context,
     "09_communicating_less.ipynb": _check_communicating_less,
     "11_finetune.ipynb": _check_finetune,
+    "12_decentralized.ipynb": _check_decentralized,
 }
 
 

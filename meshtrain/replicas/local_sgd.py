@@ -1,4 +1,5 @@
-"""Local SGD and DiLoCo: replicas that step on their own data and synchronise every H steps.
+"""Local SGD and DiLoCo: replicas that step on their own data and synchronise every H steps;
+gossip and federated averaging run in the same step.
 
 Under local SGD the train state holds:
 
@@ -23,6 +24,11 @@ new θ̄. Inner optimizer states stay per replica; they are never averaged.
 ``average`` and an inner optimizer linear in the gradient (SGD, momentum), the run is the
 synchronous data-parallel one: the replicas' momenta differ, but their mean is the synchronous
 momentum, and only the mean reaches θ̄.
+
+Gossip (`meshtrain.replicas.gossip`) mixes each replica's parameters with its neighbours'
+after every local step and makes θ̄ the replicas' mean at the outer step without restarting
+them; federated averaging (`meshtrain.replicas.federated`) averages only a round's sampled
+clients at the outer step, and starts every client's round with fresh optimizer moments.
 """
 
 from __future__ import annotations
@@ -321,10 +327,7 @@ def _average(stacked, mesh: Mesh, sets: ReplicaSets, specs, weight=None, distanc
         def one(x, s):
             nonlocal total
             x, over = x[0].astype(jnp.float32), sets.leaf_axes(s)
-            if w_r is None:
-                m = lax.pmean(x, over)
-            else:
-                m = lax.psum(w_r * x, over) / lax.psum(w_r, over)
+            m = lax.pmean(x, over) if w_r is None else federated.weighted_mean(x, w_r, over)
             if distance:
                 named = {a for e in (s or ()) for a in axes_of(e)}
                 split = tuple(a for a in sets.manual if a in named and a not in over)

@@ -28,6 +28,7 @@ compiled program by the inspector (conditional branches, the averaging every H s
 
     python benchmarks/decentralized.py                 # both tasks, every scheme
     python benchmarks/decentralized.py --task digits --steps 100
+    python benchmarks/decentralized.py --task digits --only gossip-ring,fedavg-alpha0.1
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ from meshtrain.train.loss import cross_entropy  # noqa: E402
 from meshtrain.train.optim import make_optimizer, make_schedule  # noqa: E402
 from meshtrain.train.step import jit_train_step  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sync import _axes_of, settings  # noqa: E402
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # benchmarks/sync.py, for its byte reader and settings
+try:
+    from sync import _axes_of, settings  # noqa: E402
+finally:
+    sys.path.remove(_HERE)
 
 CLIENTS = 8
 ALPHA = 0.1
@@ -231,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", choices=("charlm", "digits", "both"), default="both")
     parser.add_argument("--steps", type=int, default=None, help="steps per scheme (240; 200)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="", help="comma-separated scheme names to run")
     args = parser.parse_args(argv)
     names = ("charlm", "digits") if args.task == "both" else (args.task,)
     device = (
@@ -240,7 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         task = charlm_task(args.seed) if name == "charlm" else digits_task(args.seed)
         steps = args.steps or (240 if name == "charlm" else 200)
+        keep = set(args.only.split(",")) if args.only else None
         for scheme, sync, how in schemes():
+            if keep is not None and scheme not in keep:
+                continue
             print(f"{name} {scheme} ...", file=sys.stderr, flush=True)
             parts = client_parts(task, how, args.seed)
             r = run(task, sync, batches(task, parts, steps, args.seed), steps, args.seed)

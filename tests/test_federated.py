@@ -1,8 +1,10 @@
 """Federated rounds: client sampling the same on every process and after a resume, weights by
 examples, and the weighted mean of the sampled clients over the replica axes."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -173,3 +175,24 @@ def test_the_run_summary_names_the_round_and_the_server_optimizer():
         "federated averaging: 0.25 of the clients per round of 8 local steps, server Adam, "
         "lr 0.01, β₁ 0.9"
     ]
+
+
+def test_the_convergence_benchmark_prints_a_line_per_scheme_with_its_compiled_bytes(capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decentralized.py"
+    spec = importlib.util.spec_from_file_location("decentralized_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclass looks its module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[spec.name]
+    bench.main(["--task", "digits", "--steps", "4", "--only", "gossip-exponential,fedavg-alpha0.1"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["scheme"] for x in lines] == ["gossip-exponential", "fedavg-alpha0.1"]
+    gossip_line, fed = lines
+    # one peer's parameters every step, plus a tenth of the mean's all-reduce
+    assert gossip_line["mixing_bytes_per_step"] > 0 and gossip_line["averaging_bytes_per_step"] > 0
+    assert fed["mixing_bytes_per_step"] == 0 and fed["skew"] > 0.4  # Dirichlet(0.1) by label
+    assert all(np.isfinite(x["eval_loss"]) and 0 <= x["accuracy"] <= 1 for x in lines)

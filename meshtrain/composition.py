@@ -339,7 +339,7 @@ _SCHEMES = (
 def _own_step_rows() -> tuple[Refusal, ...]:
     """Each scheme of the replicas' own step with what it cannot run beside: gradient
     compression, bounded staleness, float16's loss scale, what its region cannot hold
-    (`_sync_axis_rows`), and for gossip and federated averaging, expert parallelism."""
+    (`_sync_axis_rows`), and for gossip, expert parallelism."""
     rows: list[Refusal] = []
     for name, ids, on, field, value, flag, example, exchange in _SCHEMES:
         rows += [
@@ -379,7 +379,7 @@ def _own_step_rows() -> tuple[Refusal, ...]:
             ),
             *_with_cells(_sync_axis_rows(name, field, value, flag, on, example), ids),
         ]
-        if name != "local SGD":
+        if name == "gossip":
             rows += _with_cells((_expert_row(name, field, value, flag, on, example),), ids)
     return tuple(rows)
 
@@ -413,13 +413,13 @@ def _precision_example(example: dict):
 
 
 def _expert_row(name, field, value, flag, on, example: dict) -> Refusal:
-    """Gossip or federated averaging beside expert > 1, where a replica is no one set."""
+    """Gossip beside expert > 1, where the replicas are no one graph."""
     return Refusal(
         name,
         "expert parallelism (MoE)",
         "under expert > 1 an expert's weights have one copy per data replica and the dense "
-        "weights one per device over data and expert, so the replicas form no single set to "
-        "mix or sample (local SGD averages each over its own)",
+        "weights one per device over data and expert, so the replicas form no single graph to "
+        "mix over (local SGD and federated averaging average each leaf over its own copies)",
         lambda run: on(run) and _axis(run, EXPERT) > 1,
         field,
         f"set expert=1 in --mesh (the experts then replicate), or use --sync-every without {flag}",

@@ -36,6 +36,7 @@ from meshtrain.pipeline import PipelineConfig, pipeline_loss_and_grads
 from meshtrain.replicas import (
     Codec,
     SyncConfig,
+    federated,
     outer_optimizer,
     reduced_grads,
     replica_sets,
@@ -340,6 +341,37 @@ def test_local_sgd_and_diloco_on_an_moe_equal_their_replicas_run_on_one_device(n
     local = state.comm["local"]["params"]
     for r, x in zip(jax.tree.leaves(local), jax.tree.leaves(_expert_leaves(cfg)), strict=True):
         assert r.shape[0] == (4 if x else 8)
+
+
+@pytest.mark.parametrize(
+    "dispatch",
+    [
+        pytest.param("capacity", marks=pytest.mark.pair("federated", "moe-capacity")),
+        pytest.param("dropless", marks=pytest.mark.pair("federated", "moe-dropless")),
+    ],
+)
+def test_federated_rounds_on_an_moe_average_the_sampled_clients_devices(dispatch):
+    """A client is a data replica with its expert devices: its dense copies (one per device)
+    and its expert copy count, weighted alike, only when its round samples it."""
+    cfg, graphdef, params, rest = _moe(dispatch)
+    batches = _batches(4, seed=17)
+    seed = int(np.random.default_rng().integers(1000))
+    sync = SyncConfig(client_fraction=0.5, sync_every=2, client_seed=seed)
+    ref = _Replicas(cfg, params, rest, graphdef)
+    theta = params
+    for t, b in enumerate(batches):
+        ref.inner_step(b)
+        if (t + 1) % 2 == 0:
+            chosen = federated.sampled_clients(t // 2, ref.d, 0.5, seed)
+            dense = _mean([ref.dense[k] for k in range(ref.d * ref.e) if k // ref.e in chosen])
+            expert = _mean([ref.expert[r] for r in chosen])
+            theta = jax.tree.map(lambda x, a, b: b if x else a, ref.is_expert, dense, expert)
+            everyone = ref.average()  # what counting every client would have given
+            ref.restart(theta)
+    got, _ = _train(cfg, MOE_MESH, sync, batches)
+    _close(got[-1], theta, PARAM_ATOL, dispatch)
+    assert _moved(everyone, theta) > 1e-4  # the unsampled clients' work was left out
+    assert _moved(got[0], got[-1]) > 1e-3
 
 
 # ---- bounded staleness on an MoE ------------------------------------------------------------

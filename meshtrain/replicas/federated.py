@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from meshtrain.layout import varying
+
 
 def clients_per_round(clients: int, fraction: float) -> int:
     """How many clients a round samples: ⌈fraction · clients⌉, at least one."""
@@ -61,11 +63,14 @@ def round_weights(sampled, examples) -> np.ndarray:
 
 def weighted_mean(tree, weight: jax.Array, axes: tuple[str, ...]):
     """Σ_k w_k x_k / Σ_k w_k over the clients along `axes` (inside a region manual over them),
-    each leaf summed in float32 and returned in its dtype; a client of weight 0 adds nothing."""
-    total = lax.psum(weight.astype(jnp.float32), axes)
+    each leaf summed in float32 and returned in its dtype; a client of weight 0 adds nothing.
+    A weight the same along some of `axes` (a client spanning several devices) counts once per
+    device there."""
+    weight = varying(weight.astype(jnp.float32), axes)
+    total = lax.psum(weight, axes)
 
     def one(x):
-        part = lax.psum(weight.astype(jnp.float32) * x.astype(jnp.float32), axes)
+        part = lax.psum(weight * x.astype(jnp.float32), axes)
         return (part / total).astype(x.dtype)
 
     return jax.tree.map(one, tree)

@@ -33,6 +33,7 @@ clients at the outer step, and starts every client's round with fresh optimizer 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import jax
@@ -259,9 +260,9 @@ def local_step(
     def synchronise(carry):
         theta_bar, outer_state, local_params, _ = carry
         weight = None
-        if client_fraction is not None:
-            rnd = step // sync_every
-            weight = federated.sampled_mask(rnd, sets.devices, client_fraction, sync.client_seed)
+        if client_fraction is not None:  # a client is a replica of the expert weights too
+            rnd, clients = step // sync_every, math.prod(sizes[a] for a in _clients(sets))
+            weight = federated.sampled_mask(rnd, clients, client_fraction, sync.client_seed)
         mean, distance = _average(local_params, mesh, sets, specs, weight, gossip is not None)
         delta = jax.tree.map(jnp.subtract, theta_bar, mean)  # the outer gradient
         updates, outer_state = outer_tx.update(delta, outer_state, theta_bar)
@@ -279,6 +280,12 @@ def local_step(
     if "consensus" in state.comm:
         comm["consensus"] = metrics["consensus"] = consensus
     return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
+
+
+def _clients(sets: ReplicaSets) -> tuple[str, ...]:
+    """Federated averaging's client axes: the sync axes that split no parameter (under an
+    MoE's ``expert`` split, a client is a data replica, its expert devices included)."""
+    return tuple(a for a in sets.axes if a not in sets.split)
 
 
 def _fresh_moments(tx, params, opt, start: jax.Array):
@@ -321,7 +328,7 @@ def _average(stacked, mesh: Mesh, sets: ReplicaSets, specs, weight=None, distanc
     with `distance` the replicas' mean distance to it, ‖θ_r − mean‖ over every leaf (else 0)."""
 
     def body(tree, w):
-        w_r = None if w is None else w[lax.axis_index(sets.axes)]
+        w_r = None if w is None else w[lax.axis_index(_clients(sets))]
         total = jnp.zeros((), jnp.float32)
 
         def one(x, s):

@@ -53,7 +53,7 @@ def dirichlet_partition(
             f"examples and there are {n}; use fewer clients or a smaller min_examples"
         )
     rng = np.random.default_rng(seed)
-    members = [np.flatnonzero(groups == g) for g in np.unique(groups)]
+    members = _members(groups)
     for _ in range(MAX_DRAWS):
         parts: list[list[np.ndarray]] = [[] for _ in range(clients)]
         for idx in members:
@@ -69,6 +69,13 @@ def dirichlet_partition(
         f"alpha={alpha!r}: in {MAX_DRAWS} draws some of the {clients} clients always got fewer "
         f"than {min_examples} examples; raise alpha, use fewer clients or lower min_examples"
     )
+
+
+def _members(groups: np.ndarray) -> list[np.ndarray]:
+    """The ascending example indices of each group, the groups in sorted order."""
+    _, codes = np.unique(groups, return_inverse=True)
+    order = np.argsort(codes, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(codes))[:-1])
 
 
 def group_skew(partition: list[np.ndarray], groups) -> float:

@@ -127,6 +127,7 @@ OVERRIDES = {
     "--data.tokenizer": (["/tmp/tok/tokenizer.json"], "/tmp/tok/tokenizer.json"),
     "--data.packing": ([], False),  # given as --data.no-packing
     "--data.eval-path": (["/tmp/held.txt"], "/tmp/held.txt"),
+    "--data.client-alpha": (["0.1"], 0.1),
     "--gpt.style": (["gpt2"], "gpt2"),
     "--gpt.vocab-size": (["300"], 300),
     "--gpt.max-seq-len": (["64"], 64),
@@ -315,6 +316,8 @@ def test_the_run_summary_shows_chunks_per_stage_and_what_gathering_once_holds():
         (["--keep-last", "0"], "keep_last=0"),
         (["--resume", "--no-save"], "resume=True: needs checkpoints"),
         (["--data.path", "notes.txt"], "add --data.source text"),
+        (["--data.client-alpha", "0"], "data.client_alpha=0.0: must be a number > 0"),
+        (["--data.client-alpha", "0.1"], "client data needs replicas that step apart"),
         (["--data.source", "arrays", "--data.path", "notes.txt"], "is not an .npz archive"),
         (["--model", "cnn"], "the CNN needs image classification data"),
         (["--model", "cnn", "--data.source", "images", "--data.path", "x.npz"], "no such file"),

@@ -15,7 +15,7 @@ the resumable iterator), `text` (byte-level corpora), `arrays` (``.npz`` and in-
 `inputs` readers, `destination` (where it may write) and `workers` pool; `command`,
 ``meshtrain prepare``), `tokens` (the ``tokens`` source streaming from it), `packing`
 (segment ids and positions), `clients` (examples split among federated clients, each a
-Dirichlet mix of the labels or sources).
+Dirichlet mix of the labels or sources, and batches drawn per client).
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def make_dataset(config: DataConfig) -> Dataset:
     Returns:
         a `Dataset`.
     """
+    data = _source_dataset(config)
+    data.client_alpha = config.client_alpha
+    return data
+
+
+def _source_dataset(config: DataConfig) -> Dataset:
+    """The dataset of `config`'s source."""
     if config.source == "stdlib":
         return lm_dataset(stdlib_corpus(config.max_bytes), config)
     if config.source == "synthetic":

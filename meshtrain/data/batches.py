@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from meshtrain import validate
+from meshtrain.data.clients import ClientOrder, client_partition
 from meshtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from meshtrain.problem import raise_if
 from meshtrain.validate import is_int
@@ -30,6 +31,10 @@ class Windows:
         w = self.tokens[idx[:, None] * self.seq_len + np.arange(self.seq_len + 1)]
         return {"inputs": w[:, :-1].astype(np.int32), "targets": w[:, 1:].astype(np.int32)}
 
+    def groups(self) -> None:
+        """No labels or documents: client partitions cut spans of the windows."""
+        return None
+
 
 class Rows:
     """Array examples: rows of (inputs, targets)."""
@@ -40,6 +45,10 @@ class Rows:
     def take(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """Gathers rows `idx`."""
         return {"inputs": self.inputs[idx], "targets": self.targets[idx]}
+
+    def groups(self) -> np.ndarray | None:
+        """Each row's label (classify rows); None for token rows, which have no documents."""
+        return self.targets if self.targets.ndim == 1 else None
 
 
 class BatchIterator:
@@ -73,6 +82,12 @@ class BatchIterator:
                     f"data iterator state has {key}={state.get(key)!r} but this dataset has "
                     f"{key}={want!r}; resume with the same data config"
                 )
+        extra = sorted(set(state) - {"grain", *self._fingerprint})
+        if extra:
+            raise ValueError(
+                f"data iterator state has {extra[0]}={state[extra[0]]!r} but this dataset has "
+                f"no {extra[0]}; resume with the same data config"
+            )
         self._it.set_state(dict(state["grain"]))
 
     def close(self) -> None:
@@ -99,6 +114,9 @@ class Dataset:
             "segment_ids" and "positions" (int32 [B, T], see `meshtrain.data.packing`).
         fingerprint: what a saved data position must match to resume (seed, batch size,
             example count, and for prepared corpora the corpus's hash).
+        client_alpha: draw training batches per client, each client's examples a
+            Dirichlet(α) mix of the groups (`meshtrain.data.clients`); None: one shuffled
+            order of all examples.
     """
 
     def __init__(self, kind: str, vocab_size: int, train, val, batch_size: int, seed: int):
@@ -113,6 +131,8 @@ class Dataset:
         self.seq_len: int | None = width if kind == "lm" else None
         self.num_features: int | None = width if kind == "classify" else None
         self.image_shape: tuple[int, int, int] | None = None
+        self.client_alpha: float | None = None  # `make_dataset` sets DataConfig's
+        self._parts: dict[int, list[np.ndarray]] = {}
         lo, hi = self._bounds()
         self.local_batch_size = hi - lo
 
@@ -137,25 +157,73 @@ class Dataset:
             )
         return lo, hi
 
-    def train_iter(self, rows: tuple[int, int] | None = None) -> BatchIterator:
+    def train_iter(
+        self, rows: tuple[int, int] | None = None, *, clients: int | None = None
+    ) -> BatchIterator:
         """Starts an infinite, deterministic stream of training batches.
 
         Each epoch is a fresh grain shuffle of all examples (from `seed` and the epoch
-        number); batches run on across epoch boundaries.
+        number); batches run on across epoch boundaries. With `client_alpha`, block r of
+        each batch is drawn from client r's part instead (`client_partition`).
 
         Args:
             rows: the rows ``[lo, hi)`` of each global batch to read (see
                 `meshtrain.layout.process_rows`); None splits evenly over processes.
+            clients: the number of clients R with `client_alpha` (the data-parallel
+                replicas); ignored without it.
 
         Returns:
             a `BatchIterator` of process-local batches.
         """
         lo, hi = self._rows(rows)
-        take = self._train.take
-        ds = grain.MapDataset.range(self._train.count).shuffle(seed=self.seed).repeat()
-        ds = ds.batch(self.batch_size, drop_remainder=True).map(lambda i: take(i[lo:hi]))
+        take, fingerprint = self._train.take, dict(self.fingerprint)
+        if self.client_alpha is None:
+            ds = grain.MapDataset.range(self._train.count).shuffle(seed=self.seed).repeat()
+            ds = ds.batch(self.batch_size, drop_remainder=True).map(lambda i: take(i[lo:hi]))
+        else:
+            order = ClientOrder(
+                self.client_partition(clients), self.batch_size, self.seed, (lo, hi)
+            )
+            ds = grain.MapDataset.source(order).map(take)
+            fingerprint.update(clients=clients, client_alpha=self.client_alpha)
         options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-        return BatchIterator(iter(ds.to_iter_dataset(options)), dict(self.fingerprint))
+        return BatchIterator(iter(ds.to_iter_dataset(options)), fingerprint)
+
+    def client_partition(self, clients: int | None) -> list[np.ndarray]:
+        """The training examples of each client under `client_alpha`, computed once per count.
+
+        Args:
+            clients: the number of clients R (the data-parallel replicas); it must divide the
+                batch size, each client giving B/R rows of every batch.
+
+        Returns:
+            One sorted array of training-example indices per client; every example is in one.
+
+        Raises:
+            ValueError: no `client_alpha` or client count, a batch size `clients` does not
+                divide, or α too small for every client to get its B/R examples.
+        """
+        if self.client_alpha is None:
+            raise ValueError("client_partition: this dataset has no client_alpha")
+        if not is_int(clients) or clients < 1:
+            raise ValueError(
+                f"data.client_alpha={self.client_alpha!r}: needs the client count, got "
+                f"{clients!r}; pass train_iter(clients=R), R the data-parallel replicas"
+            )
+        if self.batch_size % clients:
+            raise ValueError(
+                f"data.batch_size={self.batch_size}: not divisible by the {clients} clients "
+                f"(data-parallel replicas); use a multiple of {clients}"
+            )
+        if clients not in self._parts:
+            self._parts[clients] = client_partition(
+                self._train,
+                clients,
+                self.client_alpha,
+                seed=self.seed,
+                min_examples=self.batch_size // clients,
+            )
+        return self._parts[clients]
 
     def eval_batches(
         self, n: int, rows: tuple[int, int] | None = None

@@ -81,6 +81,13 @@ class DataConfig:
             plain windows. The other sources have no document boundaries: plain windows.
         eval_path: held-out data for evaluation instead of the `val_fraction` tail: a text
             file for "stdlib", "synthetic" and "text", a prepared directory for "tokens".
+        client_alpha: non-i.i.d. client data, for runs whose replicas step apart (federated
+            averaging, gossip, local SGD): the training examples are split among the
+            data-parallel replicas, each a Dirichlet(α) mix of the labels (classify data) or
+            of the documents (prepared tokens; spans of the corpus for the other text
+            sources), and each replica's rows of a batch come from its own part (α = 0.1:
+            most clients see a few labels; 100: nearly i.i.d.; `meshtrain.data.clients`).
+            None: one shuffled order of all examples.
     """
 
     source: str = "stdlib"
@@ -94,6 +101,7 @@ class DataConfig:
     tokenizer: str = "bytes"
     packing: bool = True
     eval_path: str = ""
+    client_alpha: float | None = None
 
     def __post_init__(self):
         validate.reject(self)
@@ -147,6 +155,14 @@ class DataConfig:
                 )
             ]
         problems += common_problems(**self._common())
+        if self.client_alpha is not None:
+            problems += v.above(
+                "data.client_alpha",
+                self.client_alpha,
+                0,
+                example=0.1,
+                note="the Dirichlet concentration; leave it out for i.i.d. batches",
+            )
         problems += v.positive("data.seq_len", self.seq_len, example=128)
         problems += v.positive("data.max_bytes", self.max_bytes, example=4_000_000)
         shape = tuple(self.image_shape)

@@ -96,6 +96,11 @@ class TokenWindows:
             batch.update(segment_ids=seg, positions=pos)
         return batch
 
+    def groups(self) -> np.ndarray:
+        """The document each window starts in (the groups of client partitions)."""
+        starts = self.lo + np.arange(self.count, dtype=np.int64) * self.seq_len
+        return np.searchsorted(self.corpus.doc_offsets, starts, side="right") - 1
+
 
 def tokens_dataset(config: DataConfig) -> Dataset:
     """The ``tokens`` source: train windows, and held-out windows from `eval_path` (another

@@ -23,7 +23,7 @@ from meshtrain.models.base import batch_structs
 from meshtrain.models.sampling import sample
 from meshtrain.offload import with_offload
 from meshtrain.problem import raise_if
-from meshtrain.replicas import with_sync
+from meshtrain.replicas import replicas, with_sync
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import abstract_model, abstract_target, init_train_state
 from meshtrain.train import events
@@ -132,7 +132,8 @@ class Trainer:
         )
         self.state, self.shardings = with_offload(run.offload, self.state, self.shardings)
         self._rows = process_rows(mesh, rules, data.batch_size)  # this process's batch rows
-        self._iter = data.train_iter(self._rows)
+        clients = replicas(mesh, rules)[1] if data.client_alpha else None  # one per replica
+        self._iter = data.train_iter(self._rows, clients=clients)
         self._batch_sharding = batch_shardings(batch_structs(data), mesh, rules)
         self._step = jit_train_step(
             run,

@@ -349,9 +349,12 @@ def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
         say(describe_offload(trainer))
     if job.init_from and not first:
         say(f"weights and tokenizer from {job.init_from} · data.tokenizer {job.data.tokenizer}")
+    clients = (
+        f" · clients: a Dirichlet({data.client_alpha:g}) mix each" if data.client_alpha else ""
+    )
     say(
         f"data {job.data.source} · {data.num_train} training examples · global batch "
-        f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "")
+        f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "") + clients
     )
     try:
         history = trainer.fit()

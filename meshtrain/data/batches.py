@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from meshtrain import validate
-from meshtrain.data.clients import ClientOrder, client_partition
+from meshtrain.data.clients import ClientOrder, client_partition, example_groups
 from meshtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from meshtrain.problem import raise_if
 from meshtrain.validate import is_int
@@ -224,6 +224,12 @@ class Dataset:
                 min_examples=self.batch_size // clients,
             )
         return self._parts[clients]
+
+    def client_groups(self, clients: int) -> np.ndarray:
+        """The group of each training example that `client_partition` splits by for
+        `clients` clients (`meshtrain.data.clients.example_groups`: labels, documents or
+        spans), e.g. to measure a partition's skew with `meshtrain.data.clients.group_skew`."""
+        return example_groups(self._train, clients)
 
     def eval_batches(
         self, n: int, rows: tuple[int, int] | None = None

@@ -60,7 +60,7 @@ def test_a_candidate_describes_its_chunks_and_gather_once():
 
 def test_the_written_flags_carry_repeats_and_gather_once_into_meshtrain_train(tmp_path):
     c = Candidate(2, 1, 4, 1, "fsdp", "none", 8, "interleaved-1f1b", repeats=2, gather_once=True)
-    best = types.SimpleNamespace(best=types.SimpleNamespace(candidate=c))
+    best = types.SimpleNamespace(best=types.SimpleNamespace(candidate=c), sync=None)
     cfg = mt.GPTConfig(d_model=32, n_layers=4, n_heads=4, max_seq_len=16, vocab_size=64)
     flags = train_flags(best, cfg, batch=16, seq_len=16, devices=8, simulate=True)
     assert flags["schedule"] == "interleaved-1f1b" and flags["microbatches"] == 8
@@ -73,7 +73,7 @@ def test_the_written_flags_carry_repeats_and_gather_once_into_meshtrain_train(tm
     )
     plain = dataclasses.replace(c, schedule="zb-h1", repeats=1, gather_once=False)
     flags = train_flags(
-        types.SimpleNamespace(best=types.SimpleNamespace(candidate=plain)),
+        types.SimpleNamespace(best=types.SimpleNamespace(candidate=plain), sync=None),
         cfg, batch=16, seq_len=16, devices=8, simulate=True,
     )  # fmt: skip
     assert "repeats" not in flags and "gather-once" not in flags

@@ -38,6 +38,13 @@ class PlanSettings:
         dtype: compute dtype (default: bfloat16, float32 on cpu-sim).
         offload: also try host offload (remat residuals, and the optimizer state of a
             layout over the cap) on profiles with a host-link figure.
+        gossip: price every layout with gossip over this graph (ring, torus, exponential,
+            complete) instead of the gradient's all-reduce; with --sync-every.
+        client_fraction: price every layout with federated averaging sampling this share of
+            the replicas per round; with --sync-every.
+        sync_every: H: the steps between the replicas' means (local SGD alone, or gossip's or
+            a federated round's). The planner never picks these itself: they change the
+            optimisation, not only the speed.
         top: candidates to print.
         confirm: best candidates to compile.
         write: save the winner as a train config (JSON) for meshtrain train --config.
@@ -57,6 +64,9 @@ class PlanSettings:
     seq_len: int = 0
     dtype: str = ""
     offload: bool = True
+    gossip: str = ""
+    client_fraction: float = 0.0
+    sync_every: int = 0
     top: int = 5
     confirm: int = 2
     write: str = ""

@@ -71,7 +71,7 @@ from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.pipeline.slots import permute_uses
-from meshtrain.replicas import Codec, parse_compression
+from meshtrain.replicas import Codec, gossip, parse_compression, replica_sets
 from meshtrain.run import RunSpec, deprecated
 
 BUCKETS = (
@@ -81,6 +81,7 @@ BUCKETS = (
     "pipeline permutes",
     "pipeline stage sums",
     "expert dispatch",
+    "replica exchange",
 )
 TOLERANCE = 0.10  # a bucket this much over its expectation is flagged
 SMALL_BYTES = 4096  # collectives below this per step (scalars: loss, norms) are not judged
@@ -155,6 +156,8 @@ class Traffic(NamedTuple):
     codec: Codec | None = None  # the gradient compression, when not ``none``
     replica_axes: tuple[str, ...] = ()  # the replica axes the codec reduces over
     dispatch: float = 0.0  # an MoE's dispatch all-to-all buffers over expert, per step
+    own_axes: tuple[str, ...] = ()  # the replica axes, when the replicas step on their own
+    exchanges: int = 0  # then: each parameter shard's collectives over them in the program
 
     @classmethod
     def of(cls, run: RunSpec) -> Traffic:
@@ -176,6 +179,8 @@ class Traffic(NamedTuple):
             replica_axes=rules.replica_axes(sizes) if codec is not None else (),
             dispatch=_dispatch_bytes(run.model, sizes, spec.batch_size * (spec.seq_len or 1)
                                      / math.prod(sizes[a] for a in rules.batch_axes(sizes))),
+            own_axes=replica_sets(rules, sizes).axes if sync.local else (),
+            exchanges=exchange_instructions(sync, replica_sets(rules, sizes).axes, sizes),
         )  # fmt: skip
 
 
@@ -205,9 +210,10 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             stacklevel=2,
         )
         traffic = Traffic(run, *old_args, **legacy)
-    sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes, _ = (
-        traffic
+    sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes = (
+        traffic[:9]
     )
+    own_axes = traffic.own_axes
     ways = math.prod(sizes[a] for a in batch_axes)
     model_axes = {a for a, s in sizes.items() if s > 1 and a not in batch_axes}
     b = dict.fromkeys(BUCKETS, 0.0)
@@ -223,7 +229,15 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
         sharded = {a for dim in p.axes for a in dim if a in batch_axes} - owned
         opt_sharded = {a for dim in p.opt_axes for a in dim if a in batch_axes} - owned
         reducing = [a for a in batch_axes if a not in owned]
-        if codec is not None:
+        if own_axes:
+            # The replicas step apart: no gradient crosses them; each parameter shard goes
+            # through the exchange's collectives over them (a split over the other batch axes,
+            # hsdp's fsdp, still reduces its gradient inside each replica).
+            shard = local / p.split(sharded - set(own_axes), sizes)
+            b["replica exchange"] += traffic.exchanges * shard
+            if sharded - set(own_axes):
+                b["gradient reduction"] += local
+        elif codec is not None:
             # Compressed: the codec's exchange of each shard over the replica axes, and the
             # compiler's reduction over any batch axis that splits the parameter (hsdp's fsdp).
             rest = {a for a, n in sizes.items() if n > 1 and a not in replica_axes}
@@ -238,9 +252,9 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
             b["gradient reduction"] += local * (reductions if staged else 1)
             if sharded and set(reducing) - sharded:
                 b["gradient reduction"] += local / p.split(sharded, sizes)
-        if sharded:
+        if sharded - set(own_axes):
             b["parameter gathers"] += local * (gathers if "layers" in p.names else 1)
-        elif opt_sharded:
+        elif opt_sharded and not own_axes:
             # ZeRO-1's gather after the update; with a codec it runs over the replica axes
             # like the codec's own gathers, and is counted with them.
             b["gradient reduction" if codec is not None else "parameter gathers"] += local
@@ -257,6 +271,11 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
         else f"batch-sharded weights: a stage's {gathers:g}× per step ({_passes_why(pc)})"
     )
     why["tensor activations"] = "forward AR per row-parallel, backward AR per column-parallel"
+    if own_axes:
+        why["replica exchange"] = (
+            f"each parameter shard in {traffic.exchanges} collectives over the replica axes "
+            "(gossip's permutes, each counted once; the mean's all-reduce, run every H steps)"
+        )
     if pc is not None and d_model and batch:
         m = pc.num_microbatches(pipe)
         sends = pipeline_permutes(pc, pipe)
@@ -281,6 +300,21 @@ def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **leg
         b["expert dispatch"] = traffic.dispatch
         why["expert dispatch"] = "the MoE dispatch's buffers, there and back, forward and backward"
     return Expectation(b, why)
+
+
+def exchange_instructions(sync, replica_axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+    """The collectives over the replica axes each parameter shard goes through in the compiled
+    step when the replicas step on their own (0 when they do not): the mean's all-reduce, and
+    under gossip one permute per neighbour, every peer of the exponential graph's period
+    counted (each sits in its own branch of a switch)."""
+    if not sync.local:
+        return 0
+    if not sync.gossips:
+        return 1
+    replicas = {a: sizes[a] for a in replica_axes}
+    steps = range(gossip.period(sync.gossip, replicas))
+    shifts = {(t.axes, t.by) for k in steps for t in gossip.terms(sync.gossip, replicas, k) if t.by}
+    return 1 + len(shifts)
 
 
 def pipeline_permutes(pipeline: PipelineConfig, pipe: int) -> int:
@@ -404,15 +438,22 @@ def _tensor_bytes(p: ParamLayout, tokens_local: float, itemsize: int) -> float:
 
 
 def bucket_of(
-    row: Row, batch_axes: tuple[str, ...], compressed_axes: tuple[str, ...] = ()
+    row: Row,
+    batch_axes: tuple[str, ...],
+    compressed_axes: tuple[str, ...] = (),
+    own_axes: tuple[str, ...] = (),
 ) -> str | None:
     """The expected bucket a summary row belongs to, or None when no layout should need it.
     With gradient compression over `compressed_axes`, the codec's all-to-alls and all-gathers
-    over those axes are the gradient reduction."""
+    over those axes are the gradient reduction; when the replicas step on their own over
+    `own_axes`, the permutes and all-reduces over those axes are their exchange."""
     axes = row.axes
     if axes is None:
         return None
     on_batch = bool(axes) and set(axes) <= set(batch_axes)
+    if own_axes and row.kind in ("collective-permute", "all-reduce") and axes:
+        if set(axes) <= set(own_axes):
+            return "replica exchange"
     if compressed_axes and row.kind in ("all-to-all", "all-gather") and axes:
         if set(axes) <= set(compressed_axes):
             return "gradient reduction"
@@ -439,6 +480,7 @@ def judge(
     batch_axes: tuple[str, ...],
     largest: Mapping,
     compressed_axes: tuple[str, ...] = (),
+    own_axes: tuple[str, ...] = (),
 ) -> tuple[dict[str, float], list[str]]:
     """Measured bytes per bucket and the flags: unexpected collectives and overshoots.
 
@@ -448,6 +490,7 @@ def judge(
         batch_axes: the batch axes.
         largest: per bucket, a description of its largest contributor (for the flag).
         compressed_axes: the replica axes a gradient codec reduces over (see `bucket_of`).
+        own_axes: the replica axes, when the replicas step on their own (see `bucket_of`).
 
     Returns:
         ``(measured, flags)``.
@@ -455,7 +498,7 @@ def judge(
     measured = dict.fromkeys(BUCKETS, 0.0)
     flags = []
     for row in rows:
-        bucket = bucket_of(row, batch_axes, compressed_axes)
+        bucket = bucket_of(row, batch_axes, compressed_axes, own_axes)
         if bucket is None:
             if row.bytes >= SMALL_BYTES:
                 flags.append(

@@ -18,12 +18,13 @@ from flax import nnx
 
 from meshtrain.check import check_run
 from meshtrain.comm.compile import compile_step
+from meshtrain.comm.exchange import exchange_line, replica_exchange
 from meshtrain.comm.expect import BUCKETS, Expectation, bucket_of, expected, judge, param_layouts
 from meshtrain.comm.hlo import Collective, collectives, entry_host_bytes
 from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
 from meshtrain.pipeline.slots import count_permutes
 from meshtrain.problem import raise_if
-from meshtrain.replicas import parse_compression
+from meshtrain.replicas import parse_compression, replica_sets
 from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
 from meshtrain.state import abstract_model
 
@@ -42,6 +43,12 @@ class Inspection:
             host bytes (`meshtrain.offload`): ``host_argument``, ``host_output``, ``host_temp``.
         transfers: host↔device bytes per step, ``to_device`` and ``to_host``: the offloaded
             state's fetch and write-back, and the offloaded activations.
+        exchange: when the replicas step on their own (local SGD, gossip, federated
+            averaging), their exchange per step (`replica_exchange`): ``compiled_bytes`` sent
+            per device, read from the program (a branch's collectives at the share of steps
+            that take it), ``modelled_bytes`` and ``modelled_s`` (the α-β model on ``device``),
+            and for federated averaging ``ideal_bytes``, what only the sampled clients would
+            send.
         flops: XLA's FLOP count of the step (per device).
         collectives: every collective instruction that runs.
         rows: the collectives summed by kind and mesh axes.
@@ -67,6 +74,8 @@ class Inspection:
     batch_axes: tuple[str, ...] = ()
     compressed_axes: tuple[str, ...] = ()  # the replica axes a gradient codec reduces over
     transfers: dict[str, float] = dataclasses.field(default_factory=dict)
+    own_axes: tuple[str, ...] = ()  # the replica axes, when the replicas step on their own
+    exchange: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def comm_bytes(self) -> int:
@@ -100,6 +109,7 @@ class Inspection:
             "measured_bytes": {k: round(v) for k, v in self.measured.items() if v},
             "flags": self.flags,
             "compile_s": round(self.compile_s, 2),
+            **({"replica_exchange": self.exchange} if self.exchange else {}),
         }
 
     def to_json(self) -> str:
@@ -130,7 +140,7 @@ class Inspection:
             )
         table = Table("collective", "axes", "per step", "bytes", "sent (ring)", "expected as")
         for r in self.rows:
-            bucket = bucket_of(r, self.batch_axes, self.compressed_axes)
+            bucket = bucket_of(r, self.batch_axes, self.compressed_axes, self.own_axes)
             table.add_row(
                 r.kind,
                 axes_label(r.axes),
@@ -148,13 +158,17 @@ class Inspection:
                     b, fmt_bytes(got), fmt_bytes(want), f"{got / want:.2f}" if want else "-"
                 )
         console.print(exp)
+        if self.exchange:
+            console.print(exchange_line(self.exchange))
         for f in self.flags:
             console.print(f"[yellow]flag[/yellow]: {f}")
         if not self.flags:
             console.print("no flags: every collective is one the layout needs")
 
 
-def _largest(cs: list[Collective], sizes, batch_axes, compressed_axes=()) -> dict[str, str]:
+def _largest(
+    cs: list[Collective], sizes, batch_axes, compressed_axes=(), own_axes=()
+) -> dict[str, str]:
     """Per bucket, the instruction moving the most bytes, described."""
     from meshtrain.comm.axes import axes_of_groups
 
@@ -162,7 +176,7 @@ def _largest(cs: list[Collective], sizes, batch_axes, compressed_axes=()) -> dic
     for c in cs:
         axes = axes_of_groups(c.groups, sizes, permute=c.kind == "collective-permute")
         row = Row(c.kind, axes, c.count, c.count * c.buffer_bytes, 0.0, c.group_size, 1)
-        bucket = bucket_of(row, batch_axes, compressed_axes)
+        bucket = bucket_of(row, batch_axes, compressed_axes, own_axes)
         if bucket and row.bytes > best.get(bucket, (0, ""))[0]:
             where = f" inside a loop, {c.count}× per step" if c.count > 1 else ""
             best[bucket] = (
@@ -218,8 +232,9 @@ def inspect_compiled(
     batch_axes = rules.batch_axes(sizes)
     params = param_layouts(param_vars, rules, sizes)
     exp = expected(params, run)
-    largest = _largest(cs, sizes, batch_axes, compressed)
-    measured, flags = judge(rows, exp, batch_axes, largest, compressed)
+    own = replica_sets(rules, sizes).axes if sync.local else ()
+    largest = _largest(cs, sizes, batch_axes, compressed, own)
+    measured, flags = judge(rows, exp, batch_axes, largest, compressed, own)
     if REMAT_WARNING in stderr:
         line = next(x for x in stderr.splitlines() if REMAT_WARNING in x)
         flags.append(f"XLA: {line[line.find(REMAT_WARNING) :][:200]}")
@@ -241,6 +256,8 @@ def inspect_compiled(
             "to_device": memory["host_argument"] + (transfers or {}).get("to_device", 0.0),
             "to_host": memory["host_output"] + (transfers or {}).get("to_host", 0.0),
         },
+        own_axes=own,
+        exchange=replica_exchange(cs, run, params) if own else {},
     )
 
 

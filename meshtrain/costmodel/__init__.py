@@ -1,6 +1,7 @@
 """The α-β cost model: device and link profiles, collective costs per algorithm, a roofline
 step-time estimate with a stated overlap assumption, what a pipeline schedule costs in
-lockstep, and what offload's host transfers cost."""
+lockstep, what offload's host transfers cost, and what the replicas exchange when they step
+apart (gossip, the mean every H steps)."""
 
 from meshtrain.costmodel.collectives import (
     ALGORITHMS,
@@ -12,6 +13,7 @@ from meshtrain.costmodel.collectives import (
     ring_all_reduce,
     tree_all_reduce,
 )
+from meshtrain.costmodel.exchange import ReplicaExchange, ideal_round_bytes
 from meshtrain.costmodel.host import HostTransfer, exposed_time, transfer_time
 from meshtrain.costmodel.pipeline import (
     held_microbatches,
@@ -29,6 +31,7 @@ __all__ = [
     "DeviceProfile",
     "HostTransfer",
     "Link",
+    "ReplicaExchange",
     "StepEstimate",
     "collective_time",
     "exposed_time",
@@ -36,6 +39,7 @@ __all__ = [
     "held_microbatches",
     "hierarchical_all_reduce",
     "hierarchical_cost",
+    "ideal_round_bytes",
     "lockstep_bubble",
     "lockstep_time",
     "pass_costs",

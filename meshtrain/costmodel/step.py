@@ -78,13 +78,14 @@ def collective_time(
 
 @dataclasses.dataclass(frozen=True)
 class CommItem:
-    """One bucket of communication: its kind, axes, bytes per execution and executions."""
+    """One bucket of communication: its kind, axes, bytes per execution and executions per
+    step (a fraction for one that runs on some steps only: 1/H for an exchange every H)."""
 
     bucket: str
     kind: str
     axes: tuple[str, ...]
     bytes: float
-    count: int = 1
+    count: float = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,11 @@ Offload (host memory, `meshtrain.costmodel.host`):
   memory counts the larger of the moments and the activations with the logits, host memory
   the moments, and both transfers are exposed (one per leaf each way).
 - Host memory per device must hold both (`DeviceProfile.host_memory`).
+- Asked to price replicas that step apart (local SGD, gossip, federated averaging: a
+  `SyncConfig`), no gradient crosses the replica axes; their exchange is
+  `meshtrain.comm.exchange.exchange_model`'s (gossip's permutes every step, the mean's
+  all-reduce at 1/H), and each device holds its replica's own parameters beside θ̄ and the
+  outer optimizer's moments ("replica state").
 
 Device-memory traffic: weights read in the forward and backward and written once (3×), the
 optimizer moments read and written (2×), the activations without remat written and read
@@ -56,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from meshtrain.comm.exchange import exchange_model
 from meshtrain.comm.expect import (
     ParamLayout,
     Traffic,
@@ -80,8 +86,10 @@ from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.moe import MoEStep, dispatch_costs
 from meshtrain.plan.space import OFFLOAD_REMATS, Candidate
+from meshtrain.replicas import SyncConfig, replica_sets
 
 MOMENTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1}
+OUTER_MOMENTS = {"average": 0, "nesterov": 1, "adam": 2}  # the outer optimizer's, per parameter
 REMAT_ACTIVATION = {"none": 1.0, "save-dots": 0.5}
 MOE_BUCKET = "expert all-to-all"
 
@@ -130,6 +138,7 @@ def model_candidate(
     seq_len: int,
     device: DeviceProfile,
     optimizer: str = "adamw",
+    sync: SyncConfig | None = None,
 ) -> Modelled:
     """Models one candidate (see the module docstring).
 
@@ -141,6 +150,8 @@ def model_candidate(
         seq_len: tokens per sequence.
         device: the device profile.
         optimizer: the optimizer's name.
+        sync: replicas that step apart, to price their exchange instead of the gradient's
+            all-reduce (the planner never chooses one itself).
 
     Returns:
         A `Modelled`.
@@ -226,11 +237,18 @@ def model_candidate(
     whole = 2 * stage_gathered_bytes(layouts, sizes, batch_axes) if p > 1 else 0.0
     if cand.gather_once:
         memory["gathered weights"] = whole
+    own = sync is not None and sync.local  # the replicas step apart: no gradient crosses them
     shape = Traffic(
-        sizes, batch_axes, batch * seq_len, d_model=D, act_itemsize=item, pipeline=pc, batch=batch
-    )
+        sizes, batch_axes, batch * seq_len, d_model=D, act_itemsize=item, pipeline=pc, batch=batch,
+        own_axes=replica_sets(rules, sizes).axes if own else (),
+    )  # fmt: skip
     exp = expected(layouts, shape)
     comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes, pc)
+    if own:
+        assert sync is not None
+        comm += exchange_model(sync, rules, sizes, layouts).items()
+        # each replica's own parameters beside θ̄, and the outer optimizer's moments
+        memory["replica state"] = params * (1 + OUTER_MOMENTS.get(sync.outer_optimizer, 0))
     flops = cfg.flops_per_token(seq_len) * batch * seq_len / n
     if moe is not None:
         # flops_per_token counts the experts at their active cost; the dispatch computes more.

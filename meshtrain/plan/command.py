@@ -19,6 +19,8 @@ import sys
 import time
 
 from meshtrain.plan.search import Plan, PlanError
+from meshtrain.problem import RunCheckError
+from meshtrain.replicas import SyncConfig
 
 SEVEN_B = dict(d_model=4096, n_layers=32, n_heads=32, vocab_size=32000, seq_len=2048, batch=8)
 _UNITS = {
@@ -140,6 +142,11 @@ def reasoning(plan: Plan, top: int) -> list[str]:
     ]
     if plan.offload and plan.best.modelled.offloads:
         lines.append(_offload_reason(plan))
+    if plan.sync is not None:
+        lines.append(
+            "exchange, as asked: " + "; ".join(plan.sync.summary()) + ", priced instead of the "
+            "gradient's all-reduce (the planner never picks it: it changes the optimisation)"
+        )
     for i, c in enumerate(plan.ranked[:top], 1):
         m, e = c.modelled, c.modelled.estimate
         comm = (
@@ -265,6 +272,8 @@ def train_flags(plan: Plan, cfg, *, batch: int, seq_len: int, devices: int, simu
     flags.update({"data.batch-size": batch, "data.seq-len": seq_len})
     if c.offload:
         flags["offload"] = "optimizer"
+    if plan.sync is not None:
+        flags.update(sync_flags(plan.sync))
     if c.pipe > 1:
         flags.update(schedule=c.schedule, microbatches=c.microbatches)
         if c.repeats > 1:
@@ -282,6 +291,26 @@ def _moe_flags(cfg) -> dict:
         for f in dataclasses.fields(cfg)
         if getattr(cfg, f.name) != getattr(default, f.name)
     }
+
+
+def asked_sync(args) -> SyncConfig | None:
+    """The replicas' synchronisation `args` ask the plan to be priced with (None: none)."""
+    gossip, fraction, every = args.gossip, args.client_fraction, args.sync_every
+    if not (gossip or fraction or every):
+        return None
+    try:
+        return SyncConfig(
+            gossip=gossip or None, client_fraction=fraction or None, sync_every=every or None
+        )
+    except RunCheckError as e:
+        raise PlanError(str(e.problems[0])) from None
+
+
+def sync_flags(sync: SyncConfig) -> dict:
+    """`sync`'s settings as `meshtrain train` flags."""
+    fields = {"gossip": sync.gossip, "client-fraction": sync.client_fraction}
+    flags = {k: v for k, v in fields.items() if v is not None}
+    return {**flags, "sync-every": sync.sync_every} if sync.sync_every else flags
 
 
 def run(args) -> int:
@@ -308,6 +337,7 @@ def run(args) -> int:
     from meshtrain.plan.search import plan
 
     cfg = model_config(args.model, seq_len, dtype, getattr(args, "dispatch", ""))
+    sync = asked_sync(args)
     result = plan(
         cfg,
         devices=args.devices,
@@ -318,6 +348,7 @@ def run(args) -> int:
         hosts=args.hosts or 1,
         confirm=args.confirm,
         offload=args.offload,
+        sync=sync,
     )
     flags = train_flags(
         result,
@@ -335,6 +366,7 @@ def run(args) -> int:
                     "train_flags": flags,
                     "modelled_step_s": result.best.modelled.estimate.total_s,
                     "host_bytes": result.best.modelled.host,
+                    "sync": sync.summary() if sync else [],
                     "compiled": result.compiled,
                     "considered": result.considered,
                     "wall_s": round(result.wall_s, 2),

@@ -40,6 +40,7 @@ from meshtrain.plan.space import (
     divisors,
 )
 from meshtrain.problem import Problem
+from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_model
 from meshtrain.train import TrainConfig
@@ -75,6 +76,8 @@ class Plan:
         compiled: whether memory was confirmed by compiling.
         wall_s: planning time.
         offload: whether host offload was searched.
+        sync: the replicas' synchronisation every layout was priced with (None: the
+            gradient's all-reduce every step).
         without_offload: the fastest layout that fits keeping everything on the device
             (modelled); None when none does.
         smallest_without_offload: the layout needing the least device memory without
@@ -89,6 +92,7 @@ class Plan:
     compiled: bool
     wall_s: float
     offload: bool = False
+    sync: SyncConfig | None = None
     without_offload: Modelled | None = None
     smallest_without_offload: Modelled | None = None
 
@@ -126,6 +130,7 @@ def plan(
     microbatch_factors: tuple[int, ...] = (2, 4),
     schedules: tuple[str, ...] = PIPELINE_SCHEDULES,
     offload: bool = True,
+    sync: SyncConfig | None = None,
 ) -> Plan:
     """Searches layouts of a GPT or a mixture of experts on `devices` devices (see the module
     docstring).
@@ -151,6 +156,10 @@ def plan(
             allow; with fsdp > 1 each also gathering the stage's weights once per step).
         offload: also try host offload (``offload-dots``, and the optimizer state of a
             layout over the cap) where the profile has a host-link figure.
+        sync: price every layout with these replicas stepping apart (gossip, federated
+            averaging, local SGD) instead of the gradient's all-reduce; layouts the run check
+            refuses with it (no replicas, a graph the replicas cannot form) are dropped. It
+            changes the optimisation, so the planner never picks one itself.
 
     Returns:
         A `Plan`.
@@ -188,7 +197,9 @@ def plan(
         layers=getattr(cfg, "n_layers", None),
         schedules=schedules,
     )
-    checked_only = RunSpec(model=cfg, data=spec, train=TrainConfig(run_dir=""))  # writes nothing
+    checked_only = RunSpec(
+        model=cfg, data=spec, train=TrainConfig(run_dir=""), sync=sync or SyncConfig()
+    )  # writes nothing
     reasons: collections.Counter = collections.Counter()
     layouts_cache: dict = {}
     checked: dict = {}
@@ -221,6 +232,7 @@ def plan(
                 seq_len=seq_len,
                 device=device,
                 optimizer=optimizer,
+                sync=sync,
             )
             modelled.append(m)
             if _fits(m, memory_cap, device):
@@ -242,7 +254,7 @@ def plan(
             f"--device-memory {_gb(small.peak).replace(' ', '')} or more devices"
         )
     fits.sort(key=lambda m: m.estimate.total_s)
-    compile_fn = compile_fn or _default_compile(cfg, spec, devices)
+    compile_fn = compile_fn or _default_compile(cfg, spec, devices, sync)
     ranked: list[Choice] = []
     over_compiled = confirmed = tries = 0
     smallest: tuple[float, str] | None = None
@@ -282,6 +294,7 @@ def plan(
         compiled=compile_fn is not None and confirm > 0,
         wall_s=time.perf_counter() - t0,
         offload=offload,
+        sync=sync,
         without_offload=next((m for m in fits if not m.offloads), None),
         smallest_without_offload=min(
             (m for m in modelled if not m.offloads), key=lambda m: m.peak, default=None
@@ -316,9 +329,11 @@ def _pipeline_config(cand: Candidate) -> PipelineConfig:
     )
 
 
-def _default_compile(cfg, spec: DataSpec, devices: int) -> Callable | None:
-    """Compiles a candidate's real train step when this process has exactly `devices`
-    devices; None otherwise (memory then stays analytic)."""
+def _default_compile(
+    cfg, spec: DataSpec, devices: int, sync: SyncConfig | None = None
+) -> Callable | None:
+    """Compiles a candidate's real train step (with `sync`) when this process has exactly
+    `devices` devices; None otherwise (memory then stays analytic)."""
     import jax
 
     if jax.device_count() != devices:
@@ -341,6 +356,7 @@ def _default_compile(cfg, spec: DataSpec, devices: int) -> Callable | None:
             rules=rules,
             pipeline=pc,
             offload=Offload(optimizer=cand.offload),
+            sync=sync or SyncConfig(),
         )
         compiled, _ = compile_step(run)
         return float(compiled_memory(compiled)["peak"])  # device bytes (host ones apart)

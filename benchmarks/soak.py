@@ -54,7 +54,8 @@ TIMEOUT = 300  # seconds any one launch may take
 def env(**extra: str) -> dict[str, str]:
     """This environment without MESHTRAIN_* variables, with cheap compiles, plus `extra`."""
     out = {k: v for k, v in os.environ.items() if not k.startswith("MESHTRAIN_")}
-    out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    flags = f"{out.get('XLA_FLAGS', '')} {FAST_COMPILE}".split()
+    out["XLA_FLAGS"] = " ".join(dict.fromkeys(flags))  # each once (a compilation-cache key)
     out["JAX_PLATFORMS"] = "cpu"
     out.update(extra)
     return out

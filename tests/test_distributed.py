@@ -45,7 +45,8 @@ TINY_TRAIN = [
 def _env(**extra: str) -> dict[str, str]:
     """This environment without MESHTRAIN_* variables, with cheap compiles, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHTRAIN_")}
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    flags = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".split()
+    env["XLA_FLAGS"] = " ".join(dict.fromkeys(flags))  # each once (a compilation-cache key)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)

@@ -1,0 +1,56 @@
+"""The suite's time budget at the end of every run: the seconds spent in tests, and the ten
+files that took longest (set-up, call and tear-down of their tests, whichever worker ran them).
+
+conftest.py imports these hooks. On the controller (or a run without workers) they add the
+durations of every test report and, at the end, print the summary and write it as JSON to
+``build/suite_times.json`` (``.ci/run`` prints it again after the lowest-versions stage).
+"""
+
+import collections
+import json
+import os
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "build" / "suite_times.json"
+SLOWEST = 10
+_by_file: dict[str, float] = collections.defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    """Adds one phase of one test to its file's total (the controller sees every worker's)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    _by_file[report.nodeid.split("::")[0]] += report.duration
+
+
+def summary(by_file: dict[str, float], wall: float) -> dict:
+    """The total test seconds, the run's wall seconds and the slowest files."""
+    slowest = sorted(by_file.items(), key=lambda kv: -kv[1])[:SLOWEST]
+    return {
+        "test_seconds": round(sum(by_file.values()), 1),
+        "wall_seconds": round(wall, 1),
+        "files": len(by_file),
+        "slowest_files": [[name, round(s, 1)] for name, s in slowest],
+    }
+
+
+def render(s: dict) -> str:
+    """The summary as the lines a person reads at the end of the run."""
+    lines = [
+        f"suite: {s['test_seconds']:.0f} s in the tests of {s['files']} files "
+        f"({s['wall_seconds']:.0f} s wall); the {len(s['slowest_files'])} slowest files:"
+    ]
+    lines += [f"  {sec:7.1f} s  {name}" for name, sec in s["slowest_files"]]
+    return "\n".join(lines)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if "PYTEST_XDIST_WORKER" in os.environ or not _by_file:
+        return
+    start = getattr(terminalreporter, "_session_start", None)  # pytest's own clock
+    wall = start.elapsed().seconds if hasattr(start, "elapsed") else 0.0
+    s = summary(_by_file, wall)
+    terminalreporter.write_line(render(s))
+    if not os.environ.get("PYTEST_CURRENT_TEST"):  # not a pytest run inside a test
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(s, indent=1) + "\n")

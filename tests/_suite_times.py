@@ -54,3 +54,11 @@ def pytest_terminal_summary(terminalreporter):
     if not os.environ.get("PYTEST_CURRENT_TEST"):  # not a pytest run inside a test
         OUT.parent.mkdir(parents=True, exist_ok=True)
         OUT.write_text(json.dumps(s, indent=1) + "\n")
+
+
+if __name__ == "__main__":  # `.ci/run` prints the last run's summary again at its end
+    import sys
+
+    if not OUT.exists():
+        sys.exit(f"no {OUT.name}: run the suite first")
+    print(render(json.loads(OUT.read_text())))

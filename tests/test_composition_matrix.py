@@ -137,3 +137,20 @@ def test_known_gaps_and_exclusive_groups_are_cells_of_the_vocabulary():
     n = len(cm.FEATURES)
     excluded = sum(len(g) * (len(g) - 1) // 2 for g in cm.EXCLUSIVE)
     assert len(cm.cells()) == n * (n - 1) // 2 - excluded
+
+
+def test_a_test_removed_leaves_exactly_the_cells_only_it_proved_unproven():
+    """Dropping a duplicate proof is safe and dropping a sole one is caught: for every test that
+    proves a cell, the suite without it lacks exactly the cells no other test proves."""
+    proofs = cm.evidence(TESTS).proofs
+    assert cm.missing(proofs) == []
+    tests = {t for ts in proofs.values() for t in ts}
+    assert len(tests) > 20
+    sole_somewhere = 0
+    for test in sorted(tests):
+        without = {c: [t for t in ts if t != test] for c, ts in proofs.items()}
+        without = {c: ts for c, ts in without.items() if ts}
+        only = [c for c in cm.cells() if proofs.get(c) == [test]]
+        assert cm.missing(without) == only, test
+        sole_somewhere += bool(only)
+    assert sole_somewhere > 5  # the check is not vacuous: many tests are a cell's only proof

@@ -167,19 +167,19 @@ def assert_same_run(got: Run, want: Run, *, loss_atol, grad_norm_rtol, param_ato
 # --- equivalence --------------------------------------------------------------------------
 
 slow = pytest.mark.slow
+# Each strategy with GPT-2's parameters (biases, LayerNorm, MHA); the llama style (RMSNorm,
+# GQA, no biases) where its own leaves split differently: fsdp and tp. The llama style under
+# dp, zero1, fsdp+tp and hsdp+tp is proven by tests/test_composition_cover.py, whose GPT is
+# a llama, beside more features.
 EQUIVALENCE = [
     ("gpt2", "data=8", "dp"),
-    ("llama", "data=8", "dp"),
     ("gpt2", "fsdp=8", "fsdp"),
     ("llama", "data=8", "fsdp"),
     ("gpt2", "data=8", "zero1"),
-    ("llama", "data=8", "zero1"),
     ("gpt2", "data=2,tensor=4", "tp"),
     ("llama", "data=4,tensor=2", "tp"),
     pytest.param("gpt2", "data=2,fsdp=2,tensor=2", "fsdp+tp", marks=slow),
-    pytest.param("llama", "data=2,fsdp=2,tensor=2", "fsdp+tp", marks=slow),
     pytest.param("gpt2", "data=2,fsdp=2,tensor=2", "hsdp+tp", marks=slow),
-    pytest.param("llama", "data=2,fsdp=2,tensor=2", "hsdp+tp", marks=slow),
     ("mlp", "data=8", "dp"),
     ("mlp", "data=2,fsdp=4", "fsdp"),
     ("mlp", "data=4,tensor=2", "zero1+tp"),
@@ -350,11 +350,13 @@ def char_lm_batches() -> list[dict]:
 
 
 def char_lm_setup(dtype: str):
-    """(state, jitted step, mesh, rules) of a small char-LM computing in `dtype`."""
+    """(state, jitted step, mesh, rules) of a small char-LM computing in `dtype`, on one device:
+    what is compared is the arithmetic, and each layout's bf16 step is checked against its
+    one-device run in tests/test_precision.py (50 steps on 8 simulated devices cost 3× more)."""
     cfg = dataclasses.replace(MODELS["llama"], max_seq_len=32, dtype=dtype)
     tx = make_optimizer(OptimConfig(lr=MP_LR, warmup_steps=5), MP_STEPS)
-    mesh = make_mesh("data=4,tensor=2")
-    rules = S.rules_for("fsdp", mesh)
+    mesh = make_mesh("data=1", devices=jax.devices()[:1])
+    rules = S.rules_for("dp", mesh)
     graphdef, state, shardings = init_train_state(start_from(cfg), tx, mesh, rules)
     batch_sh = batch_shardings(char_lm_batches()[0], mesh, rules)
     return state, jit_train_step(graphdef, tx, mesh, rules, shardings, batch_sh), mesh, rules

@@ -62,6 +62,14 @@ def _mesh(spec: str, strategy: str = "fsdp"):
     return mesh, rules_for(strategy, mesh)
 
 
+def _split(ctor):
+    """``(graphdef, state)`` of the module `ctor` builds, its values initialised in one
+    compiled program (built eagerly, each initialiser would be a program of its own)."""
+    graphdef, state = nnx.split(nnx.eval_shape(ctor))
+    nnx.replace_by_pure_dict(state, jax.jit(lambda: nnx.to_pure_dict(nnx.state(ctor())))())
+    return graphdef, state
+
+
 def _placed(state, mesh, rules):
     """`state` laid out on `mesh` by the parameter rules."""
     specs = state_specs(state, rules.params, mesh, warn=False)
@@ -97,7 +105,7 @@ def layer():
     graphdefs, state = {}, None
     for kind in ("capacity", "dropless"):
         cfg = dataclasses.replace(LAYER, dispatch=kind)
-        graphdefs[kind], state = nnx.split(Experts(cfg, rngs=nnx.Rngs(0)))
+        graphdefs[kind], state = _split(lambda cfg=cfg: Experts(cfg, rngs=nnx.Rngs(0)))
     kx, kr = jax.random.split(jax.random.key(1))
     x_BTD = jax.random.normal(kx, (B, T, D))
     r_BTD = jax.random.normal(kr, (B, T, D))
@@ -148,8 +156,7 @@ def test_model_loss_and_grads_equal_one_device_on_a_hybrid_mesh():
         vocab_size=64, vocab_multiple=16, max_seq_len=16, shared_expert=16,
         capacity_factor=4.0,
     )  # fmt: skip
-    model = build_model(cfg, seed=0)
-    graphdef, state = nnx.split(model)
+    graphdef, state = _split(lambda: build_model(cfg, seed=0))
     tokens = jax.random.randint(jax.random.key(2), (B, T), 0, 64)
 
     def loss(state, mesh=None, rules=None):
@@ -278,10 +285,29 @@ def test_mixtral_router_loss_pools_the_blocks_real_tokens():
     assert float(pooled_load_balance_loss(*sums.values())) == pytest.approx(2.0)
 
 
-# MoE blocks, one per stage and chunk, four experts (two per expert shard), Mixtral's loss.
-PIPED = MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_expert=16,
+# Four MoE blocks (two per stage in gpipe; one per stage and chunk in the circular schedule of
+# two repeats), four experts (two per expert shard), Mixtral's loss. One model for both
+# schedules: the unpipelined step is run once.
+PIPED = MoEConfig(d_model=32, n_layers=4, n_heads=2, n_experts=4, top_k=2, d_expert=16,
                   vocab_size=64, vocab_multiple=16, max_seq_len=T, dispatch="dropless",
                   router_losses="mixtral", aux_loss_coef=0.5, z_loss_coef=0.0)  # fmt: skip
+
+
+@functools.cache
+def _unpipelined():
+    """Random parameters, a batch with padding in its first microbatch only, and one plain SGD
+    step on it without a pipeline: ``(graphdef, params, batch, tx, state after, metrics)``."""
+    graphdef, params = random_params(PIPED, seed=3)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, PIPED.vocab_size, (B, T + 1)).astype(np.int32)
+    seg = np.ones((B, T), np.int32)
+    seg[:2, T // 2 :] = 0  # padding in the first microbatch only
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))}  # fmt: skip
+    tx = optax.sgd(0.5)
+    state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), {})
+    want_state, want = jax.jit(lambda st, b: train_step(graphdef, tx, st, b))(state, batch)
+    return graphdef, params, batch, tx, want_state, want
 
 
 @pytest.mark.parametrize(
@@ -294,17 +320,7 @@ PIPED = MoEConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_exp
     ],
 )  # fmt: skip
 def test_mixtral_router_loss_in_a_pipeline_equals_the_unpipelined_step(pipeline):
-    cfg = dataclasses.replace(PIPED, n_layers=2 * pipeline.chunks_per_stage())
-    graphdef, params = random_params(cfg, seed=3)
-    rng = np.random.default_rng(4)
-    tokens = rng.integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
-    seg = np.ones((B, T), np.int32)
-    seg[:2, T // 2 :] = 0  # padding in the first microbatch only
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
-             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))}  # fmt: skip
-    tx = optax.sgd(0.5)
-    state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), {})
-    want_state, want = jax.jit(lambda st, b: train_step(graphdef, tx, st, b))(state, batch)
+    graphdef, params, batch, tx, want_state, want = _unpipelined()
     assert float(want["loss"] - want["task_loss"]) > 0.5  # the router loss is in it
 
     mesh = make_mesh("pipe=2,expert=2,data=2")
@@ -315,7 +331,7 @@ def test_mixtral_router_loss_in_a_pipeline_equals_the_unpipelined_step(pipeline)
     step = jit_train_step(RunSpec(mesh=mesh, rules=rules, pipeline=pipeline), graphdef, tx,
                           shardings, shard)  # fmt: skip
     sharded, got = step(sharded, shard_batch(batch, mesh, rules))
-    # One loss over the whole batch's real tokens in both blocks, as one unpipelined step.
+    # One loss over the whole batch's real tokens in every block, as one unpipelined step.
     for k in ("loss", "task_loss", "moe_aux_loss"):
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=LOSS_RTOL, err_msg=k)
     assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, pipeline.schedule)
@@ -423,6 +439,7 @@ def test_cli_trains_an_moe_over_expert_and_data_with_accumulation_bf16_and_remat
         "--moe.d-model", "32", "--moe.n-heads", "2", "--moe.d-expert", "32",
         "--moe.max-seq-len", "16", "--moe.dtype", "bfloat16", "--moe.remat", "full",
         "--moe.dispatch", "dropless", "--sample-tokens", "0",
+        "--data.val-fraction", "0",  # no held-out data: no evaluation
         "--run-dir", str(run), "--no-progress",
     ]  # fmt: skip
     assert cli.main(argv) == 0

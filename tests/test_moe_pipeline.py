@@ -1,8 +1,9 @@
 """A mixture of experts in a pipeline: three training steps on ``pipe=2,expert=2,data=2``
-under gpipe and 1f1b, with capacity and dropless dispatch, equal the single-device steps with
-``accum_steps`` = the pipeline's microbatch count (the router's losses are each microbatch's,
-averaged, as accumulation computes them): the losses, the task loss, every ``moe_*`` metric and
-every parameter. The expert weights stay split over ``expert`` inside each stage.
+under gpipe with capacity dispatch and 1f1b with dropless dispatch equal the single-device
+steps with ``accum_steps`` = the pipeline's microbatch count (the router's losses are each
+microbatch's, averaged, as accumulation computes them): the losses, the task loss, every
+``moe_*`` metric and every parameter. The expert weights stay split over ``expert`` inside
+each stage.
 
 Tolerances: tests/test_pipeline.py's for fp32 (1e-5 relative on losses and metrics, 2e-5 of
 each parameter's largest entry).
@@ -39,8 +40,8 @@ CFG = MoEConfig(d_model=32, n_layers=2, moe_every=1, n_heads=2, n_experts=4, top
 
 @pytest.fixture(scope="module")
 def one_device():
-    """Per dispatch kind (built once, shared by both schedules): the random parameters, the
-    batches, and the single-device steps' metrics and final parameters."""
+    """Per dispatch kind (built once): the random parameters, the batches, and the
+    single-device steps' metrics and final parameters."""
     cache = {}
 
     def get(dispatch):
@@ -67,12 +68,13 @@ def one_device():
     return get
 
 
+# Each schedule with one dispatch kind: 1f1b with capacity is tests/test_pipeline_packed.py's
+# NaN-bubble test, gpipe with dropless tests/test_moe.py's Mixtral router loss test.
 @pytest.mark.parametrize(
     "schedule,dispatch",
     [
         pytest.param(s, d, marks=pytest.mark.pair(f"moe-{d}", s))
-        for s in ("gpipe", "1f1b")
-        for d in ("capacity", "dropless")
+        for s, d in (("gpipe", "capacity"), ("1f1b", "dropless"))
     ],
 )  # fmt: skip
 def test_moe_pipeline_steps_equal_one_device_with_accumulation(one_device, schedule, dispatch):

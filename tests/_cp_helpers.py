@@ -1,8 +1,9 @@
 """Context-parallel attention against plain single-device attention, shared by the tests of
 the jnp blocks and of the kernel."""
 
+import functools
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from meshtrain import context_parallel as cp
@@ -11,8 +12,9 @@ from meshtrain.layout import activation_rules, rules_for
 from meshtrain.mesh import make_mesh
 
 
+@functools.partial(jax.jit, static_argnums=range(1, 6))
 def qkv(seed, B, T, H, G, K):
-    """Fresh random q, k, v and an output cotangent."""
+    """Fresh random q, k, v and an output cotangent (one program per shape)."""
     ks = jax.random.split(jax.random.key(seed), 4)
     return (
         jax.random.normal(ks[0], (B, T, H, K)),
@@ -36,15 +38,15 @@ def errors_vs_full(
     idx = cp.order(T, n) if causal else np.arange(T)
     inv = cp.inverse(idx)
 
-    def full(q, k, v):
+    def full(q, k, v, w):  # w an input, not a constant of the program
         o = reference.attention(q, k, v, causal=causal, window=window)
         return (o * w).sum(), o
 
-    (_, o_want), g_want = jax.value_and_grad(full, (0, 1, 2), has_aux=True)(q, k, v)
+    (_, o_want), g_want = jax.jit(jax.value_and_grad(full, (0, 1, 2), has_aux=True))(q, k, v, w)
     out = {}
     for algorithm in algorithms:
 
-        def split(q, k, v, algorithm=algorithm):
+        def split(q, k, v, w, algorithm=algorithm):
             def run():
                 return cp.context_attention(
                     q[:, idx], k[:, idx], v[:, idx], idx, mesh=mesh, algorithm=algorithm,
@@ -59,7 +61,7 @@ def errors_vs_full(
             return (o * w[:, idx]).sum(), o[:, inv]
 
         with jax.set_mesh(mesh):
-            (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v)
+            (_, o), g = jax.jit(jax.value_and_grad(split, (0, 1, 2), has_aux=True))(q, k, v, w)
         pairs = zip((o, *g), (o_want, *g_want), strict=True)
-        out[algorithm] = [float(jnp.abs(a - b).max()) for a, b in pairs]
+        out[algorithm] = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in pairs]
     return out

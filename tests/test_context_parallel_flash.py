@@ -47,11 +47,8 @@ def _errors(algorithm, n, causal, H, G, window=None, layout=False):
 # MHA; a window that spans a block boundary; the layout's per-shard call (batch over data).
 CASES = [
     (2, True, 4, 2, None, False),
-    (2, False, 2, 2, None, True),
-    (4, True, 4, 4, None, True),
-    (4, False, 4, 2, None, False),
+    (4, False, 4, 4, None, True),
     (8, True, 8, 2, 100, False),
-    (8, False, 8, 8, None, False),
 ]
 
 
@@ -72,10 +69,15 @@ def test_a_block_that_sees_no_key_ends_with_lse_near_neg():
     block 0; the merged result is the other block's."""
     q, k, v, _ = qkv(7, 1, 40, 2, 2, 64)
     pos_q, pos_k = jnp.arange(40), 100 + jnp.arange(40)
-    o, lse = blocks.attend(q, k, v, pos_q, pos_k, blocks.Options(True, None, "pallas"))
-    assert float(jnp.abs(o).max()) == 0.0 and float(lse.max()) < blocks.NEG / 2
-    o_own, lse_own = blocks.attend(q, k, v, pos_q, pos_q, blocks.Options(True, None, "pallas"))
-    merged, lse_m = blocks.merge(o_own, lse_own, o, lse)
+
+    @jax.jit
+    def run(q, k, v):
+        o, lse = blocks.attend(q, k, v, pos_q, pos_k, blocks.Options(True, None, "pallas"))
+        own = blocks.attend(q, k, v, pos_q, pos_q, blocks.Options(True, None, "pallas"))
+        return o, lse, own, blocks.merge(*own, o, lse)
+
+    o, lse, (o_own, lse_own), (merged, lse_m) = run(q, k, v)
+    assert float(np.abs(np.asarray(o)).max()) == 0.0 and float(lse.max()) < blocks.NEG / 2
     np.testing.assert_allclose(merged, o_own, atol=1e-6)
     np.testing.assert_allclose(lse_m, lse_own, atol=1e-6)
 

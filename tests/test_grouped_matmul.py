@@ -31,6 +31,9 @@ from meshtrain.mesh import make_mesh
 from meshtrain.models import MoEConfig, moe_dispatch
 from meshtrain.models.moe import Experts
 
+# One worker runs the module: the layer runs are shared between tests (`_layer`).
+pytestmark = pytest.mark.xdist_group("grouped_matmul")
+
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 SIZES = {
     "empty groups": [7, 0, 20, 3, 0],
@@ -39,14 +42,29 @@ SIZES = {
 }
 
 
-def _loop(x_MD, w_LDF, sizes_L):
-    """Each group's rows times its weights, one group at a time (rows past the groups: 0)."""
-    y, start = jnp.zeros((x_MD.shape[0], w_LDF.shape[2]), jnp.float32), 0
-    for g, n in enumerate(sizes_L):
-        rows = slice(start, start + n)
-        y = y.at[rows].set(jnp.dot(x_MD[rows].astype(jnp.float32), w_LDF[g].astype(jnp.float32)))
-        start += n
-    return y
+def _per_row(x_MD, w_LDF, sizes_L):
+    """Each row times its own group's weights, in float32 (rows past the groups: 0)."""
+    group_M = jnp.searchsorted(jnp.cumsum(sizes_L), jnp.arange(x_MD.shape[0]), side="right")
+    w_MDF = w_LDF.astype(jnp.float32)[jnp.minimum(group_M, w_LDF.shape[0] - 1)]
+    y_MF = jnp.einsum("md,mdf->mf", x_MD.astype(jnp.float32), w_MDF)
+    return jnp.where((group_M < w_LDF.shape[0])[:, None], y_MF, 0.0)
+
+
+@functools.cache
+def _value_and_grads(impl, tile):
+    """jit(x, w, dy, sizes) → the output and (dx, dw) of ``sum(f(x, w) · dy)``, for `impl`
+    (None: the per-row reference). The sizes are an input, so the cases of one shape and dtype
+    share one program."""
+
+    def run(x, w, dy, sizes_L):
+        if impl is None:
+            fn = functools.partial(_per_row, sizes_L=sizes_L)
+        else:
+            fn = functools.partial(gmm.grouped_matmul, sizes_L=sizes_L, impl=impl, tile=tile)
+        loss = lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * dy)  # noqa: E731
+        return fn(x, w), jax.grad(loss, (0, 1))(x, w)
+
+    return jax.jit(run)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -60,24 +78,24 @@ def test_grouped_matmul_equals_a_loop_over_groups(case, dtype, impl, tile):
     w = jax.random.normal(kw, (L, D, F), jnp.float32).astype(dtype)
     dy = jax.random.normal(kd, (M, F), jnp.float32)
     sizes_L = jnp.asarray(sizes, jnp.int32)
-
-    def loss(fn, x, w):
-        return jnp.sum(fn(x, w).astype(jnp.float32) * dy)
-
-    got = functools.partial(gmm.grouped_matmul, sizes_L=sizes_L, impl=impl, tile=tile)
-    want = functools.partial(_loop, sizes_L=sizes)
-    np.testing.assert_allclose(
-        jnp.asarray(got(x, w), jnp.float32), want(x, w), rtol=TOL[dtype], atol=TOL[dtype] * 4
-    )
-    grads = jax.jit(jax.grad(functools.partial(loss, got), (0, 1)))(x, w)
-    refs = jax.grad(functools.partial(loss, want), (0, 1))(x, w)
+    # the reference on the same (possibly bf16-rounded) inputs in float32: one program
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    y, grads = _value_and_grads(impl, tile)(x, w, dy, sizes_L)
+    want, refs = _value_and_grads(None, None)(f32(x), f32(w), dy, sizes_L)
+    x64, w64, start = np.asarray(f32(x), np.float64), np.asarray(f32(w), np.float64), 0
+    for g, n in enumerate(sizes):  # the reference is each group's rows times its weights
+        rows = slice(start, start + n)
+        np.testing.assert_allclose(want[rows], x64[rows] @ w64[g], rtol=1e-5, atol=1e-5)
+        start += n
+    assert y.dtype == dtype
+    np.testing.assert_allclose(f32(y), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
     for name, g, r in zip(("x", "w"), grads, refs, strict=True):
         assert g.dtype == dtype, name
         scale = float(jnp.max(jnp.abs(r)))
-        err = float(jnp.max(jnp.abs(jnp.asarray(g, jnp.float32) - r))) / scale
+        err = float(jnp.max(jnp.abs(f32(g) - r))) / scale
         assert err < TOL[dtype] * 4, (name, err)
     if sum(sizes) < M:  # rows past the last group: zero output and zero input gradient
-        assert not np.any(np.asarray(got(x, w))[sum(sizes) :])
+        assert not np.any(np.asarray(y)[sum(sizes) :]) and not np.any(want[sum(sizes) :])
         assert not np.any(np.asarray(grads[0], np.float32)[sum(sizes) :])
 
 
@@ -91,12 +109,17 @@ def test_a_bad_tile_is_one_line():
         gmm.grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4]), tile=-4)
 
 
+# one program per group count and tile height (the tile is static, the sizes an input)
+_visits = jax.jit(gmm.visits, static_argnums=1)
+
+
 def test_visits_cover_each_group_with_at_most_one_partial_tile_more():
     rng = np.random.default_rng()
     for _ in range(50):
-        L, R = int(rng.integers(1, 12)), int(rng.choice([4, 16, 64]))
+        # one group, a few, many: each (L, R) pair is one program
+        L, R = int(rng.choice([1, 3, 11])), int(rng.choice([4, 16, 64]))
         sizes = rng.multinomial(int(rng.integers(0, 400)), rng.dirichlet(np.ones(L) * 0.3))
-        n = int(gmm.visits(jnp.asarray(sizes, jnp.int32), R))
+        n = int(_visits(jnp.asarray(sizes, jnp.int32), R))
         # every group's rows in whole tiles of its own, at most one partial tile per group
         assert sum(-(-s // R) for s in sizes) <= n, sizes
         assert n <= -(-sizes.sum() // R) + np.count_nonzero(sizes) - 1 + (sizes.sum() == 0)
@@ -115,13 +138,13 @@ def test_dropless_work_is_within_a_quarter_of_the_active_work(shards):
     """benchmarks/moe.py's shape (E = 8, k = 2, 256 tokens per device): the tile products a
     dropless layer runs over the active rows, on a router's real choices."""
     cfg = MoEConfig(d_model=256, n_heads=4, n_experts=8, top_k=2, d_expert=512)
-    kx, kr = jax.random.split(jax.random.key(np.random.randint(1 << 30)))
-    x = jax.random.normal(kx, (16, 128, cfg.d_model))
-    router = jax.random.normal(kr, (cfg.d_model, cfg.n_experts)) * 0.02
-    _, expert_BTK = jax.lax.top_k(jnp.dot(x, router), cfg.top_k)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((16, 128, cfg.d_model), np.float32)
+    router = rng.standard_normal((cfg.d_model, cfg.n_experts), np.float32) * 0.02
+    expert_BTK = np.argsort(-(x @ router), axis=-1)[..., : cfg.top_k]  # the router's top k
     R, run, active = gmm.CPU_TILE, 0, 0
     for sizes in moe_dispatch.shard_sizes(expert_BTK, cfg.n_experts, shards, row_blocks=8):
-        run += int(gmm.visits(jnp.asarray(sizes, jnp.int32), R)) * R
+        run += int(_visits(jnp.asarray(sizes, jnp.int32), R)) * R
         active += int(sizes.sum())
     assert active == 16 * 128 * cfg.top_k
     assert run / active <= 1.25, run / active
@@ -166,18 +189,34 @@ def _experts_grads(cfg, spec: str, strategy: str, x, r):
 
 
 SMALL = MoEConfig(d_model=32, n_heads=2, n_experts=8, top_k=2, d_expert=16, dispatch="dropless")
+_GRADS: dict = {}
 
 
+def _layer(spec: str, strategy: str, impl: str, exchange: str, monkeypatch=None):
+    """`_experts_grads` of SMALL with the grouped matmul `impl` and the `exchange`, on one
+    input drawn fresh per module run; each run once (the padded tiled runs are the reference
+    of both the ragged_dot and the ragged exchange comparisons)."""
+    key = (spec, strategy, impl, exchange)
+    if key not in _GRADS:
+        if "inputs" not in _GRADS:
+            kx, kr = jax.random.split(jax.random.key(np.random.randint(1 << 30)))
+            _GRADS["inputs"] = jax.random.normal(kx, (8, 8, 32)), jax.random.normal(kr, (8, 8, 32))
+        if exchange == "ragged":
+            monkeypatch.setattr(moe_dispatch, "exchange_impl", lambda: "ragged")
+            monkeypatch.setattr(moe_dispatch, "_ragged_all_to_all", _reference_ragged_all_to_all)
+        cfg = dataclasses.replace(SMALL, grouped_impl=impl)
+        _GRADS[key] = _experts_grads(cfg, spec, strategy, *_GRADS["inputs"])
+    return _GRADS[key]
+
+
+# Expert parallelism with data (the smallest expert split), and tensor parallelism inside the
+# experts; tests/test_moe.py runs the (tiled) dropless layer on expert=8 and fsdp=2,expert=4.
 @pytest.mark.parametrize(
-    "spec, strategy",
-    [("data=8", "dp"), ("data=4,expert=2", "dp"), ("data=2,expert=4", "dp"), ("expert=8", "dp"),
-     ("data=2,expert=2,tensor=2", "dp+tp")],
-)  # fmt: skip
+    "spec, strategy", [("data=4,expert=2", "dp"), ("data=2,expert=2,tensor=2", "dp+tp")]
+)
 def test_dropless_tiled_equals_ragged_dot_under_expert_parallelism(spec, strategy):
-    kx, kr = jax.random.split(jax.random.key(np.random.randint(1 << 30)))
-    x, r = jax.random.normal(kx, (8, 8, 32)), jax.random.normal(kr, (8, 8, 32))
-    got = _experts_grads(dataclasses.replace(SMALL, grouped_impl="tiled"), spec, strategy, x, r)
-    want = _experts_grads(dataclasses.replace(SMALL, grouped_impl="xla"), spec, strategy, x, r)
+    got = _layer(spec, strategy, "tiled", "padded")
+    want = _layer(spec, strategy, "xla", "padded")
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         assert float(jnp.max(jnp.abs(w))) > 0
@@ -201,14 +240,11 @@ def _reference_ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, re
     return out
 
 
-@pytest.mark.parametrize("spec", ["data=4,expert=2", "data=2,expert=4", "expert=8"])
+# The smallest expert split and the whole mesh as one expert axis.
+@pytest.mark.parametrize("spec", ["data=4,expert=2", "expert=8"])
 def test_ragged_exchange_equals_the_padded_exchange(monkeypatch, spec):
-    kx, kr = jax.random.split(jax.random.key(np.random.randint(1 << 30)))
-    x, r = jax.random.normal(kx, (8, 8, 32)), jax.random.normal(kr, (8, 8, 32))
-    want = _experts_grads(SMALL, spec, "dp", x, r)
-    monkeypatch.setattr(moe_dispatch, "exchange_impl", lambda: "ragged")
-    monkeypatch.setattr(moe_dispatch, "_ragged_all_to_all", _reference_ragged_all_to_all)
-    got = _experts_grads(SMALL, spec, "dp", x, r)
+    want = _layer(spec, "dp", "tiled", "padded")
+    got = _layer(spec, "dp", "tiled", "ragged", monkeypatch)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

@@ -1,5 +1,7 @@
 """Chunked cross-entropy (Pallas, interpreted on CPU) against the jnp reference and optax."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from meshtrain.layout import activation_rules, constrain, rules_for
 from meshtrain.mesh import make_mesh
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _inputs(key, lead, V, dtype):
     kx, kt, kg = jax.random.split(key, 3)
     logits = (3.0 * jax.random.normal(kx, (*lead, V))).astype(dtype)
@@ -24,6 +27,16 @@ def _value_and_grad(fn, logits, targets, g):
     return fn(logits, targets), jax.grad(lambda x: jnp.sum(fn(x, targets) * g))(logits)
 
 
+def _against(key, lead, V, dtype, pallas, ref=None):
+    """One program: fresh inputs and the loss and gradient of `pallas` and of `ref`."""
+
+    def run(key):
+        inputs = _inputs(key, lead, V, dtype)
+        return [_value_and_grad(fn, *inputs) for fn in (pallas, ref) if fn is not None]
+
+    return jax.jit(run)(key)
+
+
 # Vocabulary and rows that are not whole blocks; a vocabulary of several chunks.
 @pytest.mark.parametrize(
     "lead,V,dtype",
@@ -32,15 +45,13 @@ def _value_and_grad(fn, logits, targets, g):
 )
 def test_matches_reference(lead, V, dtype):
     key, seed = fresh_key()
-    logits, targets, g = _inputs(key, lead, V, dtype)
-    loss, grad = _value_and_grad(
+    (loss, grad), (ref, ref_grad) = _against(
+        key,
+        lead,
+        V,
+        dtype,
         lambda x, t: token_cross_entropy(x, t, impl="pallas", block_rows=8, block_vocab=64),
-        logits,
-        targets,
-        g,
-    )
-    ref, ref_grad = _value_and_grad(
-        lambda x, t: reference.token_cross_entropy(x.astype(jnp.float32), t), logits, targets, g
+        lambda x, t: reference.token_cross_entropy(x.astype(jnp.float32), t),
     )
     assert loss.dtype == jnp.float32 and grad.dtype == dtype
     assert_close(loss, ref, 1e-6, "loss", seed)
@@ -50,12 +61,13 @@ def test_matches_reference(lead, V, dtype):
 def test_reference_is_optax():
     key, _ = fresh_key()
     logits, targets, _ = _inputs(key, (5, 7), 50, jnp.float32)
-    np.testing.assert_allclose(
-        reference.token_cross_entropy(logits, targets),
-        optax.softmax_cross_entropy_with_integer_labels(logits, targets),
-        rtol=1e-6,
-        atol=1e-6,
-    )
+    got, want = jax.jit(
+        lambda x, t: (
+            reference.token_cross_entropy(x, t),
+            optax.softmax_cross_entropy_with_integer_labels(x, t),
+        )
+    )(logits, targets)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_backward_makes_no_float32_logits():
@@ -86,21 +98,18 @@ def test_backward_makes_no_float32_logits():
 
 def test_every_output_element_is_written():
     key, _ = fresh_key()
-    logits, targets, g = _inputs(key, (21,), 200, jnp.float32)
-    with poison_outputs():
-        loss, grad = _value_and_grad(
-            lambda x, t: token_cross_entropy(x, t, impl="pallas", block_rows=8, block_vocab=64),
-            logits,
-            targets,
-            g,
-        )
+
+    def pallas(x, t):
+        return token_cross_entropy(x, t, impl="pallas", block_rows=8, block_vocab=64)
+
+    with poison_outputs():  # traced (and so built) inside: the kernels poisoned
+        [(loss, grad)] = _against(key, (21,), 200, jnp.float32, pallas)
     assert bool(jnp.all(jnp.isfinite(loss))) and bool(jnp.all(jnp.isfinite(grad)))
 
 
 def test_vocab_parallel_under_tensor_parallelism():
     """Logits split over the vocabulary (tensor=2) and batch: partial reductions combined."""
     key, seed = fresh_key()
-    logits, targets, g = _inputs(key, (4, 6), 256, jnp.float32)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     rules = rules_for("fsdp+tp", mesh)
 
@@ -109,11 +118,13 @@ def test_vocab_parallel_under_tensor_parallelism():
             x = constrain(x, ("batch", "seq", "vocab"))
             return token_cross_entropy(x, t, impl="pallas", block_vocab=32)
 
-    loss, grad = jax.jit(lambda x: _value_and_grad(sharded, x, targets, g))(logits)
-    ref, ref_grad = _value_and_grad(reference.token_cross_entropy, logits, targets, g)
+    (loss, grad), (ref, ref_grad) = _against(
+        key, (4, 6), 256, jnp.float32, sharded, reference.token_cross_entropy
+    )
     assert_close(loss, ref, 1e-6, "loss", seed)
     assert_close(grad, ref_grad, 1e-5, "grad", seed)
-    assert "psum" in str(jax.make_jaxpr(sharded)(logits, targets))
+    logits = jax.ShapeDtypeStruct((4, 6, 256), jnp.float32)
+    assert "psum" in str(jax.make_jaxpr(sharded)(logits, jnp.zeros((4, 6), jnp.int32)))
 
 
 def test_bad_input_errors():

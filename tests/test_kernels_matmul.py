@@ -1,5 +1,7 @@
 """Tiled matmul with fused bias + activation (Pallas, interpreted on CPU) against jnp."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,6 +14,7 @@ from meshtrain.mesh import make_mesh
 TILES = dict(block_m=16, block_n=16, block_k=16)
 
 
+@functools.partial(jax.jit, static_argnums=range(1, 6))
 def _inputs(key, lead, K, N, dtype, bias=True):
     kx, kw, kb, kg = jax.random.split(key, 4)
     x = jax.random.normal(kx, (*lead, K)).astype(dtype)
@@ -30,6 +33,17 @@ def _value_and_grads(fn, x, w, b, g):
     return fn(x, w, b), jax.grad(loss, (0, 1, 2))(x, w, b)
 
 
+def _against(key, shapes, pallas, ref):
+    """One program: fresh inputs of `shapes` (lead, K, N, dtype, bias) and the value and
+    gradients of `pallas` and of `ref` on them."""
+
+    def run(key):
+        inputs = _inputs(key, *shapes)
+        return _value_and_grads(pallas, *inputs), _value_and_grads(ref, *inputs)
+
+    return jax.jit(run)(key)
+
+
 # M, N, K none of them whole tiles; every activation; bf16 once; no bias once.
 @pytest.mark.parametrize(
     "activation,lead,K,N,dtype,bias",
@@ -43,7 +57,6 @@ def _value_and_grads(fn, x, w, b, g):
 )
 def test_matches_reference(activation, lead, K, N, dtype, bias):
     key, seed = fresh_key()
-    x, w, b, g = _inputs(key, lead, K, N, dtype, bias)
     fwd_tol, grad_tol = TOL[dtype]
 
     def pallas(x, w, b):
@@ -54,8 +67,7 @@ def test_matches_reference(activation, lead, K, N, dtype, bias):
             x.astype(jnp.float32), w.astype(jnp.float32), b, activation=activation
         )
 
-    out, grads = _value_and_grads(pallas, x, w, b, g)
-    ref, ref_grads = _value_and_grads(ref32, x, w, b, g)
+    (out, grads), (ref, ref_grads) = _against(key, (lead, K, N, dtype, bias), pallas, ref32)
     assert out.dtype == dtype and grads[1].dtype == dtype
     assert_close(out, ref, fwd_tol, "output", seed)
     for name, gr, r in zip(("dx", "dw", "dbias"), grads, ref_grads, strict=False):
@@ -64,18 +76,21 @@ def test_matches_reference(activation, lead, K, N, dtype, bias):
 
 def test_every_output_element_is_written():
     key, _ = fresh_key()
-    x, w, b, g = _inputs(key, (21,), 40, 35, jnp.float32)
-    with poison_outputs():
-        out, grads = _value_and_grads(
-            lambda x, w, b: matmul(x, w, b, activation="gelu", impl="pallas", **TILES), x, w, b, g
-        )
+
+    def pallas(x, w, b):
+        return matmul(x, w, b, activation="gelu", impl="pallas", **TILES)
+
+    def run(key):
+        return _value_and_grads(pallas, *_inputs(key, (21,), 40, 35, jnp.float32))
+
+    with poison_outputs():  # traced (and so built) inside: the kernels poisoned
+        out, grads = jax.jit(run)(key)
     for a in (out, *grads):
         assert bool(jnp.all(jnp.isfinite(a))), "an output element was never written"
 
 
 def test_sharded_over_the_batch_matches():
     key, seed = fresh_key()
-    x, w, b, g = _inputs(key, (8, 5), 32, 24, jnp.float32)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     rules = rules_for("fsdp+tp", mesh)
 
@@ -83,9 +98,11 @@ def test_sharded_over_the_batch_matches():
         with activation_rules(mesh, rules):
             return matmul(x, w, b, activation="silu", impl="pallas", **TILES)
 
-    out, grads = jax.jit(lambda *a: _value_and_grads(sharded, *a))(x, w, b, g)
-    ref, ref_grads = _value_and_grads(
-        lambda x, w, b: reference.matmul(x, w, b, activation="silu"), x, w, b, g
+    (out, grads), (ref, ref_grads) = _against(
+        key,
+        ((8, 5), 32, 24, jnp.float32, True),
+        sharded,
+        lambda x, w, b: reference.matmul(x, w, b, activation="silu"),
     )
     assert_close(out, ref, 2e-5, "output", seed)
     for name, gr, r in zip(("dx", "dw", "dbias"), grads, ref_grads, strict=True):

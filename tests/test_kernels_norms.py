@@ -1,5 +1,7 @@
 """Fused RMSNorm / LayerNorm (Pallas, interpreted on CPU) against the jnp references and flax."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ def _call(kind, x, w, b, **kw):
     return fn(x, w, **kw) if kind == "rms" else fn(x, w, b, **kw)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _inputs(key, shape, dtype):
     kx, kw, kb, kd = jax.random.split(key, 4)
     D = shape[-1]
@@ -37,6 +40,16 @@ def _value_and_grads(fn, x, w, b, dy):
         return jnp.sum(fn(x, w, b).astype(jnp.float32) * dy.astype(jnp.float32))
 
     return fn(x, w, b), jax.grad(loss, (0, 1, 2))(x, w, b)
+
+
+def _against(key, shape, dtype, pallas, ref=None):
+    """One program: fresh inputs and the value and gradients of `pallas` and of `ref`."""
+
+    def run(key):
+        inputs = _inputs(key, shape, dtype)
+        return [_value_and_grads(fn, *inputs) for fn in (pallas, ref) if fn is not None]
+
+    return jax.jit(run)(key)
 
 
 # Rows not a multiple of the block, features not a power of two (padded and masked).
@@ -59,7 +72,6 @@ def _value_and_grads(fn, x, w, b, dy):
 )
 def test_matches_reference(kind, shape, dtype):
     key, seed = fresh_key()
-    x, w, b, dy = _inputs(key, shape, dtype)
     fwd_tol, grad_tol = TOL[dtype]
 
     def pallas(x, w, b):
@@ -68,8 +80,7 @@ def test_matches_reference(kind, shape, dtype):
     def ref32(x, w, b):
         return KINDS[kind][1](x.astype(jnp.float32), w, b, eps=1e-5)
 
-    out, grads = _value_and_grads(pallas, x, w, b, dy)
-    ref, ref_grads = _value_and_grads(ref32, x, w, b, dy)
+    (out, grads), (ref, ref_grads) = _against(key, shape, dtype, pallas, ref32)
     assert out.dtype == dtype and grads[0].dtype == dtype
     assert_close(out, ref, fwd_tol, "output", seed)
     names = ("dx", "dscale", "dbias") if kind == "layer" else ("dx", "dscale")
@@ -86,20 +97,23 @@ def test_references_are_flax_norms():
     ln = nnx.LayerNorm(64, epsilon=1e-5, rngs=rngs)
     ln.scale[...] = w
     ln.bias[...] = b
-    np.testing.assert_allclose(reference.rms_norm(x, w), rms(x), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(reference.layer_norm(x, w, b), ln(x), rtol=1e-5, atol=1e-5)
+    got = jax.jit(
+        lambda x: (reference.rms_norm(x, w), rms(x), reference.layer_norm(x, w, b), ln(x))
+    )
+    ref_rms, flax_rms, ref_ln, flax_ln = got(x)
+    np.testing.assert_allclose(ref_rms, flax_rms, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ref_ln, flax_ln, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_every_output_element_is_written(kind):
     key, _ = fresh_key()
-    x, w, b, dy = _inputs(key, (37, 80), jnp.float32)
 
     def pallas(x, w, b):
         return _call(kind, x, w, b, impl="pallas", block_rows=8)
 
-    with poison_outputs():
-        out, grads = _value_and_grads(pallas, x, w, b, dy)
+    with poison_outputs():  # traced (and so built) inside: the kernels poisoned
+        [(out, grads)] = _against(key, (37, 80), jnp.float32, pallas)
     for g in (out, *grads):
         assert bool(jnp.all(jnp.isfinite(g))), "an output element was never written"
 
@@ -107,7 +121,6 @@ def test_every_output_element_is_written(kind):
 def test_sharded_over_the_batch_matches():
     """Under a data×fsdp×tensor mesh the kernel runs per shard; values and grads unchanged."""
     key, seed = fresh_key()
-    x, w, b, dy = _inputs(key, (8, 6, 64), jnp.float32)
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     rules = rules_for("fsdp+tp", mesh)
 
@@ -115,12 +128,14 @@ def test_sharded_over_the_batch_matches():
         with activation_rules(mesh, rules):
             return layer_norm(x, w, b, impl="pallas")
 
-    out, grads = jax.jit(lambda *a: _value_and_grads(sharded, *a))(x, w, b, dy)
-    ref, ref_grads = _value_and_grads(lambda x, w, b: reference.layer_norm(x, w, b), x, w, b, dy)
+    (out, grads), (ref, ref_grads) = _against(
+        key, (8, 6, 64), jnp.float32, sharded, reference.layer_norm
+    )
     assert_close(out, ref, 2e-5, "output", seed)
     for name, g, r in zip(("dx", "dscale", "dbias"), grads, ref_grads, strict=True):
         assert_close(g, r, 1e-4, name, seed)
-    jaxpr = str(jax.make_jaxpr(lambda *a: sharded(*a))(x, w, b))
+    x, w = jax.ShapeDtypeStruct((8, 6, 64), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(sharded)(x, w, w))
     assert "shard_map" in jaxpr
 
 

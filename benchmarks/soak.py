@@ -39,16 +39,22 @@ from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# The job's length and checkpoint interval, read whenever a job starts: the test suite sets
+# shorter ones on its own copy of this module.
 STEPS, SAVE_EVERY = 40, 4
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-JOB = [
-    "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
-    "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
-    "--data.val-fraction", "0", "--sample-tokens", "0", "--no-progress",
-    "--mesh", "data=4,tensor=2", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
-    "--keep-last", "100", "--log-every", "1", "--eval-every", "0",
-]  # fmt: skip
 TIMEOUT = 300  # seconds any one launch may take
+
+
+def train_flags() -> list[str]:
+    """The ``meshtrain train`` flags of the job: `STEPS` steps, a checkpoint every `SAVE_EVERY`."""
+    return [
+        "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
+        "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
+        "--data.val-fraction", "0", "--sample-tokens", "0", "--no-progress",
+        "--mesh", "data=4,tensor=2", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+        "--keep-last", "100", "--log-every", "1", "--eval-every", "0",
+    ]  # fmt: skip
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -62,11 +68,11 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def launch(run_dir: Path, *flags: str, job=(), extra_env=None) -> subprocess.Popen:
-    """Starts ``meshtrain launch --nproc 2 --devices-per-proc 4 FLAGS -- train JOB``; its
-    output goes to ``<run_dir>.log``."""
+    """Starts ``meshtrain launch --nproc 2 --devices-per-proc 4 FLAGS -- train`` with the job's
+    flags (`train_flags`), then `job`; its output goes to ``<run_dir>.log``."""
     log = open(f"{run_dir}.log", "w")  # noqa: SIM115 - closed by `finish`
     argv = [sys.executable, "-m", "meshtrain.cli", "launch", "--nproc", "2",
-            "--devices-per-proc", "4", *flags, "--", "train", *JOB, *job,
+            "--devices-per-proc", "4", *flags, "--", "train", *train_flags(), *job,
             "--run-dir", str(run_dir)]  # fmt: skip
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env(**(extra_env or {})), stdout=log, stderr=subprocess.STDOUT,

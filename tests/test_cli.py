@@ -342,10 +342,13 @@ def test_errors_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, mes
 
 
 @pytest.mark.slow
-def test_console_script_end_to_end(tmp_path):
+def test_console_script_end_to_end_twice_keeps_the_first_run(tmp_path):
+    """The installed ``meshtrain`` script, run twice in fresh processes (where jax must not
+    start before the CLI simulates the devices) at the default run_dir: the first run trains,
+    saves and samples; the second, the same job, moves to runs/default-1 and leaves the first
+    run as it was."""
     script = Path(sys.executable).parent / "meshtrain"
     assert script.exists(), script
-    run_dir = tmp_path / "run"
     argv = [
         str(script),
         "train",
@@ -354,20 +357,22 @@ def test_console_script_end_to_end(tmp_path):
         "--gpt.n-layers", "2",
         "--data.seq-len", "32",
         "--data.batch-size", "16",
-        "--run-dir", str(run_dir),
         "--sample-tokens", "16",
         "--eval-every", "0",
     ]  # fmt: skip
-    env = fresh_env()
-    proc = subprocess.run(
-        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420, check=False
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr}"
+    env = fresh_env()  # no device count: the CLI must simulate the devices
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420, check=False
+        )
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        outs.append(proc.stdout)
+    out = outs[0]
     assert "data=2 × fsdp=2 × tensor=2 (8 cpu devices)" in out, out
     assert "loss" in out and "final loss" in out, out
-    assert "checkpoint saved" in out, out
     assert "sample:\ndef " in out, out
+    run_dir = tmp_path / "runs" / "default"
     ckpt = run_dir / "checkpoints" / "12"
     assert f"checkpoint saved to {ckpt}" in out, out
     assert (ckpt / "state").is_dir() and (ckpt / "data").is_dir()
@@ -384,6 +389,14 @@ def test_console_script_end_to_end(tmp_path):
     }
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "train"]
     assert steps and steps == sorted(steps) and steps[-1] == 12
+    # The second run: elsewhere, and the first run's files as they were.
+    assert "this run writes to runs/default-1" in outs[1], outs[1]
+    again = tmp_path / "runs" / "default-1"
+    assert f"checkpoint saved to {again / 'checkpoints' / '12'}" in outs[1], outs[1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["12"]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [
+        r["step"] for r in read_jsonl(again / "metrics.jsonl")
+    ]  # one run's rows each, none appended to the first's
 
 
 def test_default_job_moves_to_a_fresh_run_dir_instead_of_touching_an_earlier_run(
@@ -406,27 +419,6 @@ def test_default_job_moves_to_a_fresh_run_dir_instead_of_touching_an_earlier_run
     assert cli_mod._fresh_default_run_dir(resume, said.append) is resume
     explicit = cli_mod.parse(["--run-dir", "runs/default-1"])
     assert cli_mod._fresh_default_run_dir(explicit, said.append) is explicit
-
-
-@pytest.mark.slow
-def test_running_the_default_job_twice_keeps_the_first_run(tmp_path):
-    """The second run, left at the default run_dir, moves to runs/default-1 (in a fresh
-    process, where jax must not start before the devices are simulated)."""
-    script = Path(sys.executable).parent / "meshtrain"
-    argv = [str(script), "train", "--steps", "1", "--gpt.d-model", "32", "--gpt.n-layers", "2",
-            "--data.seq-len", "32", "--data.batch-size", "16", "--sample-tokens", "0",
-            "--eval-every", "0", "--no-progress"]  # fmt: skip
-    env = fresh_env()  # no device count: the CLI must simulate the devices
-    outs = []
-    for _ in range(2):
-        proc = subprocess.run(
-            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
-        )
-        assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-        outs.append(proc.stdout)
-    assert "this run writes to runs/default-1" in outs[1], outs[1]
-    assert sorted(p.name for p in (tmp_path / "runs/default/checkpoints").iterdir()) == ["1"]
-    assert (tmp_path / "runs/default-1/checkpoints/1").is_dir()
 
 
 @pytest.mark.slow

@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs the module-scoped benchmark for both tests (under --dist loadgroup; split
+# between workers, each would run it).
+pytestmark = pytest.mark.xdist_group("communicating_less")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = {"none", "int8+ef"}
 KEYS = {

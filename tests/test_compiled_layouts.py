@@ -6,14 +6,20 @@ XLA prints that warning from C++ to stderr; the inspector's compile (`meshtrain.
 the real train step on abstract state) captures it, and the compiles run in a subprocess
 whose stderr the test reads. Two models: meshtrain's GPT, and a user's own model written here (an
 `mt.Embed` and two linears, as in the getting-started guide), which with a plain `nnx.Embed`
-makes XLA print the warning under fsdp+tp and zero1+tp.
+makes XLA print the warning under fsdp+tp and zero1+tp. One process compiles both models'
+steps (each start of Python and meshtrain costs seconds), with the persistent compilation
+cache off: a program read back from it is not compiled, so XLA would print nothing.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+# One worker runs the module-scoped compiles for both tests (under --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("compiled_layouts")
 
 LAYOUTS = [
     ("gpt2", "data=8", "dp"),
@@ -37,7 +43,7 @@ SCRIPT = textwrap.dedent(
 
     spec = DataSpec("lm", 16, 32, 256, None)
     for style, mesh_str, strategy in LAYOUTS:
-        print(f"LAYOUT {style} {mesh_str} {strategy}", file=sys.stderr, flush=True)
+        print(f"LAYOUT gpt {style} {mesh_str} {strategy}", file=sys.stderr, flush=True)
         cfg = mt.GPTConfig(style=style, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
@@ -88,7 +94,7 @@ USER_SCRIPT = textwrap.dedent(
 
     spec = DataSpec("lm", 16, 16, 256, None)
     for mesh_str, strategy in LAYOUTS:
-        print(f"LAYOUT {mesh_str} {strategy}", file=sys.stderr, flush=True)
+        print(f"LAYOUT user {mesh_str} {strategy}", file=sys.stderr, flush=True)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
         _, info = compile_step(lambda: TwoLayer(nnx.Rngs(0)), spec, mesh, rules)
@@ -98,30 +104,37 @@ USER_SCRIPT = textwrap.dedent(
 )
 
 
-def _compile_and_collect_rematerializations(script: str, layouts: list) -> list[str]:
-    """Runs `script` with LAYOUTS set in a fresh process; returns each warning with its layout."""
-    code = f"LAYOUTS = {layouts!r}\n{script}"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def rematerializations() -> dict[str, list[str]]:
+    """Runs SCRIPT on LAYOUTS, then USER_SCRIPT on USER_LAYOUTS, in one fresh process; returns
+    XLA's warnings by model ("gpt", "user"), each with its layout."""
+    code = f"LAYOUTS = {LAYOUTS!r}\n{SCRIPT}\nLAYOUTS = {USER_LAYOUTS!r}\n{USER_SCRIPT}"
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "DONE" in proc.stderr
-    layout, bad = None, []
+    assert proc.stderr.count("DONE") == 2, proc.stderr[-3000:]
+    layout, bad = None, {"gpt": [], "user": []}
+    seen = {"gpt": 0, "user": 0}
     for line in proc.stderr.splitlines():
         if line.startswith("LAYOUT "):
             layout = line.removeprefix("LAYOUT ")
+            seen[layout.split()[0]] += 1
         elif "Involuntary full rematerialization" in line:
-            bad.append(f"{layout}: {line[line.find('for HLO operation') :][:200]}")
+            model = layout.split()[0]
+            bad[model].append(f"{layout}: {line[line.find('for HLO operation') :][:200]}")
+    assert seen == {"gpt": len(LAYOUTS), "user": len(USER_LAYOUTS)}, seen
     return bad
 
 
-# Two processes of about equal work, so that pytest's two workers can share them.
 @pytest.mark.slow
-@pytest.mark.parametrize("half", [LAYOUTS[:4], LAYOUTS[4:]], ids=["dp-fsdp-zero1-tp", "2x2x2"])
-def test_no_preset_makes_xla_replicate_a_tensor_to_repartition_it(half):
-    bad = _compile_and_collect_rematerializations(SCRIPT, half)
+def test_no_preset_makes_xla_replicate_a_tensor_to_repartition_it(rematerializations):
+    bad = rematerializations["gpt"]
     assert not bad, "\n".join(bad)
 
 
 @pytest.mark.slow
-def test_a_users_model_with_mt_embed_partitions_cleanly_under_every_preset():
-    bad = _compile_and_collect_rematerializations(USER_SCRIPT, USER_LAYOUTS)
+def test_a_users_model_with_mt_embed_partitions_cleanly_under_every_preset(rematerializations):
+    bad = rematerializations["user"]
     assert not bad, "\n".join(bad)

@@ -3,12 +3,14 @@
 Six steps of the tiny GPT of `test_distributed` on the mesh data=2 × fsdp=4 with strategy fsdp
 (every parameter is sharded over all 8 devices, so each process holds only part of it):
 
-- straight: 1 process × 8 devices trains the 6 steps (``meshtrain train``);
+- straight: 1 process × 8 devices trains the 6 steps (``meshtrain train``), saving step 3 too;
 - 2 → 1: 2 processes × 4 devices train steps 1-3 of the same 6-step job and save
   (``meshtrain launch``), then 1 process × 8 devices resumes (``meshtrain train --resume``);
-- 1 → 2: the reverse. Before the 2-process resume a damaged step 5 is planted: both processes
-  skip it, process 0 sets it aside as ``5.unreadable``, and both go on from step 3, saving
-  every step (so step 5 is written afresh next to the one set aside).
+- 1 → 2: the reverse, from the straight run's step-3 checkpoint and log, copied to a run
+  directory of its own (as if that job had ended there). Before the 2-process resume a damaged
+  step 5 is planted: both processes skip it, process 0 sets it aside as ``5.unreadable``, and
+  both go on from step 3, saving every step (so step 5 is written afresh next to the one set
+  aside).
 
 The resumed runs must log the straight run's losses and end with its parameters, optimizer
 state, step and data position, within the fp32 tolerances of `test_distributed` (the process
@@ -109,17 +111,25 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The straight run, and both directions: first parts together, then both resumes."""
+    """The straight run and the first part of 2 → 1 together, then both resumes."""
     base = tmp_path_factory.mktemp("dist_ckpt")
     start = time.monotonic()
     first = _wait_all(
         {
-            "straight 1×8": _train(1, base / "straight"),
+            "straight 1×8": _train(1, base / "straight", "--save-every", str(SPLIT)),
             "2→1": _train(2, base / "2to1", stop_after=SPLIT),
-            "1→2": _train(1, base / "1to2", stop_after=SPLIT),
         },
         "first part",
     )
+    # 1 → 2 starts where a 1-process job saved step 3 and ended: the straight run's
+    # checkpoint and log of steps 1-3 (one process fewer to start and compile for).
+    first["1→2"] = first["straight 1×8"]
+    (base / "1to2" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(
+        base / "straight" / "checkpoints" / str(SPLIT), base / "1to2" / "checkpoints" / str(SPLIT)
+    )
+    logged = (base / "straight" / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (base / "1to2" / "metrics.jsonl").write_text("".join(logged[:SPLIT]))
     halves = {name: _losses(base / name) for name in ("2to1", "1to2")}
     damaged = base / "1to2" / "checkpoints" / "5"  # a newer step whose arrays cannot be read
     shutil.copytree(base / "1to2" / "checkpoints" / str(SPLIT), damaged)

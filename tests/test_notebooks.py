@@ -63,7 +63,7 @@ def _check_quickstart(nb) -> None:
     assert set(losses) == {"dp", "fsdp", "tp"}, losses
     spread = max(losses.values()) - min(losses.values())
     assert spread < LOSS_TOLERANCE, f"strategies disagree by {spread:.2e}: {losses}"
-    # A byte-level model starts at ln(256) ≈ 5.55 nats; 30 steps must get well below it.
+    # A byte-level model starts at ln(256) ≈ 5.55 nats; 20 steps must get well below it.
     assert all(loss < 4.5 for loss in losses.values()), losses
     assert any(
         "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
@@ -137,10 +137,12 @@ def _check_multihost(nb) -> None:
 
 
 def _check_long_context(nb) -> None:
-    """Ring attention on seq=8 cuts per-device memory at least 8× at 64k tokens; zig-zag
+    """Ring attention on seq=8 cuts per-device memory at least 8× at 32k tokens; zig-zag
     balances the causal work exactly."""
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
-    match = re.search(r"memory ratio at 64k: ([\d.]+)", text)
+    # 32k, not longer: the ring's compile grows with the length (about 30 CPU-s here, 60 at
+    # 64k), and the ratio is already far above 8 at 32k (it grows with the length).
+    match = re.search(r"memory ratio at 32k: ([\d.]+)", text)
     assert match and float(match.group(1)) >= 8, text
     assert "balanced work per device: [17, 17, 17, 17, 17, 17, 17, 17]" in text, text
     assert "naive work per device: [3, 7, 11, 15, 19, 23, 27, 31]" in text, text

@@ -78,5 +78,31 @@ def test_the_cache_can_be_moved_or_switched_off(monkeypatch, tmp_path):
     assert _compile_cache.directory() is None
     monkeypatch.setenv(_compile_cache.VARIABLE, str(tmp_path / "c"))
     assert _compile_cache.directory() == tmp_path / "c"
-    monkeypatch.delenv(_compile_cache.VARIABLE)
-    assert _compile_cache.directory() == _compile_cache.DEFAULT
+    monkeypatch.delenv(_compile_cache.VARIABLE)  # a run's first process: a directory of its own
+    assert _compile_cache.directory() == _compile_cache.RUNS / f"run-{os.getpid()}"
+
+
+def test_a_run_removes_what_ended_runs_left_and_keeps_a_running_ones(tmp_path):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    for name in (f"run-{ended.stdout.strip()}", f"run-{os.getpid()}", "old-layout"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "jit_f-cache").write_bytes(b"x")
+    (tmp_path / "key-cache").write_bytes(b"x")  # an entry of a cache kept between runs
+    removed = _compile_cache.remove_ended_runs(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(
+        [f"run-{ended.stdout.strip()}", "old-layout", "key-cache"]
+    )
+    assert [p.name for p in tmp_path.iterdir()] == [f"run-{os.getpid()}"]
+
+
+def test_this_run_has_its_own_cache_directory():
+    """The suite's processes share the run's directory (or the one MESHTRAIN_TEST_CACHE names),
+    never an earlier run's."""
+    path = _compile_cache.directory()
+    if path is None:  # MESHTRAIN_TEST_CACHE=off
+        assert "JAX_COMPILATION_CACHE_DIR" not in os.environ
+        return
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(path) and path.is_dir()
+    if path.parent == _compile_cache.RUNS:  # the run's own: named after a running process
+        assert _compile_cache._alive(int(path.name.removeprefix("run-")))

@@ -11,7 +11,11 @@ multi-process tests), the seconds XLA spent compiling in the pytest process (jax
 a child process's compiles count in its CPU seconds only), the programs XLA compiled and those
 the persistent compilation cache returned instead. Fixture rows are inclusive: a fixture's
 set-up counts the fixtures it requests. ``--markdown`` prints the tables for the docs;
-``--json FILE`` writes the totals and rows.
+``--json FILE`` writes the totals and rows; ``--compare FILE`` adds a table of each file's CPU
+seconds (its own and its children's) beside those of an earlier run's ``--json``.
+
+    .venv/bin/python scripts/suite_profile.py --report build/suite_profile \
+        --compare benchmarks/results/suite_profile_before.json --markdown
 """
 
 import argparse
@@ -79,6 +83,29 @@ def render(title: str, label: str, rows, limit: int, markdown: bool) -> str:
     return "\n".join([title, fmt.format(*head), *(fmt.format(*row) for row in body)])
 
 
+def compare(before: dict, by_file, limit: int, markdown: bool) -> str:
+    """Each file's CPU seconds (its own and its children's) then and now, the largest first."""
+    then = {name: r["cpu_s"] + r["child_cpu_s"] for name, r in before["files"].items()}
+    now = {name: r["cpu_s"] + r["child_cpu_s"] for name, r in by_file}
+    names = sorted(then.keys() | now.keys(), key=lambda n: -max(then.get(n, 0), now.get(n, 0)))
+    head = ["file", "CPU s before", "CPU s after", "after/before"]
+    body = [
+        [name, *(f"{run[name]:.0f}" if name in run else "-" for run in (then, now))]
+        + [f"{now[name] / then[name]:.2f}" if then.get(name) and name in now else "-"]
+        for name in names[:limit]
+    ]
+    body.append(["all files", f"{sum(then.values()):.0f}", f"{sum(now.values()):.0f}"])
+    body[-1].append(f"{sum(now.values()) / max(sum(then.values()), 1e-9):.2f}")
+    title = "CPU seconds per file (the test's own and its child processes')"
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return f"{title}\n\n" + "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([title, fmt.format(*head), *(fmt.format(*row) for row in body)])
+
+
 def totals(tests: list[dict]) -> dict:
     """The sums over every test."""
     return {f: round(sum(r[f] for r in tests), 1) for f in FIELDS} | {"tests": len(tests)}
@@ -91,6 +118,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=40, help="rows per table")
     p.add_argument("--markdown", action="store_true", help="Markdown tables (for the docs)")
     p.add_argument("--json", metavar="FILE", help="also write totals and rows as JSON")
+    p.add_argument("--compare", metavar="FILE", help="an earlier run's --json to compare with")
     p.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = p.parse_args()
 
@@ -117,6 +145,10 @@ def main() -> int:
             "Per fixture (set-ups of 1 s or more)", "fixture", by_fixture, args.top, args.markdown
         )
     )
+    if args.compare:
+        print()
+        before = json.loads(pathlib.Path(args.compare).read_text())
+        print(compare(before, by_file, args.top, args.markdown))
     if args.json:
         out = {
             "totals": total,

@@ -4,11 +4,11 @@ Run once, by hand, never by the test suite: it needs torch and transformers, whi
 not. Python 3.11, in a venv of its own (install the CPU torch==2.13.0 first and exactly, so pip
 does not pull a CUDA build)::
 
-    python3.11 -m venv /tmp/hfvenv
-    /tmp/hfvenv/bin/pip install torch==2.13.0
-    /tmp/hfvenv/bin/pip install transformers safetensors numpy
-    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py              # all fixtures
-    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py mistral qwen2  # only these
+    python3.11 -m venv .venv-hf
+    .venv-hf/bin/pip install torch==2.13.0
+    .venv-hf/bin/pip install transformers safetensors numpy
+    .venv-hf/bin/python scripts/make_hf_fixtures.py              # all fixtures
+    .venv-hf/bin/python scripts/make_hf_fixtures.py mistral qwen2  # only these
 
 The fixtures were made with torch 2.13.0+cpu, transformers 5.23.0, safetensors 0.8.0 and numpy
 2.4.6; `versions.json` beside them records what ran. Making only some fixtures is refused when

@@ -4,7 +4,7 @@
 Run once, by hand, never by the test suite, in the venv `scripts/make_hf_fixtures.py` describes
 (torch 2.13.0+cpu, transformers 5.23.0)::
 
-    /tmp/hfvenv/bin/python scripts/make_hf_mixtral_steps.py
+    .venv-hf/bin/python scripts/make_hf_mixtral_steps.py
 
 It writes, all float32:
 

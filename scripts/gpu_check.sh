@@ -156,6 +156,8 @@ record install "$([ $install_rc -eq 0 ] && echo ok || echo "failed (exit $instal
 # --- versions and device -----------------------------------------------------------------------
 if [ "$DRY" = 1 ]; then
   export JAX_PLATFORMS=cpu
+  # a dry run checks that every stage works, not how fast: XLA's cheap CPU compiles
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 else
   export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"  # tests/conftest.py defaults to cpu
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"

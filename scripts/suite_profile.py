@@ -15,7 +15,7 @@ set-up counts the fixtures it requests. ``--markdown`` prints the tables for the
 seconds (its own and its children's) beside those of an earlier run's ``--json``.
 
     .venv/bin/python scripts/suite_profile.py --report build/suite_profile \
-        --compare benchmarks/results/suite_profile_before.json --markdown
+        --compare benchmarks/results/2026-11-27-cpu-suite-profile-before.json --markdown
 """
 
 import argparse
@@ -66,21 +66,26 @@ def table(records: list[dict], key) -> list[tuple[str, dict]]:
     return sorted(rows.items(), key=lambda kv: -(kv[1]["cpu_s"] + kv[1]["child_cpu_s"]))
 
 
+def layout(title: str, head: list[str], body: list[list[str]], markdown: bool) -> str:
+    """A table with its title, as aligned text or Markdown (numbers right-aligned)."""
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return f"{title}\n\n" + "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([title, fmt.format(*head), *(fmt.format(*row) for row in body)])
+
+
 def render(title: str, label: str, rows, limit: int, markdown: bool) -> str:
-    """One table as aligned text or Markdown."""
+    """One table of `rows` (see `table`)."""
     head = [label, "n", "wall s", "CPU s", "child CPU s", "compile s", "compiled", "cache hits"]
     body = [
         [name, f"{r['n']}", f"{r['wall_s']:.0f}", f"{r['cpu_s']:.0f}", f"{r['child_cpu_s']:.0f}"]
         + [f"{r['compile_s']:.0f}", f"{r['compiled']:.0f}", f"{r['cache_hits']:.0f}"]
         for name, r in rows[:limit]
     ]
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
-        return f"{title}\n\n" + "\n".join(lines)
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    return "\n".join([title, fmt.format(*head), *(fmt.format(*row) for row in body)])
+    return layout(title, head, body, markdown)
 
 
 def compare(before: dict, by_file, limit: int, markdown: bool) -> str:
@@ -97,13 +102,21 @@ def compare(before: dict, by_file, limit: int, markdown: bool) -> str:
     body.append(["all files", f"{sum(then.values()):.0f}", f"{sum(now.values()):.0f}"])
     body[-1].append(f"{sum(now.values()) / max(sum(then.values()), 1e-9):.2f}")
     title = "CPU seconds per file (the test's own and its child processes')"
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
-        return f"{title}\n\n" + "\n".join(lines)
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    return "\n".join([title, fmt.format(*head), *(fmt.format(*row) for row in body)])
+    return layout(title, head, body, markdown)
+
+
+def earlier_run(path: str) -> dict | str:
+    """An earlier run's ``--json``, or what is wrong with `path` (one line, with the fix)."""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        return "no such file; pass the FILE an earlier run wrote with --json FILE"
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as e:
+        return f"not JSON ({e}); pass the FILE an earlier run wrote with --json FILE"
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return "no per-file table ('files'); pass the FILE an earlier run wrote with --json FILE"
+    return data
 
 
 def totals(tests: list[dict]) -> dict:
@@ -121,6 +134,10 @@ def main() -> int:
     p.add_argument("--compare", metavar="FILE", help="an earlier run's --json to compare with")
     p.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = p.parse_args()
+    before = earlier_run(args.compare) if args.compare else None
+    if isinstance(before, str):
+        print(f"suite_profile: --compare {args.compare}: {before}", file=sys.stderr)
+        return 2
 
     rc, wall = 0, None
     directory = ROOT / (args.report or args.dir)
@@ -145,9 +162,8 @@ def main() -> int:
             "Per fixture (set-ups of 1 s or more)", "fixture", by_fixture, args.top, args.markdown
         )
     )
-    if args.compare:
+    if before is not None:
         print()
-        before = json.loads(pathlib.Path(args.compare).read_text())
         print(compare(before, by_file, args.top, args.markdown))
     if args.json:
         out = {

@@ -86,8 +86,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's
-        return True
+    except PermissionError:  # someone else's process
+        pass
     return True
 
 

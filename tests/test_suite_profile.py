@@ -73,3 +73,23 @@ def test_the_run_summary_names_the_slowest_files_first():
         f"tests/test_{i}.py" for i in range(13, 3, -1)
     ]
     assert "tests/test_13.py" in _suite_times.render(s)
+
+
+def test_a_bad_compare_file_is_one_line_before_anything_runs(tmp_path):
+    (tmp_path / "not.json").write_text("{")
+    (tmp_path / "no_files.json").write_text('{"totals": {}}')
+    for name, says in [
+        ("missing.json", "no such file"),
+        ("not.json", "not JSON"),
+        ("no_files.json", "no per-file table"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "scripts/suite_profile.py", "--dir", str(tmp_path / "records"),
+             "--compare", str(tmp_path / name)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"suite_profile: --compare {tmp_path / name}: {says}"), line
+        assert "--json FILE" in line
+    assert not (tmp_path / "records").exists()  # the suite did not start

@@ -135,3 +135,52 @@ def orbax_finish_tmp_cleanup(manager) -> None:
     finish = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
     if finish is not None:
         finish()
+
+
+class _WholeShardArrays:
+    """Orbax's global type registry, but with `array_handler` for jax.Arrays."""
+
+    def __init__(self, array_handler):
+        from orbax.checkpoint import type_handlers
+
+        self._types = type_handlers
+        self._default = type_handlers.get_type_handler(jax.Array)
+        self._array = array_handler
+
+    def get(self, ty):
+        handler = self._types.get_type_handler(ty)
+        return self._array if handler is self._default else handler
+
+    def has(self, ty) -> bool:
+        return self._types.has_type_handler(ty)
+
+    def add(self, *args, **kwargs) -> None:
+        raise TypeError("meshtrain's checkpoint registry is read-only; register with orbax")
+
+
+def orbax_state_handler_without_replica_slices():
+    """An orbax `StandardCheckpointHandler` that writes each shard whole, from one replica.
+
+    Off GPUs, orbax splits the write of a replicated shard among its replicas by default,
+    slicing the shard on the devices first: a small program compiled per array shape, on every
+    save. With simulated devices every replica shares one host, and the split writes nothing
+    sooner; on GPUs orbax already writes whole shards, as it now does everywhere.
+
+    Uses ``StandardCheckpointHandler._impl`` (the handler takes no type registry) and
+    ``ArrayHandler._use_replica_parallel`` (on a copy of orbax's registered handler, so its
+    metadata store and other options stay orbax's).
+    """
+    import copy
+
+    import orbax.checkpoint as ocp
+
+    array = copy.copy(ocp.type_handlers.get_type_handler(jax.Array))
+    array._use_replica_parallel = False
+    handler = ocp.StandardCheckpointHandler()
+    handler._impl = ocp.PyTreeCheckpointHandler(  # StandardCheckpointHandler's own arguments
+        save_concurrent_gb=96,
+        restore_concurrent_gb=96,
+        use_ocdbt=True,
+        type_handler_registry=_WholeShardArrays(array),
+    )
+    return handler

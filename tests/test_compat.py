@@ -6,6 +6,7 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -77,6 +78,52 @@ def test_orbax_tmp_cleanup_hook_exists(tmp_path):
     mgr.close()
 
 
+def _lowered_while(fn) -> int:
+    """How many programs jax lowers while `fn` runs (persistent cache hits included)."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(seen)
+
+
+def test_a_save_writes_replicated_shards_whole_without_slicing_them(tmp_path):
+    """Orbax's default handler slices each replicated shard among its replicas (a program per
+    shape, per save); meshtrain's writes each shard from one replica, and reads back the same."""
+    from meshtrain.checkpoint import CheckpointManager
+    from meshtrain.state import TrainState
+
+    mesh = make_mesh("data=4,tensor=2")
+    rng = np.random.default_rng(0)
+    put = lambda a, spec: jax.device_put(a, jax.NamedSharding(mesh, spec))  # noqa: E731
+    params = {
+        "w": put(rng.standard_normal((8, 6), np.float32), P(None, "tensor")),  # 4 replicas
+        "b": put(rng.standard_normal((12,), np.float32), P()),  # 8 replicas
+    }
+    state = TrainState(step=put(np.int32(3), P()), params=params, opt_state=(), rest={})
+
+    default = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+    tree = {"params": params}
+    assert _lowered_while(lambda: default.save(tmp_path / "orbax", ocp.args.StandardSave(tree)))
+
+    mgr = CheckpointManager(tmp_path / "ck")
+    assert _lowered_while(lambda: mgr.save(1, state, wait=True)) == 0
+    back = mgr.restore(
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    )
+    mgr.close()
+    for got, want in zip(jax.tree.leaves(back.state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding == want.sharding
+
+
 @pytest.mark.parametrize(
     "module",
     [
@@ -91,5 +138,11 @@ def test_no_module_outside_compat_reaches_for_private_names(module):
     import importlib
 
     source = inspect.getsource(importlib.import_module(module))
-    for private in ("jax._src", "tyro._", "_maybe_await_cleanup", "xla_bridge"):
+    for private in (
+        "jax._src",
+        "tyro._",
+        "_maybe_await_cleanup",
+        "xla_bridge",
+        "_use_replica_parallel",
+    ):
         assert private not in source, f"{module} uses {private}: go through meshtrain._compat"

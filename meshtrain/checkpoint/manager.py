@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from meshtrain import validate
-from meshtrain._compat import orbax_finish_tmp_cleanup
+from meshtrain._compat import orbax_finish_tmp_cleanup, orbax_state_handler_without_replica_slices
 from meshtrain.checkpoint.targets import layout_mismatch
 from meshtrain.problem import Problem
 from meshtrain.state import TrainState
@@ -116,7 +116,7 @@ class CheckpointManager:
             read_only=read_only,
         )
         handlers = {
-            "state": ocp.StandardCheckpointHandler(),
+            "state": orbax_state_handler_without_replica_slices(),
             "data": ocp.JsonCheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
         }

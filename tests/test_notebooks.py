@@ -137,12 +137,12 @@ def _check_multihost(nb) -> None:
 
 
 def _check_long_context(nb) -> None:
-    """Ring attention on seq=8 cuts per-device memory at least 8× at 32k tokens; zig-zag
+    """Ring attention on seq=8 cuts per-device memory at least 8× at 4k tokens; zig-zag
     balances the causal work exactly."""
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
-    # 32k, not longer: the ring's compile grows with the length (about 30 CPU-s here, 60 at
-    # 64k), and the ratio is already far above 8 at 32k (it grows with the length).
-    match = re.search(r"memory ratio at 32k: ([\d.]+)", text)
+    # 4k, not longer: the ring's compile grows with the length (about 7 CPU-s at 4k, 30 at
+    # 32k), and the ratio is already far above 8 at 4k (it grows with the length).
+    match = re.search(r"memory ratio at 4k: ([\d.]+)", text)
     assert match and float(match.group(1)) >= 8, text
     assert "balanced work per device: [17, 17, 17, 17, 17, 17, 17, 17]" in text, text
     assert "naive work per device: [3, 7, 11, 15, 19, 23, 27, 31]" in text, text
@@ -187,14 +187,14 @@ def _named_values(text: str, label: str) -> dict[str, float]:
 
 def _check_communicating_less(nb) -> None:
     """Every scheme trained from the same start; lossless-enough codes track fp32; the
-    inspected bytes per step are bf16 ½, int8 ¼ of fp32's, local SGD's fall with H and
+    inspected bytes per step are bf16 ½, int8 ¼ of fp32's, local SGD's fall as 1/H and
     staleness sends what synchronous training sends."""
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
     losses = _named_values(text, "final losses")
     sent = _named_values(text, "bytes per step")
     codecs = [c + s for c in ("bf16", "int8", "topk:0.01", "sign") for s in ("", "+ef")]
-    local = [f"{k} H={h}" for k in ("local", "diloco") for h in (1, 4, 16)]
-    stale = [f"staleness {s}" for s in (0, 1, 4, 16)]
+    local = [f"{k} H={h}" for k in ("local", "diloco") for h in (1, 8)]
+    stale = [f"staleness {s}" for s in (0, 1, 4)]
     assert set(losses) == set(sent) == {"none", *codecs, *local, *stale}, sorted(losses)
     assert all(0 < v < 5.6 for v in losses.values()), losses  # finite, below ln 256 + noise
     assert losses["none"] < 4.5, losses  # it learned
@@ -203,7 +203,7 @@ def _check_communicating_less(nb) -> None:
     ratio = {k: v / sent["none"] for k, v in sent.items()}
     assert 0.45 <= ratio["bf16+ef"] <= 0.55 and 0.225 <= ratio["int8+ef"] <= 0.275, ratio
     assert ratio["sign+ef"] < ratio["int8+ef"] and ratio["topk:0.01+ef"] < ratio["int8+ef"]
-    assert ratio["local H=16"] < ratio["local H=4"] < ratio["local H=1"], ratio
+    assert all(0.1 < ratio[f"{k} H=8"] < 0.15 < ratio[f"{k} H=1"] for k in ("local", "diloco"))
     assert all(sent[k] == sent["none"] for k in stale), sent
     assert any(
         "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])

@@ -310,7 +310,8 @@ def _check(case, tmp_path):
         other, other_shardings, next_step = _setup(case, *case.resume_onto, None, case.accum)
         target = abstract_target(other, other_shardings)
     start = jax.tree.map(np.asarray, ref_state.params)
-    want_loss, want_params, _ = _train(case, ref_state, ref_step, batches)
+    # the one-device run's third step is the resumed run's reference
+    want_loss, want_params, _ = _train(case, ref_state, ref_step, batches[: STEPS + case.resume])
 
     state, _, step = _setup(case, case.mesh, case.strategy, None, case.accum, offload=case.offload)
     loss, params, state = _train(case, state, step, batches[:STEPS])

@@ -424,20 +424,28 @@ def test_fp32_gradient_bytes_are_one_all_reduce_of_the_parameters(models, compil
     assert 4 * n <= reduced <= 4 * n + 64  # + the loss and metrics' scalars
 
 
-def test_int8_gradient_bytes_are_a_quarter_of_fp32(compiled):
-    ratio = _wire(compiled("int8")) / _wire(compiled("none"))
+def _fp32_ring(n):
+    """Ring all-reduce bytes each device sends for `n` float32 values over the R replicas."""
+    return 2 * (R - 1) / R * 4 * n
+
+
+KNOWN = sum(math.prod(s) for s in SHAPES.values())  # entries of the known tensors
+
+
+def test_int8_gradient_bytes_are_a_quarter_of_fp32(codec_runs):
+    # On the known tensors (same mesh, R = 8): one whole-block tensor, one padded.
+    hlo = codec_runs("int8")[-1]
+    ratio = _wire(hlo) / _fp32_ring(KNOWN)
     assert abs(ratio - 0.25) <= 0.025, ratio
-    cs, _ = _rows(compiled("int8"))
+    cs, _ = _rows(hlo)
     assert {d for c in cs if c.kind in ("all-to-all", "all-gather") for d in c.dtypes} >= {"s8"}
 
 
 def test_bf16_bytes_are_half_of_fp32_on_uint16_payloads(codec_runs):
-    # On the known tensors (same mesh, R = 8): XLA's CPU backend widens a bfloat16 all-gather
-    # to float32 and aborts on a bfloat16 all-reduce, so the payloads travel as uint16 bits.
+    # On the known tensors: XLA's CPU backend widens a bfloat16 all-gather to float32 and
+    # aborts on a bfloat16 all-reduce, so the payloads travel as uint16 bits.
     hlo = codec_runs("bf16")[-1]
-    n = sum(math.prod(s) for s in SHAPES.values())
-    fp32_ring = 2 * (R - 1) / R * 4 * n
-    ratio = _wire(hlo) / fp32_ring
+    ratio = _wire(hlo) / _fp32_ring(KNOWN)
     assert abs(ratio - 0.5) <= 0.05, ratio
     cs, _ = _rows(hlo)
     moved = [c for c in cs if c.kind in ("all-to-all", "all-gather")]
@@ -445,21 +453,23 @@ def test_bf16_bytes_are_half_of_fp32_on_uint16_payloads(codec_runs):
     assert not [c for c in cs if c.kind == "all-reduce" and c.result_bytes > 64]
 
 
-def test_topk_gathers_exactly_R_k_values_and_indices_per_tensor(models, compiled):
-    codec = parse_compression("topk:0.01")
-    cs, _ = _rows(compiled("topk:0.01"))
+def test_topk_gathers_exactly_R_k_values_and_indices_per_tensor(codec_runs):
+    codec, *_, hlo = codec_runs("topk:0.01")
+    cs, _ = _rows(hlo)
     gathered = sum(c.count * c.buffer_bytes for c in cs if c.kind == "all-gather")
-    assert gathered == sum(R * codec.kept(n) * (4 + 4) for n in _param_sizes(models))
+    sizes = [math.prod(s) for s in SHAPES.values()]
+    assert gathered == sum(R * codec.kept(n) * (4 + 4) for n in sizes)
 
 
-def test_sign_gathers_one_bit_per_entry_and_a_scale_per_tensor(models, compiled):
-    cs, _ = _rows(compiled("sign"))
+def test_sign_gathers_one_bit_per_entry_and_a_scale_per_tensor(codec_runs):
+    hlo = codec_runs("sign")[-1]
+    cs, _ = _rows(hlo)
     gathered = sum(c.count * c.buffer_bytes for c in cs if c.kind == "all-gather")
-    sizes = _param_sizes(models)
+    sizes = [math.prod(s) for s in SHAPES.values()]
     assert gathered == sum(R * (math.ceil(n / 8) + 4) for n in sizes)
     # Each replica sends 1/32 of its float32 gradient; an all-gather of R such payloads
     # moves R/64 of a float32 ring all-reduce's bytes.
-    ratio = _wire(compiled("sign")) / _wire(compiled("none"))
+    ratio = _wire(hlo) / _fp32_ring(KNOWN)
     assert abs(ratio - R / 64) <= 0.1 * R / 64, ratio
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cp_helpers import errors_vs_full, qkv
+from _helpers import initial_values
 from flax import nnx
 
 from meshtrain import context_parallel as cp
@@ -148,13 +149,8 @@ def _train(cfg, mesh_str, values, devices=None):
     """STEPS steps from `values`: the losses and the final parameters."""
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for("dp", mesh, context_parallel="ring")
-
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
-    graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
+    # `values` moved into the layout (no initialiser program is compiled)
+    graphdef, state, shardings = init_train_state(lambda: build_model(cfg), TX, mesh, rules, values)
     data = _batches(cfg)
     run = RunSpec(mesh=mesh, rules=rules)
     step = jit_train_step(run, graphdef, TX, shardings, batch_shardings(data[0], mesh, rules))
@@ -176,9 +172,7 @@ def test_gpt_with_the_kernel_on_seq4_data2_equals_one_device(monkeypatch):
     data=2 equal the same model's single-device run (whose attention is the flash kernel
     without positions): losses and parameters."""
     cfg = dataclasses.replace(GPT, remat="full")
-    values = jax.tree.map(
-        np.asarray, jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
-    )
+    values = initial_values(cfg)
     calls = []
     for name in ("block_forward", "block_backward"):
         real = getattr(flash, name)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cp_helpers import qkv
+from _helpers import initial_values
 from flax import nnx
 
 from meshtrain import context_parallel as cp
@@ -195,12 +196,6 @@ def _train(cfg, tx, mesh_str, context, values, data, devices=None):
     return np.array(losses), jax.tree.map(np.asarray, state.params)
 
 
-def _initial(cfg):
-    return jax.tree.map(
-        np.asarray, jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
-    )
-
-
 _REF: dict = {}
 
 
@@ -232,7 +227,7 @@ def test_gpt_on_packed_batches_on_seq4_data2_equals_one_device(model, algorithm)
     the single-device run: losses (the mean over the whole batch's real tokens) and every
     parameter."""
     cfg, tx, atol = MODELS[model]
-    values, data = _initial(cfg), _batches(cfg, seed=len(model))
+    values, data = initial_values(cfg), _batches(cfg, seed=len(model))
     loss, params = _train(cfg, tx, "seq=4,data=2", algorithm, values, data)
     loss_1, params_1 = _one_device(cfg, tx, values, data, model)
     np.testing.assert_allclose(loss, loss_1, rtol=0, atol=1e-5)

@@ -347,11 +347,17 @@ def test_byte_level_default_is_not_padded():
     """vocab 256 keeps its shapes and its exact numbers (parameters and logits)."""
     default, plain = GPTConfig(), GPTConfig(vocab_multiple=1)
     assert default.vocab_multiple == 128 and default.padded_vocab == 256
-    a, b = params_of(build_model(default)), params_of(build_model(plain))
+    x = np.random.default_rng(0).integers(0, 256, (2, 16), np.int32)
+
+    @jax.jit
+    def built(x):  # both models' parameters and logits, in one program
+        models = [build_model(default), build_model(plain)]
+        return [params_of(m) for m in models], [m(x) for m in models]
+
+    (a, b), (logits_a, logits_b) = built(x)
     for path in b:
         np.testing.assert_array_equal(a[path], b[path], err_msg=path)
-    x = np.random.default_rng(0).integers(0, 256, (2, 16), np.int32)
-    np.testing.assert_array_equal(logits(default, x), logits(plain, x))
+    np.testing.assert_array_equal(logits_a, logits_b)
 
 
 @pytest.mark.parametrize("style, tied", [("gpt2", True), ("llama", False)])
@@ -360,7 +366,8 @@ def test_padded_vocabulary_is_masked_and_changes_nothing_else(style, tied):
     gradient, and the loss and real gradients equal those of the unpadded model."""
     config = gpt_config(style, vocab_size=PV, tie_embeddings=tied)
     assert config.padded_vocab == 384
-    model = build_model(config, seed=1)
+    model = nnx.eval_shape(lambda: build_model(config, seed=1))
+    nnx.update(model, jax.jit(lambda: nnx.state(build_model(config, seed=1)))())  # one program
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     p = params_of(model)
     assert p["embed/embedding"].shape == (384, 64)
@@ -369,11 +376,12 @@ def test_padded_vocabulary_is_masked_and_changes_nothing_else(style, tied):
     x = np.random.default_rng(2).integers(0, PV, (B, T + 1), np.int32)
 
     def loss(params, graphdef=graphdef, rest=rest):
-        return cross_entropy(nnx.merge(graphdef, params, rest)(x[:, :-1]), x[:, 1:])
+        out = nnx.merge(graphdef, params, rest)(x[:, :-1])
+        return cross_entropy(out, x[:, 1:]), out
 
-    out = logits(config, x[:, :-1], nnx.state(model))
-    assert np.all(out[..., PV:] == layers.PADDED_LOGIT)
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    # the logits come out of the loss's own program
+    (value, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    assert np.all(np.asarray(out)[..., PV:] == layers.PADDED_LOGIT)
     g = {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
     assert np.all(g["embed/embedding"][PV:] == 0) and np.any(g["embed/embedding"][:PV])
     assert tied or (np.all(g["head/kernel"][:, PV:] == 0) and np.any(g["head/kernel"][:, :PV]))
@@ -381,7 +389,7 @@ def test_padded_vocabulary_is_masked_and_changes_nothing_else(style, tied):
     plain, plain_params = _sliced_to_vocab(config, params)
     plain_graphdef, _, plain_rest = nnx.split(abstract(plain), nnx.Param, ...)
     plain_loss = functools.partial(loss, graphdef=plain_graphdef, rest=rest)
-    want, want_grads = jax.jit(jax.value_and_grad(plain_loss))(plain_params)
+    (want, _), want_grads = jax.jit(jax.value_and_grad(plain_loss, has_aux=True))(plain_params)
     np.testing.assert_allclose(float(value), float(want), rtol=1e-6)  # fp32, one more sum
     _, sliced = _sliced_to_vocab(config, grads)
     for (path, got), (_, ref) in zip(

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import initial_values
 from flax import nnx
 
 from meshtrain import context_parallel as cp
@@ -59,13 +60,8 @@ def _train(cfg, mesh_str, values, devices=None):
     """STEPS steps from `values`: per step the metrics, and the final parameters."""
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for("dp", mesh)
-
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
-    graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
+    # `values` moved into the layout (no initialiser program is compiled)
+    graphdef, state, shardings = init_train_state(lambda: build_model(cfg), TX, mesh, rules, values)
     data = _batches(cfg)
     run = RunSpec(mesh=mesh, rules=rules)
     step = jit_train_step(run, graphdef, TX, shardings, batch_shardings(data[0], mesh, rules))
@@ -86,9 +82,7 @@ def _train(cfg, mesh_str, values, devices=None):
 )
 def test_moe_on_seq2_expert2_data2_equals_one_device(kind):
     cfg = CONFIGS[kind]
-    values = jax.tree.map(
-        np.asarray, jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
-    )
+    values = initial_values(cfg)
     got, params, state = _train(cfg, "seq=2,expert=2,data=2", values)
     want, params_1, _ = _train(cfg, "data=1", values, devices=jax.devices()[:1])
     names = ["loss", "task_loss"] + [k for k in want[0] if k.startswith("moe_")]
@@ -109,15 +103,24 @@ def test_the_moe_runs_the_tokens_in_the_balanced_order_under_seq():
     """`embed_tokens` puts the tokens in the zig-zag order under seq > 1 and `head_logits`
     restores theirs (the logits equal the plain forward's); the run check takes seq > 1."""
     cfg = CONFIGS["capacity"]
-    model = build_model(cfg, seed=0)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+    nnx.replace_by_pure_dict(state, initial_values(cfg))
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, (B, T)), jnp.int32)
-    want = model.embed(tokens)
     mesh = make_mesh("seq=2,expert=2,data=2")
-    with jax.set_mesh(mesh), activation_rules(mesh, rules_for("dp", mesh)):
-        x = model.embed_tokens(tokens)
-        np.testing.assert_array_equal(x, want[:, cp.order(T, 2)])
-        back = model.head_logits(x)
-    np.testing.assert_allclose(back, model.head_logits(want), rtol=0, atol=1e-6)
+
+    @jax.jit
+    def run(state, tokens):  # one program: the plain path, and the split one under the mesh
+        model = nnx.merge(graphdef, state)
+        want = model.embed(tokens)
+        with activation_rules(mesh, rules_for("dp", mesh)):
+            x = model.embed_tokens(tokens)
+            back = model.head_logits(x)
+        return want, x, back, model.head_logits(want)
+
+    with jax.set_mesh(mesh):
+        want, x, back, plain = run(state, tokens)
+    np.testing.assert_array_equal(x, np.asarray(want)[:, cp.order(T, 2)])
+    np.testing.assert_allclose(back, plain, rtol=0, atol=1e-6)
     sizes = dict(pipe=1, data=2, fsdp=1, expert=2, seq=2, tensor=1)
     data = DataSpec("lm", B, T, 64)
     assert check_run(RunSpec(model=cfg, data=data, mesh=sizes, rules=rules_for("dp", sizes))) == []

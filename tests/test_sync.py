@@ -3,6 +3,8 @@ refusals, bounded staleness against a hand-run reference, and the ``comm`` state
 through a checkpoint. The codecs and local SGD have their own files (test_compression.py,
 test_local_sgd.py)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,18 +59,26 @@ def _train(mesh_str, strategy, sync, batches, accum=1):
     return history, state
 
 
+@functools.cache
+def _run(mesh_str, strategy, sync, n):
+    """`_train` over `_batches(n)`, run once per setting in the file."""
+    return _train(mesh_str, strategy, sync, _batches(n))
+
+
 def _reference_stale(s, batches):
-    """Single-device SGD whose update at step t applies the gradient taken at step t - s."""
+    """Single-device SGD whose update at step t applies the gradient taken at step t - s (the
+    gradient jitted, the updates in numpy)."""
     graphdef, params, rest = nnx.split(build_model(MLP), nnx.Param, ...)
-    params = nnx.to_pure_dict(params)
+    params = jax.device_get(nnx.to_pure_dict(params))
 
     def loss(p, b):
         logits = nnx.merge(graphdef, p, rest)(b["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
 
+    grad = jax.jit(jax.grad(loss))
     history, grads = [params], []
     for t, b in enumerate(batches):
-        grads.append(jax.grad(loss)(history[t], b))
+        grads.append(jax.device_get(grad(history[t], b)))
         if t >= s:
             params = jax.tree.map(lambda p, g: p - LR * g, params, grads[t - s])
         history.append(params)
@@ -82,9 +92,8 @@ def _reference_stale(s, batches):
 @pytest.mark.pair("fsdp", "staleness")
 @pytest.mark.pair("tp", "staleness")
 def test_staleness_applies_the_gradient_of_s_steps_before(mesh_str, strategy):
-    batches = _batches()
-    want = _reference_stale(2, batches)
-    got, state = _train(mesh_str, strategy, SyncConfig(staleness=2), batches)
+    want = _reference_stale(2, _batches())
+    got, state = _run(mesh_str, strategy, SyncConfig(staleness=2), STEPS)
     for t, (g, w) in enumerate(zip(got, want, strict=True)):
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w), strict=True):
             np.testing.assert_allclose(a, b, atol=2e-6, err_msg=f"step {t}")
@@ -96,15 +105,16 @@ def test_staleness_applies_the_gradient_of_s_steps_before(mesh_str, strategy):
 
 
 def test_staleness_zero_is_the_normal_step():
-    batches = _batches(3)
-    plain, _ = _train("data=8", "dp", None, batches)
-    zero, state = _train("data=8", "dp", SyncConfig(staleness=0), batches)
+    """Staleness 0 keeps no ring and takes the plain step's parameters, bit for bit, where a
+    stale run (the staleness test's, staleness 2) has moved elsewhere after 3 steps."""
+    plain, _ = _run("data=8", "dp", None, 3)
+    zero, state = _run("data=8", "dp", SyncConfig(staleness=0), 3)
     assert state.comm == {}
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(zero), strict=True):
         np.testing.assert_array_equal(a, b)
-    # and the stale run really differs from it
-    stale, _ = _train("data=8", "dp", SyncConfig(staleness=1), batches)
-    assert not np.allclose(jax.tree.leaves(stale[-1])[0], jax.tree.leaves(plain[-1])[0])
+    # and the stale run really differs from it (its first 3 batches are these)
+    stale, _ = _run("data=8", "dp", SyncConfig(staleness=2), STEPS)
+    assert not np.allclose(jax.tree.leaves(stale[3])[0], jax.tree.leaves(plain[-1])[0])
 
 
 @pytest.mark.pair("hsdp", "compression")
@@ -157,8 +167,8 @@ def _trainer(tmp_path, sync, steps, resume=False):
     ids=["staleness", "diloco", "int8-residual", "gossip-mid-average", "federated-mid-round"],
 )
 def test_comm_state_survives_a_checkpoint_and_other_settings_are_refused(tmp_path, sync):
-    whole = _trainer(tmp_path / "whole", sync, 6)
-    whole.fit()
+    """A run cut at step 3 saves its ``comm`` state, restores it exactly, and ends where the
+    run that went on in memory ends; another sync setting refuses the checkpoint."""
     first = _trainer(tmp_path / "cut", sync, 6)
     first.fit(until=3)
     first.save(wait=True)
@@ -171,11 +181,14 @@ def test_comm_state_survives_a_checkpoint_and_other_settings_are_refused(tmp_pat
     # what was saved is not the initial state: gradients in flight, replicas' own parameters
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(ring)) > 0
     again.fit()
+    again.checkpoints.close()
+    first.checkpoints = None  # the unbroken run: the cut one going on, saving nothing more
+    first.fit()
+    assert int(first.state.step) == 6
     for a, b in zip(
-        jax.tree.leaves(whole.state.params), jax.tree.leaves(again.state.params), strict=True
+        jax.tree.leaves(first.state.params), jax.tree.leaves(again.state.params), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    again.checkpoints.close()
     with pytest.raises(ValueError, match="other synchronisation settings"):
         _trainer(tmp_path / "cut", SyncConfig(), 6, resume=True)
 

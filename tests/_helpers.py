@@ -40,6 +40,14 @@ def fresh_env(devices: int | None = None) -> dict[str, str]:
     return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": count + FAST_COMPILE}
 
 
+def copied(state):
+    """A copy of `state` on its own buffers, with the same shardings: for a step that donates
+    its input, so that a state built once can start several runs."""
+    import jax
+
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+
+
 def initial_values(cfg) -> dict:
     """A model config's initial values on the host, as a pure dict (built once per config and
     shared, so every layout and run of a test starts from the same numbers)."""

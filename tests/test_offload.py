@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import initial_values
+from _helpers import copied, initial_values
 from flax import nnx
 
 from meshtrain import offload
@@ -51,7 +51,7 @@ def _setup(model, mesh_str, strategy, off=NO_OFFLOAD, devices=None, pipeline=NO_
     state, shardings, jitted, mesh, rules = _built(
         model, mesh_str, strategy, off, devices, pipeline
     )
-    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+    state = copied(state)
     return state, shardings, (lambda s, b: jitted(s, shard_batch(b, mesh, rules))), jitted
 
 

@@ -182,6 +182,7 @@ def test_comm_state_survives_a_checkpoint_and_other_settings_are_refused(tmp_pat
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(ring)) > 0
     again.fit()
     again.checkpoints.close()
+    first.checkpoints.close()
     first.checkpoints = None  # the unbroken run: the cut one going on, saving nothing more
     first.fit()
     assert int(first.state.step) == 6

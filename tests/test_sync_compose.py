@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import copied
 from flax import nnx
 
 from meshtrain import checkpoint as ckpt
@@ -196,7 +197,7 @@ def _train(cfg, mesh_str, sync, batches, pipeline=None, accum=1):
     mesh = make_mesh(mesh_str)
     rules = rules_for("dp", mesh)
     graphdef, state, sh = _initial(cfg, mesh_str)
-    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+    state = copied(state)
     state, sh = with_sync(sync, TX, state, sh, mesh, rules)
     extra = {"train": TrainConfig(accum_steps=accum)}
     extra |= {} if pipeline is None else {"pipeline": pipeline}

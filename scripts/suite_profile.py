@@ -9,10 +9,12 @@ Columns: wall seconds (summed over the tests of a file, whichever worker ran the
 of the pytest process and of the child processes it waited for (CLI runs, notebook kernels,
 multi-process tests), the seconds XLA spent compiling in the pytest process (jax reports them;
 a child process's compiles count in its CPU seconds only), the programs XLA compiled and those
-the persistent compilation cache returned instead. Fixture rows are inclusive: a fixture's
-set-up counts the fixtures it requests. ``--markdown`` prints the tables for the docs;
-``--json FILE`` writes the totals and rows; ``--compare FILE`` adds a table of each file's CPU
-seconds (its own and its children's) beside those of an earlier run's ``--json``.
+the persistent compilation cache returned instead, and the seconds jax spent tracing functions
+to jaxprs and lowering those to StableHLO (in the pytest process too). Fixture rows are
+inclusive: a fixture's set-up counts the fixtures it requests. ``--markdown`` prints the
+tables for the docs; ``--json FILE`` writes the totals and rows; ``--compare FILE`` adds a
+table of each file's CPU seconds (its own and its children's) beside those of an earlier
+run's ``--json``.
 
     .venv/bin/python scripts/suite_profile.py --report build/suite_profile \
         --compare benchmarks/results/2026-11-27-cpu-suite-profile-before.json --markdown
@@ -20,6 +22,8 @@ seconds (its own and its children's) beside those of an earlier run's ``--json``
 
 import argparse
 import collections
+import datetime
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -31,6 +35,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAKE_TEST_ARGS = ["-n", "2", "--dist", "loadgroup", "-q", "-m", "not kit and not lowest"]
 FIELDS = ("wall_s", "cpu_s", "child_cpu_s", "compile_s", "compiled", "cache_hits")
+FIELDS += ("trace_s", "lower_s")
 
 
 def run_suite(directory: pathlib.Path, pytest_args: list[str]) -> tuple[int, float]:
@@ -62,7 +67,7 @@ def table(records: list[dict], key) -> list[tuple[str, dict]]:
         row = rows[key(r)]
         row["n"] += 1
         for f in FIELDS:
-            row[f] += r[f]
+            row[f] += r.get(f, 0.0)  # records of older runs lack trace_s, lower_s
     return sorted(rows.items(), key=lambda kv: -(kv[1]["cpu_s"] + kv[1]["child_cpu_s"]))
 
 
@@ -80,9 +85,11 @@ def layout(title: str, head: list[str], body: list[list[str]], markdown: bool) -
 def render(title: str, label: str, rows, limit: int, markdown: bool) -> str:
     """One table of `rows` (see `table`)."""
     head = [label, "n", "wall s", "CPU s", "child CPU s", "compile s", "compiled", "cache hits"]
+    head += ["trace s", "lower s"]
     body = [
         [name, f"{r['n']}", f"{r['wall_s']:.0f}", f"{r['cpu_s']:.0f}", f"{r['child_cpu_s']:.0f}"]
         + [f"{r['compile_s']:.0f}", f"{r['compiled']:.0f}", f"{r['cache_hits']:.0f}"]
+        + [f"{r['trace_s']:.0f}", f"{r['lower_s']:.0f}"]
         for name, r in rows[:limit]
     ]
     return layout(title, head, body, markdown)
@@ -119,9 +126,24 @@ def earlier_run(path: str) -> dict | str:
     return data
 
 
+def cache_at_start() -> str:
+    """The compilation cache the run will use (`tests/_compile_cache.py`) and what it holds."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import _compile_cache
+
+    path = _compile_cache.directory()
+    if path is None:
+        return "off"
+    if path.parent == _compile_cache.RUNS:
+        return "the run's own, empty at the start"
+    entries = sum(1 for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
+    where = str(path).replace(str(pathlib.Path.home()), "~", 1)
+    return f"{where}, {entries} entries at the start"
+
+
 def totals(tests: list[dict]) -> dict:
     """The sums over every test."""
-    return {f: round(sum(r[f] for r in tests), 1) for f in FIELDS} | {"tests": len(tests)}
+    return {f: round(sum(r.get(f, 0.0) for r in tests), 1) for f in FIELDS} | {"tests": len(tests)}
 
 
 def main() -> int:
@@ -139,9 +161,10 @@ def main() -> int:
         print(f"suite_profile: --compare {args.compare}: {before}", file=sys.stderr)
         return 2
 
-    rc, wall = 0, None
+    rc, wall, cache = 0, None, None
     directory = ROOT / (args.report or args.dir)
     if not args.report:
+        cache = cache_at_start()
         rc, wall = run_suite(directory, args.pytest_args)
     records = load(directory)
     if not records:
@@ -167,6 +190,11 @@ def main() -> int:
         print(compare(before, by_file, args.top, args.markdown))
     if args.json:
         out = {
+            "machine": f"{os.cpu_count()} CPU cores, pytest {' '.join(MAKE_TEST_ARGS[:2])}",
+            "jax": importlib.metadata.version("jax"),
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join(["scripts/suite_profile.py", *sys.argv[1:]]),
+            **({"cache": cache} if cache is not None else {}),
             "totals": total,
             "files": dict(by_file),
             "fixtures": dict(by_fixture),

@@ -5,7 +5,8 @@ process (the controller and every xdist worker) appends one JSON line per test a
 set-up to ``DIR/<worker>.jsonl``. A record holds the wall seconds, the CPU seconds of this
 process and of the child processes it waited for (CLI runs, notebook kernels, the
 multi-process tests), the seconds jax spent in XLA's backend compiles in this process, how
-many programs XLA compiled and how many came from the persistent compilation cache.
+many programs XLA compiled and how many came from the persistent compilation cache, and the
+seconds jax spent tracing programs to jaxprs and lowering jaxprs to StableHLO.
 """
 
 import json
@@ -16,6 +17,8 @@ import pytest
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
+TRACE = "/jax/core/compile/jaxpr_trace_duration"
+LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
 
 class _Counters:
@@ -25,6 +28,8 @@ class _Counters:
         self.compile_s = 0.0
         self.events = 0
         self.hits = 0
+        self.trace_s = 0.0
+        self.lower_s = 0.0
         self.names: set[str] = set()
 
     def on_duration(self, event, duration, **kwargs):
@@ -32,13 +37,21 @@ class _Counters:
             self.compile_s += duration
             self.events += 1
             self.names.add(str(kwargs.get("fun_name", "")))
+        elif event == TRACE:
+            self.trace_s += duration
+        elif event == LOWER:
+            self.lower_s += duration
 
     def on_event(self, event, **kwargs):
         if event == CACHE_HIT:
             self.hits += 1
 
     def snapshot(self):
-        return (self.compile_s, self.events, self.hits, time.perf_counter(), _cpu())
+        return (
+            (self.compile_s, self.events, self.hits, self.trace_s, self.lower_s),
+            time.perf_counter(),
+            _cpu(),
+        )
 
 
 def _cpu():
@@ -47,7 +60,7 @@ def _cpu():
 
 
 def _delta(before, after):
-    (c0, e0, h0, w0, (s0, k0)), (c1, e1, h1, w1, (s1, k1)) = before, after
+    ((c0, e0, h0, t0, l0), w0, (s0, k0)), ((c1, e1, h1, t1, l1), w1, (s1, k1)) = before, after
     return {
         "wall_s": round(w1 - w0, 4),
         "cpu_s": round(s1 - s0, 4),
@@ -56,6 +69,8 @@ def _delta(before, after):
         # A persistent-cache hit is reported as a backend compile too (it wraps the lookup).
         "compiled": (e1 - e0) - (h1 - h0),
         "cache_hits": h1 - h0,
+        "trace_s": round(t1 - t0, 4),
+        "lower_s": round(l1 - l0, 4),
     }
 
 

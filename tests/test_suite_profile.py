@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import version
 from pathlib import Path
 
 import _suite_times
@@ -48,6 +49,8 @@ def test_the_profile_counts_a_files_programs_and_its_childrens_cpu(tmp_path):
     ((name, row),) = after["files"].items()
     assert Path(name).name == "test_tiny.py" and row["n"] == 2
     assert row["compiled"] == 2 and row["cache_hits"] == 0 and row["compile_s"] > 0
+    assert row["trace_s"] > 0 and row["lower_s"] > 0  # each program was traced and lowered
+    assert after["cache"] == "off" and after["jax"] == version("jax") and after["date"]
     assert row["child_cpu_s"] > 0.2  # the child's loop, counted for the test that waited
     # against an earlier run of 100 CPU-s: the ratio of the two
     before = tmp_path / "before.json"

@@ -1,23 +1,24 @@
 """The suite's shared compilation cache: one directory that jax's persistent compilation cache
 writes every compiled program to, read by every process of a suite run (the xdist workers, the
-CLI runs, the notebook kernels, the launched multi-process jobs, the benchmark scripts).
+CLI runs, the notebook kernels, the launched multi-process jobs, the benchmark scripts) and by
+the next run on the same machine.
 
 conftest.py calls `configure` before jax is imported. It sets jax's own environment variables
 (``JAX_COMPILATION_CACHE_DIR``, and a minimum compile time and entry size of zero, so the
 suite's many small programs are kept too); child processes inherit them with the rest of the
 environment, so a program one process compiled is read from disk by the next that compiles
-the same program. jax keys an entry by the program with its debug information stripped, the
-jaxlib version, the XLA flags (the simulated device count excluded) and the compile options,
-so a stale or foreign entry is never read: a changed program is a new key.
+the same program. jax keys an entry by the program with its debug information stripped (so a
+clone in another folder reads the same entries), the jaxlib version, the XLA flags (the
+simulated device count excluded) and the compile options: a changed program is a new key, and
+a stale or foreign entry is never read.
 
-The directory is the run's own, ``build/jax-cache/run-<pid>`` (the pid of the run's first
-process), removed when that process ends; a run that was killed leaves its directory to the
-next run, which removes it. It does not persist between runs: jaxlib 0.12's CPU executables
-read back from an earlier run's cache crash some programs' steps (a segmentation fault in the
-pipelined MoE step of ``tests/test_moe_pipeline.py`` and in local SGD's step of
-``tests/test_run.py``, measured 2026-11-28), though a second run would spend about half the
-CPU seconds. ``MESHTRAIN_TEST_CACHE`` names a directory to keep between runs anyway (pruned to
-`MAX_BYTES`, oldest entries first), or ``off`` for none.
+The directory is kept between runs, ``$XDG_CACHE_HOME/meshtrain/test-xla-cache`` (else
+``~/.cache/...``), pruned to `MAX_BYTES` (oldest entries first) by each run's first process.
+``MESHTRAIN_TEST_CACHE`` names another directory, ``run`` for one of the run's own (under
+``build/jax-cache``, removed when the run ends: the cold run of a fresh machine), or ``off``
+for none. Programs that jaxlib 0.12's CPU client cannot read back are never written
+(`_cache_guard`); `configure` puts ``tests/_site`` on ``PYTHONPATH`` so that the run's other
+Python processes keep them out too.
 """
 
 import atexit
@@ -25,35 +26,52 @@ import os
 import shutil
 from pathlib import Path
 
+import _cache_guard
+
 VARIABLE = "MESHTRAIN_TEST_CACHE"
 RUNS = Path(__file__).resolve().parents[1] / "build" / "jax-cache"
+SITE = Path(__file__).resolve().parent / "_site"  # its sitecustomize installs `_cache_guard`
 MAX_BYTES = 4 << 30  # a whole suite run writes about 170 MiB: room for many versions
 KEEP = 0.6  # pruning keeps this share of MAX_BYTES, the newest entries
 
 
+def kept() -> Path:
+    """The directory kept between runs when ``MESHTRAIN_TEST_CACHE`` names none."""
+    home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(home) / "meshtrain" / "test-xla-cache"
+
+
 def directory() -> Path | None:
-    """The cache directory this process uses: ``MESHTRAIN_TEST_CACHE`` (set by the run's first
-    process for the others), else this process's own run directory; None when it is ``off``."""
+    """The cache directory this process uses: the one ``MESHTRAIN_TEST_CACHE`` names (the run's
+    first process sets it for the others), this process's own run directory for ``run``, None
+    for ``off``, else the `kept` one."""
     value = os.environ.get(VARIABLE, "")
     if value.lower() == "off":
         return None
-    return Path(value) if value else RUNS / f"run-{os.getpid()}"
+    if value.lower() == "run":
+        return RUNS / f"run-{os.getpid()}"
+    return Path(value) if value else kept()
 
 
 def configure() -> Path | None:
-    """Points jax (of this process and its children) at the run's cache; in the run's first
-    process, makes the run's own directory (removed at exit) or prunes a chosen one. Call
-    before jax is imported."""
+    """Points jax (of this process and its children) at the run's cache and guards what it
+    writes (`_cache_guard`); in the run's first process, prunes a kept directory or makes the
+    run's own (removed at exit). Call before jax is imported."""
     path = directory()
     if path is None:
         return None
-    if VARIABLE not in os.environ:  # the run's first process (the controller): its own cache
+    value = os.environ.get(VARIABLE, "")
+    if not value or value.lower() == "run":  # this process picks the run's directory
         remove_ended_runs(RUNS)
-        os.environ[VARIABLE] = str(path)  # the xdist workers inherit it
-        atexit.register(shutil.rmtree, path, True)
+        os.environ[VARIABLE] = str(path)  # the xdist workers and child processes inherit it
+        if path.parent == RUNS:
+            atexit.register(shutil.rmtree, path, True)
     path.mkdir(parents=True, exist_ok=True)
     if "PYTEST_XDIST_WORKER" not in os.environ and path.parent != RUNS:
         prune(path)  # a directory kept between runs
+    _cache_guard.install()
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p != str(SITE)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, entries)])
     os.environ.update(
         {
             "JAX_COMPILATION_CACHE_DIR": str(path),

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import _cache_guard
 import _compile_cache
 import jax
 import jax.numpy as jnp
@@ -78,8 +79,11 @@ def test_the_cache_can_be_moved_or_switched_off(monkeypatch, tmp_path):
     assert _compile_cache.directory() is None
     monkeypatch.setenv(_compile_cache.VARIABLE, str(tmp_path / "c"))
     assert _compile_cache.directory() == tmp_path / "c"
-    monkeypatch.delenv(_compile_cache.VARIABLE)  # a run's first process: a directory of its own
+    monkeypatch.setenv(_compile_cache.VARIABLE, "run")  # a directory of the run's own
     assert _compile_cache.directory() == _compile_cache.RUNS / f"run-{os.getpid()}"
+    monkeypatch.delenv(_compile_cache.VARIABLE)  # the one kept between runs
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    assert _compile_cache.directory() == tmp_path / "home" / "meshtrain" / "test-xla-cache"
 
 
 def test_a_run_removes_what_ended_runs_left_and_keeps_a_running_ones(tmp_path):
@@ -96,9 +100,9 @@ def test_a_run_removes_what_ended_runs_left_and_keeps_a_running_ones(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [f"run-{os.getpid()}"]
 
 
-def test_this_run_has_its_own_cache_directory():
-    """The suite's processes share the run's directory (or the one MESHTRAIN_TEST_CACHE names),
-    never an earlier run's."""
+def test_this_run_uses_the_directory_it_chose():
+    """The suite's processes share one directory: the kept one, the one MESHTRAIN_TEST_CACHE
+    names, or the run's own (never an ended run's)."""
     path = _compile_cache.directory()
     if path is None:  # MESHTRAIN_TEST_CACHE=off
         assert "JAX_COMPILATION_CACHE_DIR" not in os.environ
@@ -106,3 +110,70 @@ def test_this_run_has_its_own_cache_directory():
     assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(path) and path.is_dir()
     if path.parent == _compile_cache.RUNS:  # the run's own: named after a running process
         assert _compile_cache._alive(int(path.name.removeprefix("run-")))
+
+
+# A collective inside a conditional's branch (an all-reduce under `lax.cond`, as local SGD's
+# synchronising step has) and the same collective outside any branch.
+GUARDED = """
+import json, os, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax._src.compiler as compiler
+mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+rows = NamedSharding(mesh, P("d"))
+x = jax.device_put(jnp.arange(8.0 * int(sys.argv[1])).reshape(8, -1), rows)
+def branchy(x, flag):
+    mean = lambda v: jax.sharding.reshard(jnp.broadcast_to(v.mean(0), v.shape), rows)
+    return jax.lax.cond(flag > 0, mean, lambda v: v, x)
+def plain(x, flag):
+    return jax.sharding.reshard(jnp.broadcast_to(x.mean(0), x.shape), rows) * flag
+outs = [jax.jit(f)(x, 1) for f in (branchy, plain)]
+print(json.dumps({"guarded": getattr(compiler._cache_write, "_meshtrain_guard", False),
+                  "entries": sorted(os.listdir(jax.config.jax_compilation_cache_dir)),
+                  "same": bool(jnp.allclose(outs[0], outs[1]))}))
+"""
+
+
+def test_no_process_of_the_run_caches_a_collective_inside_a_branch(tmp_path):
+    """jaxlib 0.12's CPU client crashes running such a program read back from the cache
+    (`_cache_guard`): a child process of the run (here with its cache in `tmp_path`) writes the
+    plain program and leaves the branchy one out."""
+    n = int(np.random.default_rng().integers(2, 1000))
+    proc = subprocess.run(
+        [sys.executable, "-c", GUARDED, str(n)],
+        env={**fresh_env(devices=8), "JAX_COMPILATION_CACHE_DIR": str(tmp_path)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    child = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert child["guarded"] and child["same"]
+    assert any(e.startswith("jit_plain") for e in child["entries"]), child["entries"]
+    assert not any(e.startswith("jit_branchy") for e in child["entries"]), child["entries"]
+
+
+def test_the_guard_finds_a_collective_only_inside_a_branch():
+    """The HLO check itself, on the text XLA prints: a collective reached through a fusion
+    called from a branch counts; one in the entry computation does not."""
+    hlo = """HloModule m
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+%inner (p: f32[4]) -> f32[4] {
+  ROOT %r = f32[4] all-reduce(f32[4] %p), to_apply=%add
+}
+%taken (t: (f32[4])) -> f32[4] {
+  ROOT %c = f32[4] call(f32[4] %x), to_apply=%inner
+}
+%skipped (t: (f32[4])) -> f32[4] {
+  ROOT %y = f32[4] get-tuple-element((f32[4]) %t), index=0
+}
+ENTRY %main (p: f32[4], k: s32[]) -> f32[4] {
+  %a = f32[4] all-reduce(f32[4] %p), to_apply=%add
+  ROOT %o = f32[4] BRANCHES
+}
+"""
+    branches = "conditional(s32[] %k, (f32[4]) %t, (f32[4]) %t), "
+    hlo = hlo.replace("BRANCHES", branches + "branch_computations={%taken, %skipped}")
+    assert _cache_guard.branch_collectives(hlo) == ["taken"]
+    without = hlo.replace("all-reduce(f32[4] %p), to_apply=%add\n}", "negate(f32[4] %p)\n}", 1)
+    assert _cache_guard.branch_collectives(without) == []

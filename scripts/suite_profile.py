@@ -136,9 +136,9 @@ def cache_at_start() -> str:
         return "off"
     if path.parent == _compile_cache.RUNS:
         return "the run's own, empty at the start"
-    entries = sum(1 for p in path.iterdir() if p.is_file()) if path.is_dir() else 0
+    held = _compile_cache.contents(path) if path.is_dir() else {"programs": 0, "bytes": 0}
     where = str(path).replace(str(pathlib.Path.home()), "~", 1)
-    return f"{where}, {entries} entries at the start"
+    return f"{where}, {held['programs']} programs ({held['bytes'] / 2**20:.0f} MiB) at the start"
 
 
 def totals(tests: list[dict]) -> dict:

@@ -1,13 +1,18 @@
 """Keeps out of the suite's compilation cache the programs jaxlib 0.12's CPU client cannot read
-back: those with a collective inside a conditional's branch.
+back: those with a collective inside a conditional's branch, and those with any collective
+compiled with XLA's concurrency-optimised CPU scheduler on.
 
-An executable read back from jax's persistent cache that all-reduces inside a ``lax.cond``
-branch crashes at its first execution that takes the branch (a segmentation fault in the
-in-process all-reduce; local SGD's synchronising step and the pipelined MoE step, measured
-2026-11-29 with jaxlib 0.12.0.1). The same program compiled afresh runs. So every process of a
-suite run writes to the cache only executables whose optimised HLO has no collective reachable
-from a conditional's branches: such a program is compiled afresh each time it is needed, the
-rest are read back.
+Executables read back from jax's persistent cache crash where the same program compiled afresh
+runs (measured 2026-11-29 with jaxlib 0.12.0.1): one that all-reduces inside a ``lax.cond``
+branch at its first execution that takes the branch (a segmentation fault in the in-process
+all-reduce; local SGD's synchronising step), and one with collectives scheduled by the
+concurrency-optimised scheduler now and then (an abort or a segmentation fault; the
+expert-parallel MoE layer in 7 of 10 read-backs, the pipelined MoE step). With
+``--xla_cpu_enable_concurrency_optimized_scheduler=false`` (in the suite's ``XLA_FLAGS``) only
+the first kind crashed. So every process of a suite run writes to the cache only executables
+whose optimised HLO has no collective reachable from a conditional's branches, and has no
+collective at all unless the process runs with that flag: the rest is compiled afresh each
+time it is needed.
 
 `install` wraps jax's cache writer when `jax._src.compiler` is imported (or at once when it
 already is). conftest.py installs it in the test processes; the run's other Python processes
@@ -17,10 +22,12 @@ already is). conftest.py installs it in the test processes; the run's other Pyth
 
 import importlib.abc
 import importlib.util
+import os
 import re
 import sys
 
 COMPILER = "jax._src.compiler"
+SCHEDULER_OFF = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 _COLLECTIVE = re.compile(
     r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute"
     r"|collective-broadcast)(-start)?\("
@@ -74,10 +81,17 @@ def _reaches(name: str, calls: dict[str, set[str]], targets: set[str]) -> bool:
     return False
 
 
-def cacheable(executable) -> bool:
+def cacheable(executable, xla_flags: str | None = None) -> bool:
     """Whether the compiled `executable` may be written to the cache: no collective in a
-    conditional's branch."""
-    return not any(branch_collectives(m.to_string()) for m in executable.hlo_modules())
+    conditional's branch, and none at all unless `xla_flags` (this process's ``XLA_FLAGS``)
+    switch the concurrency-optimised scheduler off."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    scheduler_off = SCHEDULER_OFF in flags.split()
+    for module in executable.hlo_modules():
+        hlo = module.to_string()
+        if branch_collectives(hlo) or not (scheduler_off or _COLLECTIVE.search(hlo) is None):
+            return False
+    return True
 
 
 def _patch(compiler) -> None:

@@ -31,8 +31,9 @@ import _cache_guard
 VARIABLE = "MESHTRAIN_TEST_CACHE"
 RUNS = Path(__file__).resolve().parents[1] / "build" / "jax-cache"
 SITE = Path(__file__).resolve().parent / "_site"  # its sitecustomize installs `_cache_guard`
-MAX_BYTES = 4 << 30  # a whole suite run writes about 170 MiB: room for many versions
+MAX_BYTES = 4 << 30  # a whole suite run writes about 130 MiB: room for many versions
 KEEP = 0.6  # pruning keeps this share of MAX_BYTES, the newest entries
+AT_START: dict = {}  # what the cache held when `configure` ran: directory, programs, bytes
 
 
 def kept() -> Path:
@@ -69,6 +70,7 @@ def configure() -> Path | None:
     path.mkdir(parents=True, exist_ok=True)
     if "PYTEST_XDIST_WORKER" not in os.environ and path.parent != RUNS:
         prune(path)  # a directory kept between runs
+    AT_START.update(directory=str(path), **contents(path))
     _cache_guard.install()
     entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p != str(SITE)]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, entries)])
@@ -80,6 +82,17 @@ def configure() -> Path | None:
         }
     )
     return path
+
+
+def contents(path: Path) -> dict:
+    """The programs (entries) a cache directory holds and their bytes."""
+    sizes = []
+    for entry in path.glob("*-cache"):
+        try:
+            sizes.append(entry.stat().st_size)
+        except FileNotFoundError:  # another process removed it
+            continue
+    return {"programs": len(sizes), "bytes": sum(sizes)}
 
 
 def remove_ended_runs(runs: Path) -> list[Path]:

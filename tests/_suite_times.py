@@ -12,6 +12,8 @@ import json
 import os
 from pathlib import Path
 
+import _compile_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / os.environ.get("MESHTRAIN_SUITE_TIMES", "build/suite_times.json")
 SLOWEST = 10
@@ -25,14 +27,16 @@ def pytest_runtest_logreport(report):
     _by_file[report.nodeid.split("::")[0]] += report.duration
 
 
-def summary(by_file: dict[str, float], wall: float) -> dict:
-    """The total test seconds, the run's wall seconds and the slowest files."""
+def summary(by_file: dict[str, float], wall: float, cache: dict | None = None) -> dict:
+    """The total test seconds, the run's wall seconds, the slowest files and what the
+    compilation cache held at the start (`cache`: programs and bytes, when there was one)."""
     slowest = sorted(by_file.items(), key=lambda kv: -kv[1])[:SLOWEST]
     return {
         "test_seconds": round(sum(by_file.values()), 1),
         "wall_seconds": round(wall, 1),
         "files": len(by_file),
         "slowest_files": [[name, round(s, 1)] for name, s in slowest],
+        "cache_at_start": cache or None,
     }
 
 
@@ -43,6 +47,11 @@ def render(s: dict) -> str:
         f"({s['wall_seconds']:.0f} s wall); the {len(s['slowest_files'])} slowest files:"
     ]
     lines += [f"  {sec:7.1f} s  {name}" for name, sec in s["slowest_files"]]
+    if cache := s.get("cache_at_start"):
+        lines.append(
+            f"compilation cache at the start: {cache['programs']} programs, "
+            f"{cache['bytes'] / 2**20:.0f} MiB (an empty one compiles everything)"
+        )
     return "\n".join(lines)
 
 
@@ -51,7 +60,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     start = getattr(terminalreporter, "_session_start", None)  # pytest's own clock
     wall = start.elapsed().seconds if hasattr(start, "elapsed") else 0.0
-    s = summary(_by_file, wall)
+    s = summary(_by_file, wall, _compile_cache.AT_START)
     terminalreporter.write_line(render(s))
     if not os.environ.get("PYTEST_CURRENT_TEST"):  # not a pytest run inside a test
         OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -134,21 +134,32 @@ print(json.dumps({"guarded": getattr(compiler._cache_write, "_meshtrain_guard", 
 """
 
 
-def test_no_process_of_the_run_caches_a_collective_inside_a_branch(tmp_path):
-    """jaxlib 0.12's CPU client crashes running such a program read back from the cache
-    (`_cache_guard`): a child process of the run (here with its cache in `tmp_path`) writes the
-    plain program and leaves the branchy one out."""
-    n = int(np.random.default_rng().integers(2, 1000))
+def _guarded_child(n: int, cache, **env: str) -> dict:
+    """Runs `GUARDED` in a fresh process of the run with its cache in `cache`."""
     proc = subprocess.run(
         [sys.executable, "-c", GUARDED, str(n)],
-        env={**fresh_env(devices=8), "JAX_COMPILATION_CACHE_DIR": str(tmp_path)},
+        env={**fresh_env(devices=8), "JAX_COMPILATION_CACHE_DIR": str(cache), **env},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    child = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_no_process_of_the_run_caches_what_jaxlib_cannot_read_back(tmp_path):
+    """jaxlib 0.12's CPU client crashes running such programs read back from the cache
+    (`_cache_guard`). A child process of the run writes the plain program and leaves the
+    branchy one out; one whose XLA flags leave the concurrency-optimised scheduler on writes
+    neither (both hold collectives)."""
+    n = int(np.random.default_rng().integers(2, 1000))
+    child = _guarded_child(n, tmp_path / "suite")
     assert child["guarded"] and child["same"]
     assert any(e.startswith("jit_plain") for e in child["entries"]), child["entries"]
     assert not any(e.startswith("jit_branchy") for e in child["entries"]), child["entries"]
+
+    flags = "--xla_force_host_platform_device_count=8"  # without the scheduler flag
+    other = _guarded_child(n, tmp_path / "other", XLA_FLAGS=flags)
+    assert not any(e.startswith(("jit_plain", "jit_branchy")) for e in other["entries"])
+    assert any(e.startswith("jit_iota") for e in other["entries"])  # no collective: written
 
 
 def test_the_guard_finds_a_collective_only_inside_a_branch():

@@ -9,6 +9,7 @@ import textwrap
 from importlib.metadata import version
 from pathlib import Path
 
+import _compile_cache
 import _suite_times
 from _helpers import fresh_env
 
@@ -76,6 +77,16 @@ def test_the_run_summary_names_the_slowest_files_first():
         f"tests/test_{i}.py" for i in range(13, 3, -1)
     ]
     assert "tests/test_13.py" in _suite_times.render(s)
+    assert "compilation cache" not in _suite_times.render(s)  # a run without one
+    warm = _suite_times.summary(times, wall=50.0, cache={"programs": 7, "bytes": 3 << 20})
+    assert "compilation cache at the start: 7 programs, 3 MiB" in _suite_times.render(warm)
+
+
+def test_the_cache_contents_count_programs_and_bytes(tmp_path):
+    for i, size in enumerate([10, 20, 30]):
+        (tmp_path / f"jit_f{i}-{i:064x}-cache").write_bytes(b"x" * size)
+    (tmp_path / "jit_f0-atime").write_bytes(b"x")  # not a program
+    assert _compile_cache.contents(tmp_path) == {"programs": 3, "bytes": 60}
 
 
 def test_a_bad_compare_file_is_one_line_before_anything_runs(tmp_path):

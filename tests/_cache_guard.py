@@ -81,12 +81,11 @@ def _reaches(name: str, calls: dict[str, set[str]], targets: set[str]) -> bool:
     return False
 
 
-def cacheable(executable, xla_flags: str | None = None) -> bool:
+def cacheable(executable) -> bool:
     """Whether the compiled `executable` may be written to the cache: no collective in a
-    conditional's branch, and none at all unless `xla_flags` (this process's ``XLA_FLAGS``)
-    switch the concurrency-optimised scheduler off."""
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    scheduler_off = SCHEDULER_OFF in flags.split()
+    conditional's branch, and none at all unless this process's ``XLA_FLAGS`` switch the
+    concurrency-optimised scheduler off."""
+    scheduler_off = SCHEDULER_OFF in os.environ.get("XLA_FLAGS", "").split()
     for module in executable.hlo_modules():
         hlo = module.to_string()
         if branch_collectives(hlo) or not (scheduler_off or _COLLECTIVE.search(hlo) is None):

@@ -33,7 +33,7 @@ RUNS = Path(__file__).resolve().parents[1] / "build" / "jax-cache"
 SITE = Path(__file__).resolve().parent / "_site"  # its sitecustomize installs `_cache_guard`
 MAX_BYTES = 4 << 30  # a whole suite run writes about 130 MiB: room for many versions
 KEEP = 0.6  # pruning keeps this share of MAX_BYTES, the newest entries
-AT_START: dict = {}  # what the cache held when `configure` ran: directory, programs, bytes
+AT_START: dict = {}  # what the cache held when the run's first process started: `contents`
 
 
 def kept() -> Path:
@@ -68,9 +68,10 @@ def configure() -> Path | None:
         if path.parent == RUNS:
             atexit.register(shutil.rmtree, path, True)
     path.mkdir(parents=True, exist_ok=True)
-    if "PYTEST_XDIST_WORKER" not in os.environ and path.parent != RUNS:
-        prune(path)  # a directory kept between runs
-    AT_START.update(directory=str(path), **contents(path))
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's controller
+        if path.parent != RUNS:
+            prune(path)  # a directory kept between runs
+        AT_START.update(contents(path))
     _cache_guard.install()
     entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p != str(SITE)]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(SITE), *filter(None, entries)])

@@ -4,6 +4,8 @@
 import contextlib
 import os
 
+import _cache_guard
+
 # Compiling dominates the suite (tiny models, few steps); LLVM's -O0 for XLA's CPU code roughly
 # halves each compile. It changes neither the HLO nor its partitioning, only how fast the
 # generated loops run. The last flag keeps XLA's CPU scheduler from reordering for concurrency,
@@ -11,7 +13,7 @@ import os
 # (`_cache_guard`, which writes no program with collectives compiled without it).
 FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-    "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    + _cache_guard.SCHEDULER_OFF
 )
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _INITIAL: dict = {}

@@ -1,6 +1,7 @@
 """Keeps out of the suite's compilation cache the programs jaxlib 0.12's CPU client cannot read
-back: those with a collective inside a conditional's branch, and those with any collective
-compiled with XLA's concurrency-optimised CPU scheduler on.
+back: those with an all-reduce (or another collective that is not a collective permute) inside
+a conditional's branch, and those with any collective compiled with XLA's
+concurrency-optimised CPU scheduler on.
 
 Executables read back from jax's persistent cache crash where the same program compiled afresh
 runs (measured 2026-11-29 with jaxlib 0.12.0.1): one that all-reduces inside a ``lax.cond``
@@ -9,10 +10,12 @@ all-reduce; local SGD's synchronising step), and one with collectives scheduled 
 concurrency-optimised scheduler now and then (an abort or a segmentation fault; the
 expert-parallel MoE layer in 7 of 10 read-backs, the pipelined MoE step). With
 ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` (in the suite's ``XLA_FLAGS``) only
-the first kind crashed. So every process of a suite run writes to the cache only executables
-whose optimised HLO has no collective reachable from a conditional's branches, and has no
-collective at all unless the process runs with that flag: the rest is compiled afresh each
-time it is needed.
+the first kind crashed. Collective permutes inside branches (every pipeline schedule sends
+activations that way) read back and ran: the 40 such programs of the pipeline, offload and
+replica files, in two read-back runs. So every process of a suite run writes to the cache only
+executables whose optimised HLO reaches no collective other than a collective permute from a
+conditional's branches, and has no collective at all unless the process runs with that flag:
+the rest is compiled afresh each time it is needed.
 
 `install` wraps jax's cache writer when `jax._src.compiler` is imported (or at once when it
 already is). conftest.py installs it in the test processes; the run's other Python processes
@@ -41,7 +44,7 @@ _CALLED = re.compile(
 
 def branch_collectives(hlo: str) -> list[str]:
     """The conditionals' branch computations of the HLO module text `hlo` from which a
-    collective is reachable (empty when none)."""
+    collective other than a collective permute is reachable (empty when none)."""
     calls: dict[str, set[str]] = {}
     has_collective: set[str] = set()
     branches: set[str] = set()
@@ -63,7 +66,7 @@ def branch_collectives(hlo: str) -> list[str]:
         calls[current] |= called
         if " conditional(" in line:
             branches |= {n for n in called if n}
-        if _COLLECTIVE.search(line):
+        if any(m.group(1) != "collective-permute" for m in _COLLECTIVE.finditer(line)):
             has_collective.add(current)
     return sorted(b for b in branches if _reaches(b, calls, has_collective))
 
@@ -82,9 +85,9 @@ def _reaches(name: str, calls: dict[str, set[str]], targets: set[str]) -> bool:
 
 
 def cacheable(executable) -> bool:
-    """Whether the compiled `executable` may be written to the cache: no collective in a
-    conditional's branch, and none at all unless this process's ``XLA_FLAGS`` switch the
-    concurrency-optimised scheduler off."""
+    """Whether the compiled `executable` may be written to the cache: no collective but
+    collective permutes in a conditional's branches, and none at all unless this process's
+    ``XLA_FLAGS`` switch the concurrency-optimised scheduler off."""
     scheduler_off = SCHEDULER_OFF in os.environ.get("XLA_FLAGS", "").split()
     for module in executable.hlo_modules():
         hlo = module.to_string()

@@ -113,10 +113,11 @@ def test_this_run_uses_the_directory_it_chose():
 
 
 # A collective inside a conditional's branch (an all-reduce under `lax.cond`, as local SGD's
-# synchronising step has) and the same collective outside any branch.
+# synchronising step has), the same collective outside any branch, and a collective permute
+# under `lax.cond` (as every pipeline schedule's sends are).
 GUARDED = """
 import json, os, sys
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import jax._src.compiler as compiler
 mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
@@ -127,10 +128,15 @@ def branchy(x, flag):
     return jax.lax.cond(flag > 0, mean, lambda v: v, x)
 def plain(x, flag):
     return jax.sharding.reshard(jnp.broadcast_to(x.mean(0), x.shape), rows) * flag
-outs = [jax.jit(f)(x, 1) for f in (branchy, plain)]
+def send(v, flag):
+    shift = lambda u: jax.lax.ppermute(u, "d", [(i, (i + 1) % 8) for i in range(8)])
+    return jax.lax.cond(flag > 0, shift, lambda u: u, v)
+sends = jax.shard_map(send, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
+outs = [jax.jit(f)(x, 1) for f in (branchy, plain, sends)]
 print(json.dumps({"guarded": getattr(compiler._cache_write, "_meshtrain_guard", False),
                   "entries": sorted(os.listdir(jax.config.jax_compilation_cache_dir)),
-                  "same": bool(jnp.allclose(outs[0], outs[1]))}))
+                  "same": bool(jnp.allclose(outs[0], outs[1])),
+                  "sent": bool((np.asarray(outs[2]) == np.roll(np.asarray(x), 1, axis=0)).all())}))
 """
 
 
@@ -148,23 +154,26 @@ def _guarded_child(n: int, cache, **env: str) -> dict:
 def test_no_process_of_the_run_caches_what_jaxlib_cannot_read_back(tmp_path):
     """jaxlib 0.12's CPU client crashes running such programs read back from the cache
     (`_cache_guard`). A child process of the run writes the plain program and leaves the
-    branchy one out; one whose XLA flags leave the concurrency-optimised scheduler on writes
-    neither (both hold collectives)."""
+    branchy one out, and writes the permute under `lax.cond` (those read back fine); one whose
+    XLA flags leave the concurrency-optimised scheduler on writes none of the three (all hold
+    collectives)."""
     n = int(np.random.default_rng().integers(2, 1000))
     child = _guarded_child(n, tmp_path / "suite")
-    assert child["guarded"] and child["same"]
+    assert child["guarded"] and child["same"] and child["sent"]
     assert any(e.startswith("jit_plain") for e in child["entries"]), child["entries"]
+    assert any(e.startswith("jit_send") for e in child["entries"]), child["entries"]
     assert not any(e.startswith("jit_branchy") for e in child["entries"]), child["entries"]
 
     flags = "--xla_force_host_platform_device_count=8"  # without the scheduler flag
     other = _guarded_child(n, tmp_path / "other", XLA_FLAGS=flags)
-    assert not any(e.startswith(("jit_plain", "jit_branchy")) for e in other["entries"])
+    assert not any(e.startswith(("jit_plain", "jit_branchy", "jit_send")) for e in other["entries"])
     assert any(e.startswith("jit_iota") for e in other["entries"])  # no collective: written
 
 
 def test_the_guard_finds_a_collective_only_inside_a_branch():
     """The HLO check itself, on the text XLA prints: a collective reached through a fusion
-    called from a branch counts; one in the entry computation does not."""
+    called from a branch counts, unless it is a collective permute; one in the entry
+    computation does not."""
     hlo = """HloModule m
 %add (a: f32[], b: f32[]) -> f32[] {
   ROOT %s = f32[] add(f32[] %a, f32[] %b)
@@ -188,3 +197,6 @@ ENTRY %main (p: f32[4], k: s32[]) -> f32[4] {
     assert _cache_guard.branch_collectives(hlo) == ["taken"]
     without = hlo.replace("all-reduce(f32[4] %p), to_apply=%add\n}", "negate(f32[4] %p)\n}", 1)
     assert _cache_guard.branch_collectives(without) == []
+    permute = "collective-permute(f32[4] %p), source_target_pairs={{0,1},{1,0}}\n}"
+    sends = hlo.replace("all-reduce(f32[4] %p), to_apply=%add\n}", permute, 1)
+    assert "collective-permute" in sends and _cache_guard.branch_collectives(sends) == []

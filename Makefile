@@ -1,5 +1,7 @@
 # Two commands are all the set-up there is: `make train` and `make test`.
-# Both create (or reuse) .venv from Python 3.12 and install the project into it.
+# Both create (or reuse) .venv from Python 3.12 and install the project into it. Keep the
+# bytecode pip writes (no --no-compile): under PYTHONDONTWRITEBYTECODE nothing else writes it,
+# and every process of a test run would compile jax and the rest from source.
 PYENV_PY := $(shell pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12
 PY ?= $(shell command -v python3.12 2>/dev/null || (test -x $(PYENV_PY) && echo $(PYENV_PY)) || echo python3)
 VENV := .venv

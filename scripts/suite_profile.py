@@ -136,7 +136,7 @@ def cache_at_start() -> str:
         return "off"
     if path.parent == _compile_cache.RUNS:
         return "the run's own, empty at the start"
-    held = _compile_cache.contents(path) if path.is_dir() else {"programs": 0, "bytes": 0}
+    held = _compile_cache.contents(path)  # nothing when the directory does not exist yet
     where = str(path).replace(str(pathlib.Path.home()), "~", 1)
     return f"{where}, {held['programs']} programs ({held['bytes'] / 2**20:.0f} MiB) at the start"
 

@@ -91,7 +91,7 @@ def cacheable(executable) -> bool:
     scheduler_off = SCHEDULER_OFF in os.environ.get("XLA_FLAGS", "").split()
     for module in executable.hlo_modules():
         hlo = module.to_string()
-        if branch_collectives(hlo) or not (scheduler_off or _COLLECTIVE.search(hlo) is None):
+        if branch_collectives(hlo) or (not scheduler_off and _COLLECTIVE.search(hlo)):
             return False
     return True
 

@@ -15,6 +15,7 @@ LAYERS = [
     [
         "meshtrain._compat",
         "meshtrain._tree",
+        "meshtrain._units",
         "meshtrain.problem",
         "meshtrain.validate",
         "meshtrain.mesh",

@@ -275,7 +275,7 @@ def test_the_run_summary_shows_chunks_per_stage_and_what_gathering_once_holds():
     from flax import nnx
 
     from meshtrain import make_mesh, rules_for
-    from meshtrain.comm.report import fmt_bytes
+    from meshtrain._units import fmt_bytes
 
     argv = ["train", "--mesh", "pipe=2,fsdp=4", "--strategy", "fsdp", "--gpt.n-layers", "4"]
     job = cli.parse([*argv, "--schedule", "interleaved-1f1b", "--repeats", "2", "--gather-once"])
@@ -294,6 +294,21 @@ def test_the_run_summary_shows_chunks_per_stage_and_what_gathering_once_holds():
     assert (
         cli_train.describe_pipeline(plain, mesh, rules)
         == "pipeline zb-h1 · 2 stages · 4 microbatches"
+    )
+
+
+def test_each_feature_writes_its_own_run_summary_line():
+    from meshtrain.offload import Offload
+    from meshtrain.replicas import SyncConfig
+
+    sync = SyncConfig(grad_compression="int8")
+    assert sync.describe(("data", "fsdp"), 8) == (
+        "replicas: 8 over data × fsdp · gradients int8 with error feedback"
+    )
+    assert SyncConfig().describe((), 1) == "replicas: 1 over no axis"
+    assert Offload(optimizer=True, memory_kind="unpinned_host").describe(2.5e6) == (
+        "offload optimizer · 2.50 MB per device in unpinned_host memory, fetched and written "
+        "back each step"
     )
 
 

@@ -76,8 +76,9 @@ def parse(argv: list[str]) -> LaunchSettings:
 def run(settings: LaunchSettings) -> int:
     """Starts the processes and waits for them; returns the first failure's status, or 0."""
     from meshtrain import launch
+    from meshtrain.cli.train import parse as read_job
 
-    return launch.run(settings)
+    return launch.run(settings, read_job)
 
 
 def main(argv: list[str]) -> int:

@@ -31,7 +31,6 @@ from meshtrain.mesh import PIPE, SEQ
 from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, families
 from meshtrain.offload import Offload
 from meshtrain.pipeline import PipelineConfig
-from meshtrain.pipeline.schedules import CHUNKED
 from meshtrain.precision import Precision
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import SyncConfig
@@ -226,12 +225,23 @@ def build_trainer(job: TrainJob, say=print):
     if mesh.shape[PIPE] > 1:
         say(describe_pipeline(job, mesh, rules))
     if job.sync != SyncConfig():
-        say(describe_sync(job.sync, mesh, rules))
+        from meshtrain.replicas import replicas
+
+        say(job.sync.describe(*replicas(mesh, rules)))
     return Trainer(
         run=run_spec(job, data, mesh, rules, checkpoint=job.checkpoint if checkpointing else None),
         run_meta={"job": dataclasses.asdict(job)},
         params=finetune.initial_params(job, mesh, rules),
     )
+
+
+def describe_pipeline(job: TrainJob, mesh, rules) -> str:
+    """The run summary's pipeline line (`PipelineConfig.describe`) for a job on a built mesh."""
+    from meshtrain.comm.expect import stage_weight_bytes
+
+    pc = job.pipeline
+    gathered = stage_weight_bytes(job.model_config(), mesh, rules) if pc.gather_once else None
+    return pc.describe(mesh.shape[PIPE], gathered)
 
 
 def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
@@ -249,64 +259,6 @@ def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
         offload=job.offload.config(),
         checkpoint=checkpoint,
     )
-
-
-def describe_offload(trainer) -> str:
-    """One line saying what lives in host memory, e.g. "offload optimizer · 2.1 MB per device
-    in pinned_host memory, fetched and written back each step"."""
-    from meshtrain.comm.report import fmt_bytes
-    from meshtrain.offload import host_bytes
-
-    state, shardings, kind = trainer.state, trainer.shardings, trainer.run.offload.memory_kind
-    per_device = host_bytes(state.opt_state, shardings.opt_state)
-    return (
-        f"offload optimizer · {fmt_bytes(per_device)} per device in {kind} memory, fetched "
-        "and written back each step"
-    )
-
-
-def describe_pipeline(job: TrainJob, mesh, rules) -> str:
-    """One line saying how the job pipelines, e.g. "pipeline interleaved-1f1b · 4 stages ·
-    16 microbatches · v=2 chunks per stage · gather once per step (+12.6 MB of weights per
-    device)"."""
-    from meshtrain.comm.report import fmt_bytes
-
-    pc, pipe = job.pipeline, mesh.shape[PIPE]
-    parts = [f"pipeline {pc.schedule}", f"{pipe} stages"]
-    parts.append(f"{pc.num_microbatches(pipe)} microbatches")
-    if pc.schedule in CHUNKED:
-        parts.append(f"v={pc.repeats} chunks per stage")
-    if pc.gather_once:
-        whole = _stage_weight_bytes(job.model_config(), mesh, rules)
-        parts.append(
-            f"gather once per step (+{fmt_bytes(whole)} of weights per device)"
-            if whole
-            else "stage weights gathered once per step (none is split over fsdp)"
-        )
-    return " · ".join(parts)
-
-
-def _stage_weight_bytes(model, mesh, rules) -> float:
-    """Bytes per device of a stage's batch-split layer weights, gathered whole."""
-    from flax import nnx
-
-    from meshtrain.comm.expect import param_layouts, stage_gathered_bytes
-    from meshtrain.state import abstract_model
-
-    graphdef, abstract = abstract_model(lambda: model.build(rngs=nnx.Rngs(0)))
-    params = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
-    sizes = dict(mesh.shape)
-    layouts = param_layouts(params, rules, sizes)
-    return stage_gathered_bytes(layouts, sizes, rules.batch_axes(sizes))
-
-
-def describe_sync(sync: SyncConfig, mesh, rules) -> str:
-    """One line saying how the replicas synchronise, e.g. "replicas: 4 over data · gradients
-    int8 with error feedback"."""
-    from meshtrain.replicas import replicas
-
-    axes, n = replicas(mesh, rules)
-    return " · ".join([f"replicas: {n} over {' × '.join(axes) or 'no axis'}", *sync.summary()])
 
 
 def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
@@ -332,60 +284,26 @@ def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
 
     job = finetune.resolve(job, given)  # --init-from / --export-hf: JSON read and checked
     trainer = build_trainer(job, say)
-    data, model_cfg, checkpointing = trainer.data, job.model_config(), trainer.checkpoints
     first = int(jax.device_get(trainer.state.step))
-    if job.checkpoint.resume and trainer.checkpoints:
-        where = trainer.checkpoints.directory
-        say(
-            f"resumed from {where / str(first)}"
-            if first
-            else f"no checkpoint in {where}: from step 0"
-        )
-    n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
-    size = f"{n_params / 1e6:.2f}M parameters"
-    say(f"model {model_cfg.describe()} · {size}")
-    say(job.precision.describe(model_cfg))
-    if trainer.run.offload.active:
-        say(describe_offload(trainer))
-    if job.init_from and not first:
-        say(f"weights and tokenizer from {job.init_from} · data.tokenizer {job.data.tokenizer}")
-    clients = (
-        f" · clients: a Dirichlet({data.client_alpha:g}) mix each" if data.client_alpha else ""
-    )
-    say(
-        f"data {job.data.source} · {data.num_train} training examples · global batch "
-        f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "") + clients
-    )
+    _announce(job, trainer, first, say)
     try:
         history = trainer.fit()
     finally:
         if trainer.checkpoints:
             trainer.checkpoints.close()
-    last = history[-1] if history else {}
-    summary = {"final_loss": last.get("loss"), "eval_loss": last.get("eval_loss")}
-    if last.get("eval_perplexity") is not None:
-        summary["eval_perplexity"] = last["eval_perplexity"]
-    step = int(jax.device_get(trainer.state.step))
-    if trainer.checkpoints:
-        summary["checkpoint"] = str(trainer.checkpoints.path(step))
+    summary = _summary(trainer, history)
     if trainer.stop_reason:
-        saved = f"checkpoint {summary['checkpoint']}" if checkpointing else "no checkpoint kept"
+        saved = (
+            f"checkpoint {summary['checkpoint']}" if trainer.checkpoints else "no checkpoint kept"
+        )
+        step = int(jax.device_get(trainer.state.step))
         why = trainer.stop_reason
         say(f"meshtrain: {why}: stopped after step {step}; {saved}; --resume continues")
         summary["stopped"] = trainer.stop_reason
         return summary
     if trainer.checkpoints:
         say(f"checkpoint saved to {summary['checkpoint']}")
-    if job.export_hf:
-        from meshtrain.data import load_tokenizer
-
-        tokenizer = load_tokenizer(getattr(job.data, "tokenizer", "bytes"))
-        summary["export_hf"] = str(finetune.export(trainer, job.export_hf, tokenizer=tokenizer))
-        say(f"Hugging Face checkpoint written to {summary['export_hf']}")
-    if job.sample_tokens and data.kind == "lm":
-        text = trainer.generate(job.prompt, job.sample_tokens)
-        summary["sample"] = text
-        say("sample:\n" + text)
+    _after_training(job, trainer, summary, say)
     summary["wall_s"] = time.perf_counter() - start
     loss = summary["final_loss"]
     ppl = summary.get("eval_perplexity")
@@ -396,6 +314,67 @@ def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
         + (f" (perplexity {ppl:.4g})" if ppl is not None else "")
     )
     return summary
+
+
+def _announce(job: TrainJob, trainer, first: int, say) -> None:
+    """The run summary's lines after the trainer is built: resume, model, precision, offload,
+    initial weights, data."""
+    import jax
+
+    data, model_cfg = trainer.data, job.model_config()
+    if job.checkpoint.resume and trainer.checkpoints:
+        where = trainer.checkpoints.directory
+        say(
+            f"resumed from {where / str(first)}"
+            if first
+            else f"no checkpoint in {where}: from step 0"
+        )
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
+    say(f"model {model_cfg.describe()} · {n_params / 1e6:.2f}M parameters")
+    say(job.precision.describe(model_cfg))
+    if trainer.run.offload.active:
+        from meshtrain.offload import host_bytes
+
+        opt_bytes = host_bytes(trainer.state.opt_state, trainer.shardings.opt_state)
+        say(trainer.run.offload.describe(opt_bytes))
+    if job.init_from and not first:
+        say(f"weights and tokenizer from {job.init_from} · data.tokenizer {job.data.tokenizer}")
+    clients = (
+        f" · clients: a Dirichlet({data.client_alpha:g}) mix each" if data.client_alpha else ""
+    )
+    say(
+        f"data {job.data.source} · {data.num_train} training examples · global batch "
+        f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "") + clients
+    )
+
+
+def _summary(trainer, history: list[dict]) -> dict:
+    """The losses of a finished `fit` and where its last checkpoint is."""
+    import jax
+
+    last = history[-1] if history else {}
+    summary = {"final_loss": last.get("loss"), "eval_loss": last.get("eval_loss")}
+    if last.get("eval_perplexity") is not None:
+        summary["eval_perplexity"] = last["eval_perplexity"]
+    if trainer.checkpoints:
+        step = int(jax.device_get(trainer.state.step))
+        summary["checkpoint"] = str(trainer.checkpoints.path(step))
+    return summary
+
+
+def _after_training(job: TrainJob, trainer, summary: dict, say) -> None:
+    """The Hugging Face export and the sample a job asks for, added to `summary`."""
+    if job.export_hf:
+        from meshtrain.data import load_tokenizer
+        from meshtrain.hf import finetune
+
+        tokenizer = load_tokenizer(getattr(job.data, "tokenizer", "bytes"))
+        summary["export_hf"] = str(finetune.export(trainer, job.export_hf, tokenizer=tokenizer))
+        say(f"Hugging Face checkpoint written to {summary['export_hf']}")
+    if job.sample_tokens and trainer.data.kind == "lm":
+        text = trainer.generate(job.prompt, job.sample_tokens)
+        summary["sample"] = text
+        say("sample:\n" + text)
 
 
 def config_flags(argv: list[str]) -> list[str]:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from meshtrain._units import fmt_bytes
 from meshtrain.comm.axes import axes_of_groups
 from meshtrain.comm.expect import ParamLayout
 from meshtrain.comm.hlo import Collective
-from meshtrain.comm.report import fmt_bytes
 from meshtrain.costmodel import ReplicaExchange, ideal_round_bytes, profile, step_time
 from meshtrain.costmodel.exchange import BUCKET
 from meshtrain.layout import Rules

@@ -373,6 +373,24 @@ def _passes_why(pc: PipelineConfig) -> str:
     return "every tick of the forward loop and of its backward"
 
 
+def stage_weight_bytes(model, mesh, rules: Rules) -> float:
+    """`stage_gathered_bytes` of a model config's parameters on a mesh, from its abstract
+    model (nothing is allocated).
+
+    Args:
+        model: a model config (its ``build(rngs=...)`` makes the model).
+        mesh: the mesh.
+        rules: the layout rules.
+    """
+    from meshtrain.state import abstract_model
+
+    graphdef, abstract = abstract_model(lambda: model.build(rngs=nnx.Rngs(0)))
+    params = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
+    sizes = dict(mesh.shape)
+    layouts = param_layouts(params, rules, sizes)
+    return stage_gathered_bytes(layouts, sizes, rules.batch_axes(sizes))
+
+
 def stage_gathered_bytes(
     params: list[ParamLayout], sizes: Mapping[str, int], batch_axes: tuple[str, ...]
 ) -> float:

@@ -6,6 +6,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 
+from meshtrain._units import fmt_bytes  # noqa: F401  TEMP until merge
 from meshtrain.comm.axes import axes_of_groups
 from meshtrain.comm.hlo import Collective
 
@@ -67,11 +68,3 @@ def summarize(collectives: list[Collective], sizes: Mapping[str, int]) -> list[R
         a[4] += 1
     rows = [Row(k, ax, *v) for (k, ax), v in acc.items()]
     return sorted(rows, key=lambda r: -r.bytes)
-
-
-def fmt_bytes(n: float) -> str:
-    """``1.50 MB`` style (decimal units)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"

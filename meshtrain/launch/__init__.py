@@ -114,11 +114,13 @@ def process_env(rank: int, nproc: int, port: int, devices: int, heartbeat: int |
     return env
 
 
-def run(settings) -> int:
+def run(settings, read_job=None) -> int:
     """Runs ``meshtrain launch``; returns the exit status (0, or the failure's).
 
     Args:
         settings: a `meshtrain.cli.launch.LaunchSettings`.
+        read_job: reads a train command's words into its job, for resizing (see
+            `meshtrain.launch.supervise.Supervisor`).
 
     Raises:
         ValueError: see `plan`; before any process starts.
@@ -126,4 +128,4 @@ def run(settings) -> int:
     from meshtrain.launch.supervise import Supervisor
 
     command, devices = plan(settings)
-    return Supervisor(settings, command, devices).run()
+    return Supervisor(settings, command, devices, read_job).run()

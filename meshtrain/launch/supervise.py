@@ -43,10 +43,13 @@ class Supervisor:
         settings: the `meshtrain.cli.launch.LaunchSettings`.
         command: each process's command (`meshtrain.launch.plan`).
         devices: simulated CPU devices per process.
+        read_job: reads a train command's words into its `meshtrain.cli.train.TrainJob`
+            (what a smaller job is sized from); None: a train job is never resized.
     """
 
-    def __init__(self, settings, command: list[str], devices: int):
+    def __init__(self, settings, command: list[str], devices: int, read_job=None):
         self.settings, self.command, self.devices = settings, command, devices
+        self.read_job = read_job
         self.nproc = settings.nproc
         self.min_nproc = settings.min_nproc or settings.nproc
         self.train = command[1:4] == ["-m", "meshtrain.cli", "train"]
@@ -283,10 +286,10 @@ class Supervisor:
 
     def _job(self):
         """The train job the command describes, as first given."""
-        from meshtrain.cli.train import parse
-
+        if self.read_job is None:
+            raise CannotResize("no reader for the train command was given")
         try:
-            return parse(self.command[4:])
+            return self.read_job(self.command[4:])
         except (ValueError, SystemExit) as e:
             raise CannotResize(f"cannot read the train command ({e})") from None
 

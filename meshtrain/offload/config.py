@@ -7,6 +7,7 @@ import dataclasses
 import jax
 
 from meshtrain import validate
+from meshtrain._units import fmt_bytes
 from meshtrain.layout.memory import HOST_KINDS
 from meshtrain.problem import Problem
 
@@ -38,6 +39,14 @@ class Offload:
     def active(self) -> bool:
         """Whether anything is offloaded."""
         return self.optimizer
+
+    def describe(self, per_device: float) -> str:
+        """One line saying what lives in host memory (the CLI's run summary), given its bytes
+        per device (`meshtrain.offload.host_bytes`)."""
+        return (
+            f"offload optimizer · {fmt_bytes(per_device)} per device in {self.memory_kind} "
+            "memory, fetched and written back each step"
+        )
 
     def backend_problems(self, devices=None) -> list[Problem]:
         """The memory kind missing on the devices' backend, as one `Problem`."""

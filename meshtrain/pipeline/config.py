@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshtrain import validate
+from meshtrain._units import fmt_bytes
 from meshtrain.pipeline.schedules import CHUNKED, SCHEDULES, schedule_problems
 from meshtrain.problem import Problem
 
@@ -41,6 +42,30 @@ class PipelineConfig:
             + v.non_negative("microbatches", self.microbatches, example=8, note="0 = 2 × pipe")
             + v.positive("repeats", self.repeats, example=2)
         )
+
+    def describe(self, stages: int, gathered_bytes: float | None = None) -> str:
+        """One line saying how the job pipelines (the CLI's run summary).
+
+        Args:
+            stages: the ``pipe`` axis size.
+            gathered_bytes: with ``gather_once``, the bytes per device of a stage's weights
+                gathered whole (`meshtrain.comm.expect.stage_weight_bytes`).
+
+        Returns:
+            e.g. "pipeline interleaved-1f1b · 4 stages · 16 microbatches · v=2 chunks per
+            stage · gather once per step (+12.6 MB of weights per device)".
+        """
+        parts = [f"pipeline {self.schedule}", f"{stages} stages"]
+        parts.append(f"{self.num_microbatches(stages)} microbatches")
+        if self.schedule in CHUNKED:
+            parts.append(f"v={self.repeats} chunks per stage")
+        if self.gather_once:
+            parts.append(
+                f"gather once per step (+{fmt_bytes(gathered_bytes)} of weights per device)"
+                if gathered_bytes
+                else "stage weights gathered once per step (none is split over fsdp)"
+            )
+        return " · ".join(parts)
 
     def num_microbatches(self, pipe: int) -> int:
         """Microbatches per step on a mesh with `pipe` stages."""

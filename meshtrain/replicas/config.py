@@ -135,6 +135,12 @@ class SyncConfig:
         )
         return found
 
+    def describe(self, axes: tuple[str, ...], n: int) -> str:
+        """One line saying how the replicas synchronise (the CLI's run summary), given their
+        axes and count (`meshtrain.replicas.replicas`), e.g. "replicas: 4 over data ·
+        gradients int8 with error feedback"."""
+        return " · ".join([f"replicas: {n} over {' × '.join(axes) or 'no axis'}", *self.summary()])
+
     def summary(self) -> list[str]:
         """What these settings do, a short phrase each (the CLI's run summary)."""
         parts = []

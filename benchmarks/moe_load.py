@@ -18,8 +18,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from meshtrain.loss import cross_entropy, loss_and_metrics
 from meshtrain.models import GPTConfig, MoEConfig, build_model
-from meshtrain.train.loss import cross_entropy, loss_and_metrics
 
 BATCH, SEQ = 8, 32
 # 8 experts of width 32, top-2: 2 active experts = a dense SwiGLU of width 64.

@@ -53,12 +53,12 @@ from flax import nnx
 from meshtrain.comm.axes import axes_of_groups
 from meshtrain.comm.hlo import collectives
 from meshtrain.layout import activation_rules, rules_for
+from meshtrain.loss import cross_entropy_with
 from meshtrain.lower import cross_entropy, init_train_state
 from meshtrain.mesh import PIPE, make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, build_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss_and_grads, schedule_table
 from meshtrain.pipeline.slots import count_permutes, permute_uses, sends
-from meshtrain.train.loss import cross_entropy_with
 
 
 def permute_bytes(compiled, mesh, pc: PipelineConfig) -> dict:

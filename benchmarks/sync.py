@@ -50,11 +50,11 @@ import meshtrain as mt  # noqa: E402
 from meshtrain.comm.compile import FAST_CODEGEN  # noqa: E402
 from meshtrain.comm.inspector import inspect_compiled  # noqa: E402
 from meshtrain.layout import batch_shardings, process_rows, shard_batch  # noqa: E402
+from meshtrain.loss import cross_entropy  # noqa: E402
+from meshtrain.optim import make_optimizer, make_schedule  # noqa: E402
 from meshtrain.replicas import replicas, with_sync  # noqa: E402
 from meshtrain.run import RunSpec  # noqa: E402
 from meshtrain.state import init_train_state  # noqa: E402
-from meshtrain.train.loss import cross_entropy  # noqa: E402
-from meshtrain.train.optim import make_optimizer, make_schedule  # noqa: E402
 from meshtrain.train.step import jit_train_step  # noqa: E402
 
 LOSSY = ("bf16", "int8", "topk:0.01", "sign")

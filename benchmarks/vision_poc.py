@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from meshtrain.loss import mse
 from meshtrain.models import CNNConfig
-from meshtrain.train.loss import mse
 
 PHASES = ("forward", "backward_input", "backward_weights", "total")
 

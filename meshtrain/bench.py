@@ -132,7 +132,7 @@ def loss_fn_for(impl: str) -> Callable | None:
     """The train step's loss: None (meshtrain's default, optax) for "xla", else the kernel."""
     if impl == "xla":
         return None
-    from meshtrain.train.loss import cross_entropy_with
+    from meshtrain.loss import cross_entropy_with
 
     return cross_entropy_with(impl)
 

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from meshtrain.layout import alternatives, axes_of, rules_for
+from meshtrain.loss import cross_entropy
 from meshtrain.mesh import AXES, EXPERT, PIPE, SEQ
 from meshtrain.models import families
 from meshtrain.models.base import DataSpec
@@ -26,9 +27,7 @@ from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.precision import Precision
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
-from meshtrain.run import RunSpec
-from meshtrain.train.config import TrainConfig
-from meshtrain.train.loss import cross_entropy
+from meshtrain.run import RunSpec, TrainConfig
 
 __all__ = ["REFUSALS", "Refusal", "model_name", "pair_problems"]
 

@@ -70,9 +70,9 @@ def _load_meshtrain(source: Path):
     from meshtrain.checkpoint import restore
     from meshtrain.layout import rules_for
     from meshtrain.mesh import make_mesh
+    from meshtrain.optim import OptimConfig, make_optimizer
     from meshtrain.precision import Precision, with_loss_scale
     from meshtrain.state import abstract_model, abstract_train_state
-    from meshtrain.train.optim import OptimConfig, make_optimizer
 
     directory, step = _checkpoint_step(source)
     meta = _read_meta(directory, step)

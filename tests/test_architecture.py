@@ -28,6 +28,8 @@ LAYERS = [
         "meshtrain.data",
         "meshtrain.metrics",
         "meshtrain.distributed",
+        "meshtrain.loss",
+        "meshtrain.optim",
     ],  # fmt: skip
     # The cost model reads pipeline schedule tables (the lockstep bubble).
     [

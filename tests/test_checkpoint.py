@@ -19,9 +19,9 @@ from meshtrain.lower import batch_shardings, init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
 from meshtrain.models.base import batch_structs
+from meshtrain.optim import OptimConfig, make_optimizer
 from meshtrain.state import abstract_target, abstract_train_state
 from meshtrain.train.hooks import NonFiniteError
-from meshtrain.train.optim import OptimConfig, make_optimizer
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 # orbax's reader leaves an asyncio callback behind after a failed (corrupt) read; harmless.

@@ -22,8 +22,8 @@ from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.metrics import read_jsonl
 from meshtrain.models import MLPConfig, build_model
+from meshtrain.optim import OptimConfig, make_optimizer
 from meshtrain.state import abstract_train_state
-from meshtrain.train.optim import OptimConfig, make_optimizer
 
 MESHTRAIN = [sys.executable, "-m", "meshtrain.cli", "train"]
 # Stops a `meshtrain train` job after step 3, as the CLI would build it, then kills itself.

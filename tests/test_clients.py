@@ -19,8 +19,7 @@ from meshtrain.mesh import make_mesh
 from meshtrain.models import MLPConfig
 from meshtrain.problem import RunCheckError
 from meshtrain.replicas import SyncConfig
-from meshtrain.run import RunSpec
-from meshtrain.train.config import TrainConfig
+from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.train.trainer import Trainer
 
 

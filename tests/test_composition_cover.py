@@ -45,14 +45,13 @@ from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import DataSpec, GPTConfig, MoEConfig, build_model
 from meshtrain.offload import Offload, with_offload
+from meshtrain.optim import OptimConfig, make_optimizer
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import CHUNKED
 from meshtrain.precision import Precision, with_loss_scale
 from meshtrain.replicas import SyncConfig, with_sync
-from meshtrain.run import RunSpec
+from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.state import abstract_target
-from meshtrain.train.config import TrainConfig
-from meshtrain.train.optim import OptimConfig, make_optimizer
 
 B, T, STEPS = 16, 16, 2
 MICROBATCHES = 2  # a pipeline's (pipe = 2)

@@ -23,6 +23,7 @@ import meshtrain as mt
 from meshtrain.comm.hlo import collectives
 from meshtrain.comm.report import summarize
 from meshtrain.layout import activation_rules, batch_shardings, rules_for
+from meshtrain.loss import cross_entropy, loss_and_metrics, loss_mask
 from meshtrain.mesh import mesh_sizes
 from meshtrain.models.base import call_model
 from meshtrain.replicas import (
@@ -33,7 +34,6 @@ from meshtrain.replicas import (
     residual_init,
 )
 from meshtrain.state import create_sharded_model
-from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
 
 CFG = mt.GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64)
 B, T = 16, 16

@@ -38,8 +38,8 @@ from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.metrics import read_jsonl
 from meshtrain.models import build_model
+from meshtrain.optim import make_optimizer
 from meshtrain.state import abstract_train_state
-from meshtrain.train.optim import make_optimizer
 
 pytestmark = [
     pytest.mark.slow,

@@ -18,8 +18,8 @@ from flax import nnx
 from meshtrain.hf.mixtral import config_from_hf, config_to_hf, load_mixtral, save_mixtral
 from meshtrain.models import MoEConfig
 from meshtrain.models.moe_routing import pooled_load_balance_loss, route, router_sums
+from meshtrain.optim import OptimConfig, make_optimizer
 from meshtrain.state import TrainState
-from meshtrain.train.optim import OptimConfig, make_optimizer
 from meshtrain.train.step import train_step
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"

@@ -15,9 +15,9 @@ from flax import nnx
 from meshtrain import cli
 from meshtrain.data import DataConfig, make_dataset
 from meshtrain.layout import activation_rules, rules_for, shard_batch
+from meshtrain.loss import cross_entropy
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
-from meshtrain.train.loss import cross_entropy
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 # Head width 64 (the kernels take 64 and 128); GQA with 2 query heads per key/value head, so

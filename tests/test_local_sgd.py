@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain.comm.hlo import collectives
 from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
+from meshtrain.loss import cross_entropy
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import MLPConfig, build_model
 from meshtrain.replicas import SyncConfig
@@ -29,7 +30,6 @@ from meshtrain.replicas.local_sgd import (
 )
 from meshtrain.replicas.sets import ReplicaSets
 from meshtrain.state import TrainState, init_train_state
-from meshtrain.train.loss import cross_entropy
 
 ROWS = 16  # 2 per replica on 8 replicas, 4 on 4
 

@@ -42,10 +42,10 @@ from meshtrain.models.moe_routing import (
     router_sums,
     z_loss,
 )
+from meshtrain.optim import OptimConfig, make_optimizer
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.run import RunSpec
 from meshtrain.state import TrainState, abstract_target, abstract_train_state
-from meshtrain.train.optim import OptimConfig, make_optimizer
 from meshtrain.train.step import train_step
 
 # One worker builds the module-scoped reference run(s) for all of them (under --dist loadgroup).

@@ -24,9 +24,8 @@ from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MoEConfig
 from meshtrain.pipeline import PipelineConfig
-from meshtrain.run import RunSpec
+from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.state import TrainState
-from meshtrain.train.config import TrainConfig
 from meshtrain.train.step import train_step
 
 B, T, M, STEPS = 16, 8, 4, 3

@@ -22,10 +22,9 @@ from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import DataSpec, GPTConfig, build_model
 from meshtrain.offload import Offload
+from meshtrain.optim import OptimConfig
 from meshtrain.pipeline import PipelineConfig
-from meshtrain.run import RunSpec
-from meshtrain.train.config import TrainConfig
-from meshtrain.train.optim import OptimConfig
+from meshtrain.run import RunSpec, TrainConfig
 
 B, T = 16, 16
 GPT = GPTConfig(

@@ -19,6 +19,7 @@ from meshtrain.check import check_run
 from meshtrain.kernels import attention as flash
 from meshtrain.kernels import reference
 from meshtrain.layout import batch_shardings
+from meshtrain.loss import cross_entropy, loss_and_metrics, loss_mask
 from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import (
@@ -33,7 +34,6 @@ from meshtrain.models import (
 from meshtrain.models.layers import causal_attention
 from meshtrain.state import TrainState, abstract_model
 from meshtrain.train import OptimConfig
-from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
 from meshtrain.train.step import eval_loss, train_step
 
 T = 24

@@ -23,9 +23,11 @@ from flax import nnx
 from meshtrain.comm.hlo import collectives
 from meshtrain.data import make_arrays_dataset
 from meshtrain.layout import activation_rules, rules_for
+from meshtrain.loss import cross_entropy_with
 from meshtrain.lower import cross_entropy, init_train_state
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
+from meshtrain.optim import OptimConfig
 from meshtrain.pipeline import (
     BWD,
     FWD,
@@ -37,8 +39,6 @@ from meshtrain.pipeline import (
     spmd,
 )
 from meshtrain.pipeline.schedules import buffer_depth
-from meshtrain.train.loss import cross_entropy_with
-from meshtrain.train.optim import OptimConfig
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32

@@ -29,13 +29,13 @@ from meshtrain.layout import (
     shard_batch,
     split_microbatches,
 )
+from meshtrain.loss import cross_entropy
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPT, DataSpec, GPTConfig, MoEConfig, PipelineParts
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads, spmd
 from meshtrain.run import RunSpec
 from meshtrain.state import TrainState, abstract_model
-from meshtrain.train.loss import cross_entropy
 from meshtrain.train.step import jit_eval_step, train_step
 
 B, T, VOCAB, STEPS = 16, 16, 64, 3

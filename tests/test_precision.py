@@ -29,13 +29,12 @@ from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import CNNConfig, DataSpec, GPTConfig, MLPConfig, MoEConfig, build_model
+from meshtrain.optim import OptimConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import POLICIES, Precision, fp8, loss_scale, with_loss_scale
 from meshtrain.problem import RunCheckError
-from meshtrain.run import RunSpec
+from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.state import abstract_target
-from meshtrain.train.config import TrainConfig
-from meshtrain.train.optim import OptimConfig
 
 B, T = 16, 16
 OPTIM = OptimConfig(
@@ -309,7 +308,7 @@ def test_overflow_skips_exactly_that_step_halves_the_scale_and_is_no_bad_step():
 def test_an_injected_overflow_skips_that_one_step(monkeypatch):
     """Gradients made infinite on one chosen batch (a loss whose backward overflows there):
     exactly that step is skipped and halves the scale; its neighbours train."""
-    from meshtrain.train.loss import cross_entropy
+    from meshtrain.loss import cross_entropy
 
     @jax.custom_vjp
     def blow_up(loss, flag):
@@ -541,7 +540,7 @@ def test_the_fp8_train_step_lowers_for_an_h100_with_every_dense_projection_in_fp
     batch = _batches(1, cfg.vocab_size)[0]
 
     def grads(params, inputs, targets):
-        from meshtrain.train.loss import cross_entropy
+        from meshtrain.loss import cross_entropy
 
         def loss(p):
             return cross_entropy(nnx.merge(graphdef, p)(inputs), targets)

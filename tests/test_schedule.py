@@ -1,4 +1,4 @@
-"""Tests for the learning-rate schedule (meshtrain.train.optim.make_schedule) and for how a
+"""Tests for the learning-rate schedule (meshtrain.optim.make_schedule) and for how a
 skipped (non-finite) step advances it: the schedule is a function of batches consumed.
 
 The closed form below is the one in `OptimConfig`'s docstring, computed in float64 from

@@ -30,6 +30,7 @@ from flax import nnx
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointManager
 from meshtrain.layout import activation_rules, axes_of, batch_shardings, rules_for, shard_batch
+from meshtrain.loss import cross_entropy, loss_and_metrics, loss_mask
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MoEConfig, build_model
@@ -47,7 +48,6 @@ from meshtrain.replicas import (
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_train_state
 from meshtrain.train import TrainConfig
-from meshtrain.train.loss import cross_entropy, loss_and_metrics, loss_mask
 
 MOE = MoEConfig(
     d_model=32, n_heads=2, n_experts=4, top_k=2, d_expert=16, n_layers=1, vocab_size=64,

@@ -15,8 +15,8 @@ from meshtrain.data import DataConfig, make_arrays_dataset, make_dataset
 from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, MLPConfig
+from meshtrain.optim import OptimConfig
 from meshtrain.train import trainer as trainer_mod
-from meshtrain.train.optim import OptimConfig
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 HYBRID = "data=2,fsdp=2,tensor=2"

@@ -155,8 +155,8 @@ def test_reject_raises_a_value_error_listing_every_problem():
 BAD = {
     "meshtrain.mesh.MeshConfig": ("data", 0, "mesh.data"),
     "meshtrain.layout.rules.Rules": ("params", {"embed": "model"}, "rules.params['embed']"),
-    "meshtrain.train.config.TrainConfig": ("steps", 0, "steps"),
-    "meshtrain.train.optim.OptimConfig": ("lr", 0.0, "lr"),
+    "meshtrain.run.TrainConfig": ("steps", 0, "steps"),
+    "meshtrain.optim.OptimConfig": ("lr", 0.0, "lr"),
     "meshtrain.pipeline.config.PipelineConfig": ("repeats", 0, "repeats"),
     "meshtrain.replicas.config.SyncConfig": ("staleness", -1, "staleness"),
     "meshtrain.replicas.codecs.Codec": ("block", 0, "block"),

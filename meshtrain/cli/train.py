@@ -30,13 +30,12 @@ from meshtrain.layout.memory import HOST_KINDS
 from meshtrain.mesh import PIPE, SEQ
 from meshtrain.models import CNNConfig, GPTConfig, MLPConfig, MoEConfig, families
 from meshtrain.offload import Offload
+from meshtrain.optim import OptimConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import Precision
 from meshtrain.problem import Problem, RunCheckError
 from meshtrain.replicas import SyncConfig
-from meshtrain.run import RunSpec
-from meshtrain.train.config import TrainConfig
-from meshtrain.train.optim import OptimConfig
+from meshtrain.run import RunSpec, TrainConfig
 
 __all__ = ["TrainJob", "build_trainer", "check", "config_flags", "main", "parse", "run"]
 

@@ -28,10 +28,10 @@ from flax import nnx
 from meshtrain.layout import batch_shardings
 from meshtrain.models.base import batch_structs
 from meshtrain.offload import transfer_bytes, with_offload
+from meshtrain.optim import make_schedule
 from meshtrain.replicas import with_sync
 from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
 from meshtrain.state import TrainState, abstract_model, abstract_target, state_layout
-from meshtrain.train.optim import make_schedule
 from meshtrain.train.step import jit_train_step
 
 FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

@@ -128,7 +128,7 @@ class PipelineParts:
 class ModelOutput(NamedTuple):
     """What a model's ``__call__`` may return instead of bare logits: the logits with loss
     terms to add to the training loss and metrics to report (an MoE's router losses and
-    expert load, say). `meshtrain.train.loss.loss_and_metrics` reads it.
+    expert load, say). `meshtrain.loss.loss_and_metrics` reads it.
 
     Attributes:
         logits: the logits the task loss is computed on.

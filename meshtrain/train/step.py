@@ -14,13 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import layout, offload, replicas
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
+from meshtrain.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
 from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
 from meshtrain.precision import loss_scale, matmul_precision
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import TrainState
-from meshtrain.train.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
 
 
 def _pipeline_mesh(pipeline: PipelineConfig | None, run_mesh=None) -> Mesh | None:
@@ -109,7 +109,7 @@ def train_step(
 
     Returns:
         The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
-        `meshtrain.train.loss.loss_and_metrics`, whose metrics are included), ``grad_norm``,
+        `meshtrain.loss.loss_and_metrics`, whose metrics are included), ``grad_norm``,
         ``skipped`` (1 when a non-finite loss or gradient skipped the update, else 0; 0 for a
         loss-scale overflow), under loss scaling ``loss_scale`` (after the step) and
         ``overflow``, and (with `schedule`) ``lr``, the rate of this step (``schedule`` at the

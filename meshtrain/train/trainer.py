@@ -22,14 +22,13 @@ from meshtrain.layout import Rules, batch_shardings, process_rows, shard_batch
 from meshtrain.models.base import batch_structs
 from meshtrain.models.sampling import sample
 from meshtrain.offload import with_offload
+from meshtrain.optim import make_schedule
 from meshtrain.problem import raise_if
 from meshtrain.replicas import replicas, with_sync
-from meshtrain.run import RunSpec, run_from_legacy
+from meshtrain.run import RunSpec, TrainConfig, run_from_legacy
 from meshtrain.state import abstract_model, abstract_target, init_train_state
 from meshtrain.train import events
-from meshtrain.train.config import TrainConfig
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
-from meshtrain.train.optim import make_schedule
 from meshtrain.train.step import jit_eval_step, jit_train_step
 from meshtrain.train.stopping import AgreedStop
 from meshtrain.train.watchdog import Watchdog

@@ -144,7 +144,7 @@ def loss_and_metrics(
             f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}: a packed batch "
             "needs a loss that averages over real tokens only, called as loss_fn(logits, "
             "targets, mask=segment_ids > 0); add the mask= keyword (see "
-            "meshtrain.train.loss.cross_entropy) or train on plain windows (--data.no-packing)"
+            "meshtrain.loss.cross_entropy) or train on plain windows (--data.no-packing)"
         )
     else:
         loss = loss_fn(logits, targets, mask=mask)

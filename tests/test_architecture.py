@@ -43,6 +43,11 @@ LAYERS = [
         "meshtrain.composition",
         "meshtrain.composition_features",
         "meshtrain.composition_matrix",
+        "meshtrain.composition_refusal",
+        "meshtrain.composition_checks",
+        "meshtrain.composition_examples",
+        "meshtrain.composition_patterns",
+        "meshtrain.composition_rules",
     ],
     [
         "meshtrain.lower",

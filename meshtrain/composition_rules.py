@@ -49,14 +49,7 @@ REGION = (
         "interleaves them across stages",
         check.several_chunks,
         "use --schedule gpipe, 1f1b or zb-h1 (or --repeats 1), or drop {flag}",
-        lambda s: (
-            lambda: (
-                example.run(
-                    {"pipe": 2, "data": 4}, sync=SyncConfig(**s), pipeline=example.circular()
-                ),
-                example.run({"pipe": 2, "data": 4}, pipeline=example.circular()),
-            )
-        ),
+        example.circular_sync,
         pairs_with=("circular", "interleaved-1f1b"),
     ),
     Pattern(
@@ -117,12 +110,7 @@ OWN_STEP = (
         "mix over (local SGD and federated averaging average each leaf over its own copies)",
         split(EXPERT),
         "set expert=1 in --mesh (the experts then replicate), or use --sync-every without {flag}",
-        lambda s: (
-            lambda: (
-                example.run({"expert": 2, "data": 4}, model=MoEConfig(), sync=SyncConfig(**s)),
-                example.run({"data": 8}, model=MoEConfig(), sync=SyncConfig(**s)),
-            )
-        ),
+        example.experts_sync,
         pairs_with=MOE,
         only=("gossip",),
     ),
@@ -130,27 +118,48 @@ OWN_STEP = (
 
 # The replicas stepping on their own, each way.
 SCHEMES = (
-    Scheme("local SGD", ("local-sgd", "diloco"), check.plain_local, "sync_every",
-           check.sync_every, "--sync-every", {"sync_every": 4},
-           "local SGD exchanges parameters, not gradients"),
-    Scheme("gossip", ("gossip",), check.gossips, "gossip", check.gossip, "--gossip",
-           {"gossip": "ring", "sync_every": 4},
-           "gossip mixes parameters, and compressing them needs CHOCO-SGD's correction (each "
-           "replica's running estimate of its neighbours' values), which meshtrain does not "
-           "build"),
-    Scheme("federated averaging", ("federated",), check.federates, "client_fraction",
-           check.client_fraction, "--client-fraction", {"client_fraction": 0.5, "sync_every": 4},
-           "federated averaging exchanges each round's parameter change, not gradients"),
-)  # fmt: skip
+    Scheme(
+        name="local SGD",
+        ids=("local-sgd", "diloco"),
+        on=check.plain_local,
+        field="sync_every",
+        value=check.sync_every,
+        flag="--sync-every",
+        settings={"sync_every": 4},
+        exchange="local SGD exchanges parameters, not gradients",
+    ),
+    Scheme(
+        name="gossip",
+        ids=("gossip",),
+        on=check.gossips,
+        field="gossip",
+        value=check.gossip,
+        flag="--gossip",
+        settings={"gossip": "ring", "sync_every": 4},
+        exchange="gossip mixes parameters, and compressing them needs CHOCO-SGD's correction "
+        "(each replica's running estimate of its neighbours' values), which meshtrain does not "
+        "build",
+    ),
+    Scheme(
+        name="federated averaging",
+        ids=("federated",),
+        on=check.federates,
+        field="client_fraction",
+        value=check.client_fraction,
+        flag="--client-fraction",
+        settings={"client_fraction": 0.5, "sync_every": 4},
+        exchange="federated averaging exchanges each round's parameter change, not gradients",
+    ),
+)
 
 COMPRESSION = Scheme(
-    "gradient compression",
-    ("compression",),
-    check.compresses,
-    "grad_compression",
-    check.grad_compression,
-    "--grad-compression",
-    {"grad_compression": "int8"},
+    name="gradient compression",
+    ids=("compression",),
+    on=check.compresses,
+    field="grad_compression",
+    value=check.grad_compression,
+    flag="--grad-compression",
+    settings={"grad_compression": "int8"},
 )
 
 TABLE = (

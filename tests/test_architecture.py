@@ -39,7 +39,19 @@ LAYERS = [
         "meshtrain.offload",
         "meshtrain.costmodel",
     ],
-    ["meshtrain.train", "meshtrain.run", "meshtrain.check", "meshtrain.composition"],
+    [
+        "meshtrain.train",
+        "meshtrain.run",
+        "meshtrain.check",
+        "meshtrain.composition",
+        "meshtrain.composition_features",
+        "meshtrain.composition_matrix",
+        "meshtrain.composition_refusal",
+        "meshtrain.composition_checks",
+        "meshtrain.composition_examples",
+        "meshtrain.composition_patterns",
+        "meshtrain.composition_rules",
+    ],
     [
         "meshtrain.lower",
         "meshtrain.hf",
@@ -100,6 +112,64 @@ def test_no_module_imports_from_a_layer_above_its_own():
             if theirs > mine:
                 wrong.append(f"{name} (layer {mine}) imports {target} (layer {theirs})")
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the docstring nodes of a module, its classes and its functions."""
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, kinds)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
+
+
+def _path_operands(node: ast.AST) -> list[ast.expr]:
+    """The values `node` would use as a path: both sides of ``/``, a call's arguments, and a
+    function's defaults."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return [node.left, node.right]
+    if isinstance(node, ast.Call):
+        return [*node.args, *(k.value for k in node.keywords)]
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        return [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+    return []
+
+
+def _reaches_tests(path: pathlib.Path, suite: set[str]) -> list[str]:
+    """What in one module imports from the test suite or names a path in it: an import of
+    `tests` or of a module of the suite (`suite`), a string holding ``tests/``, or ``"tests"``
+    joined to a path, passed to a call or given as a default (docstrings aside)."""
+    tree = ast.parse(path.read_text())
+    docs = _docstrings(tree)
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] in suite]
+            found += [(line, f"imports {name}") for name in names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] in suite:
+                found.append((line, f"imports from {node.module}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docs and ("tests/" in node.value or "tests\\" in node.value):
+                found.append((line, f"names the path {node.value!r}"))
+        if any(isinstance(o, ast.Constant) and o.value == "tests" for o in _path_operands(node)):
+            found.append((line, 'uses "tests" as a path'))
+    return [f"{path.relative_to(ROOT.parent)}:{n}: {what}" for n, what in found]
+
+
+def test_the_package_reads_nothing_of_the_test_suite():
+    """An installed wheel has no tests/: no module of meshtrain/ or kernels/ imports from the
+    suite (tests, conftest, tests/_*.py) or opens a path under it."""
+    tests = ROOT.parent / "tests"
+    suite = {"tests", *(p.stem for p in tests.glob("*.py"))}  # conftest, _helpers, ...
+    wrong = [line for _, path in _modules() for line in _reaches_tests(path, suite)]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_package_is_in_the_wheel():

@@ -4,9 +4,9 @@ of `meshtrain.composition.REFUSALS`; the check can fail; the rows name real cell
 import textwrap
 from pathlib import Path
 
+import _composition_matrix as cm  # the library's matrix with the markers' evidence
 import pytest
 
-from meshtrain import composition_matrix as cm
 from meshtrain.composition import REFUSALS
 
 TESTS = Path(__file__).parent

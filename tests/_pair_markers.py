@@ -1,4 +1,7 @@
-"""The ``pytest.mark.pair(a, b)`` markers of test files, read with `ast` (nothing is imported).
+"""The ``pytest.mark.pair(a, b)`` markers of test files, read with `ast` (nothing is imported),
+and the cells of the composition matrix they prove (`evidence`). The suite checks the matrix
+with them and the docs build draws it; the library holds only the matrix itself
+(`meshtrain.composition_matrix`).
 
 A marker counts where it decorates a test function (``@pytest.mark.pair("a", "b")``, also
 through a module-level name bound to such a mark) or sits in the ``marks=`` of a
@@ -9,6 +12,9 @@ f-strings of its names included)::
 
     for where, pair in markers("tests"):
         print(where, pair)  # tests/test_x.py::test_y ('packed', 'ring')
+
+    found = evidence("tests")
+    assert missing(found.proofs) == []  # every cell proven or refused
 """
 
 from __future__ import annotations
@@ -17,14 +23,55 @@ import ast
 import itertools
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["markers"]
+from meshtrain.composition_matrix import Cell, cell
+
+__all__ = ["Evidence", "evidence", "markers"]
 
 Env = Mapping[str, object]
 
 
 class _Unreadable(Exception):
     """A marker argument that is not a literal value here."""
+
+
+class Evidence(NamedTuple):
+    """What the test files say about the matrix.
+
+    Args:
+        proofs: cell → the tests (``tests/file.py::function``) that carry its pair marker.
+        bad: one line per pair marker that names no cell (unknown id, a feature with itself
+            or two of one exclusive group, arguments that are not string literals).
+    """
+
+    proofs: dict[Cell, list[str]]
+    bad: list[str]
+
+
+def evidence(root: str | Path) -> Evidence:
+    """The ``pair`` markers of the test files ``root/test_*.py`` (see `markers` for where a
+    marker counts), as the cells they prove.
+
+    Args:
+        root: the folder of the test files.
+
+    Returns:
+        The proven cells and the markers that name no cell.
+    """
+    proofs: dict[Cell, list[str]] = {}
+    bad: list[str] = []
+    for where, found in markers(root):
+        try:
+            if isinstance(found, str):
+                raise ValueError(found)
+            c = cell(*found)
+        except (TypeError, ValueError) as e:
+            bad.append(f"{where}: {e}")
+            continue
+        if where not in proofs.setdefault(c, []):
+            proofs[c].append(where)
+    return Evidence(proofs, bad)
 
 
 def markers(root: str | Path) -> list[tuple[str, tuple[str, ...] | str]]:

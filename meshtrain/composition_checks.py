@@ -1,0 +1,239 @@
+"""What the refusal rows read off a run: whether it has a feature (``run → bool``) and the
+value a row shows (``run → value``), each named, so the rows
+(`meshtrain.composition_rules`) are data that point at them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshtrain.layout import alternatives, axes_of, rules_for
+from meshtrain.mesh import EXPERT, PIPE
+from meshtrain.models.moe_config import MoEConfig
+from meshtrain.pipeline.schedules import HAND_SCHEDULED
+from meshtrain.run import RunSpec
+
+Check = Callable[[RunSpec], bool]
+Value = Callable[[RunSpec], object]
+
+
+def axis(run: RunSpec, name: str) -> int:
+    """The size of mesh axis `name` (1 when the mesh lacks it)."""
+    return run.sizes.get(name, 1)
+
+
+def split(name: str) -> Check:
+    """``run → axis name > 1``: the run splits over mesh axis `name`."""
+    return lambda run: axis(run, name) > 1
+
+
+def all_of(*checks: Check) -> Check:
+    """``run → every one of checks(run)``."""
+    return lambda run: all(check(run) for check in checks)
+
+
+def mesh_value(name: str) -> Value:
+    """``run → size of axis name``, the value a mesh row shows."""
+    return lambda run: axis(run, name)
+
+
+def model_value(field: str) -> Value:
+    """``run → the model config's field``, the value a model row shows."""
+    return lambda run: getattr(run.model, field)
+
+
+def cudnn(run: RunSpec) -> bool:
+    """The model's attention is cuDNN's fused attention."""
+    return getattr(run.model, "attention_impl", None) == "cudnn"
+
+
+def cudnn_name(run: RunSpec) -> str:
+    """The value a cuDNN row shows: the attention implementation's name."""
+    return "cudnn"
+
+
+def packed(run: RunSpec) -> bool:
+    """Whether the batches carry segment ids (packed documents)."""
+    return run.data_spec.packed
+
+
+def without_sequences(run: RunSpec) -> bool:
+    """The data is no token sequences (not ``lm``: ``classify``, ``image``)."""
+    return run.data_spec.kind != "lm"
+
+
+def no_experts(run: RunSpec) -> bool:
+    """The model has no experts to split over the expert axis."""
+    return EXPERT not in getattr(run.model, "supported_axes", ())
+
+
+def no_context(run: RunSpec) -> bool:
+    """The model declares it cannot split its sequences (``context_parallel = False``)."""
+    return getattr(run.model, "context_parallel", True) is False
+
+
+def compresses(run: RunSpec) -> bool:
+    """Gradient compression is on."""
+    return run.sync.compresses
+
+
+def local(run: RunSpec) -> bool:
+    """The replicas step on their own: local SGD, DiLoCo, gossip or federated averaging."""
+    return run.sync.local
+
+
+def own_step(run: RunSpec) -> bool:
+    """The replicas run their own step: gradient compression or `local`."""
+    return compresses(run) or local(run)
+
+
+def plain_local(run: RunSpec) -> bool:
+    """Local SGD or DiLoCo (the replicas restart from one average at every sync)."""
+    return run.sync.local and not (run.sync.gossips or run.sync.federates)
+
+
+def gossips(run: RunSpec) -> bool:
+    """Gossip averaging is on."""
+    return run.sync.gossips
+
+
+def federates(run: RunSpec) -> bool:
+    """Federated averaging is on."""
+    return run.sync.federates
+
+
+def no_sync_every(run: RunSpec) -> bool:
+    """No ``--sync-every``."""
+    return run.sync.sync_every is None
+
+
+def synchronous(run: RunSpec) -> bool:
+    """The replicas step together (none of `local`)."""
+    return not local(run)
+
+
+def outer_optimizer(run: RunSpec) -> bool:
+    """An outer optimizer other than plain averaging is set."""
+    return run.sync.outer_optimizer != "average"
+
+
+def stale(run: RunSpec) -> bool:
+    """Bounded staleness is on."""
+    return bool(run.sync.staleness)
+
+
+def loss_scaling(run: RunSpec) -> bool:
+    """float16's dynamic loss scale is on."""
+    return run.loss_scaling
+
+
+def several_chunks(run: RunSpec) -> bool:
+    """A pipeline whose stages hold several chunks of layers (circular, interleaved-1f1b)."""
+    return axis(run, PIPE) > 1 and run.pipeline.chunks_per_stage() > 1
+
+
+def no_replicas(run: RunSpec) -> bool:
+    """The rules split the parameters over every batch axis (e.g. fsdp): no replicas."""
+    rules = run.rules or rules_for("auto", run.sizes)
+    return not rules.replica_axes(run.sizes)
+
+
+def fsdp_and_tensor(run: RunSpec) -> bool:
+    """The rules split the parameters over both fsdp and tensor (hsdp+tp on fsdp, tensor > 1)."""
+    rules = run.rules or rules_for("auto", run.sizes)
+    named = {a for e in rules.params.values() for o in alternatives(e) for a in axes_of(o)}
+    on = {a for a in ("fsdp", "tensor") if axis(run, a) > 1 and a in named}
+    return on == {"fsdp", "tensor"} and bool(rules.replica_axes(run.sizes))
+
+
+def clips(run: RunSpec) -> bool:
+    """Global-norm clipping is on."""
+    return run.optim.clip_norm > 0
+
+
+def fp16_kernels(run: RunSpec) -> bool:
+    """float16 compute with a hand-written kernel (pallas, cudnn) in attention or norms."""
+    names = {str(getattr(run.model, f, "")) for f in ("attention_impl", "norm_impl")}
+    return run.precision.resolved(run.model) == "fp16" and bool(names & {"pallas", "cudnn"})
+
+
+def pooled_router_loss(run: RunSpec) -> bool:
+    """The model adds Mixtral's load-balancing loss, pooled over every MoE block, to the loss."""
+    model = run.model
+    if not isinstance(model, MoEConfig):
+        return False
+    return model.router_losses == "mixtral" and model.aux_loss_coef > 0
+
+
+def hand_scheduled(run: RunSpec) -> bool:
+    """A pipeline under a hand-scheduled schedule (1f1b, interleaved-1f1b, zb-h1)."""
+    return axis(run, PIPE) > 1 and run.pipeline.schedule in HAND_SCHEDULED
+
+
+def custom_loss(run: RunSpec) -> bool:
+    """A custom ``loss_fn`` replaces the built-in loss."""
+    return run.loss_fn is not None
+
+
+def loss_kernel(run: RunSpec) -> bool:
+    """The loss runs through a kernel (``train.loss_impl`` other than xla)."""
+    return run.train.loss_impl != "xla"
+
+
+def builtin_loss(run: RunSpec) -> bool:
+    """A built-in loss other than the default cross entropy is chosen."""
+    return run.train.loss != "cross_entropy"
+
+
+def strategy(run: RunSpec) -> str:
+    """The name of the run's layout rules."""
+    return (run.rules or rules_for("auto", run.sizes)).name
+
+
+def grad_compression(run: RunSpec) -> str:
+    """The ``--grad-compression`` value."""
+    return run.sync.grad_compression
+
+
+def sync_every(run: RunSpec) -> int | None:
+    """The ``--sync-every`` value."""
+    return run.sync.sync_every
+
+
+def gossip(run: RunSpec) -> str | None:
+    """The ``--gossip`` value."""
+    return run.sync.gossip
+
+
+def client_fraction(run: RunSpec) -> float | None:
+    """The ``--client-fraction`` value."""
+    return run.sync.client_fraction
+
+
+def staleness(run: RunSpec) -> int:
+    """The ``--staleness`` value."""
+    return run.sync.staleness
+
+
+def precision(run: RunSpec) -> str:
+    """The ``--precision`` value."""
+    return run.precision.policy
+
+
+def outer_optimizer_name(run: RunSpec) -> str:
+    """The ``--outer-optimizer`` value."""
+    return run.sync.outer_optimizer
+
+
+def clip_norm(run: RunSpec) -> float:
+    """The ``--clip-norm`` value."""
+    return run.optim.clip_norm
+
+
+def loss_impl(run: RunSpec) -> str:
+    """The ``--loss-impl`` value."""
+    return run.train.loss_impl
+
+
+def loss(run: RunSpec) -> str:
+    """The ``--loss`` value."""
+    return run.train.loss

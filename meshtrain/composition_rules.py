@@ -1,0 +1,437 @@
+"""The refusal table as data: every pair of features that does not run together, one
+`Refusal` row each, in the order the run check reports them. The rows point at named checks
+(`meshtrain.composition_checks`) and examples (`meshtrain.composition_examples`); the rows
+the replicas' ways of stepping on their own share are written once as `Pattern` rows for each
+`Scheme` (`meshtrain.composition_patterns`)."""
+
+from __future__ import annotations
+
+from meshtrain import composition_checks as check
+from meshtrain import composition_examples as example
+from meshtrain.composition_checks import all_of, split
+from meshtrain.composition_features import CONTEXT, LOCAL, MOE, PIPELINES
+from meshtrain.composition_patterns import ForEach, Pattern, Scheme, cells, rows
+from meshtrain.composition_refusal import Refusal
+from meshtrain.loss import cross_entropy
+from meshtrain.mesh import EXPERT, PIPE, SEQ
+from meshtrain.models.gpt_config import GPTConfig
+from meshtrain.models.moe_config import MoEConfig
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.precision import Precision
+from meshtrain.replicas import SyncConfig
+from meshtrain.run import TrainConfig
+
+__all__ = ["REFUSALS"]
+
+_CUDNN = example.gpt(attention_impl="cudnn", d_model=256)
+_OWN_STEP = (
+    "the replicas' own step (gradient compression, local SGD, DiLoCo, gossip, federated averaging)"
+)
+
+# What a step manual over the replicas cannot hold: context parallelism, several chunks of
+# layers per stage, a strategy without replicas.
+REGION = (
+    Pattern(
+        "{name}",
+        "context parallelism",
+        "{flag} runs the step in a region manual over the replicas, and jax cannot "
+        "differentiate the context-parallel attention's region over seq nested inside it",
+        split(SEQ),
+        "set seq=1 in --mesh, or drop {flag}",
+        lambda s: example.sync(s, {}, mesh={"seq": 2, "data": 4}),
+        pairs_with=CONTEXT,
+    ),
+    Pattern(
+        "{name}",
+        "several chunks per stage (circular, interleaved-1f1b)",
+        "{flag} runs the pipeline's loop inside the replicas' region, where each stage "
+        "holds only its contiguous layers, and a schedule with several chunks per stage "
+        "interleaves them across stages",
+        check.several_chunks,
+        "use --schedule gpipe, 1f1b or zb-h1 (or --repeats 1), or drop {flag}",
+        example.circular_sync,
+        pairs_with=("circular", "interleaved-1f1b"),
+    ),
+    Pattern(
+        "{name}",
+        "a strategy without replicas",
+        "{flag} works across replicas (batch axes of size > 1 no parameter is split "
+        "over), and this layout has none",
+        check.no_replicas,
+        "use --strategy dp, zero1 or hsdp (hsdp: replicas over data) on a mesh with data ≥ 2",
+        lambda s: example.sync(s, {}, mesh={"data": 8}, rules="fsdp"),
+        pairs_with=("fsdp",),
+    ),
+)
+
+# What the replicas' own step cannot run beside, scheme by scheme.
+OWN_STEP = (
+    Pattern(
+        "{name}",
+        "gradient compression",
+        "{exchange}",
+        check.compresses,
+        "drop one of --grad-compression and {flag}",
+        lambda s: example.sync({**s, "grad_compression": "int8"}, s),
+        pairs_with=("compression",),
+        field="grad_compression",
+        value=check.grad_compression,
+    ),
+    Pattern(
+        "bounded staleness",
+        "{name}",
+        "staleness models a parameter server with synchronous replicas",
+        check.stale,
+        "drop one of --staleness and {flag}",
+        lambda s: example.sync({**s, "staleness": 2}, {"staleness": 2}),
+        pairs_with=("staleness",),
+        ids_first=False,
+        field="staleness",
+        value=check.staleness,
+    ),
+    Pattern(
+        "fp16 loss scaling",
+        "{name}",
+        "the loss scale is one value for the run, and {name}'s replicas step apart, "
+        "each with gradients that overflow on their own",
+        check.loss_scaling,
+        "use --precision bf16 (no loss scaling), or drop {flag}",
+        example.fp16,
+        pairs_with=("fp16",),
+        field="precision",
+        value=check.precision,
+    ),
+    *REGION,
+    Pattern(
+        "{name}",
+        "expert parallelism (MoE)",
+        "under expert > 1 an expert's weights have one copy per data replica and the dense "
+        "weights one per device over data and expert, so the replicas form no single graph to "
+        "mix over (local SGD and federated averaging average each leaf over its own copies)",
+        split(EXPERT),
+        "set expert=1 in --mesh (the experts then replicate), or use --sync-every without {flag}",
+        example.experts_sync,
+        pairs_with=MOE,
+        only=("gossip",),
+    ),
+)
+
+# The replicas stepping on their own, each way.
+SCHEMES = (
+    Scheme(
+        name="local SGD",
+        ids=("local-sgd", "diloco"),
+        on=check.plain_local,
+        field="sync_every",
+        value=check.sync_every,
+        flag="--sync-every",
+        settings={"sync_every": 4},
+        exchange="local SGD exchanges parameters, not gradients",
+    ),
+    Scheme(
+        name="gossip",
+        ids=("gossip",),
+        on=check.gossips,
+        field="gossip",
+        value=check.gossip,
+        flag="--gossip",
+        settings={"gossip": "ring", "sync_every": 4},
+        exchange="gossip mixes parameters, and compressing them needs CHOCO-SGD's correction "
+        "(each replica's running estimate of its neighbours' values), which meshtrain does not "
+        "build",
+    ),
+    Scheme(
+        name="federated averaging",
+        ids=("federated",),
+        on=check.federates,
+        field="client_fraction",
+        value=check.client_fraction,
+        flag="--client-fraction",
+        settings={"client_fraction": 0.5, "sync_every": 4},
+        exchange="federated averaging exchanges each round's parameter change, not gradients",
+    ),
+)
+
+COMPRESSION = Scheme(
+    name="gradient compression",
+    ids=("compression",),
+    on=check.compresses,
+    field="grad_compression",
+    value=check.grad_compression,
+    flag="--grad-compression",
+    settings={"grad_compression": "int8"},
+)
+
+TABLE = (
+    Refusal(
+        "expert parallelism",
+        "a model without experts",
+        "only a mixture-of-experts model has experts to split over expert > 1",
+        all_of(split(EXPERT), check.no_experts),
+        "mesh.expert",
+        "set expert=1 in --mesh, or use --model moe",
+        check.mesh_value(EXPERT),
+        lambda: (
+            example.run({"expert": 2, "data": 4}),
+            example.run({"expert": 2, "data": 4}, model=MoEConfig()),
+        ),
+    ),
+    Refusal(
+        "context parallelism",
+        "a model that cannot split its sequences",
+        "the model declares context_parallel = False",
+        all_of(split(SEQ), check.no_context),
+        "mesh.seq",
+        "set seq=1 in --mesh",
+        check.mesh_value(SEQ),
+        lambda: (
+            example.run({"seq": 2, "data": 4}, model=example.no_context_model()),
+            example.run({"data": 8}, model=example.no_context_model()),
+        ),
+    ),
+    Refusal(
+        "context parallelism",
+        "pipelines",
+        "the ring and the pipeline stages do not compose yet",
+        all_of(split(SEQ), split(PIPE)),
+        "mesh.seq",
+        "set seq=1 or pipe=1 in --mesh",
+        check.mesh_value(SEQ),
+        example.pair({"seq": 2, "pipe": 2, "data": 2}, {"seq": 2, "data": 4}),
+        cells=cells(CONTEXT, PIPELINES),
+    ),
+    Refusal(
+        "context parallelism",
+        "data without sequences",
+        "only token sequences (lm data) can be split over seq",
+        all_of(split(SEQ), check.without_sequences),
+        "mesh.seq",
+        "set seq=1 in --mesh",
+        check.mesh_value(SEQ),
+        lambda: (
+            example.run({"seq": 2, "data": 4}, model=None, data=example.images()),
+            example.run({"data": 8}, model=None, data=example.images()),
+        ),
+    ),
+    Refusal(
+        "cuDNN attention",
+        "packed batches",
+        "the cuDNN path takes no document masks",
+        all_of(check.packed, check.cudnn),
+        "{model}.attention_impl",
+        "use pallas, auto or xla, or train on plain windows (--data.no-packing)",
+        check.cudnn_name,
+        lambda: (
+            example.run({"data": 8}, model=_CUDNN(), data=example.lm(packed=True)()),
+            example.run({"data": 8}, model=_CUDNN()),
+        ),
+        cells=(("cudnn", "packed"),),
+    ),
+    Refusal(
+        "cuDNN attention",
+        "context parallelism",
+        "cuDNN's attention takes no position mask and returns no log-sum-exp, so it cannot run "
+        "a ring step",
+        all_of(split(SEQ), check.cudnn),
+        "{model}.attention_impl",
+        "use --{model}.attention-impl pallas, auto or xla, or set seq=1",
+        check.cudnn_name,
+        example.pair({"seq": 2, "data": 4}, {"data": 8}, model=_CUDNN),
+        cells=cells(("cudnn",), CONTEXT),
+    ),
+    Refusal(
+        "cuDNN attention",
+        "pipelines",
+        "jax differentiates cuDNN's fused attention itself, which a stage's nested manual "
+        "region cannot (the Pallas kernel's own backward can)",
+        all_of(split(PIPE), check.cudnn),
+        "{model}.attention_impl",
+        "use pallas (or auto) inside pipelines, or set pipe=1",
+        check.cudnn_name,
+        example.pair({"pipe": 2, "data": 4}, {"data": 8}, model=_CUDNN),
+        cells=cells(("cudnn",), PIPELINES),
+    ),
+    Refusal(
+        "cuDNN attention",
+        _OWN_STEP,
+        "jax differentiates cuDNN's fused attention itself, which a region manual over the "
+        "replicas cannot (the Pallas kernel's own backward can)",
+        all_of(check.own_step, check.cudnn),
+        "{model}.attention_impl",
+        "use pallas (or auto) with --grad-compression, --sync-every, --gossip or "
+        "--client-fraction, or drop them",
+        check.cudnn_name,
+        example.sync({"grad_compression": "int8"}, {}, model=_CUDNN),
+        cells=cells(("cudnn",), ("compression", *LOCAL)),
+    ),
+    Refusal(
+        _OWN_STEP,
+        "hsdp with tensor parallelism",
+        "XLA's SPMD partitioner aborts compiling that step when fsdp and tensor both split the "
+        "parameters inside it (a failed check in spmd_partitioner_util)",
+        all_of(check.own_step, check.fsdp_and_tensor),
+        "strategy",
+        "use dp+tp or zero1+tp (or hsdp without tensor) with --grad-compression or --sync-every",
+        check.strategy,
+        example.sync(
+            {"grad_compression": "int8"},
+            {},
+            mesh={"data": 2, "fsdp": 2, "tensor": 2},
+            rules="hsdp+tp",
+        ),
+    ),
+    Refusal(
+        "local SGD (and DiLoCo, gossip, federated averaging)",
+        "pipelines with global-norm clipping",
+        "the replicas' own optimizer runs inside the replicas' region, where each stage holds "
+        "only its own layers, so the gradient's global norm would be one stage's",
+        all_of(check.local, split(PIPE), check.clips),
+        "optim.clip_norm",
+        "set --clip-norm 0 beside --sync-every on pipe > 1, or set pipe=1",
+        check.clip_norm,
+        example.sync({"sync_every": 4}, {}, mesh={"pipe": 2, "data": 4}),
+    ),
+    ForEach(OWN_STEP, SCHEMES),
+    Refusal(
+        "fp16",
+        "the Pallas or cuDNN kernels",
+        "meshtrain's attention and norm kernels take float32 and bfloat16 only",
+        check.fp16_kernels,
+        "precision",
+        "use --precision bf16, or --{model}.attention-impl xla and --{model}.norm-impl xla",
+        check.precision,
+        lambda: (
+            example.run(
+                {"data": 8}, model=GPTConfig(norm_impl="pallas"), precision=Precision(policy="fp16")
+            ),
+            example.run(
+                {"data": 8}, model=GPTConfig(norm_impl="pallas"), precision=Precision(policy="bf16")
+            ),
+        ),
+        cells=(("pallas", "fp16"), ("cudnn", "fp16")),
+    ),
+    Refusal(
+        "fp16 loss scaling",
+        "bounded staleness",
+        "a gradient applied s steps later was scaled by the scale of its own step, which may "
+        "have changed since",
+        all_of(check.loss_scaling, check.stale),
+        "precision",
+        "use --precision bf16 (no loss scaling), or drop --staleness",
+        check.precision,
+        lambda: (
+            example.run(
+                {"data": 8}, sync=SyncConfig(staleness=1), precision=Precision(policy="fp16")
+            ),
+            example.run({"data": 8}, sync=SyncConfig(staleness=1)),
+        ),
+        cells=(("staleness", "fp16"),),
+    ),
+    Refusal(
+        "an outer optimizer",
+        "synchronous training",
+        "the outer optimizer runs at local SGD's synchronisations",
+        all_of(check.synchronous, check.outer_optimizer),
+        "outer_optimizer",
+        "add --sync-every H, or drop --outer-optimizer",
+        check.outer_optimizer_name,
+        example.sync(
+            {"outer_optimizer": "nesterov"}, {"outer_optimizer": "nesterov", "sync_every": 4}
+        ),
+    ),
+    Refusal(
+        "gossip",
+        "federated averaging",
+        "they are two ways for the same replicas to synchronise",
+        all_of(check.gossips, check.federates),
+        "gossip",
+        "drop one of --gossip and --client-fraction",
+        check.gossip,
+        example.sync(
+            {"gossip": "ring", "client_fraction": 0.5, "sync_every": 4},
+            {"gossip": "ring", "sync_every": 4},
+        ),
+    ),
+    Refusal(
+        "gossip",
+        "no --sync-every",
+        "gossip forms the model you evaluate and save, the replicas' mean, every H steps",
+        all_of(check.gossips, check.no_sync_every),
+        "sync_every",
+        "add --sync-every H (e.g. 50)",
+        check.sync_every,
+        example.sync({"gossip": "ring"}, {"gossip": "ring", "sync_every": 50}),
+    ),
+    Refusal(
+        "federated averaging",
+        "no --sync-every",
+        "a federated round is H local steps",
+        all_of(check.federates, check.no_sync_every),
+        "sync_every",
+        "add --sync-every H (e.g. 8)",
+        check.sync_every,
+        example.sync({"client_fraction": 0.5}, {"client_fraction": 0.5, "sync_every": 8}),
+    ),
+    Refusal(
+        "an outer optimizer",
+        "gossip",
+        "gossip's model is the replicas' mean, with no outer step to apply it through",
+        all_of(check.gossips, check.outer_optimizer),
+        "outer_optimizer",
+        "use --outer-optimizer average (the default), or drop --gossip",
+        check.outer_optimizer_name,
+        example.sync(
+            {"gossip": "ring", "sync_every": 4, "outer_optimizer": "nesterov"},
+            {"gossip": "ring", "sync_every": 4},
+        ),
+    ),
+    ForEach(REGION, (COMPRESSION,)),
+    Refusal(
+        "Mixtral's router loss",
+        "a hand-scheduled schedule",
+        "the loss pools every stage's blocks, and a hand-scheduled schedule (1f1b, "
+        "interleaved-1f1b, zb-h1) runs each stage's backward with its own blocks only (gpipe "
+        "and circular pool them exactly)",
+        all_of(check.pooled_router_loss, check.hand_scheduled),
+        "moe.router_losses",
+        "use --schedule gpipe or circular, or --moe.router-losses meshtrain, or set "
+        "--moe.aux-loss-coef 0",
+        check.model_value("router_losses"),
+        lambda: (
+            example.run(
+                {"pipe": 2, "data": 4},
+                model=MoEConfig(router_losses="mixtral"),
+                pipeline=PipelineConfig(schedule="1f1b"),
+            ),
+            example.run({"pipe": 2, "data": 4}, model=MoEConfig(router_losses="mixtral")),
+        ),
+    ),
+    Refusal(
+        "a custom loss_fn",
+        "a loss kernel",
+        "the kernel applies only to the built-in losses",
+        all_of(check.custom_loss, check.loss_kernel),
+        "train.loss_impl",
+        "set --loss-impl xla, or drop loss_fn",
+        check.loss_impl,
+        lambda: (
+            example.run({"data": 8}, loss_fn=cross_entropy, train=TrainConfig(loss_impl="pallas")),
+            example.run({"data": 8}, train=TrainConfig(loss_impl="pallas")),
+        ),
+    ),
+    Refusal(
+        "a custom loss_fn",
+        "a built-in loss",
+        "train.loss picks a built-in loss, loss_fn replaces it",
+        all_of(check.custom_loss, check.builtin_loss),
+        "train.loss",
+        "drop --loss, or drop loss_fn",
+        check.loss,
+        lambda: (
+            example.run({"data": 8}, loss_fn=cross_entropy, train=TrainConfig(loss="mse")),
+            example.run({"data": 8}, loss_fn=cross_entropy),
+        ),
+    ),
+)
+
+REFUSALS: tuple[Refusal, ...] = rows(TABLE)

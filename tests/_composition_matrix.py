@@ -1,10 +1,10 @@
 """The composition matrix as the suite checks it: the library's cells and refusals
-(`meshtrain.composition_matrix`) beside the proofs the test files' pair markers give
+(`meshtrain.composition.matrix`) beside the proofs the test files' pair markers give
 (`_pair_markers.evidence`)."""
 
 from _pair_markers import Evidence, evidence
 
-from meshtrain.composition_matrix import (
+from meshtrain.composition.matrix import (
     EXCLUSIVE,
     FEATURES,
     GROUPS,

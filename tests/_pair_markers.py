@@ -1,7 +1,7 @@
 """The ``pytest.mark.pair(a, b)`` markers of test files, read with `ast` (nothing is imported),
 and the cells of the composition matrix they prove (`evidence`). The suite checks the matrix
 with them and the docs build draws it; the library holds only the matrix itself
-(`meshtrain.composition_matrix`).
+(`meshtrain.composition.matrix`).
 
 A marker counts where it decorates a test function (``@pytest.mark.pair("a", "b")``, also
 through a module-level name bound to such a mark) or sits in the ``marks=`` of a
@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from meshtrain.composition_matrix import Cell, cell
+from meshtrain.composition.matrix import Cell, cell
 
 __all__ = ["Evidence", "evidence", "markers"]
 

@@ -44,13 +44,6 @@ LAYERS = [
         "meshtrain.run",
         "meshtrain.check",
         "meshtrain.composition",
-        "meshtrain.composition_features",
-        "meshtrain.composition_matrix",
-        "meshtrain.composition_refusal",
-        "meshtrain.composition_checks",
-        "meshtrain.composition_examples",
-        "meshtrain.composition_patterns",
-        "meshtrain.composition_rules",
     ],
     [
         "meshtrain.lower",

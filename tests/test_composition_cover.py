@@ -329,7 +329,7 @@ def _check(case, tmp_path):
 
 
 def _pairs(features) -> set[tuple[str, str]]:
-    from meshtrain.composition_matrix import cell
+    from meshtrain.composition.matrix import cell
 
     return {cell(a, b) for a, b in itertools.combinations(sorted(features), 2)}
 
@@ -812,7 +812,7 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_combination_equals_one_device(case, request, tmp_path, monkeypatch):
-    from meshtrain.composition_matrix import cell
+    from meshtrain.composition.matrix import cell
 
     marked = {cell(*m.args) for m in request.node.iter_markers("pair")}
     assert marked == _pairs(case.features())  # the marks say what the case combines

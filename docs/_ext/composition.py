@@ -1,6 +1,6 @@
 """The `meshtrain-composition` directive: the composition matrix, generated at build time from
 the test suite's ``pair`` markers and `meshtrain.composition.REFUSALS` (see
-`meshtrain.composition_matrix`), as a grid of symbols and a list of every cell's evidence.
+`meshtrain.composition.matrix`), as a grid of symbols and a list of every cell's evidence.
 
 The markers are read by the suite's own reader, ``tests/_pair_markers.py``: the library ships
 without its tests, so the docs build, which runs from the repository, loads it from there."""
@@ -36,7 +36,7 @@ def _markers():
 
 def _status() -> tuple[dict, dict, dict]:
     """(cell → tests, cell → refusal line, cell → known gap)."""
-    from meshtrain import composition_matrix as cm
+    from meshtrain.composition import matrix as cm
 
     return _markers().evidence(TESTS).proofs, cm.refused(), dict(cm.KNOWN_GAPS)
 
@@ -71,7 +71,7 @@ def _table(head: list[str], rows: list[list[nodes.Node]], widths: list[int]) -> 
 
 def _symbol(a: str, b: str, proofs, refused, gaps) -> str:
     """The grid's symbol for features `a` and `b`."""
-    from meshtrain import composition_matrix as cm
+    from meshtrain.composition import matrix as cm
 
     if a == b:
         return SYMBOLS["self"]
@@ -92,7 +92,7 @@ class Composition(SphinxDirective):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        from meshtrain import composition_matrix as cm
+        from meshtrain.composition import matrix as cm
 
         self.env.note_reread()  # generated from the tests and the code: read on every build
         proofs, refused, gaps = _status()

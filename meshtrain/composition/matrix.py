@@ -1,7 +1,7 @@
 """The composition matrix: every feature against every other, each cell proven or refused.
 
 A cell is an unordered pair of feature ids (`FEATURES`, listed by group in
-`meshtrain.composition_features`) from different groups, or from the same group when that
+`meshtrain.composition.features`) from different groups, or from the same group when that
 group's features combine (``tp`` with every data strategy). A cell is **proven** when some
 test carries ``@pytest.mark.pair(a, b)`` and checks that pair equal to one device (or to the
 feature's documented reference); it is **refused** when a row of
@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 
-from meshtrain.composition_features import EXCLUSIVE, FEATURES, GROUPS
+from meshtrain.composition.features import EXCLUSIVE, FEATURES, GROUPS
 
 __all__ = [
     "EXCLUSIVE",

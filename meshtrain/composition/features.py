@@ -1,7 +1,7 @@
 """The features of the composition matrix, as data: each group's ids with a line on what each
 is, and the sets of features one run has at most one of.
 
-The refusal rows (`meshtrain.composition_rules`) name their cells through the families here
+The refusal rows (`meshtrain.composition.rules`) name their cells through the families here
 (`PIPELINES`, `CONTEXT`, ...), so a feature added to a group reaches every row that names it.
 """
 

@@ -30,7 +30,7 @@ class Refusal:
             refused for this pair, the second the same run with one of the two features
             removed (the table's test builds runs from them).
         cells: the cells of the composition matrix this row refuses, as pairs of feature ids
-            (`meshtrain.composition_matrix.FEATURES`); empty where neither feature is one.
+            (`meshtrain.composition.matrix.FEATURES`); empty where neither feature is one.
     """
 
     first: str

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from meshtrain.composition_checks import Check, Value, all_of
-from meshtrain.composition_examples import Example
-from meshtrain.composition_refusal import Refusal
+from meshtrain.composition.checks import Check, Value, all_of
+from meshtrain.composition.examples import Example
+from meshtrain.composition.refusal import Refusal
 
 __all__ = ["ForEach", "Pattern", "Scheme", "cells", "rows"]
 

@@ -1,17 +1,17 @@
 """The refusal table as data: every pair of features that does not run together, one
 `Refusal` row each, in the order the run check reports them. The rows point at named checks
-(`meshtrain.composition_checks`) and examples (`meshtrain.composition_examples`); the rows
+(`meshtrain.composition.checks`) and examples (`meshtrain.composition.examples`); the rows
 the replicas' ways of stepping on their own share are written once as `Pattern` rows for each
-`Scheme` (`meshtrain.composition_patterns`)."""
+`Scheme` (`meshtrain.composition.patterns`)."""
 
 from __future__ import annotations
 
-from meshtrain import composition_checks as check
-from meshtrain import composition_examples as example
-from meshtrain.composition_checks import all_of, split
-from meshtrain.composition_features import CONTEXT, LOCAL, MOE, PIPELINES
-from meshtrain.composition_patterns import ForEach, Pattern, Scheme, cells, rows
-from meshtrain.composition_refusal import Refusal
+from meshtrain.composition import checks as check
+from meshtrain.composition import examples as example
+from meshtrain.composition.checks import all_of, split
+from meshtrain.composition.features import CONTEXT, LOCAL, MOE, PIPELINES
+from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
+from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
 from meshtrain.mesh import EXPERT, PIPE, SEQ
 from meshtrain.models.gpt_config import GPTConfig

@@ -1,6 +1,6 @@
 """What the refusal rows read off a run: whether it has a feature (``run → bool``) and the
 value a row shows (``run → value``), each named, so the rows
-(`meshtrain.composition_rules`) are data that point at them."""
+(`meshtrain.composition.rules`) are data that point at them."""
 
 from __future__ import annotations
 

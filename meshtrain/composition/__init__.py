@@ -2,7 +2,7 @@
 
 Each `Refusal` names two features, why they do not compose, the setting to change and the
 fix. `pair_problems` reads the table, so the run check refuses a pair only through it, and
-adding a feature means adding its rows to the table (`meshtrain.composition_rules`), not a
+adding a feature means adding its rows to the table (`meshtrain.composition.rules`), not a
 branch somewhere else::
 
     Problem  mesh.seq=2: context parallelism with pipelines: ...; set seq=1 or pipe=1
@@ -13,8 +13,8 @@ planner's candidate).
 
 from __future__ import annotations
 
-from meshtrain.composition_refusal import Refusal, model_name
-from meshtrain.composition_rules import REFUSALS
+from meshtrain.composition.refusal import Refusal, model_name
+from meshtrain.composition.rules import REFUSALS
 from meshtrain.problem import Problem
 from meshtrain.run import RunSpec
 

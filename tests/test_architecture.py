@@ -107,6 +107,62 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
+def _package(module: str) -> str:
+    """The package (or top-level module) of meshtrain a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_package_reaches_itself_through_the_imports_of_others():
+    """Layers allow imports within a layer; this forbids a ring of them (``run`` importing
+    ``train`` importing ``run``), which would leave no order to read or load them in."""
+    graph: dict[str, set[str]] = {}
+    for name, path in _modules():
+        for target in _imports(path):
+            if target.startswith("meshtrain.") and _package(target) != _package(name):
+                graph.setdefault(_package(name), set()).add(_package(target))
+    rings = []
+    for start in sorted(graph):
+        path_to = {nxt: [start, nxt] for nxt in graph[start]}
+        todo = list(path_to)
+        while todo:
+            here = todo.pop()
+            for nxt in graph.get(here, ()):
+                if nxt not in path_to:
+                    path_to[nxt] = [*path_to[here], nxt]
+                    todo.append(nxt)
+        if start in path_to:
+            rings.append(" → ".join(path_to[start]))
+    assert not rings, "import cycles between packages:\n" + "\n".join(rings)
+
+
+# The sizes a reader can hold: outside the kernels no function over LONGEST lines and at most
+# MOST_LONG over LONG; no module over MODULE lines anywhere.
+LONGEST, LONG, MOST_LONG, MODULE = 120, 80, 5, 600
+
+
+def _function_lengths():
+    for name, path in _modules():
+        if _unit(name) == "meshtrain.kernels":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield f"{name}.{node.name}", node.end_lineno - node.lineno + 1
+
+
+def test_functions_outside_the_kernels_stay_short():
+    lengths = sorted(_function_lengths(), key=lambda item: -item[1])
+    too_long = [f"{n}: {k} lines" for n, k in lengths if k > LONGEST]
+    assert not too_long, f"over {LONGEST} lines; split into named stages: {too_long}"
+    long = [f"{n}: {k} lines" for n, k in lengths if k > LONG]
+    assert len(long) <= MOST_LONG, f"more than {MOST_LONG} functions over {LONG} lines: {long}"
+
+
+def test_no_module_is_longer_than_a_reader_can_hold():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules()}
+    over = {name: n for name, n in sizes.items() if n > MODULE}
+    assert not over, f"modules over {MODULE} lines; split them by role: {over}"
+
+
 def _docstrings(tree: ast.Module) -> set[int]:
     """The ids of the docstring nodes of a module, its classes and its functions."""
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)

@@ -15,6 +15,7 @@ from meshtrain.comm.compile import compile_step
 from meshtrain.comm.expect import param_layouts
 from meshtrain.comm.inspector import inspect_compiled
 from meshtrain.costmodel import profile
+from meshtrain.costmodel.moe import dispatch_costs
 from meshtrain.kernels import grouped_matmul as gmm
 from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
@@ -22,7 +23,6 @@ from meshtrain.models.base import DataSpec
 from meshtrain.models.moe_config import PRESETS, MoEConfig
 from meshtrain.plan import Candidate, model_candidate, plan
 from meshtrain.plan.command import model_config
-from meshtrain.plan.moe import dispatch_costs
 from meshtrain.problem import RunCheckError
 from meshtrain.run import RunSpec
 from meshtrain.state import abstract_model

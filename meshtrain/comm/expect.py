@@ -46,7 +46,7 @@ gradient reduced once (`weight_passes`).
 
 - **expert dispatch** (all-to-all over ``expert``): a mixture of experts' dispatch buffers,
   there and back, forward and backward (4 per MoE layer, 6 under remat, which re-runs the
-  forward's), at the bytes `meshtrain.plan.moe.dispatch_costs` models on this backend.
+  forward's), at the bytes `meshtrain.costmodel.moe.dispatch_costs` models on this backend.
 
 Anything else is reported: a collective of another kind or over other axes (an all-gather of
 activations over ``tensor`` after bad propagation, an all-to-all), a bucket more than 10 %
@@ -418,13 +418,13 @@ def stage_gathered_bytes(
 
 def _dispatch_bytes(model, sizes: Mapping[str, int], tokens_local: float) -> float:
     """The all-to-all buffer bytes per device and step of an MoE's dispatch over ``expert``,
-    as the planner models them (`meshtrain.plan.moe.dispatch_costs`, on this backend); 0 for
+    as the planner models them (`meshtrain.costmodel.moe.dispatch_costs`, on this backend); 0 for
     other models or without an expert axis."""
     # Imported here: meshtrain.plan imports this module (the planner models communication
     # with the expectation), so the planner's dispatch model cannot be imported at its top.
     from meshtrain.costmodel import profile
+    from meshtrain.costmodel.moe import dispatch_costs
     from meshtrain.models.moe_config import MoEConfig
-    from meshtrain.plan.moe import dispatch_costs
 
     shards = sizes.get(EXPERT, 1)
     if not isinstance(model, MoEConfig) or shards == 1:

@@ -49,7 +49,7 @@ The pipeline bubble is `meshtrain.costmodel.lockstep_bubble`: every stage runs t
 program slot by slot, so a slot lasts its slowest stage's pass (1f1b's slots that pair a
 forward with another stage's backward cost a backward).
 
-A mixture of experts (`MoEConfig`) is modelled per dispatch (`meshtrain.plan.moe`): its
+A mixture of experts (`MoEConfig`) is modelled per dispatch (`meshtrain.costmodel.moe`): its
 expert weights split over ``expert`` as the rules say, its blocks' feed-forward activations
 replaced by the dispatch's buffers, its expert FLOPs at the dispatch's factor over the active
 ones, and the dispatch all-to-alls over ``expert`` on the critical path (4 per MoE layer, 6
@@ -80,11 +80,11 @@ from meshtrain.costmodel import (
     step_time,
 )
 from meshtrain.costmodel.host import FORWARD_SHARE
+from meshtrain.costmodel.moe import MoEStep, dispatch_costs
 from meshtrain.layout import rules_for
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
-from meshtrain.plan.moe import MoEStep, dispatch_costs
 from meshtrain.plan.space import OFFLOAD_REMATS, Candidate
 from meshtrain.replicas import SyncConfig, replica_sets
 

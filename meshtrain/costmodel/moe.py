@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.costmodel import DeviceProfile
+from meshtrain.costmodel.profiles import DeviceProfile
 from meshtrain.kernels import grouped_matmul as gmm
 from meshtrain.problem import Problem, RunCheckError
 

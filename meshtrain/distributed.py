@@ -57,7 +57,7 @@ class DistributedError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DistributedConfig:
+class DistributedConfig(validate.Checked):
     """How a process joins a multi-process job. Unset fields come from the environment.
 
     Args:
@@ -87,9 +87,6 @@ class DistributedConfig:
     init_timeout_s: int = 120
     shutdown_timeout_s: int = 60
     collective_timeout_s: int = 600
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -38,7 +38,7 @@ AXES: tuple[str, ...] = (PIPE, DATA, FSDP, EXPERT, SEQ, TENSOR)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshConfig:
+class MeshConfig(validate.Checked):
     """Sizes of the six mesh axes. One axis may be -1: it takes whatever devices are left.
 
     Args:
@@ -56,9 +56,6 @@ class MeshConfig:
     expert: int = 1
     seq: int = 1
     tensor: int = 1
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these sizes; an empty list when nothing."""

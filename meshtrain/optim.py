@@ -16,7 +16,7 @@ _NO_DECAY = ("bias", "scale")  # variable names that never get weight decay
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimConfig:
+class OptimConfig(validate.Checked):
     """Optimizer, schedule and clipping.
 
     The learning rate at step s (0-based, one step per batch consumed) of a run of S steps,
@@ -52,9 +52,6 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9
     clip_norm: float = 1.0
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -39,7 +39,7 @@ from meshtrain.replicas import SyncConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(validate.Checked):
     """The training loop.
 
     Args:
@@ -79,9 +79,6 @@ class TrainConfig:
     hang_factor: float = 20.0
     hang_floor_s: float = 300.0
 
-    def __post_init__(self):
-        validate.reject(self)
-
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""
         v = validate
@@ -98,7 +95,7 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RunSpec:
+class RunSpec(validate.Checked):
     """Everything that decides what a training run computes and where.
 
     Args:
@@ -134,9 +131,6 @@ class RunSpec:
     offload: Offload = Offload()
     checkpoint: CheckpointConfig | None = None
     loss_fn: Callable | None = None
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """Fields of the wrong kind (each config checks its own values when it is built)."""

@@ -1,12 +1,15 @@
 """One vocabulary for checking settings: each helper returns ``list[Problem]`` in one wording.
 
-A config dataclass lists what is wrong with it in ``problems()``, built from these helpers,
-and its ``__post_init__`` is ``validate.reject(self)``::
+A config dataclass derives from `Checked` and lists what is wrong with it in ``problems()``,
+built from these helpers; making one with a problem raises them all at once::
 
-    def problems(self) -> list[Problem]:
-        return validate.positive("steps", self.steps, example=300) + validate.one_of(
-            "loss", self.loss, LOSSES
-        )
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class TrainConfig(validate.Checked):
+        ...
+        def problems(self) -> list[Problem]:
+            return validate.positive("steps", self.steps, example=300) + validate.one_of(
+                "loss", self.loss, LOSSES
+            )
 
 Every line names the field (as the CLI spells it, without dashes), the value and the fix:
 ``steps=0: must be a positive integer; e.g. --steps 300``.
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterable
 from meshtrain.problem import Problem, RunCheckError
 
 __all__ = [
+    "Checked",
     "above",
     "at_least",
     "check",
@@ -195,6 +199,18 @@ def check(field: str, value, fn: Callable, *args, **kwargs) -> list[Problem]:
                 break
         return [Problem(field, value, text)]
     return []
+
+
+class Checked:
+    """A config that checks itself when made: a dataclass deriving from it raises
+    `RunCheckError` listing its ``problems()`` from ``__post_init__`` (see `reject`)."""
+
+    def __post_init__(self):
+        reject(self)
+
+    def problems(self) -> list[Problem]:
+        """What is wrong with these settings; an empty list when nothing."""
+        return []
 
 
 def reject(config) -> None:

@@ -30,7 +30,7 @@ class CheckpointWarning(UserWarning):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(validate.Checked):
     """When and where checkpoints are written, and whether a run resumes from one.
 
     Args:
@@ -49,9 +49,6 @@ class CheckpointConfig:
     keep_every: int = 0
     async_save: bool = True
     resume: bool = False
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -23,7 +23,7 @@ EXAMPLE = "meshtrain bench --size tiny"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BenchSettings:
+class BenchSettings(validate.Checked):
     """Train a named GPT size on synthetic tokens; print one JSON line of step time, tokens/s,
     TFLOP/s, MFU (both FLOP conventions), memory and compile time.
 
@@ -77,9 +77,6 @@ class BenchSettings:
     profile_steps: int = 3
     seed: int = 0
     out: str = ""
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings (empty when they can run)."""

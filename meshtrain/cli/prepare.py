@@ -25,7 +25,7 @@ EXAMPLE = "meshtrain prepare notes/ --out corpus/"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PrepareSettings:
+class PrepareSettings(validate.Checked):
     """Tokenise text files, JSONL (one document per line) and Parquet (one per row) into
     memory-mapped tokens for --data.source tokens.
 
@@ -48,9 +48,6 @@ class PrepareSettings:
     workers: int = 0
     progress: bool = True
     overwrite: bool = False
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings (empty when they can run)."""

@@ -55,7 +55,7 @@ class PrecisionFlags(Precision):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OffloadFlags:
+class OffloadFlags(validate.Checked):
     """`meshtrain.offload.Offload` on the command line.
 
     Args:
@@ -67,9 +67,6 @@ class OffloadFlags:
 
     offload: str = "none"
     offload_memory_kind: str = "pinned_host"
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """An unknown choice of either flag."""
@@ -83,7 +80,7 @@ class OffloadFlags:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainJob:
+class TrainJob(validate.Checked):
     """Train a model on a device mesh. With no flags: a small Llama-style GPT on this Python's
     own standard library, on 8 simulated CPU devices, as a data × fsdp × tensor = 2×2×2 hybrid.
 
@@ -141,9 +138,6 @@ class TrainJob:
     cnn: CNNConfig = _family_default("cnn")
     moe: MoEConfig = _family_default("moe")
     dist: DistributedConfig = DistributedConfig()
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with the job's own fields (each config checks its own)."""

@@ -55,7 +55,7 @@ def min_size(train: int, held_out: int, val_fraction: float) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DataConfig:
+class DataConfig(validate.Checked):
     """Where batches come from.
 
     Args:
@@ -102,9 +102,6 @@ class DataConfig:
     packing: bool = True
     eval_path: str = ""
     client_alpha: float | None = None
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -88,7 +88,7 @@ def alternatives(entry: Entry) -> list[MeshAxes]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Rules:
+class Rules(validate.Checked):
     """Logical-name → mesh-axes tables for parameters, optimizer state and activations.
 
     Args:
@@ -106,9 +106,6 @@ class Rules:
     optimizer: Mapping[str, Entry] | None = None
     name: str = "custom"
     context_parallel: str = "ring"
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """Entries that name an unknown mesh axis; an empty list when none."""

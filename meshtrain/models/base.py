@@ -52,9 +52,8 @@ class DataSpec(NamedTuple):
 
 @runtime_checkable
 class ModelConfig(Protocol):
-    """A model family's config: a frozen dataclass whose ``problems()`` lists what is wrong
-    with it (built from `meshtrain.validate`) and whose ``__post_init__`` is
-    ``validate.reject(self)``.
+    """A model family's config: a frozen dataclass deriving from `meshtrain.validate.Checked`,
+    whose ``problems()`` lists what is wrong with it (built from `meshtrain.validate`).
 
     Optionally, it also has ``check_layout(sizes, rules) -> list[Problem]``: what keeps the
     model from being laid out by `rules` on axes of `sizes`, with the fix in its own fields

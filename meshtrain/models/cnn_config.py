@@ -20,7 +20,7 @@ ACT_IMPLS = ("xla", "pallas", "auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CNNConfig:
+class CNNConfig(validate.Checked):
     """Shape of a convolutional classifier on images [B, H, W, C] (fed as flattened rows).
 
     ``vgg`` stages are ``depth`` 3×3 convolutions then a 2×2 max-pool, followed by a hidden
@@ -63,9 +63,6 @@ class CNNConfig:
     groups: int = 4
     act_impl: str = "xla"
     dtype: str = "float32"
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

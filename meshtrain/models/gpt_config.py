@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GPTConfig:
+class GPTConfig(validate.Checked):
     """Shape and flavour of the decoder.
 
     Args:
@@ -97,9 +97,6 @@ class GPTConfig:
     sliding_window: int = 0
     vocab_multiple: int = 128
     restart_positions: bool = True
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -17,7 +17,7 @@ from meshtrain.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MLPConfig:
+class MLPConfig(validate.Checked):
     """Shape of the classifier.
 
     Args:
@@ -38,9 +38,6 @@ class MLPConfig:
     n_layers: int = 2
     dtype: str = "float32"
     fp8: bool = False
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MoEConfig:
+class MoEConfig(validate.Checked):
     """Shape of the mixture-of-experts decoder (attention, norms and embeddings as
     `GPTConfig` with ``style="llama"``; each MoE block's feed-forward is a router and
     ``n_experts`` SwiGLU experts, of which each token uses ``top_k``).
@@ -85,9 +85,6 @@ class MoEConfig:
     attention_impl: str = "xla"
     sliding_window: int = 0
     vocab_multiple: int = 128
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -13,7 +13,7 @@ from meshtrain.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Offload:
+class Offload(validate.Checked):
     """Which parts of the train state live in host memory between steps.
 
     Args:
@@ -27,9 +27,6 @@ class Offload:
 
     optimizer: bool = False
     memory_kind: str = "pinned_host"
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """A memory kind that is not a host memory."""

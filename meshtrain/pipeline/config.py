@@ -11,7 +11,7 @@ from meshtrain.problem import Problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PipelineConfig:
+class PipelineConfig(validate.Checked):
     """How to pipeline over the mesh's ``pipe`` axis (ignored while pipe = 1).
 
     Args:
@@ -30,9 +30,6 @@ class PipelineConfig:
     microbatches: int = 0
     repeats: int = 1
     gather_once: bool = False
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

@@ -39,7 +39,7 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Precision:
+class Precision(validate.Checked):
     """How a run computes: dtypes, matmul precision, fp8 and loss scaling.
 
     Args:
@@ -61,9 +61,6 @@ class Precision:
     loss_scale_init: float = 2.0**15
     loss_scale_period: int = 2000
     matmul_precision: str = "default"
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

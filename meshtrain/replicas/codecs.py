@@ -59,7 +59,7 @@ def parse_compression(spec: str) -> Codec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Codec:
+class Codec(validate.Checked):
     """One way of compressing the replicas' gradients (see the module docstring).
 
     Args:
@@ -72,9 +72,6 @@ class Codec:
     name: str = "none"
     fraction: float | None = None
     block: int = 256
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with this codec; an empty list when nothing."""

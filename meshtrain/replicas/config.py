@@ -44,7 +44,7 @@ def parse_compression_spec(spec: str) -> tuple[str, float | None]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SyncConfig:
+class SyncConfig(validate.Checked):
     """How the data-parallel replicas exchange what they learn (all off by default).
 
     The replicas are the devices along the replica axes: the batch axes no parameter is split
@@ -89,9 +89,6 @@ class SyncConfig:
     gossip: str | None = None
     client_fraction: float | None = None
     client_seed: int = 0
-
-    def __post_init__(self):
-        validate.reject(self)
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""

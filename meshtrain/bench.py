@@ -199,9 +199,6 @@ def run(args) -> dict:
         mt.simulate_devices(args.devices)
     import jax
 
-    import meshtrain as mt
-    from meshtrain import metrics
-
     jax.config.update("jax_enable_compilation_cache", False)  # a compile time, not a cache hit
     record: dict[str, Any] = {"benchmark": "meshtrain_bench", "size": args.size}
     record.update(environment())
@@ -211,12 +208,45 @@ def run(args) -> dict:
     record["loss_impl"] = args.loss
     log(f"{record['device_kind']} × {record['n_devices']} · jax {record['jax_version']}")
 
-    # 1. build and compile
+    step = _compile_step(args, shape, record)  # 1. build and compile
+    if getattr(args, "compile_only", False):
+        record.update(_compiled_only(device, step.compiled))
+        record["command"] = _command(args)
+        return record
+    n_devices = step.n_devices
+    record.update(_time_and_trace(args, device, step))  # 2. time, 3. memory, 4. trace
+    del step
+    gc.collect()
+
+    # 5. matmul peak (after the step, so the step's memory peak is its own)
+    peak = _matmul_peak(args, device)
+    record["matmul_peak"] = peak
+    record.update(_rates(record["step_time_s"], shape, n_devices, device, peak))
+    record["command"] = _command(args)
+    return record
+
+
+@dataclasses.dataclass
+class _Step:
+    """The compiled train step with its state and batches, on a mesh of `n_devices`."""
+
+    compiled: Any  # (state, batch) -> (state, metrics), the state donated
+    state: Any
+    batches: list
+    n_devices: int
+
+
+def _compile_step(args, shape: Shape, record: dict) -> _Step:
+    """Builds the train state and batches and compiles the step; records the mesh, strategy,
+    precision, parameter count and compile time."""
+    import jax
+
+    import meshtrain as mt
+
     mesh = mt.make_mesh(args.mesh)
     rules = mt.rules_for(args.strategy, mesh)
     record["mesh"] = mt.describe(mesh)
     record["strategy"] = args.strategy
-    n_devices = mesh.devices.size
     total = args.warmup + 2 * args.steps + args.profile_steps + 1
     precision = mt.Precision(policy=getattr(args, "precision", "") or "auto")
     record["precision"] = precision.resolved(shape.config)
@@ -241,62 +271,70 @@ def run(args) -> dict:
     compiled = jitted.lower(state, batches[0]).compile()
     record["compile_s"] = time.perf_counter() - t0
     log(f"compiled in {record['compile_s']:.1f} s · {record['params'] / 1e6:.1f}M parameters")
-    if getattr(args, "compile_only", False):
-        record.update(memory_figures(device, compiled))
-        cost = compiled.cost_analysis() or {}
-        cost = cost[0] if isinstance(cost, list) else cost
-        record["compiled_flops"] = float(cost.get("flops", 0.0)) or None
-        record["note"] = "compiled only: memory and FLOPs of the compiled step; nothing timed"
-        record["command"] = "meshtrain bench " + " ".join(getattr(args, "argv", []))
-        return record
+    return _Step(compiled, state, batches, mesh.devices.size)
 
-    state, metrics0 = compiled(state, batches[0])
-    record["first_loss"] = float(metrics0["loss"])
 
-    # 2. time
-    step = compiled  # (state, batch) -> (state, metrics), the state donated
-    state, synced, back_to_back = time_steps(step, state, batches, args.warmup, args.steps)
+def _compiled_only(device, compiled) -> dict:
+    """What ``--compile-only`` reports: the compiled step's memory and FLOPs."""
+    out = memory_figures(device, compiled)
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    out["compiled_flops"] = float(cost.get("flops", 0.0)) or None
+    out["note"] = "compiled only: memory and FLOPs of the compiled step; nothing timed"
+    return out
+
+
+def _time_and_trace(args, device, step: _Step) -> dict:
+    """The first loss, the step's times, its peak memory and, with ``--profile``, a trace."""
+    out: dict[str, Any] = {}
+    state, metrics0 = step.compiled(step.state, step.batches[0])
+    out["first_loss"] = float(metrics0["loss"])
+    state, synced, back_to_back = time_steps(
+        step.compiled, state, step.batches, args.warmup, args.steps
+    )
     stats = spread(synced)
-    record["warmup_steps"] = args.warmup
-    record["timed_steps"] = args.steps
-    record["step_time_s"] = stats["median"]
-    record["step_time_spread"] = {k: v for k, v in stats.items() if k != "median"}
-    record["step_time_back_to_back_s"] = back_to_back
-
-    # 3. memory
-    record.update(memory_figures(device, compiled))
-
-    # 4. trace
+    out["warmup_steps"] = args.warmup
+    out["timed_steps"] = args.steps
+    out["step_time_s"] = stats["median"]
+    out["step_time_spread"] = {k: v for k, v in stats.items() if k != "median"}
+    out["step_time_back_to_back_s"] = back_to_back
+    out.update(memory_figures(device, step.compiled))
     if args.profile:
-        state, files = profile(step, state, batches, args.profile, args.profile_steps)
-        record["profile_dir"] = args.profile
-        record["profile_files"] = files
-    del state, step, compiled, batches
-    gc.collect()
+        state, files = profile(step.compiled, state, step.batches, args.profile, args.profile_steps)
+        out["profile_dir"] = args.profile
+        out["profile_files"] = files
+    return out
 
-    # 5. matmul peak (after the step, so the step's memory peak is its own)
+
+def _matmul_peak(args, device) -> dict:
+    """The measured bf16 matmul peak (shrunk off the GPU; skipped with ``--matmul-peak-n 0``)."""
     n = args.matmul_peak_n
     if n < 0:
         n = MATMUL_PEAK_N["gpu" if on_gpu() else "other"]
-    if n:
-        peak = matmul_peak(n, args.matmul_peak_reps)
-        if not on_gpu() and n < MATMUL_PEAK_N["gpu"]:
-            peak["note"] = (
-                f"shrunk from 8192³ to {n}³ off the GPU ({device.platform}): a smoke of the "
-                "code path, not a device ceiling"
-            )
-        log(f"matmul peak {n}³ bf16: {peak['tflops']:.3g} TFLOP/s")
-    else:
-        peak = {"n": 0, "note": "skipped (--matmul-peak-n 0)", "tflops": None}
-    record["matmul_peak"] = peak
-    peak_datasheet = metrics.peak_flops_per_device(device, shape.config.dtype)
-    record["peak_tflops_datasheet"] = None if peak_datasheet is None else peak_datasheet / 1e12
-    peak_measured = peak["tflops"] * 1e12 if peak.get("tflops") else None
-    record["peak_tflops_measured"] = peak["tflops"]
+    if not n:
+        return {"n": 0, "note": "skipped (--matmul-peak-n 0)", "tflops": None}
+    peak = matmul_peak(n, args.matmul_peak_reps)
+    if not on_gpu() and n < MATMUL_PEAK_N["gpu"]:
+        peak["note"] = (
+            f"shrunk from 8192³ to {n}³ off the GPU ({device.platform}): a smoke of the "
+            "code path, not a device ceiling"
+        )
+    log(f"matmul peak {n}³ bf16: {peak['tflops']:.3g} TFLOP/s")
+    return peak
 
-    record.update(
+
+def _rates(step_time: float, shape: Shape, n_devices: int, device, peak: dict) -> dict:
+    """Both peaks, the throughput and MFU against them, and what the figures are worth."""
+    from meshtrain import metrics
+
+    out: dict[str, Any] = {}
+    peak_datasheet = metrics.peak_flops_per_device(device, shape.config.dtype)
+    out["peak_tflops_datasheet"] = None if peak_datasheet is None else peak_datasheet / 1e12
+    peak_measured = peak["tflops"] * 1e12 if peak.get("tflops") else None
+    out["peak_tflops_measured"] = peak["tflops"]
+    out.update(
         throughput(
-            step_time=stats["median"],
+            step_time=step_time,
             shape=shape,
             n_devices=n_devices,
             peak_datasheet=peak_datasheet,
@@ -304,17 +342,21 @@ def run(args) -> dict:
         )
     )
     if shape.config.fp8:
-        record["mfu_note"] = "fp8: MFU is against the bfloat16 peak, as peers report fp8 MFU"
-    record["tokens_per_step"] = shape.tokens_per_step
-    record["tokens_per_s_per_device"] = record["tokens_per_s"] / n_devices
-    record["note"] = (
+        out["mfu_note"] = "fp8: MFU is against the bfloat16 peak, as peers report fp8 MFU"
+    out["tokens_per_step"] = shape.tokens_per_step
+    out["tokens_per_s_per_device"] = out["tokens_per_s"] / n_devices
+    out["note"] = (
         "GPU figures"
         if on_gpu()
         else f"{device.platform} smoke: timings and MFU say nothing about GPU speed "
         "(no datasheet peak off the GPU; the matmul peak is shrunk)"
     )
-    record["command"] = "meshtrain bench " + " ".join(getattr(args, "argv", []))
-    return record
+    return out
+
+
+def _command(args) -> str:
+    """The command line the record came from."""
+    return "meshtrain bench " + " ".join(getattr(args, "argv", []))
 
 
 def emit(record: dict, out: str = "") -> str:

@@ -77,7 +77,7 @@ def lockstep_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
         ValueError: the schedule has no table for (p, m, v), or its table does not give
             every stage 3·m·v units of work.
     """
-    v = v if schedule in schedules.CHUNKED else 1
+    v = _chunks(schedule, v)
     table = _table(schedules.schedule_table, schedule, p, m, v)
     useful = 3.0 * m * v
     costs = pass_costs(schedule)
@@ -102,16 +102,18 @@ def held_microbatches(schedule: str, p: int, m: int, v: int = 1) -> float:
     (every forward before any backward), p for 1f1b.
 
     Args:
-        schedule: the schedule's name.
-        p: pipeline stages.
-        m: microbatches per step.
-        v: chunks per stage (circular and interleaved-1f1b; 1 for the others).
+        schedule, p, m, v: as for `lockstep_bubble`.
 
     Returns:
         Microbatches' worth of the stage's activations held at once.
     """
-    v = v if schedule in schedules.CHUNKED else 1
+    v = _chunks(schedule, v)
     return _table(schedules.schedule_table, schedule, p, m, v).in_flight() / v
+
+
+def _chunks(schedule: str, v: int) -> int:
+    """Chunks per stage: `v` for the chunked schedules (circular, interleaved-1f1b), else 1."""
+    return v if schedule in schedules.CHUNKED else 1
 
 
 @functools.lru_cache(maxsize=256)

@@ -89,30 +89,28 @@ _NVLINK_ALPHA = 3e-6  # assumed: a few µs per NCCL step within a node
 _IB_ALPHA = 8e-6  # assumed: a few more µs per step across nodes
 _HOST_ALPHA = 10e-6  # assumed: a copy engine's start and the host's page-locked buffer
 
+_H100 = DeviceProfile(
+    "h100",
+    989e12,
+    3.35e12,
+    80e9,
+    8,
+    Link(_NVLINK_ALPHA, 450e9),
+    Link(_IB_ALPHA, 50e9),
+    "NVIDIA H100 SXM5 datasheet; DGX H100 (8 × ConnectX-7 NDR 400 Gb/s)",
+    host=Link(_HOST_ALPHA, 64e9),
+    host_memory=2e12 / 8,
+)
+
 PROFILES: dict[str, DeviceProfile] = {
-    "h100": DeviceProfile(
-        "h100",
-        989e12,
-        3.35e12,
-        80e9,
-        8,
-        Link(_NVLINK_ALPHA, 450e9),
-        Link(_IB_ALPHA, 50e9),
-        "NVIDIA H100 SXM5 datasheet; DGX H100 (8 × ConnectX-7 NDR 400 Gb/s)",
-        host=Link(_HOST_ALPHA, 64e9),
-        host_memory=2e12 / 8,
-    ),
-    "h200": DeviceProfile(
-        "h200",
-        989e12,
-        4.8e12,
-        141e9,
-        8,
-        Link(_NVLINK_ALPHA, 450e9),
-        Link(_IB_ALPHA, 50e9),
-        "NVIDIA H200 SXM datasheet; DGX H200 (8 × ConnectX-7 NDR 400 Gb/s)",
-        host=Link(_HOST_ALPHA, 64e9),
-        host_memory=2e12 / 8,
+    "h100": _H100,
+    # The H100's compute, links and host in a DGX H200; only the memory differs.
+    "h200": dataclasses.replace(
+        _H100,
+        name="h200",
+        hbm_bandwidth=4.8e12,
+        memory=141e9,
+        source="NVIDIA H200 SXM datasheet; DGX H200 (8 × ConnectX-7 NDR 400 Gb/s)",
     ),
     "gh200": DeviceProfile(
         "gh200",

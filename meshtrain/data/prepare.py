@@ -42,6 +42,7 @@ from meshtrain.data.inputs import (
     parquet_units,
     text_units,
 )
+from meshtrain.data.token_files import TokenFiles
 from meshtrain.data.tokenizer import Tokenizer, load_tokenizer
 from meshtrain.data.workers import run_units
 from meshtrain.problem import raise_if
@@ -161,12 +162,48 @@ def prepare_corpus(
     """
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+    files = _input_files(inputs, workers)
+    old = read_manifest(out_dir) if os.path.isdir(out_dir) else None
+    _check_destination(out_dir, inputs, files, old, overwrite)
+    rows = _check_documents(files, field, column)
+    key = _content_hash(files, tok, field, column)
+    if old and old.get("input_hash") == key and not files_match(out_dir, old):
+        return {**old, "up_to_date": True}
+
+    _clear(out_dir, tok)
+    dtype = token_dtype(tok.vocab_size)
+    units = _units(files, column, rows, chunk_bytes, cuts_cleanly(tok))
+    total = sum(os.path.getsize(p) for p in files)
+    if not workers:  # one per core, but only as many as the input keeps busy
+        workers = max(1, min(os.cpu_count() or 1, total // (4 * chunk_bytes)))
+    written = _write_tokens(out_dir, units, tok, field, dtype, workers, progress, total)
+    if written.tokens == 0:
+        _remove(*_temporary(out_dir))
+        raise ValueError(
+            f"prepare: the corpus is empty: {len(files)} input file(s) hold no text to tokenise; "
+            "give files with text (JSONL: a non-empty --field; Parquet: a non-empty --column)"
+        )
+    for tmp, name in zip(_temporary(out_dir), (TOKENS, DOCUMENTS), strict=True):
+        os.replace(tmp, os.path.join(out_dir, name))
+    manifest = _manifest(tok, dtype, written, total, files, field, column, key)
+    _write_manifest(out_dir, manifest)
+    return {**manifest, "up_to_date": False}
+
+
+def _input_files(inputs: list[str], workers: int) -> list[str]:
+    """The files the inputs name; a ValueError for none, or for a bad worker count."""
     files = expand_inputs(inputs)
     if not files:
         raise ValueError(f"prepare: the inputs {list(inputs)!r} hold no files; give text files")
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"prepare: workers={workers!r}: must be an integer >= 0 (0 = per core)")
-    old = read_manifest(out_dir) if os.path.isdir(out_dir) else None
+    return files
+
+
+def _check_destination(
+    out_dir: str, inputs: list[str], files: list[str], old: dict | None, overwrite: bool
+) -> None:
+    """Raises unless `out_dir` may take the corpus (`meshtrain.data.destination`)."""
     earlier = [i.get("path", "") for i in old.get("inputs", [])] if old else None
     written = (MANIFEST, TOKENS, DOCUMENTS, *TOKENIZER_FILES)
     raise_if(
@@ -174,83 +211,91 @@ def prepare_corpus(
             out_dir, inputs, files, written=written, earlier_inputs=earlier, overwrite=overwrite
         )
     )
+
+
+def _check_documents(files: list[str], field: str, column: str) -> dict[str, int]:
+    """Checks each JSONL file's head for `field` and each Parquet file's `column`; the Parquet
+    files' row counts."""
     rows = {}
     for path in files:
         if input_kind(path) == "parquet":
             rows[path] = check_parquet(path, column)
         elif input_kind(path) == "jsonl":
             check_jsonl_head(path, field)
-    key = _content_hash(files, tok, field, column)
-    if old and old.get("input_hash") == key and not files_match(out_dir, old):
-        return {**old, "up_to_date": True}
+    return rows
 
+
+def _clear(out_dir: str, tok: Tokenizer) -> None:
+    """Creates `out_dir` and saves `tok` there, after removing the manifest (none until the new
+    files are whole) and any other run's tokenizer."""
     os.makedirs(out_dir, exist_ok=True)
-    # No manifest until the new files are whole, and no other run's tokenizer left behind.
     for name in (MANIFEST, *TOKENIZER_FILES):
         if os.path.exists(os.path.join(out_dir, name)):
             os.remove(os.path.join(out_dir, name))
     tok.save(out_dir)
-    dtype = token_dtype(tok.vocab_size)
 
-    cut = cuts_cleanly(tok)
 
-    def units() -> Iterator[tuple[Unit, int]]:
-        for path in files:
-            kind = input_kind(path)
-            if kind == "parquet":
-                yield from parquet_units(path, column, rows[path])
-            elif kind == "jsonl":
-                yield from jsonl_units(path, chunk_bytes)
-            else:
-                yield from text_units(path, chunk_bytes, cut)
+def _units(
+    files: list[str], column: str, rows: dict[str, int], chunk_bytes: int, cut: bool
+) -> Iterator[tuple[Unit, int]]:
+    """The work units of every input, in order, with their input bytes."""
+    for path in files:
+        kind = input_kind(path)
+        if kind == "parquet":
+            yield from parquet_units(path, column, rows[path])
+        elif kind == "jsonl":
+            yield from jsonl_units(path, chunk_bytes)
+        else:
+            yield from text_units(path, chunk_bytes, cut)
 
-    total = sum(os.path.getsize(p) for p in files)
-    if not workers:  # one per core, but only as many as the input keeps busy
-        workers = max(1, min(os.cpu_count() or 1, total // (4 * chunk_bytes)))
-    tokens_tmp = os.path.join(out_dir, TOKENS + ".tmp")
-    docs_tmp = os.path.join(out_dir, DOCUMENTS + ".tmp")
-    digest = hashlib.sha256()
-    counts = {"tokens": 0, "documents": 0, "max_id": -1}
+
+def _temporary(out_dir: str) -> tuple[str, str]:
+    """Where the token and document files are written before they are whole."""
+    return os.path.join(out_dir, TOKENS + ".tmp"), os.path.join(out_dir, DOCUMENTS + ".tmp")
+
+
+def _write_tokens(
+    out_dir: str,
+    units: Iterator[tuple[Unit, int]],
+    tok: Tokenizer,
+    field: str,
+    dtype: np.dtype,
+    workers: int,
+    progress: bool,
+    total: int,
+) -> TokenFiles:
+    """Tokenises the units on `workers` into the temporary token and document files (removed
+    again on any error)."""
+    tokens_tmp, docs_tmp = _temporary(out_dir)
     try:
         with (
             open(tokens_tmp, "wb") as tok_file,
             open(docs_tmp, "wb") as doc_file,
             _progress_bar(progress, total) as advance,
         ):
-            doc_file.write(np.zeros(1, np.int64).tobytes())
-
-            def write(result) -> None:
-                flat, lengths, closes = result
-                tok_file.write(flat.tobytes())
-                digest.update(flat.tobytes())
-                if len(flat):
-                    counts["max_id"] = max(counts["max_id"], int(flat.max()))
-                if not len(lengths):
-                    return
-                ends = counts["tokens"] + np.cumsum(lengths)
-                counts["tokens"] = int(ends[-1])
-                if not closes:
-                    ends = ends[:-1]
-                if len(ends):
-                    doc_file.write(ends.astype(np.int64).tobytes())
-                    counts["documents"] += len(ends)
-
+            written = TokenFiles(tok_file, doc_file)
             spec = "bytes" if tok.name == "bytes" else out_dir  # the workers load the saved copy
-            for result, size in run_units(units(), tok, spec, field, dtype, workers):
-                write(result)
+            for result, size in run_units(units, tok, spec, field, dtype, workers):
+                written.write(result)
                 advance(size)
     except BaseException:  # a bad line, a worker error, Ctrl-C: leave no partial files
         _remove(tokens_tmp, docs_tmp)
         raise
-    if counts["tokens"] == 0:
-        _remove(tokens_tmp, docs_tmp)
-        raise ValueError(
-            f"prepare: the corpus is empty: {len(files)} input file(s) hold no text to tokenise; "
-            "give files with text (JSONL: a non-empty --field; Parquet: a non-empty --column)"
-        )
-    os.replace(tokens_tmp, os.path.join(out_dir, TOKENS))
-    os.replace(docs_tmp, os.path.join(out_dir, DOCUMENTS))
-    manifest = {
+    return written
+
+
+def _manifest(
+    tok: Tokenizer,
+    dtype: np.dtype,
+    written: TokenFiles,
+    total: int,
+    files: list[str],
+    field: str,
+    column: str,
+    key: str,
+) -> dict:
+    """The manifest of the corpus just written."""
+    return {
         "format": FORMAT,
         "tokenizer": {
             "name": tok.name,
@@ -259,21 +304,24 @@ def prepare_corpus(
             "fingerprint": tok.fingerprint,
         },
         "dtype": dtype.name,
-        "num_tokens": counts["tokens"],
-        "num_documents": counts["documents"],
-        "max_id": counts["max_id"],
+        "num_tokens": written.tokens,
+        "num_documents": written.documents,
+        "max_id": written.max_id,
         "text_bytes": total,
         "inputs": [{"path": p, "kind": input_kind(p), "bytes": os.path.getsize(p)} for p in files],
         "field": field,
         "column": column,
         "input_hash": key,
-        "tokens_sha256": digest.hexdigest(),
+        "tokens_sha256": written.sha256,
     }
+
+
+def _write_manifest(out_dir: str, manifest: dict) -> None:
+    """Writes the manifest whole (to a temporary file, then renamed)."""
     tmp = os.path.join(out_dir, MANIFEST + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
     os.replace(tmp, os.path.join(out_dir, MANIFEST))
-    return {**manifest, "up_to_date": False}
 
 
 def _remove(*paths: str) -> None:

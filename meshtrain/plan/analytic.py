@@ -84,8 +84,7 @@ from meshtrain.costmodel.moe import MoEStep, dispatch_costs
 from meshtrain.layout import rules_for
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.models.moe_config import MoEConfig
-from meshtrain.pipeline import PipelineConfig
-from meshtrain.plan.space import OFFLOAD_REMATS, Candidate
+from meshtrain.plan.space import OFFLOAD_REMATS, Candidate, pipeline_config
 from meshtrain.replicas import SyncConfig, replica_sets
 
 MOMENTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1}
@@ -129,6 +128,18 @@ class Modelled:
         return bool(self.host)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Activations:
+    """What one device keeps for the backward, and the device-memory traffic it makes."""
+
+    held_tokens: float  # tokens whose activations a stage holds at its peak
+    layers: float  # layers on the stage (L / p)
+    token_bytes: float  # device bytes kept per layer and token
+    host_token_bytes: float  # host bytes per layer and token (offloaded residuals)
+    traffic: float  # device-memory bytes the activations move per step
+    moe: MoEStep | None
+
+
 def model_candidate(
     cand: Candidate,
     layouts: list[ParamLayout],
@@ -159,118 +170,186 @@ def model_candidate(
     sizes = cand.sizes
     rules = rules_for(cand.strategy)
     batch_axes = rules.batch_axes(sizes)
-    ways = math.prod(sizes[a] for a in batch_axes)
-    n = math.prod(sizes.values())
+    tokens_local = batch * seq_len / math.prod(sizes[a] for a in batch_axes)
     item = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+    pc = pipeline_config(cand) if cand.pipe > 1 else None
+    params, opt = _state_bytes(layouts, sizes, optimizer)
+    acts = _activations(cand, cfg, pc, item, seq_len, tokens_local, device)
+    host, transfers = _host_parts(cand, acts, tokens_local, opt, len(layouts), optimizer)
+    logits = tokens_local * _backbone(cfg).padded_vocab / cand.tensor * 8
+    memory = {
+        "parameters": params,
+        "gradients": params,
+        "optimizer": opt,
+        "activations": acts.held_tokens * acts.layers * acts.token_bytes,
+        "logits": logits,
+    }
+    # The stage's batch-split weights whole, and their gradient, kept for the step.
+    whole = 2 * stage_gathered_bytes(layouts, sizes, batch_axes) if cand.pipe > 1 else 0.0
+    if cand.gather_once:
+        memory["gathered weights"] = whole
+    comm = _communication(cand, rules, layouts, cfg, pc, batch, seq_len, item, sync)
+    if sync is not None and sync.local:
+        # each replica's own parameters beside θ̄, and the outer optimizer's moments
+        memory["replica state"] = params * (1 + OUTER_MOMENTS.get(sync.outer_optimizer, 0))
+    flops = _flops(cand, cfg, acts.moe, batch, seq_len)
+    if acts.moe is not None:
+        comm += _moe_items(acts.moe, cand)
+    est = step_time(
+        flops=flops,
+        hbm_bytes=3 * params + 2 * opt + acts.traffic + logits,  # weights read ×2, update r/w
+        comm=comm,
+        sizes=sizes,
+        device=device,
+        bubble=_bubble(cand),
+        host=transfers,
+    )
+    moe = acts.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, seconds=est.comm_s.get(MOE_BUCKET, 0.0))
+    return Modelled(cand, memory, est, flops, moe, whole, host)
+
+
+def _backbone(cfg):
+    """The dense transformer's config: a mixture of experts' backbone, or `cfg` itself."""
+    return cfg.backbone if isinstance(cfg, MoEConfig) else cfg
+
+
+def _state_bytes(layouts: list[ParamLayout], sizes: dict, optimizer: str) -> tuple[float, float]:
+    """Bytes per device of the parameters (each at its layout) and of the optimizer moments."""
     all_axes = {a for a, s in sizes.items() if s > 1}
     params = sum(p.nbytes / p.split(all_axes, sizes) for p in layouts)
     opt = sum(
         p.nbytes / math.prod(sizes[a] for dim in p.opt_axes for a in dim) for p in layouts
     ) * MOMENTS.get(optimizer, 2)
-    tokens_local = batch * seq_len / ways
-    t, p = cand.tensor, cand.pipe
-    g = cfg.backbone if isinstance(cfg, MoEConfig) else cfg
-    D, H, L = g.d_model, g.n_heads, g.n_layers
-    per_token = (10 * D + (24 * D + 5 * H * seq_len) / t) * item / 2
-    moe = None
-    if isinstance(cfg, MoEConfig):
-        # An MoE block keeps its attention's share (Korthikanti's 7·D + (8·D + 5·H·T)/t) and
-        # the dispatch's buffers instead of the dense feed-forward's 3·D + 16·D/t.
-        cost = dispatch_costs(cfg, tokens=tokens_local, shards=cand.expert, device=device)
-        n_moe = cfg.n_moe_layers
-        attn = (7 * D + (8 * D + 5 * H * seq_len) / t) * item / 2
-        moe_token = attn + (cost.activation_bytes + cost.hidden_bytes / t) / tokens_local
-        per_token = ((L - n_moe) * per_token + n_moe * moe_token) / L
-        exchanges = 4 if cand.remat == "none" else 6  # remat re-runs the forward's dispatch
-        moe = MoEStep(cost, n_moe / p, exchanges)
+    return params, opt
+
+
+def _activations(
+    cand: Candidate, cfg, pc, item: int, seq_len: int, tokens_local: float, device
+) -> _Activations:
+    """The activations a stage keeps under the candidate's remat policy and schedule."""
+    per_token, moe = _token_bytes(cand, cfg, item, seq_len, tokens_local, device)
+    g = _backbone(cfg)
+    L, p = g.n_layers, cand.pipe
     traffic = 2 * tokens_local * (L / p) * per_token  # activations written and read once
+    per_token, host_token, traffic = _with_remat(cand.remat, per_token, traffic, g.d_model, item)
+    if pc is not None:
+        m, v = cand.microbatches, pc.chunks_per_stage()
+        held = tokens_local / m * held_microbatches(cand.schedule, p, m, v)
+    else:
+        held = tokens_local
+    return _Activations(held, L / p, per_token, host_token, traffic, moe)
+
+
+def _token_bytes(
+    cand: Candidate, cfg, item: int, seq_len: int, tokens_local: float, device
+) -> tuple[float, MoEStep | None]:
+    """Activation bytes per layer and token without remat (Korthikanti et al.), averaged over
+    a mixture of experts' dense and MoE blocks; with its dispatch's step where there is one."""
+    g = _backbone(cfg)
+    D, H, L, t = g.d_model, g.n_heads, g.n_layers, cand.tensor
+    per_token = (10 * D + (24 * D + 5 * H * seq_len) / t) * item / 2
+    if not isinstance(cfg, MoEConfig):
+        return per_token, None
+    # An MoE block keeps its attention's share (Korthikanti's 7·D + (8·D + 5·H·T)/t) and
+    # the dispatch's buffers instead of the dense feed-forward's 3·D + 16·D/t.
+    cost = dispatch_costs(cfg, tokens=tokens_local, shards=cand.expert, device=device)
+    n_moe = cfg.n_moe_layers
+    attn = (7 * D + (8 * D + 5 * H * seq_len) / t) * item / 2
+    moe_token = attn + (cost.activation_bytes + cost.hidden_bytes / t) / tokens_local
+    per_token = ((L - n_moe) * per_token + n_moe * moe_token) / L
+    exchanges = 4 if cand.remat == "none" else 6  # remat re-runs the forward's dispatch
+    return per_token, MoEStep(cost, n_moe / cand.pipe, exchanges)
+
+
+def _with_remat(
+    remat: str, per_token: float, traffic: float, D: int, item: int
+) -> tuple[float, float, float]:
+    """Device bytes per layer and token, host bytes per layer and token, and the traffic,
+    under `remat`."""
     host_token = 0.0
-    if cand.remat == "full":
+    if remat == "full":
         per_token = 2 * D * item / 2
-    elif cand.remat in OFFLOAD_REMATS:
-        host_token = per_token * REMAT_ACTIVATION[OFFLOAD_REMATS[cand.remat]]
+    elif remat in OFFLOAD_REMATS:
+        host_token = per_token * REMAT_ACTIVATION[OFFLOAD_REMATS[remat]]
         per_token = 2 * D * item / 2
         traffic *= 1.5  # as save-dots: the elementwise ops re-run
     else:
-        per_token *= REMAT_ACTIVATION[cand.remat]
-        traffic *= 1.5 if cand.remat == "save-dots" else 1.0  # elementwise ops re-run
-    layers_here = L / p
-    pc = None
-    if p > 1:
-        pc = PipelineConfig(
-            schedule=cand.schedule,
-            microbatches=cand.microbatches,
-            repeats=cand.repeats,
-            gather_once=cand.gather_once,
-        )
-        m, v = cand.microbatches, pc.chunks_per_stage()
-        act_tokens = tokens_local / m * held_microbatches(cand.schedule, p, m, v)
-    else:
-        act_tokens = tokens_local
-    activations = act_tokens * layers_here * per_token
+        per_token *= REMAT_ACTIVATION[remat]
+        traffic *= 1.5 if remat == "save-dots" else 1.0  # elementwise ops re-run
+    return per_token, host_token, traffic
+
+
+def _host_parts(
+    cand: Candidate,
+    acts: _Activations,
+    tokens_local: float,
+    opt: float,
+    n_leaves: int,
+    optimizer: str,
+) -> tuple[dict[str, float], list[HostTransfer]]:
+    """Host bytes per device and the transfers to and from it (offloaded residuals, the
+    optimizer state on host)."""
     host: dict[str, float] = {}
     transfers: list[HostTransfer] = []
-    if host_token:
-        host["activations"] = act_tokens * layers_here * host_token
-        moved = tokens_local * layers_here * host_token  # every microbatch's, once each way
-        copies = round(layers_here) * max(1, cand.microbatches)
+    if acts.host_token_bytes:
+        host["activations"] = acts.held_tokens * acts.layers * acts.host_token_bytes
+        moved = tokens_local * acts.layers * acts.host_token_bytes  # every microbatch's, once
+        copies = round(acts.layers) * max(1, cand.microbatches)
         transfers += [
             HostTransfer("residuals", "to host", moved, FORWARD_SHARE, copies),
             HostTransfer("residuals", "to device", moved, 1 - FORWARD_SHARE, copies),
         ]
     if cand.offload:
         host["optimizer"] = opt
-        leaves = len(layouts) * MOMENTS.get(optimizer, 2)
+        leaves = n_leaves * MOMENTS.get(optimizer, 2)
         transfers += [
             HostTransfer("optimizer", "to device", opt, 0.0, leaves),
             HostTransfer("optimizer", "to host", opt, 0.0, leaves),
         ]
-    logits = tokens_local * g.padded_vocab / t * 8
-    memory = {
-        "parameters": params,
-        "gradients": params,
-        "optimizer": opt,
-        "activations": activations,
-        "logits": logits,
-    }
-    # The stage's batch-split weights whole, and their gradient, kept for the step.
-    whole = 2 * stage_gathered_bytes(layouts, sizes, batch_axes) if p > 1 else 0.0
-    if cand.gather_once:
-        memory["gathered weights"] = whole
-    own = sync is not None and sync.local  # the replicas step apart: no gradient crosses them
+    return host, transfers
+
+
+def _communication(
+    cand: Candidate, rules, layouts, cfg, pc, batch: int, seq_len: int, item: int, sync
+) -> list[CommItem]:
+    """The step's collectives: the expectation's buckets, and the exchange of replicas that
+    step apart (no gradient crosses them)."""
+    sizes = cand.sizes
+    batch_axes = rules.batch_axes(sizes)
+    g = _backbone(cfg)
+    own = sync is not None and sync.local
     shape = Traffic(
-        sizes, batch_axes, batch * seq_len, d_model=D, act_itemsize=item, pipeline=pc, batch=batch,
-        own_axes=replica_sets(rules, sizes).axes if own else (),
+        sizes, batch_axes, batch * seq_len, d_model=g.d_model, act_itemsize=item, pipeline=pc,
+        batch=batch, own_axes=replica_sets(rules, sizes).axes if own else (),
     )  # fmt: skip
     exp = expected(layouts, shape)
-    comm = _comm_items(exp.bytes, cand, batch_axes, L, layouts, sizes, pc)
+    comm = _comm_items(exp.bytes, cand, batch_axes, g.n_layers, layouts, sizes, pc)
     if own:
         assert sync is not None
         comm += exchange_model(sync, rules, sizes, layouts).items()
-        # each replica's own parameters beside θ̄, and the outer optimizer's moments
-        memory["replica state"] = params * (1 + OUTER_MOMENTS.get(sync.outer_optimizer, 0))
+    return comm
+
+
+def _flops(cand: Candidate, cfg, moe: MoEStep | None, batch: int, seq_len: int) -> float:
+    """FLOPs per device per step: the dispatch's extra expert work, remat's second forward."""
+    n = math.prod(cand.sizes.values())
     flops = cfg.flops_per_token(seq_len) * batch * seq_len / n
     if moe is not None:
         # flops_per_token counts the experts at their active cost; the dispatch computes more.
-        extra = (moe.cost.flops - moe.cost.active_flops) * moe.layers / t
+        extra = (moe.cost.flops - moe.cost.active_flops) * moe.layers / cand.tensor
         flops += extra
-        comm += _moe_items(moe, cand)
     if cand.remat == "full":
         flops *= 4 / 3  # the forward runs twice
-    hbm = 3 * params + 2 * opt + traffic + logits  # weights read ×2, update r/w
-    bubble = lockstep_bubble(cand.schedule, p, cand.microbatches, cand.repeats) if p > 1 else 0.0
-    est = step_time(
-        flops=flops,
-        hbm_bytes=hbm,
-        comm=comm,
-        sizes=sizes,
-        device=device,
-        bubble=bubble,
-        host=transfers,
-    )
-    if moe is not None:
-        moe = dataclasses.replace(moe, seconds=est.comm_s.get(MOE_BUCKET, 0.0))
-    return Modelled(cand, memory, est, flops, moe, whole, host)
+    return flops
+
+
+def _bubble(cand: Candidate) -> float:
+    """The pipeline bubble of the candidate's schedule in lockstep (0 without a pipeline)."""
+    if cand.pipe > 1:
+        return lockstep_bubble(cand.schedule, cand.pipe, cand.microbatches, cand.repeats)
+    return 0.0
 
 
 def _moe_items(moe: MoEStep, cand: Candidate) -> list[CommItem]:

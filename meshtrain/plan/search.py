@@ -20,16 +20,16 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from flax import nnx
 
 from meshtrain.check import check_run
-from meshtrain.comm.expect import param_layouts
+from meshtrain.comm.expect import ParamLayout, param_layouts
 from meshtrain.costmodel import DeviceProfile, lockstep_bubble
 from meshtrain.layout import rules_for
 from meshtrain.models.base import DataSpec
 from meshtrain.models.moe_config import MoEConfig
-from meshtrain.pipeline import PipelineConfig
 from meshtrain.plan.analytic import Modelled, model_candidate
 from meshtrain.plan.space import (
     OFFLOAD_REMATS,
@@ -38,6 +38,7 @@ from meshtrain.plan.space import (
     Candidate,
     candidates,
     divisors,
+    pipeline_config,
 )
 from meshtrain.problem import Problem
 from meshtrain.replicas import SyncConfig
@@ -169,6 +170,47 @@ def plan(
             message names the smallest memory that would fit).
     """
     t0 = time.perf_counter()
+    _check_inputs(devices, hosts, memory_cap, batch, seq_len)
+    offload = offload and device.host is not None
+    search = _Search(cfg, devices, batch, seq_len, device, memory_cap, optimizer, sync, offload)
+    cands = _candidates(search, max_pipe, max_tensor, remats, microbatch_factors, schedules)
+    survey = _survey(search, cands)
+    compile_fn = compile_fn or _default_compile(cfg, search.spec, devices, sync)
+    return _ranked(search, survey, compile_fn, confirm, max_compiles, started=t0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """One search's fixed inputs: the model, the workload, the device and its memory cap."""
+
+    cfg: Any
+    devices: int
+    batch: int
+    seq_len: int
+    device: DeviceProfile
+    memory_cap: float
+    optimizer: str
+    sync: SyncConfig | None
+    offload: bool  # host offload searched (asked for, and the profile has a host link)
+
+    @property
+    def spec(self) -> DataSpec:
+        """The language-model data every layout is checked and compiled with."""
+        return DataSpec("lm", self.batch, self.seq_len, self.cfg.vocab_size, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Survey:
+    """What the run check and the analytic model made of the candidates."""
+
+    considered: int
+    failed_check: int
+    over_memory: int
+    modelled: list[Modelled]
+
+
+def _check_inputs(devices: int, hosts: int, memory_cap: float, batch: int, seq_len: int) -> None:
+    """Raises a `PlanError` for a device or host count, cap or workload that cannot be planned."""
     if not isinstance(devices, int) or devices < 1:
         raise PlanError(f"devices={devices!r}: must be a positive integer")
     if hosts < 1 or devices % hosts:
@@ -180,81 +222,162 @@ def plan(
         raise PlanError(f"device_memory={memory_cap}: must be positive, e.g. 80GB")
     if batch < 1 or seq_len < 1:
         raise PlanError(f"batch={batch}, seq_len={seq_len}: must be positive")
-    max_tensor = max_tensor or device.devices_per_node
-    offload = offload and device.host is not None
-    if offload:
+
+
+def _candidates(
+    search: _Search,
+    max_pipe: int | None,
+    max_tensor: int | None,
+    remats: tuple[str, ...],
+    microbatch_factors: tuple[int, ...],
+    schedules: tuple[str, ...],
+) -> list[Candidate]:
+    """The layouts to search (with the offload remat policies where offload is searched)."""
+    cfg = search.cfg
+    if search.offload:
         remats = (*remats, *(r for r in OFFLOAD_REMATS if r not in remats))
-    spec = DataSpec("lm", batch, seq_len, cfg.vocab_size, None)
-    graphdef, abstract = abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))
-    param_vars = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
-    cands = candidates(
-        devices,
+    return candidates(
+        search.devices,
         max_pipe=max_pipe,
-        max_tensor=max_tensor,
+        max_tensor=max_tensor or search.device.devices_per_node,
         remats=remats,
         microbatch_factors=microbatch_factors,
         experts=tuple(divisors(cfg.n_experts)) if isinstance(cfg, MoEConfig) else (1,),
         layers=getattr(cfg, "n_layers", None),
         schedules=schedules,
     )
+
+
+def _survey(search: _Search, cands: list[Candidate]) -> _Survey:
+    """Runs the check on every candidate and models those that pass; a `PlanError` when none
+    does."""
+    passed, reasons = _run_check(search, cands)
+    if not passed:
+        why, _ = reasons.most_common(1)[0] if reasons else ("no candidates", 0)
+        raise PlanError(
+            f"devices={search.devices}: none of {len(cands)} layouts passes the run check; the "
+            f"most common problem: {why}"
+        )
+    modelled, over = _model_passed(search, passed)
+    failed = sum(reasons.values())
+    return _Survey(len(cands), failed, over, modelled)
+
+
+def _run_check(
+    search: _Search, cands: list[Candidate]
+) -> tuple[list[tuple[Candidate, list[ParamLayout]]], collections.Counter]:
+    """The candidates the run check passes, each with its parameters' layouts (checked on the
+    abstract model: nothing is allocated), and how often each first problem failed the rest."""
+    cfg = search.cfg
+    graphdef, abstract = abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))
+    param_vars = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
     checked_only = RunSpec(
-        model=cfg, data=spec, train=TrainConfig(run_dir=""), sync=sync or SyncConfig()
+        model=cfg, data=search.spec, train=TrainConfig(run_dir=""), sync=search.sync or SyncConfig()
     )  # writes nothing
     reasons: collections.Counter = collections.Counter()
     layouts_cache: dict = {}
     checked: dict = {}
-    modelled: list[Modelled] = []
-    failed = over = 0
+    passed = []
     for cand in cands:
         rules = rules_for(cand.strategy)
-        sizes = cand.sizes
-        pc = _pipeline_config(cand)
+        pc = pipeline_config(cand)
         key = (cand.mesh, cand.strategy, pc)
         if key not in checked:
-            run = checked_only.replace(mesh=sizes, rules=rules, pipeline=pc)
+            run = checked_only.replace(mesh=cand.sizes, rules=rules, pipeline=pc)
             problems = check_run(run, abstract=(graphdef, abstract))
             checked[key] = problems or _schedule_problems(cand)
         if checked[key]:
-            failed += 1
             p = checked[key][0]
             reasons[f"{p.field}={p.value!r}: {p.message}"] += 1
             continue
         lk = (cand.mesh, cand.strategy)
         if lk not in layouts_cache:
-            layouts_cache[lk] = param_layouts(param_vars, rules, sizes)
-        variants = [cand, dataclasses.replace(cand, offload=True)] if offload else [cand]
+            layouts_cache[lk] = param_layouts(param_vars, rules, cand.sizes)
+        passed.append((cand, layouts_cache[lk]))
+    return passed, reasons
+
+
+def _model_passed(
+    search: _Search, passed: list[tuple[Candidate, list[ParamLayout]]]
+) -> tuple[list[Modelled], int]:
+    """Every passing candidate modelled (again with its optimizer state on host where offload
+    is searched and it does not fit without), and how many fit in neither way."""
+    modelled: list[Modelled] = []
+    over = 0
+    for cand, layouts in passed:
+        variants = [cand, dataclasses.replace(cand, offload=True)] if search.offload else [cand]
         for c in variants:
             m = model_candidate(
                 c,
-                layouts_cache[lk],
-                dataclasses.replace(cfg, remat=c.remat),
-                batch=batch,
-                seq_len=seq_len,
-                device=device,
-                optimizer=optimizer,
-                sync=sync,
+                layouts,
+                dataclasses.replace(search.cfg, remat=c.remat),
+                batch=search.batch,
+                seq_len=search.seq_len,
+                device=search.device,
+                optimizer=search.optimizer,
+                sync=search.sync,
             )
             modelled.append(m)
-            if _fits(m, memory_cap, device):
+            if _fits(m, search.memory_cap, search.device):
                 break  # the optimizer state moves to host only where the layout needs it
         else:
             over += 1
-    if not modelled:
-        why, _ = reasons.most_common(1)[0] if reasons else ("no candidates", 0)
-        raise PlanError(
-            f"devices={devices}: none of {len(cands)} layouts passes the run check; the most "
-            f"common problem: {why}"
-        )
-    fits = [m for m in modelled if _fits(m, memory_cap, device)]
+    return modelled, over
+
+
+def _ranked(
+    search: _Search,
+    survey: _Survey,
+    compile_fn: Callable | None,
+    confirm: int,
+    max_compiles: int,
+    started: float,
+) -> Plan:
+    """The plan: the layouts that fit, fastest first, the best confirmed by compiling."""
+    fits = _fitting(search, survey.modelled)
+    ranked, over_compiled = _confirm(fits, compile_fn, confirm, max_compiles, search.memory_cap)
+    return Plan(
+        ranked=ranked,
+        considered=survey.considered,
+        failed_check=survey.failed_check,
+        over_memory=survey.over_memory,
+        over_memory_compiled=over_compiled,
+        compiled=compile_fn is not None and confirm > 0,
+        wall_s=time.perf_counter() - started,
+        offload=search.offload,
+        sync=search.sync,
+        without_offload=next((m for m in fits if not m.offloads), None),
+        smallest_without_offload=min(
+            (m for m in survey.modelled if not m.offloads), key=lambda m: m.peak, default=None
+        ),
+    )
+
+
+def _fitting(search: _Search, modelled: list[Modelled]) -> list[Modelled]:
+    """The modelled layouts that fit, fastest first; a `PlanError` naming the smallest when
+    none does."""
+    fits = [m for m in modelled if _fits(m, search.memory_cap, search.device)]
     if not fits:
         small = min(modelled, key=lambda m: m.peak)
         raise PlanError(
-            f"device_memory={_gb(memory_cap)}: no layout of {devices} devices fits; the smallest "
-            f"needs {_gb(small.peak)} per device ({small.candidate.describe()}); give at least "
+            f"device_memory={_gb(search.memory_cap)}: no layout of {search.devices} devices "
+            f"fits; the smallest needs {_gb(small.peak)} per device "
+            f"({small.candidate.describe()}); give at least "
             f"--device-memory {_gb(small.peak).replace(' ', '')} or more devices"
         )
     fits.sort(key=lambda m: m.estimate.total_s)
-    compile_fn = compile_fn or _default_compile(cfg, spec, devices, sync)
+    return fits
+
+
+def _confirm(
+    fits: list[Modelled],
+    compile_fn: Callable | None,
+    confirm: int,
+    max_compiles: int,
+    memory_cap: float,
+) -> tuple[list[Choice], int]:
+    """Compiles the best layouts until `confirm` fit the cap (at most `max_compiles` tries):
+    the choices, confirmed ones first, and how many compiled above the cap."""
     ranked: list[Choice] = []
     over_compiled = confirmed = tries = 0
     smallest: tuple[float, str] | None = None
@@ -285,21 +408,7 @@ def plan(
         ranked = [c for c in ranked if c.compiled_peak is not None] + [
             c for c in ranked if c.compiled_peak is None
         ]
-    return Plan(
-        ranked=ranked,
-        considered=len(cands),
-        failed_check=failed,
-        over_memory=over,
-        over_memory_compiled=over_compiled,
-        compiled=compile_fn is not None and confirm > 0,
-        wall_s=time.perf_counter() - t0,
-        offload=offload,
-        sync=sync,
-        without_offload=next((m for m in fits if not m.offloads), None),
-        smallest_without_offload=min(
-            (m for m in modelled if not m.offloads), key=lambda m: m.peak, default=None
-        ),
-    )
+    return ranked, over_compiled
 
 
 def _fits(m: Modelled, memory_cap: float, device: DeviceProfile) -> bool:
@@ -317,16 +426,6 @@ def _schedule_problems(cand: Candidate) -> list[Problem]:
         why = str(e).removeprefix(f"schedule={cand.schedule!r}: ")
         return [Problem("schedule", cand.schedule, why)]
     return []
-
-
-def _pipeline_config(cand: Candidate) -> PipelineConfig:
-    """The `PipelineConfig` a candidate runs (ignored while pipe = 1)."""
-    return PipelineConfig(
-        schedule=cand.schedule,
-        microbatches=cand.microbatches,
-        repeats=cand.repeats,
-        gather_once=cand.gather_once,
-    )
 
 
 def _default_compile(
@@ -347,7 +446,7 @@ def _default_compile(
 
         mesh = make_mesh(cand.mesh)
         model = dataclasses.replace(cfg, remat=cand.remat)
-        pc = _pipeline_config(cand)
+        pc = pipeline_config(cand)
         rules = rules_for(cand.strategy, mesh)
         run = RunSpec(
             model=model,

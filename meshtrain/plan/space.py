@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 
 from meshtrain.mesh import AXES, DATA, EXPERT, FSDP, PIPE, TENSOR
+from meshtrain.pipeline import PipelineConfig
 
 REMATS = ("none", "save-dots", "full")
 # Remat policies that move residuals to host memory → the policy whose residuals they are.
@@ -65,6 +66,16 @@ class Candidate:
             extra += " · gather once" if self.gather_once else ""
         extra += " · optimizer on host" if self.offload else ""
         return f"{self.mesh} · {self.strategy} · remat {self.remat}{extra}"
+
+
+def pipeline_config(cand: Candidate) -> PipelineConfig:
+    """The `PipelineConfig` a candidate runs (ignored while pipe = 1)."""
+    return PipelineConfig(
+        schedule=cand.schedule,
+        microbatches=cand.microbatches,
+        repeats=cand.repeats,
+        gather_once=cand.gather_once,
+    )
 
 
 def divisors(n: int) -> list[int]:

@@ -1,0 +1,59 @@
+"""Appending the tokenising workers' results to a prepared corpus's token and document files
+(`meshtrain.data.prepare`), counting as they go."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import BinaryIO
+
+import numpy as np
+
+
+class TokenFiles:
+    """Writes results into open ``tokens.bin`` and ``documents.bin`` files.
+
+    The document file starts with offset 0 and gets each closed document's end offset; the
+    counts, the largest id and the SHA-256 of the token bytes follow what was written.
+
+    Attributes:
+        tokens: token ids written.
+        documents: documents closed.
+        max_id: the largest token id written (-1 before any).
+    """
+
+    def __init__(self, tokens_file: BinaryIO, documents_file: BinaryIO):
+        self._tokens_file = tokens_file
+        self._documents_file = documents_file
+        self._digest = hashlib.sha256()
+        self.tokens = 0
+        self.documents = 0
+        self.max_id = -1
+        documents_file.write(np.zeros(1, np.int64).tobytes())
+
+    def write(self, result) -> None:
+        """Appends one unit's result, ``(flat ids, document lengths, whether the last closes)``.
+
+        Args:
+            result: a worker's result (`meshtrain.data.workers.run_units`): every document's
+                ids in one array, their lengths, and whether the last document ends here (a
+                text file's pieces leave it open for the next).
+        """
+        flat, lengths, closes = result
+        self._tokens_file.write(flat.tobytes())
+        self._digest.update(flat.tobytes())
+        if len(flat):
+            self.max_id = max(self.max_id, int(flat.max()))
+        if not len(lengths):
+            return
+        ends = self.tokens + np.cumsum(lengths)
+        self.tokens = int(ends[-1])
+        if not closes:
+            ends = ends[:-1]
+        if len(ends):
+            self._documents_file.write(ends.astype(np.int64).tobytes())
+            self.documents += len(ends)
+
+    @property
+    def sha256(self) -> str:
+        """The hex SHA-256 of the token bytes written so far."""
+        return self._digest.hexdigest()

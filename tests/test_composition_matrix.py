@@ -4,10 +4,11 @@ of `meshtrain.composition.REFUSALS`; the check can fail; the rows name real cell
 import textwrap
 from pathlib import Path
 
-import _composition_matrix as cm  # the library's matrix with the markers' evidence
 import pytest
+from _pair_markers import evidence
 
 from meshtrain.composition import REFUSALS
+from meshtrain.composition import matrix as cm
 
 TESTS = Path(__file__).parent
 
@@ -26,14 +27,14 @@ def _explain(cells) -> str:
 
 
 def test_every_cell_is_proven_or_refused():
-    found = cm.evidence(TESTS)
+    found = evidence(TESTS)
     assert found.bad == [], "\n".join(found.bad)
     missing = cm.missing(found.proofs)
     assert missing == [], f"{len(missing)} cells neither proven nor refused:\n" + _explain(missing)
 
 
 def test_the_check_names_exactly_the_cell_a_suite_lacks():
-    proofs = cm.evidence(TESTS).proofs
+    proofs = evidence(TESTS).proofs
     refused = cm.refused()
     assert len(proofs) > 50 and len(refused) > 10
     complete = {c: ["a test"] for c in cm.cells() if c not in refused}
@@ -96,7 +97,7 @@ def test_markers_are_read_from_decorators_params_and_names(tmp_path):
             """
         )
     )
-    found = cm.evidence(tmp_path)
+    found = evidence(tmp_path)
     a, b, d = (f"{tmp_path.name}/test_x.py::test_{x}" for x in "abd")
     assert found.proofs == {
         ("dp", "tp"): [a],
@@ -142,7 +143,7 @@ def test_known_gaps_and_exclusive_groups_are_cells_of_the_vocabulary():
 def test_a_test_removed_leaves_exactly_the_cells_only_it_proved_unproven():
     """Dropping a duplicate proof is safe and dropping a sole one is caught: for every test that
     proves a cell, the suite without it lacks exactly the cells no other test proves."""
-    proofs = cm.evidence(TESTS).proofs
+    proofs = evidence(TESTS).proofs
     assert cm.missing(proofs) == []
     tests = {t for ts in proofs.values() for t in ts}
     assert len(tests) > 20

@@ -4,6 +4,7 @@ value a row shows (``run → value``), each named, so the rows
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from meshtrain.layout import alternatives, axes_of, rules_for
@@ -189,51 +190,6 @@ def strategy(run: RunSpec) -> str:
     return (run.rules or rules_for("auto", run.sizes)).name
 
 
-def grad_compression(run: RunSpec) -> str:
-    """The ``--grad-compression`` value."""
-    return run.sync.grad_compression
-
-
-def sync_every(run: RunSpec) -> int | None:
-    """The ``--sync-every`` value."""
-    return run.sync.sync_every
-
-
-def gossip(run: RunSpec) -> str | None:
-    """The ``--gossip`` value."""
-    return run.sync.gossip
-
-
-def client_fraction(run: RunSpec) -> float | None:
-    """The ``--client-fraction`` value."""
-    return run.sync.client_fraction
-
-
-def staleness(run: RunSpec) -> int:
-    """The ``--staleness`` value."""
-    return run.sync.staleness
-
-
-def precision(run: RunSpec) -> str:
-    """The ``--precision`` value."""
-    return run.precision.policy
-
-
-def outer_optimizer_name(run: RunSpec) -> str:
-    """The ``--outer-optimizer`` value."""
-    return run.sync.outer_optimizer
-
-
-def clip_norm(run: RunSpec) -> float:
-    """The ``--clip-norm`` value."""
-    return run.optim.clip_norm
-
-
-def loss_impl(run: RunSpec) -> str:
-    """The ``--loss-impl`` value."""
-    return run.train.loss_impl
-
-
-def loss(run: RunSpec) -> str:
-    """The ``--loss`` value."""
-    return run.train.loss
+def setting(path: str) -> Value:
+    """The run's setting at a dotted path (``"sync.gossip"``): the value a row shows."""
+    return operator.attrgetter(path)

@@ -75,7 +75,7 @@ OWN_STEP = (
         lambda s: example.sync({**s, "grad_compression": "int8"}, s),
         pairs_with=("compression",),
         field="grad_compression",
-        value=check.grad_compression,
+        value=check.setting("sync.grad_compression"),
     ),
     Pattern(
         "bounded staleness",
@@ -87,7 +87,7 @@ OWN_STEP = (
         pairs_with=("staleness",),
         ids_first=False,
         field="staleness",
-        value=check.staleness,
+        value=check.setting("sync.staleness"),
     ),
     Pattern(
         "fp16 loss scaling",
@@ -99,7 +99,7 @@ OWN_STEP = (
         example.fp16,
         pairs_with=("fp16",),
         field="precision",
-        value=check.precision,
+        value=check.setting("precision.policy"),
     ),
     *REGION,
     Pattern(
@@ -123,7 +123,7 @@ SCHEMES = (
         ids=("local-sgd", "diloco"),
         on=check.plain_local,
         field="sync_every",
-        value=check.sync_every,
+        value=check.setting("sync.sync_every"),
         flag="--sync-every",
         settings={"sync_every": 4},
         exchange="local SGD exchanges parameters, not gradients",
@@ -133,7 +133,7 @@ SCHEMES = (
         ids=("gossip",),
         on=check.gossips,
         field="gossip",
-        value=check.gossip,
+        value=check.setting("sync.gossip"),
         flag="--gossip",
         settings={"gossip": "ring", "sync_every": 4},
         exchange="gossip mixes parameters, and compressing them needs CHOCO-SGD's correction "
@@ -145,7 +145,7 @@ SCHEMES = (
         ids=("federated",),
         on=check.federates,
         field="client_fraction",
-        value=check.client_fraction,
+        value=check.setting("sync.client_fraction"),
         flag="--client-fraction",
         settings={"client_fraction": 0.5, "sync_every": 4},
         exchange="federated averaging exchanges each round's parameter change, not gradients",
@@ -157,7 +157,7 @@ COMPRESSION = Scheme(
     ids=("compression",),
     on=check.compresses,
     field="grad_compression",
-    value=check.grad_compression,
+    value=check.setting("sync.grad_compression"),
     flag="--grad-compression",
     settings={"grad_compression": "int8"},
 )
@@ -288,7 +288,7 @@ TABLE = (
         all_of(check.local, split(PIPE), check.clips),
         "optim.clip_norm",
         "set --clip-norm 0 beside --sync-every on pipe > 1, or set pipe=1",
-        check.clip_norm,
+        check.setting("optim.clip_norm"),
         example.sync({"sync_every": 4}, {}, mesh={"pipe": 2, "data": 4}),
     ),
     ForEach(OWN_STEP, SCHEMES),
@@ -299,7 +299,7 @@ TABLE = (
         check.fp16_kernels,
         "precision",
         "use --precision bf16, or --{model}.attention-impl xla and --{model}.norm-impl xla",
-        check.precision,
+        check.setting("precision.policy"),
         lambda: (
             example.run(
                 {"data": 8}, model=GPTConfig(norm_impl="pallas"), precision=Precision(policy="fp16")
@@ -318,7 +318,7 @@ TABLE = (
         all_of(check.loss_scaling, check.stale),
         "precision",
         "use --precision bf16 (no loss scaling), or drop --staleness",
-        check.precision,
+        check.setting("precision.policy"),
         lambda: (
             example.run(
                 {"data": 8}, sync=SyncConfig(staleness=1), precision=Precision(policy="fp16")
@@ -334,7 +334,7 @@ TABLE = (
         all_of(check.synchronous, check.outer_optimizer),
         "outer_optimizer",
         "add --sync-every H, or drop --outer-optimizer",
-        check.outer_optimizer_name,
+        check.setting("sync.outer_optimizer"),
         example.sync(
             {"outer_optimizer": "nesterov"}, {"outer_optimizer": "nesterov", "sync_every": 4}
         ),
@@ -346,7 +346,7 @@ TABLE = (
         all_of(check.gossips, check.federates),
         "gossip",
         "drop one of --gossip and --client-fraction",
-        check.gossip,
+        check.setting("sync.gossip"),
         example.sync(
             {"gossip": "ring", "client_fraction": 0.5, "sync_every": 4},
             {"gossip": "ring", "sync_every": 4},
@@ -359,7 +359,7 @@ TABLE = (
         all_of(check.gossips, check.no_sync_every),
         "sync_every",
         "add --sync-every H (e.g. 50)",
-        check.sync_every,
+        check.setting("sync.sync_every"),
         example.sync({"gossip": "ring"}, {"gossip": "ring", "sync_every": 50}),
     ),
     Refusal(
@@ -369,7 +369,7 @@ TABLE = (
         all_of(check.federates, check.no_sync_every),
         "sync_every",
         "add --sync-every H (e.g. 8)",
-        check.sync_every,
+        check.setting("sync.sync_every"),
         example.sync({"client_fraction": 0.5}, {"client_fraction": 0.5, "sync_every": 8}),
     ),
     Refusal(
@@ -379,7 +379,7 @@ TABLE = (
         all_of(check.gossips, check.outer_optimizer),
         "outer_optimizer",
         "use --outer-optimizer average (the default), or drop --gossip",
-        check.outer_optimizer_name,
+        check.setting("sync.outer_optimizer"),
         example.sync(
             {"gossip": "ring", "sync_every": 4, "outer_optimizer": "nesterov"},
             {"gossip": "ring", "sync_every": 4},
@@ -413,7 +413,7 @@ TABLE = (
         all_of(check.custom_loss, check.loss_kernel),
         "train.loss_impl",
         "set --loss-impl xla, or drop loss_fn",
-        check.loss_impl,
+        check.setting("train.loss_impl"),
         lambda: (
             example.run({"data": 8}, loss_fn=cross_entropy, train=TrainConfig(loss_impl="pallas")),
             example.run({"data": 8}, train=TrainConfig(loss_impl="pallas")),
@@ -426,7 +426,7 @@ TABLE = (
         all_of(check.custom_loss, check.builtin_loss),
         "train.loss",
         "drop --loss, or drop loss_fn",
-        check.loss,
+        check.setting("train.loss"),
         lambda: (
             example.run({"data": 8}, loss_fn=cross_entropy, train=TrainConfig(loss="mse")),
             example.run({"data": 8}, loss_fn=cross_entropy),

@@ -27,19 +27,25 @@ from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.remat import ATTN_OUT
 
 
+def _projection(layer, cfg: GPTConfig, rngs: nnx.Rngs):
+    """`layer` (a linear layer class) with the settings every projection of a block shares:
+    biases for gpt2, the compute dtype, the precision's matmul."""
+    return functools.partial(
+        layer,
+        use_bias=cfg.style == "gpt2",
+        dtype=cfg.compute_dtype,
+        dot_general=cfg.dot_general,
+        rngs=rngs,
+    )
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with a Megatron-splittable (heads) layout."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         D, H, G, K = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
         bias = cfg.style == "gpt2"
-        dense = functools.partial(
-            nnx.LinearGeneral,
-            use_bias=bias,
-            dtype=cfg.compute_dtype,
-            dot_general=cfg.dot_general,
-            rngs=rngs,
-        )
+        dense = _projection(nnx.LinearGeneral, cfg, rngs)
         qkv = functools.partial(dense, use_bias=bias or cfg.qkv_bias)
         self.q = qkv(
             D,
@@ -135,14 +141,7 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.ff_dim
-        bias = cfg.style == "gpt2"
-        dense = functools.partial(
-            nnx.Linear,
-            use_bias=bias,
-            dtype=cfg.compute_dtype,
-            dot_general=cfg.dot_general,
-            rngs=rngs,
-        )
+        dense = _projection(nnx.Linear, cfg, rngs)
         up = layers.init(("embed", "mlp"))
         up_bias = layers.const_init(nnx.initializers.zeros, ("mlp",))
         self.swiglu = cfg.style == "llama"

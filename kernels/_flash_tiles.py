@@ -175,9 +175,9 @@ def sweep(t: Tiling, extra: MaskInputs, refs, step, init, *, over_keys: bool):
     the key blocks of that query block, else the query blocks of that key block.
 
     At each visited block, ``step(tiles, ok, carry)`` gets that block's slices of `refs` (each
-    sliced along the visited side) and the tile's mask, and returns the new carry. Key blocks
-    outside the causal range are not visited, and with positions those that `sees_block` rules
-    out are skipped. Returns the last carry.
+    sliced along the visited side) and the tile's mask, and returns the new carry. Blocks
+    outside the causal range (`kv_range`, `q_range`) are not visited, and with positions those
+    that `sees_block` rules out are skipped. Returns the last carry.
     """
     me = pl.program_id(2)
     if over_keys:

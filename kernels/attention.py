@@ -4,10 +4,16 @@ Layout is the model's own, ``[batch, seq, heads, head_dim]``: each grid cell rea
 ``[block, head_dim]`` window, so nothing is transposed on the way in or out. Grouped-query
 attention needs no copies either: the key/value index map sends query head h to key/value
 head ``h // R``; under tensor parallelism with fewer key/value heads than shards, each shard
-picks the ones its query heads use (`_local_kv_heads`). Sequences are zero-padded up to the
-block and the padding is masked, so any length works. Memory is O(sequence): the forward keeps
-a ``[block_q, head_dim]`` accumulator and writes the output and a ``[B, H, T]`` logsumexp; the
-backward recomputes the probabilities block by block from that logsumexp.
+picks the ones its query heads use (`_flash_shards.local_kv_heads`). Sequences are zero-padded
+up to the block and the padding is masked, so any length works. Memory is O(sequence): the
+forward keeps a ``[block_q, head_dim]`` accumulator and writes the output and a ``[B, H, T]``
+logsumexp; the backward recomputes the probabilities block by block from that logsumexp.
+
+This module holds the public wrappers and the custom VJP; the pieces live beside it:
+`_flash_forward` and `_flash_backward` (the kernels), `_flash_tiles` (a tile's mask and the
+sweep over blocks), `_flash_operands` (padding, BlockSpecs, the launch), `_flash_shards` (one
+shard's calls and key/value heads), `_flash_checks` (argument checks, block sizes) and
+`_flash_blocks` (`block_forward` and `block_backward`, re-exported here).
 """
 
 from __future__ import annotations

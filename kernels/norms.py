@@ -219,6 +219,16 @@ def _validate(kernel, x, params, impl):
             )
 
 
+def _dispatch(kernel, ref, x, params, eps, impl, block_rows):
+    """Resolves `impl`, checks the arguments and runs the reference `ref` or the kernel."""
+    impl = _common.resolve_impl(impl, kernel=kernel)
+    _validate(kernel, x, params, impl)
+    if impl == "xla":
+        return ref(x, *params.values(), eps=eps)
+    interpret = _common.interpret_mode()
+    return _norm(x, tuple(params.values()), eps=eps, block_rows=block_rows, interpret=interpret)
+
+
 def rms_norm(
     x: jax.Array,
     scale: jax.Array,
@@ -239,12 +249,8 @@ def rms_norm(
     Returns:
         The normalised x, in its dtype (statistics in float32).
     """
-    impl = _common.resolve_impl(impl, kernel="rms_norm")
-    _validate("rms_norm", x, {"scale": scale}, impl)
-    if impl == "xla":
-        return reference.rms_norm(x, scale, eps=eps)
-    interpret = _common.interpret_mode()
-    return _norm(x, (scale,), eps=eps, block_rows=block_rows, interpret=interpret)
+    params = {"scale": scale}
+    return _dispatch("rms_norm", reference.rms_norm, x, params, eps, impl, block_rows)
 
 
 def layer_norm(
@@ -269,9 +275,5 @@ def layer_norm(
     Returns:
         The normalised x, in its dtype (statistics in float32).
     """
-    impl = _common.resolve_impl(impl, kernel="layer_norm")
-    _validate("layer_norm", x, {"scale": scale, "bias": bias}, impl)
-    if impl == "xla":
-        return reference.layer_norm(x, scale, bias, eps=eps)
-    interpret = _common.interpret_mode()
-    return _norm(x, (scale, bias), eps=eps, block_rows=block_rows, interpret=interpret)
+    params = {"scale": scale, "bias": bias}
+    return _dispatch("layer_norm", reference.layer_norm, x, params, eps, impl, block_rows)

@@ -42,6 +42,22 @@ def same_segment(segment_ids_BT: jax.Array, ok_TS: jax.Array | None) -> jax.Arra
     return ok_BTS[:, None, None]
 
 
+def _masked_scores(q_BTHK, k_BSGK, fill, causal, window, segment_ids):
+    """The scaled scores [B, G, R, T, S] in float32, `fill` where a query does not see a key."""
+    B, T, H, K = q_BTHK.shape
+    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+    s_BGRTS = jnp.einsum(
+        "btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32
+    ) / math.sqrt(K)
+    ok_TS = visible(T, S, causal=causal, window=window)
+    if segment_ids is not None:
+        ok_TS = same_segment(segment_ids, ok_TS)
+    if ok_TS is not None:
+        s_BGRTS = jnp.where(ok_TS, s_BGRTS, fill)
+    return s_BGRTS
+
+
 def attention(
     q_BTHK: jax.Array,
     k_BSGK: jax.Array,
@@ -62,16 +78,9 @@ def attention(
         [B, T, H, K] in the dtype of `v_BSGK`.
     """
     B, T, H, K = q_BTHK.shape
-    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
-    s_BGRTS = jnp.einsum(
-        "btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32
-    ) / math.sqrt(K)
-    ok_TS = visible(T, S, causal=causal, window=window)
-    if segment_ids is not None:
-        ok_TS = same_segment(segment_ids, ok_TS)
-    if ok_TS is not None:
-        s_BGRTS = jnp.where(ok_TS, s_BGRTS, jnp.finfo(jnp.float32).min)
+    s_BGRTS = _masked_scores(
+        q_BTHK, k_BSGK, jnp.finfo(jnp.float32).min, causal, window, segment_ids
+    )
     p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(v_BSGK.dtype)
     o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS, v_BSGK)
     return o_BTGRK.reshape(B, T, H, K)
@@ -86,17 +95,8 @@ def attention_logsumexp(
     segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """The logsumexp of the scaled scores per query, [B, H, T] float32 (what flash saves)."""
-    B, T, H, K = q_BTHK.shape
-    S, G = k_BSGK.shape[1], k_BSGK.shape[2]
-    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
-    s_BGRTS = jnp.einsum(
-        "btgrk,bsgk->bgrts", q_BTGRK, k_BSGK, preferred_element_type=jnp.float32
-    ) / math.sqrt(K)
-    ok_TS = visible(T, S, causal=causal, window=window)
-    if segment_ids is not None:
-        ok_TS = same_segment(segment_ids, ok_TS)
-    if ok_TS is not None:
-        s_BGRTS = jnp.where(ok_TS, s_BGRTS, -jnp.inf)
+    B, T, H, _ = q_BTHK.shape
+    s_BGRTS = _masked_scores(q_BTHK, k_BSGK, -jnp.inf, causal, window, segment_ids)
     return jax.nn.logsumexp(s_BGRTS, axis=-1).reshape(B, H, T)
 
 

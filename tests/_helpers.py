@@ -2,7 +2,11 @@
 `FAST_COMPILE` before jax initialises)."""
 
 import contextlib
+import json
 import os
+import pathlib
+import subprocess
+import sys
 
 import _cache_guard
 
@@ -45,6 +49,25 @@ def fresh_env(devices: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     count = f"--xla_force_host_platform_device_count={devices} " if devices else ""
     return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": count + FAST_COMPILE}
+
+
+def one_json_line(script, *args, devices: int | None = None, timeout: int = 300) -> dict:
+    """Runs a benchmark script (a path, or ``-m module``'s words) with `args` in a fresh process
+    from the repository root, as a user would, and returns the one JSON line it prints; the
+    test fails on a non-zero exit or any other line on stdout."""
+    command = [sys.executable, *([str(script)] if isinstance(script, pathlib.Path) else script)]
+    proc = subprocess.run(
+        [*command, *args],
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+        env=fresh_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stdout, got {proc.stdout!r}"
+    return json.loads(lines[0])
 
 
 def copied(state):

@@ -1,13 +1,10 @@
 """Smoke test of benchmarks/overhead.py: `--quick` runs and prints one well-formed JSON line."""
 
-import json
 import math
 import pathlib
-import subprocess
-import sys
 
 import pytest
-from _helpers import fresh_env
+from _helpers import one_json_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "overhead.py"
@@ -37,19 +34,7 @@ def _positive_finite(x) -> bool:
 
 @pytest.mark.slow
 def test_overhead_quick_prints_one_json_line():
-    env = fresh_env(devices=8)
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stdout, got {len(lines)}: {proc.stdout!r}"
-    out = json.loads(lines[0])
+    out = one_json_line(SCRIPT, "--quick", devices=8)
 
     for key in (*STEP_KEYS, *COMPILE_KEYS, *OTHER_KEYS):
         assert key in out, f"missing {key!r}"
@@ -88,19 +73,9 @@ def test_pipeline_memory_quick_counts_permutes_and_memory():
     pairs and send exactly the useful bytes it implies, its counted bubble is the closed form,
     and 1F1B's temporary memory is below gpipe's."""
     # Compile-only figures (HLO permutes, buffer sizes): LLVM -O0 leaves them as they are.
-    env = fresh_env(devices=8)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pipeline_memory.py"), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = one_json_line(
+        ROOT / "benchmarks" / "pipeline_memory.py", "--quick", devices=8, timeout=600
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stdout
-    out = json.loads(lines[0])
     for schedule in ("gpipe", "1f1b", "circular", "interleaved-1f1b", "zb-h1"):
         fig = out[schedule]
         assert _positive_finite(fig["temp_bytes"])
@@ -113,19 +88,7 @@ def test_pipeline_memory_quick_counts_permutes_and_memory():
 
 @pytest.mark.slow
 def test_save_overhead_quick_prints_one_json_line():
-    env = fresh_env()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "save_overhead.py"), "--quick"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, proc.stdout
-    out = json.loads(lines[0])
+    out = one_json_line(ROOT / "benchmarks" / "save_overhead.py", "--quick")
     assert out["platform"] == "cpu" and out["devices"] == 8 and out["saves"] == 8
     assert _positive_finite(out["step_ms_no_checkpoints"]) and _positive_finite(out["state_mib"])
     for mode in ("async", "sync"):

@@ -4,11 +4,9 @@
 import json
 import math
 import pathlib
-import subprocess
-import sys
 
 import pytest
-from _helpers import fresh_env
+from _helpers import one_json_line
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernels.py"
@@ -16,19 +14,7 @@ KERNELS = ("attention", "rms_norm", "layer_norm", "cross_entropy", "matmul")
 
 
 def _run(*args) -> dict:
-    env = fresh_env()
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stdout, got {proc.stdout!r}"
-    return json.loads(lines[0])
+    return one_json_line(SCRIPT, *args)
 
 
 @pytest.mark.slow

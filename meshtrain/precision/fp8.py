@@ -17,9 +17,11 @@ fp8 array for the same reason.
 
 Both public products are one custom VJP over a bilinear product (`_fp8_product`): round the
 operands, linearize the product there, round the incoming gradient and pull it back. They
-differ only in how a rounded value is held: `dot_general` keeps fp8 arrays and their scales
-(fp8 GEMMs, one-byte residuals), `matmul` keeps values rounded in their own dtype, for products
-such as the MoE's grouped matmul that take no fp8 operands.
+differ in how a rounded value is held, and so in how the product is linearized: `dot_general`
+keeps fp8 arrays and their scales (fp8 GEMMs, one-byte residuals; its transposes are written
+out, as autodiff would cast the gradients to fp8), `matmul` keeps values rounded in their own
+dtype and differentiates the product by autodiff, for products such as the MoE's grouped
+matmul that take no fp8 operands.
 
 Why current scaling rather than delayed (an amax history): it needs no state, so it composes
 with every layout, pipeline schedule and accumulation as the plain matmul does, and a spike

@@ -40,6 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax, tree_util
+from jax.extend import core as jex
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, max 57344
@@ -100,7 +101,7 @@ def dot_general(
     """`jax.lax.dot_general` with both operands rounded to e4m3, and the output's gradient
     to e5m2 in the backward (a drop-in ``dot_general=`` for `flax.nnx.Linear`)."""
     dot = _dot(dimension_numbers, precision, preferred_element_type, out_sharding)
-    return _fp8_product(lhs, rhs, functools.partial(_linearize_dot, dot), True)
+    return _fp8_product(lhs, rhs, (), functools.partial(_linearize_dot, dot), True)
 
 
 def matmul(fn):
@@ -109,8 +110,8 @@ def matmul(fn):
     plain `dot_general` (the MoE's per-expert and grouped products)."""
 
     def fp8_fn(a, b, *args, **kwargs):
-        product = functools.partial(_bind_rest, fn, args, kwargs)
-        return _fp8_product(a, b, functools.partial(_linearize_traced, product), False)
+        product, consts = _explicit(functools.partial(_bind_rest, fn, args, kwargs), a, b)
+        return _fp8_product(a, b, consts, functools.partial(_linearize_traced, product), False)
 
     return fp8_fn
 
@@ -126,21 +127,23 @@ def matmul(fn):
 # for products that take no fp8 operands.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_product(a: jax.Array, b: jax.Array, linearize, fp8_residuals: bool) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_product(a: jax.Array, b: jax.Array, consts, linearize, fp8_residuals: bool) -> jax.Array:
     """The product at `a`, `b` rounded to e4m3 (`linearize` gives its value and pullback at
-    rounded operands); the gradient arriving at the output is rounded to e5m2."""
-    return _fp8_forward(a, b, linearize, fp8_residuals)[0]
+    rounded operands, given the product's other inputs `consts`, which get no gradient); the
+    gradient arriving at the output is rounded to e5m2."""
+    return _fp8_forward(a, b, consts, linearize, fp8_residuals)[0]
 
 
-def _fp8_forward(a, b, linearize, fp8_residuals):
+def _fp8_forward(a, b, consts, linearize, fp8_residuals):
     """The product at the rounded operands, and its pullback there (the residuals)."""
-    return linearize(_rounded(a, E4M3, fp8_residuals), _rounded(b, E4M3, fp8_residuals), a, b)
+    a_rounded, b_rounded = _rounded(a, E4M3, fp8_residuals), _rounded(b, E4M3, fp8_residuals)
+    return linearize(a_rounded, b_rounded, a, b, consts)
 
 
 def _fp8_backward(linearize, fp8_residuals, pullback, g):
     """The e5m2-rounded gradient pulled back through the product at the rounded operands."""
-    return pullback(_rounded(g, E5M2, fp8_residuals))
+    return (*pullback(_rounded(g, E5M2, fp8_residuals)), None)
 
 
 _fp8_product.defvjp(_fp8_forward, _fp8_backward)
@@ -151,16 +154,29 @@ def _rounded(x: jax.Array, fmt, fp8_residuals: bool) -> tuple[jax.Array, jax.Arr
     return quantize(x, fmt) if fp8_residuals else (round_trip(x, fmt), None)
 
 
+def _explicit(product, a, b):
+    """`product` as a function of ``(a, b, *consts)``, and those consts: every value it closes
+    over (traced ones too, such as the experts' group sizes) made an argument, as what a custom
+    VJP holds static must hold no tracer (`jax.closure_convert` hoists only float ones)."""
+    closed = jax.make_jaxpr(product)(a, b)
+
+    def explicit(x, y, *consts):
+        (out,) = jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr, consts))(x, y)
+        return out
+
+    return explicit, tuple(closed.consts)
+
+
 def _bind_rest(fn, args, kwargs, a, b):
     """`fn(a, b, *args, **kwargs)`: a matmul's operands first, its other arguments fixed."""
     return fn(a, b, *args, **kwargs)
 
 
-def _linearize_traced(product, a_rounded, b_rounded, a, b):
+def _linearize_traced(product, a_rounded, b_rounded, a, b, consts):
     """The product and its pullback at operands rounded in their own dtype, by autodiff."""
     del a, b  # the rounded operands keep the operands' dtypes
     (a_r, _), (b_r, _) = a_rounded, b_rounded
-    out, pullback = jax.vjp(product, a_r, b_r)
+    out, pullback = jax.vjp(lambda x, y: product(x, y, *consts), a_r, b_r)
     return out, tree_util.Partial(_unscaled, pullback)
 
 
@@ -185,10 +201,11 @@ def _dot(dimension_numbers, precision, preferred_element_type, out_sharding):
     )
 
 
-def _linearize_dot(dot, lhs_rounded, rhs_rounded, lhs, rhs):
+def _linearize_dot(dot, lhs_rounded, rhs_rounded, lhs, rhs, consts):
     """The dot of fp8 operands times their scales, in the dtype of the dot of `lhs` and `rhs`,
     and its pullback, whose products take fp8 operands too (autodiff's would not: a
     transposed dot returns its operand's dtype, here fp8)."""
+    del consts  # a dot has no other inputs
     (lhs_q, lhs_s), (rhs_q, rhs_s) = lhs_rounded, rhs_rounded
     dtype = jax.eval_shape(dot, lhs, rhs).dtype
     # The dot's operands ARE fp8: XLA's GPU compiler turns it into an fp8 GEMM, and no pass

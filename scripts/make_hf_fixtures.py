@@ -54,6 +54,7 @@ import numpy as np
 import safetensors
 import torch
 import transformers
+from _hf_tiny import REFERENCE, llama_fields, plain_rope
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 BATCH = 2
@@ -69,13 +70,10 @@ def _gpt2() -> transformers.PreTrainedModel:
         n_head=4,
         n_inner=128,
         layer_norm_epsilon=1e-5,
-        initializer_range=0.1,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
+        **REFERENCE,
     )
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -83,42 +81,14 @@ def _gpt2() -> transformers.PreTrainedModel:
 def _llama() -> transformers.PreTrainedModel:
     """Tiny Llama with GQA: vocab 256, width 64, 2 layers, 4 query and 2 key/value heads."""
     cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
+        **llama_fields(
+            vocab_size=256,
+            max_position_embeddings=64,
+            rope_parameters=plain_rope(1000.0),
+            tie_word_embeddings=False,
+        )
     )
     return transformers.LlamaForCausalLM(cfg)
-
-
-def _small_llama_fields(**changes) -> dict:
-    """The sizes the newer Llama-layout fixtures share: vocab 128, width 64, 2 layers, 4 query
-    and 2 key/value heads (head width 16), MLP 96."""
-    fields = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        initializer_range=0.1,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation="eager",
-    )
-    return fields | changes
 
 
 def _llama3() -> transformers.PreTrainedModel:
@@ -134,19 +104,15 @@ def _llama3() -> transformers.PreTrainedModel:
         high_freq_factor=4.0,
         original_max_position_embeddings=64,
     )
-    cfg = transformers.LlamaConfig(
-        **_small_llama_fields(rope_parameters=rope, tie_word_embeddings=True)
-    )
+    cfg = transformers.LlamaConfig(**llama_fields(rope_parameters=rope, tie_word_embeddings=True))
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _mistral() -> transformers.PreTrainedModel:
     """Tiny Mistral whose sliding window (16) is shorter than the fixture's sequence (40)."""
     cfg = transformers.MistralConfig(
-        **_small_llama_fields(
-            sliding_window=16,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
-            tie_word_embeddings=False,
+        **llama_fields(
+            sliding_window=16, rope_parameters=plain_rope(10_000.0), tie_word_embeddings=False
         )
     )
     return transformers.MistralForCausalLM(cfg)
@@ -155,10 +121,7 @@ def _mistral() -> transformers.PreTrainedModel:
 def _qwen2() -> transformers.PreTrainedModel:
     """Tiny Qwen2: q/k/v biases, tied head, no sliding window."""
     cfg = transformers.Qwen2Config(
-        **_small_llama_fields(
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-            tie_word_embeddings=True,
-        )
+        **llama_fields(rope_parameters=plain_rope(1_000_000.0), tie_word_embeddings=True)
     )
     return transformers.Qwen2ForCausalLM(cfg)
 
@@ -166,11 +129,11 @@ def _qwen2() -> transformers.PreTrainedModel:
 def _mixtral() -> transformers.PreTrainedModel:
     """Tiny Mixtral: 4 experts, top-2, GQA, untied head, no sliding window."""
     cfg = transformers.MixtralConfig(
-        **_small_llama_fields(
+        **llama_fields(
             intermediate_size=48,
             num_local_experts=4,
             num_experts_per_tok=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+            rope_parameters=plain_rope(10_000.0),
             tie_word_embeddings=False,
         )
     )

@@ -91,3 +91,20 @@ def initial_values(cfg) -> dict:
         state = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg))))()
         _INITIAL[cfg] = jax.tree.map(np.asarray, state)
     return _INITIAL[cfg]
+
+
+def model_from(cfg, values):
+    """A constructor of `cfg`'s model whose variables are `values` (host arrays, a pure dict
+    as `initial_values` gives): no random initialiser runs under the layout that calls it."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from meshtrain.models import build_model
+
+    def ctor():
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
+        return nnx.merge(graphdef, state)
+
+    return ctor

@@ -30,12 +30,10 @@ import dataclasses
 import itertools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import initial_values
-from flax import nnx
+from _helpers import initial_values, model_from
 
 from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointManager, restore
@@ -43,7 +41,7 @@ from meshtrain.kernels import _common
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
-from meshtrain.models import DataSpec, GPTConfig, MoEConfig, build_model
+from meshtrain.models import DataSpec, GPTConfig, MoEConfig
 from meshtrain.offload import Offload, with_offload
 from meshtrain.optim import OptimConfig, make_optimizer
 from meshtrain.pipeline import PipelineConfig
@@ -208,15 +206,10 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX, offload=F
     rules = rules_for(strategy, mesh, context_parallel=case.context or "ring")
     values = initial_values(dataclasses.replace(cfg, remat="none"))  # remat makes no parameter
 
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
     precision = Precision(policy=case.precision, loss_scale_init=LOSS_SCALE)
     if precision.loss_scaling(cfg):  # float16: the scale rides in the optimizer state
         tx = with_loss_scale(tx, LOSS_SCALE)
-    graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules)
+    graphdef, state, shardings = init_train_state(model_from(cfg, values), tx, mesh, rules)
     state, shardings = with_sync(sync, tx, state, shardings, mesh, rules)
     state, shardings = with_offload(Offload(optimizer=offload), state, shardings)
     pipeline = PipelineConfig(

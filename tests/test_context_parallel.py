@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cp_helpers import errors_vs_full, qkv
-from _helpers import count_compiles
+from _helpers import count_compiles, model_from
 from flax import nnx
 
 from meshtrain import cli
@@ -279,12 +279,7 @@ def _train(cfg, mesh_str, strategy="dp", context="ring", devices=None):
     rules = rules_for(strategy, mesh, context_parallel=context)
     values = _initial(cfg)
 
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
-    graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
+    graphdef, state, shardings = init_train_state(model_from(cfg, values), TX, mesh, rules)
     data = _batches(cfg)
     step = jit_train_step(
         graphdef, TX, mesh, rules, shardings, batch_shardings(data[0], mesh, rules)

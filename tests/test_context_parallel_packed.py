@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cp_helpers import qkv
-from _helpers import initial_values
-from flax import nnx
+from _helpers import initial_values, model_from
 
 from meshtrain import context_parallel as cp
 from meshtrain.check import check_run
@@ -24,7 +23,7 @@ from meshtrain.context_parallel import blocks, ring
 from meshtrain.layout import batch_shardings, manual_region, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
-from meshtrain.models import DataSpec, GPTConfig, build_model
+from meshtrain.models import DataSpec, GPTConfig
 from meshtrain.models.layers import causal_attention
 from meshtrain.run import RunSpec
 from meshtrain.train import OptimConfig
@@ -180,12 +179,7 @@ def _train(cfg, tx, mesh_str, context, values, data, devices=None):
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for("dp", mesh, context_parallel=context)
 
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
-    graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules)
+    graphdef, state, shardings = init_train_state(model_from(cfg, values), tx, mesh, rules)
     run = RunSpec(mesh=mesh, rules=rules)
     step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(data[0], mesh, rules))
     _assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)

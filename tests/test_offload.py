@@ -9,10 +9,9 @@ import functools
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import copied, initial_values
+from _helpers import copied, initial_values, model_from
 from flax import nnx
 
 from meshtrain import offload
@@ -20,7 +19,7 @@ from meshtrain.check import check_run
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
-from meshtrain.models import DataSpec, GPTConfig, build_model
+from meshtrain.models import DataSpec, GPTConfig
 from meshtrain.offload import Offload
 from meshtrain.optim import OptimConfig
 from meshtrain.pipeline import PipelineConfig
@@ -67,13 +66,8 @@ def _built(model, mesh_str, strategy, off, devices, pipeline):
     assert check_run(run) == []
     values = initial_values(model)
 
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(model)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
     tx = run.optimizer(10)
-    graphdef, state, shardings = init_train_state(ctor, tx, mesh, run.rules)
+    graphdef, state, shardings = init_train_state(model_from(model, values), tx, mesh, run.rules)
     state, shardings = offload.with_offload(off, state, shardings)
     example = _batches(1)[0]
     step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(example, mesh, run.rules))

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import model_from
 from flax import nnx
 
 from meshtrain.check import check_run
@@ -195,13 +196,8 @@ def _setup(
     assert check_run(run.replace(mesh=mesh_sizes(mesh))) == []
     cfg, values = run.model_config, _initial(model)
 
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
     tx = run.optimizer(10) if wrap is None else wrap(run.optimizer(10))
-    graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules)
+    graphdef, state, shardings = init_train_state(model_from(cfg, values), tx, mesh, rules)
     example = _batches(1, model.vocab_size)[0]
     step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(example, mesh, rules))
     return state, shardings, (lambda s, b: step(s, shard_batch(b, mesh, rules))), run

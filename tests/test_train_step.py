@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import model_from
 from flax import nnx
 
 from meshtrain import layout as S
@@ -91,12 +92,7 @@ def start_from(config):
     """
     values = initial_values(dataclasses.replace(config, dtype="float32"))
 
-    def ctor():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(config)))
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-        return nnx.merge(graphdef, state)
-
-    return ctor
+    return model_from(config, values)
 
 
 @functools.cache

@@ -15,6 +15,14 @@ the rounding disappears and the dot runs in bfloat16 (seen in the compiled progr
 jax 0.11.2). `round_trip`, for the products that are not one `dot_general`, rounds without an
 fp8 array for the same reason.
 
+Both public products are one custom VJP over a bilinear product (`_fp8_product`): round the
+operands, linearize the product there, round the incoming gradient and pull it back. They
+differ in how a rounded value is held, and so in how the product is linearized: `dot_general`
+keeps fp8 arrays and their scales (fp8 GEMMs, one-byte residuals; its transposes are written
+out, as autodiff would cast the gradients to fp8), `matmul` keeps values rounded in their own
+dtype and differentiates the product by autodiff, for products such as the MoE's grouped
+matmul that take no fp8 operands.
+
 Why current scaling rather than delayed (an amax history): it needs no state, so it composes
 with every layout, pipeline schedule and accumulation as the plain matmul does, and a spike
 in a tensor cannot overflow a scale chosen from earlier steps. Its cost is one max-reduction
@@ -31,7 +39,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import lax, tree_util
+from jax.extend import core as jex
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2  # gradients: 2 mantissa bits, max 57344
@@ -92,12 +101,97 @@ def dot_general(
     """`jax.lax.dot_general` with both operands rounded to e4m3, and the output's gradient
     to e5m2 in the backward (a drop-in ``dot_general=`` for `flax.nnx.Linear`)."""
     dot = _dot(dimension_numbers, precision, preferred_element_type, out_sharding)
-    return _fp8_dot(lhs, rhs, dot)
+    return _fp8_product(lhs, rhs, (), functools.partial(_linearize_dot, dot), True)
+
+
+def matmul(fn):
+    """A matmul `fn(a, b, ...)` made fp8: operands rounded to e4m3 (their gradients passed
+    straight through), the output's gradient rounded to e5m2. For matmuls that are not a
+    plain `dot_general` (the MoE's per-expert and grouped products)."""
+
+    def fp8_fn(a, b, *args, **kwargs):
+        product, consts = _explicit(functools.partial(_bind_rest, fn, args, kwargs), a, b)
+        return _fp8_product(a, b, consts, functools.partial(_linearize_traced, product), False)
+
+    return fp8_fn
+
+
+# ---- the one mechanism: a custom VJP over a bilinear product ---------------------------------
+#
+# A product P(a, b), linear in each operand, is made fp8 by rounding both operands to e4m3 and
+# linearizing P there; the backward rounds the incoming gradient to e5m2 and pulls it back
+# through that linearization, which passes the gradient straight through the rounding.
+# `fp8_residuals` picks how a rounded value is held: as its fp8 array and power-of-two scale
+# (the product multiplies the fp8 arrays and then the scales, which linearity allows, and the
+# backward keeps one byte an element), or rounded in its own dtype by `round_trip` (no scale),
+# for products that take no fp8 operands.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_product(a: jax.Array, b: jax.Array, consts, linearize, fp8_residuals: bool) -> jax.Array:
+    """The product at `a`, `b` rounded to e4m3 (`linearize` gives its value and pullback at
+    rounded operands, given the product's other inputs `consts`, which get no gradient); the
+    gradient arriving at the output is rounded to e5m2."""
+    return _fp8_forward(a, b, consts, linearize, fp8_residuals)[0]
+
+
+def _fp8_forward(a, b, consts, linearize, fp8_residuals):
+    """The product at the rounded operands, and its pullback there (the residuals)."""
+    a_rounded, b_rounded = _rounded(a, E4M3, fp8_residuals), _rounded(b, E4M3, fp8_residuals)
+    return linearize(a_rounded, b_rounded, a, b, consts)
+
+
+def _fp8_backward(linearize, fp8_residuals, pullback, g):
+    """The e5m2-rounded gradient pulled back through the product at the rounded operands."""
+    return (*pullback(_rounded(g, E5M2, fp8_residuals)), None)
+
+
+_fp8_product.defvjp(_fp8_forward, _fp8_backward)
+
+
+def _rounded(x: jax.Array, fmt, fp8_residuals: bool) -> tuple[jax.Array, jax.Array | None]:
+    """`x` rounded to `fmt`: its fp8 array and scale, or its own dtype's values and no scale."""
+    return quantize(x, fmt) if fp8_residuals else (round_trip(x, fmt), None)
+
+
+def _explicit(product, a, b):
+    """`product` as a function of ``(a, b, *consts)``, and those consts: every value it closes
+    over (traced ones too, such as the experts' group sizes) made an argument, as what a custom
+    VJP holds static must hold no tracer (`jax.closure_convert` hoists only float ones)."""
+    closed = jax.make_jaxpr(product)(a, b)
+
+    def explicit(x, y, *consts):
+        (out,) = jex.jaxpr_as_fun(jex.ClosedJaxpr(closed.jaxpr, consts))(x, y)
+        return out
+
+    return explicit, tuple(closed.consts)
+
+
+def _bind_rest(fn, args, kwargs, a, b):
+    """`fn(a, b, *args, **kwargs)`: a matmul's operands first, its other arguments fixed."""
+    return fn(a, b, *args, **kwargs)
+
+
+def _linearize_traced(product, a_rounded, b_rounded, a, b, consts):
+    """The product and its pullback at operands rounded in their own dtype, by autodiff."""
+    del a, b  # the rounded operands keep the operands' dtypes
+    (a_r, _), (b_r, _) = a_rounded, b_rounded
+    out, pullback = jax.vjp(lambda x, y: product(x, y, *consts), a_r, b_r)
+    return out, tree_util.Partial(_unscaled, pullback)
+
+
+def _unscaled(pullback, g_rounded):
+    """A pullback applied to a gradient rounded in its own dtype (no scale)."""
+    g_r, _ = g_rounded
+    return pullback(g_r)
+
+
+# ---- the dense product: fp8 arrays into lax.dot_general ----------------------------------------
 
 
 def _dot(dimension_numbers, precision, preferred_element_type, out_sharding):
-    """`lax.dot_general` with every setting but the operands fixed (hashable: a static
-    argument of `_fp8_dot`)."""
+    """`lax.dot_general` with every setting but the operands fixed (static: it travels in
+    `_fp8_product`'s non-differentiable `linearize`)."""
     return functools.partial(
         lax.dot_general,
         dimension_numbers=dimension_numbers,
@@ -107,9 +201,20 @@ def _dot(dimension_numbers, precision, preferred_element_type, out_sharding):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_dot(lhs: jax.Array, rhs: jax.Array, dot) -> jax.Array:
-    return _fwd_rule(lhs, rhs, dot)[0]
+def _linearize_dot(dot, lhs_rounded, rhs_rounded, lhs, rhs, consts):
+    """The dot of fp8 operands times their scales, in the dtype of the dot of `lhs` and `rhs`,
+    and its pullback, whose products take fp8 operands too (autodiff's would not: a
+    transposed dot returns its operand's dtype, here fp8)."""
+    del consts  # a dot has no other inputs
+    (lhs_q, lhs_s), (rhs_q, rhs_s) = lhs_rounded, rhs_rounded
+    dtype = jax.eval_shape(dot, lhs, rhs).dtype
+    # The dot's operands ARE fp8: XLA's GPU compiler turns it into an fp8 GEMM, and no pass
+    # can drop the rounding (a quantise-dequantise pair next to a bf16 dot is simplified
+    # to bf16 by XLA's GPU compiler: seen on an H100, jax 0.11.2).
+    out = _scaled_dot(dot, lhs_q, rhs_q, lhs_s * rhs_s, dtype)
+    # The operands are saved in fp8; empty arrays carry their dtypes to the backward.
+    saved = (lhs_q, lhs_s, rhs_q, rhs_s, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return out, tree_util.Partial(functools.partial(_dot_pullback, dot), *saved)
 
 
 def _scaled_dot(dot, lhs_q, rhs_q, scale, dtype, **dims) -> jax.Array:
@@ -118,28 +223,17 @@ def _scaled_dot(dot, lhs_q, rhs_q, scale, dtype, **dims) -> jax.Array:
     return out * scale.astype(dtype)
 
 
-def _fwd_rule(lhs, rhs, dot):
-    (lhs_q, lhs_s), (rhs_q, rhs_s) = quantize(lhs, E4M3), quantize(rhs, E4M3)
-    dtype = jax.eval_shape(dot, lhs, rhs).dtype
-    # The dot's operands ARE fp8: XLA's GPU compiler turns it into an fp8 GEMM, and no pass
-    # can drop the rounding (a quantise-dequantise pair next to a bf16 dot is simplified
-    # to bf16 by XLA's GPU compiler: seen on an H100, jax 0.11.2).
-    out = _scaled_dot(dot, lhs_q, rhs_q, lhs_s * rhs_s, dtype)
-    # The operands are saved in fp8; empty arrays carry their dtypes to the backward.
-    saved = (lhs_q, lhs_s, rhs_q, rhs_s, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-    return out, saved
-
-
-def _bwd_rule(dot, saved, g):
-    lhs_q, lhs_s, rhs_q, rhs_s, lhs_like, rhs_like = saved
-    g_q, g_s = quantize(g, E5M2)
+def _dot_pullback(dot, lhs_q, lhs_s, rhs_q, rhs_s, lhs_like, rhs_like, g_rounded):
+    """The two gradients of a dot of fp8 operands for an e5m2-rounded output gradient, each
+    in its operand's dtype and axis order."""
+    g_q, g_s = g_rounded
     (contract_l, contract_r), (batch_l, batch_r) = dot.keywords["dimension_numbers"]
     free_l = _free(lhs_q.ndim, contract_l, batch_l)
     free_r = _free(rhs_q.ndim, contract_r, batch_r)
     nb = len(batch_l)
     g_batch = tuple(range(nb))
     g_of_l = tuple(range(nb, nb + len(free_l)))  # g's axes that come from lhs's free axes
-    g_of_r = tuple(range(nb + len(free_l), g.ndim))
+    g_of_r = tuple(range(nb + len(free_l), g_q.ndim))
     # dlhs = g · rhs over rhs's free axes: [batch, lhs free, rhs contracting (ascending)]
     d_lhs = _scaled_dot(
         dot, g_q, rhs_q, g_s * rhs_s, lhs_like.dtype,
@@ -168,9 +262,6 @@ def _to_operand_axes(grad, batch, free, contracting, other_contracting) -> jax.A
     return jnp.transpose(grad, tuple(source.index(a) for a in range(grad.ndim)))
 
 
-_fp8_dot.defvjp(_fwd_rule, _bwd_rule)
-
-
 @jax.custom_vjp
 def gradient_to_e5m2(y: jax.Array) -> jax.Array:
     """`y` itself; its gradient is rounded to e5m2 on the way back."""
@@ -178,22 +269,3 @@ def gradient_to_e5m2(y: jax.Array) -> jax.Array:
 
 
 gradient_to_e5m2.defvjp(lambda y: (y, None), lambda _, g: (round_trip(g, E5M2),))
-
-
-@jax.custom_vjp
-def _straight_through(x: jax.Array) -> jax.Array:
-    return round_trip(x, E4M3)
-
-
-_straight_through.defvjp(lambda x: (round_trip(x, E4M3), None), lambda _, g: (g,))
-
-
-def matmul(fn):
-    """A matmul `fn(a, b, ...)` made fp8: operands rounded to e4m3 (their gradients passed
-    straight through), the output's gradient rounded to e5m2. For matmuls that are not a
-    plain `dot_general` (the MoE's per-expert and grouped products)."""
-
-    def fp8_fn(a, b, *args, **kwargs):
-        return gradient_to_e5m2(fn(_straight_through(a), _straight_through(b), *args, **kwargs))
-
-    return fp8_fn

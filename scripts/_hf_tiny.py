@@ -1,0 +1,36 @@
+"""The configuration fields of the tiny reference models behind the Hugging Face fixtures,
+shared by `make_hf_fixtures.py` and `make_hf_mixtral_steps.py` (imported from beside them; it
+needs neither torch nor transformers)."""
+
+from __future__ import annotations
+
+# Every tiny reference model: an initialiser scale above transformers' 0.02 (attention far from
+# uniform, so a wrong mapping of any weight moves the logits), token ids 0, eager attention.
+REFERENCE = dict(
+    initializer_range=0.1,
+    bos_token_id=0,
+    eos_token_id=0,
+    attn_implementation="eager",
+)
+
+
+def llama_fields(**changes) -> dict:
+    """A tiny Llama-layout config's fields (Llama, Mistral, Qwen2, Mixtral): vocab 128, width 64,
+    2 layers, 4 query and 2 key/value heads (head width 16), MLP 96, `changes` on top."""
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        **REFERENCE,
+    )
+    return fields | changes
+
+
+def plain_rope(theta: float) -> dict:
+    """``rope_parameters`` of unscaled RoPE with base `theta`."""
+    return {"rope_type": "default", "rope_theta": theta}

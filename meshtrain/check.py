@@ -25,18 +25,13 @@ from meshtrain.models.base import pipeline_parts, takes_packed
 from meshtrain.pipeline import pipeline_problems
 from meshtrain.problem import Problem
 from meshtrain.replicas.needs import layout_problems as replica_problems
-from meshtrain.run import RunSpec, run_from_legacy
+from meshtrain.run import RunSpec
 
-_LEGACY = ("model", "data", "mesh", "rules", "accum_steps", "pipeline", "checkpoint", "run_dir")
-_LEGACY += ("sync",)  # the older keywords (see check_run)
 __all__ = ["check_run"]
 
 
 def check_run(
-    run: RunSpec | None = None,
-    *,
-    abstract: tuple[nnx.GraphDef, nnx.State] | None = None,
-    **legacy,
+    run: RunSpec, *, abstract: tuple[nnx.GraphDef, nnx.State] | None = None
 ) -> list[Problem]:
     """Every problem with a run's settings, each naming the field, the value and the fix.
 
@@ -45,19 +40,10 @@ def check_run(
             Its ``train.run_dir`` and ``checkpoint`` are checked for being writable and free.
         abstract: the abstract model (``state.abstract_model(ctor)``): with it, every
             parameter's layout and the model's pipeline parts are checked too.
-        **legacy: the older keywords (``model=, data=, mesh=, rules=, accum_steps=,
-            pipeline=, checkpoint=, run_dir=, sync=``), deprecated: they build the `RunSpec`
-            (with ``run_dir=""``) and warn.
 
     Returns:
         The problems; an empty list when the run can start.
     """
-    if run is None:
-        run = run_from_legacy(
-            "check_run({run})", run, legacy, accepted=_LEGACY, defaults={"run_dir": ""}
-        )
-    elif legacy:
-        run_from_legacy("check_run({run})", run, legacy, accepted=_LEGACY)
     run = run.resolved()
     model, data, rules = run.model_config, run.data, run.rules
     sizes, pipeline, k = run.sizes, run.pipeline, run.train.accum_steps

@@ -9,8 +9,10 @@ all take the same `RunSpec` instead of a dozen separate settings::
     report = inspect(run)
     trainer = Trainer(run=run)
 
-The older spellings (``check_run(mesh=..., rules=..., accum_steps=...)`` and the like) are
-turned into a `RunSpec` by `run_from_legacy`, with a `DeprecationWarning` naming the new one.
+The train step's older spellings (``train_step(..., accum_steps=...)`` and
+``jit_train_step(graphdef, tx, mesh, rules, ...)``) are turned into a `RunSpec` by
+`run_from_legacy`, with a `DeprecationWarning` naming the new one; the other functions' older
+spellings are gone.
 """
 
 from __future__ import annotations

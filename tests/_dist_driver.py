@@ -62,9 +62,9 @@ def run_layout(name: str, tokens: str = "") -> dict[str, np.ndarray]:
     rules = mt.rules_for(strategy, mesh)
     source = dict(source="tokens", path=tokens, packing=schedule is None) if tokens else {}
     data = mt.make_dataset(mt.DataConfig(**{**DATA, **source}))
-    trainer = mt.Trainer(
-        mt.GPTConfig(**GPT),
-        data,
+    run = mt.RunSpec(
+        model=mt.GPTConfig(**GPT),
+        data=data,
         mesh=mesh,
         rules=rules,
         # SGD with momentum, not AdamW: since the schedule's first step is a real update,
@@ -73,10 +73,11 @@ def run_layout(name: str, tokens: str = "") -> dict[str, np.ndarray]:
         # are nearly sign(g)), which says nothing about the layout. SGD keeps the comparison
         # linear in the gradients, so the tolerance still means what it says.
         optim=mt.OptimConfig(optimizer="sgd", lr=0.1, warmup_steps=1),
-        config=mt.TrainConfig(steps=STEPS, log_every=1, run_dir="", progress=False, seed=3),
+        train=mt.TrainConfig(steps=STEPS, log_every=1, run_dir="", progress=False, seed=3),
         pipeline=mt.PipelineConfig(schedule=schedule or "gpipe", microbatches=4),
-        sync=mt.SyncConfig(**sync[0]) if sync else None,
+        sync=mt.SyncConfig(**sync[0]) if sync else mt.SyncConfig(),
     )
+    trainer = mt.Trainer(run=run)
     first = shard_batch(next(data.train_iter(trainer._rows)), mesh, rules)
     history = trainer.fit()
     return {

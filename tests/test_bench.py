@@ -223,7 +223,11 @@ def test_jax_baseline_computes_meshtrain_losses(style, dtype, rtol):
         host.append({"inputs": t[:, :-1], "targets": t[:, 1:]})
     batches = [mt.lower.shard_batch(b, mesh, rules) for b in host]
     step = mt.lower.jit_train_step(
-        graphdef, tx, mesh, rules, shardings, {k: v.sharding for k, v in batches[0].items()}
+        mt.RunSpec(mesh=mesh, rules=rules),
+        graphdef,
+        tx,
+        shardings,
+        {k: v.sharding for k, v in batches[0].items()},
     )
     mesh_losses = []
     for b in batches:

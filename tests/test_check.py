@@ -17,6 +17,7 @@ from meshtrain.state import abstract_model
 
 LM = DataSpec(kind="lm", batch_size=16, seq_len=32, vocab_size=256)
 GPT = mt.GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
+NO_DIR = mt.TrainConfig(run_dir="")  # no run directory to check: the settings' problems only
 
 
 def _fields(problems):
@@ -25,7 +26,8 @@ def _fields(problems):
 
 def test_a_good_run_has_no_problems():
     sizes = dict(pipe=1, data=2, fsdp=2, expert=1, seq=1, tensor=2)
-    assert check_run(model=GPT, data=LM, mesh=sizes, rules=mt.rules_for("fsdp+tp", sizes)) == []
+    rules = mt.rules_for("fsdp+tp", sizes)
+    assert check_run(mt.RunSpec(model=GPT, data=LM, mesh=sizes, rules=rules, train=NO_DIR)) == []
 
 
 def test_every_problem_is_reported_at_once():
@@ -33,12 +35,14 @@ def test_every_problem_is_reported_at_once():
     data = LM._replace(batch_size=12, seq_len=64, vocab_size=300)
     cfg = mt.GPTConfig(d_model=32, n_layers=3, n_heads=4, max_seq_len=32)
     problems = check_run(
-        model=cfg,
-        data=data,
-        mesh=sizes,
-        rules=mt.rules_for("fsdp", sizes),
-        accum_steps=2,
-        pipeline=mt.PipelineConfig(schedule="1f1b", microbatches=2),
+        mt.RunSpec(
+            model=cfg,
+            data=data,
+            mesh=sizes,
+            rules=mt.rules_for("fsdp", sizes),
+            train=mt.TrainConfig(accum_steps=2, run_dir=""),
+            pipeline=mt.PipelineConfig(schedule="1f1b", microbatches=2),
+        )
     )
     text = "\n".join(map(str, problems))
     assert "mesh.seq=2: context parallelism with pipelines: " in text
@@ -61,8 +65,8 @@ def test_batch_devices_come_from_the_rules_not_a_constant():
         params=preset.params, activations={**preset.activations, "batch": "data"}, name="mine"
     )
     data = LM._replace(batch_size=12)
-    assert check_run(model=GPT, data=data, mesh=sizes, rules=mine) == []
-    (problem,) = check_run(model=GPT, data=data, mesh=sizes, rules=preset)
+    assert check_run(mt.RunSpec(model=GPT, data=data, mesh=sizes, rules=mine, train=NO_DIR)) == []
+    (problem,) = check_run(mt.RunSpec(model=GPT, data=data, mesh=sizes, rules=preset, train=NO_DIR))
     assert "data × fsdp = 8 devices; use a multiple of 8" in str(problem)
 
 
@@ -70,8 +74,9 @@ def test_the_parameter_layout_is_checked_from_the_abstract_model():
     cfg = mt.GPTConfig(d_model=36, n_layers=2, n_heads=2, max_seq_len=32)  # 36 % 8 != 0
     sizes = dict(pipe=1, data=1, fsdp=8, expert=1, seq=1, tensor=1)
     abstract = abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))
+    rules = mt.rules_for("fsdp", sizes)
     problems = check_run(
-        model=cfg, data=LM, mesh=sizes, rules=mt.rules_for("fsdp", sizes), abstract=abstract
+        mt.RunSpec(model=cfg, data=LM, mesh=sizes, rules=rules, train=NO_DIR), abstract=abstract
     )
     assert problems and all(p.field == "strategy" for p in problems)
     assert "(embed=36) is not divisible by mesh fsdp=8 = 8" in str(problems[0])
@@ -85,7 +90,8 @@ def test_a_padded_vocabulary_that_tensor_does_not_split_names_the_multiple():
 
     def problems(cfg, tensor):
         sizes = dict(pipe=1, data=1, fsdp=1, expert=1, seq=1, tensor=tensor)
-        return check_run(model=cfg, data=data, mesh=sizes, rules=mt.rules_for("tp", sizes))
+        rules = mt.rules_for("tp", sizes)
+        return check_run(mt.RunSpec(model=cfg, data=data, mesh=sizes, rules=rules, train=NO_DIR))
 
     assert problems(gpt2, 4) == problems(gpt2, 8) == []
     (five,) = problems(gpt2, 5)
@@ -104,8 +110,10 @@ def test_the_check_compiles_and_allocates_nothing():
     with count_compiles() as compiles:
         for data, tensor in ((1, 8), (2, 4), (4, 2), (8, 1), (3, 1)):
             sizes = dict(pipe=1, data=data, fsdp=1, expert=1, seq=1, tensor=tensor)
+            rules = mt.rules_for("dp", sizes)
             check_run(
-                model=GPT, data=LM, mesh=sizes, rules=mt.rules_for("dp", sizes), abstract=abstract
+                mt.RunSpec(model=GPT, data=LM, mesh=sizes, rules=rules, train=NO_DIR),
+                abstract=abstract,
             )
     assert compiles == [] and len(jax.live_arrays()) == before
 
@@ -116,11 +124,13 @@ def test_the_trainer_raises_every_problem_before_compiling(tmp_path):
     data = mt.make_arrays_dataset(tokens[:, :-1], tokens[:, 1:], batch_size=12)
     with count_compiles() as compiles, pytest.raises(mt.RunCheckError) as err:
         mt.Trainer(
-            mt.GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=4),
-            data,
-            mesh=mesh,
-            rules=mt.rules_for("dp", mesh),
-            config=mt.TrainConfig(steps=1, run_dir="", progress=False),
+            run=mt.RunSpec(
+                model=mt.GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=4),
+                data=data,
+                mesh=mesh,
+                rules=mt.rules_for("dp", mesh),
+                train=mt.TrainConfig(steps=1, run_dir="", progress=False),
+            )
         )
     assert compiles == []
     assert _fields(err.value.problems) == ["data.batch_size", "data.seq_len"]

@@ -15,7 +15,7 @@ from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointConfig, CheckpointManager, CheckpointWarning
 from meshtrain.data import make_arrays_dataset
 from meshtrain.layout import rules_for, shard_batch
-from meshtrain.lower import batch_shardings, init_train_state, jit_train_step
+from meshtrain.lower import RunSpec, batch_shardings, init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
 from meshtrain.models.base import batch_structs
@@ -337,13 +337,15 @@ def _mlp_trainer(data, run_dir, *, steps=6, checkpoint=None, **kw):
         steps=steps, eval_every=0, log_every=1, run_dir=str(run_dir), progress=False, **kw
     )
     return Trainer(
-        MLP,
-        data,
-        mesh=mesh,
-        rules=rules_for("fsdp+tp", mesh),
-        optim=OPTIM,
-        config=config,
-        checkpoint=checkpoint,
+        run=RunSpec(
+            model=MLP,
+            data=data,
+            mesh=mesh,
+            rules=rules_for("fsdp+tp", mesh),
+            optim=OPTIM,
+            train=config,
+            checkpoint=checkpoint,
+        )
     )
 
 
@@ -384,7 +386,11 @@ def test_nan_batch_skips_the_update_but_its_counters_advance():
     tx = make_optimizer(OPTIM, 10)
     graphdef, state, shardings = init_train_state(lambda: build_model(MLP, seed=0), tx, mesh, rules)
     step = jit_train_step(
-        graphdef, tx, mesh, rules, shardings, batch_shardings(batch_structs(data), mesh, rules)
+        RunSpec(mesh=mesh, rules=rules),
+        graphdef,
+        tx,
+        shardings,
+        batch_shardings(batch_structs(data), mesh, rules),
     )
     batch = next(data.train_iter())
     good = jax.device_get(state)

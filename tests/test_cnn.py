@@ -34,13 +34,13 @@ def _digits(batch_size=16, val_fraction=0.0):
 
 def _train(cfg, mesh, strategy, *, loss="cross_entropy", loss_impl="xla"):
     """STEPS steps of AdamW on the digits (nothing held out, so no evaluation compiles)."""
-    trainer = mt.Trainer(
-        cfg,
-        _digits(),
+    run = mt.RunSpec(
+        model=cfg,
+        data=_digits(),
         mesh=mesh,
         rules=mt.rules_for(strategy, mesh),
         optim=mt.OptimConfig(lr=1e-2, warmup_steps=0),
-        config=mt.TrainConfig(
+        train=mt.TrainConfig(
             steps=STEPS,
             run_dir="",
             progress=False,
@@ -50,6 +50,7 @@ def _train(cfg, mesh, strategy, *, loss="cross_entropy", loss_impl="xla"):
             loss_impl=loss_impl,
         ),
     )
+    trainer = mt.Trainer(run=run)
     losses = [e["loss"] for e in trainer.fit()]
     return losses, jax.tree.map(np.asarray, jax.device_get(trainer.state.params))
 
@@ -147,14 +148,15 @@ def test_cnn_reaches_90_percent_on_the_embedded_digits():
     mesh = mt.make_mesh("data=8")
     cfg = CNNConfig(widths=(16, 32), hidden=64)
     data = _digits(batch_size=64, val_fraction=0.1)
-    trainer = mt.Trainer(
-        cfg,
-        data,
+    run = mt.RunSpec(
+        model=cfg,
+        data=data,
         mesh=mesh,
         rules=mt.rules_for("dp", mesh),
         optim=mt.OptimConfig(lr=3e-3, warmup_steps=10),
-        config=mt.TrainConfig(steps=150, run_dir="", progress=False, eval_every=0, log_every=50),
+        train=mt.TrainConfig(steps=150, run_dir="", progress=False, eval_every=0, log_every=50),
     )
+    trainer = mt.Trainer(run=run)
     trainer.fit()
     model = trainer.model
     model.eval()  # batch norm from its running averages
@@ -196,7 +198,9 @@ def _problems(cfg, data_cfg, mesh="data=8", strategy="dp", abstract=None):
     mesh = mt.make_mesh(mesh)
     data = make_dataset(data_cfg)
     rules = mt.rules_for(strategy, mesh)
-    return mt.lower.check_run(model=cfg, data=data, mesh=mesh, rules=rules, abstract=abstract)
+    no_dir = mt.TrainConfig(run_dir="")  # the settings' problems only
+    run = mt.RunSpec(model=cfg, data=data, mesh=mesh, rules=rules, train=no_dir)
+    return mt.lower.check_run(run, abstract=abstract)
 
 
 def test_bad_input_is_named_before_compiling(tmp_path):
@@ -217,12 +221,14 @@ def test_bad_input_is_named_before_compiling(tmp_path):
     mesh = mt.make_mesh("data=8")
     with pytest.raises(mt.RunCheckError, match="train.loss='mse': a custom loss_fn with a built"):
         mt.Trainer(
-            LENET,
-            make_dataset(digits),
-            mesh=mesh,
-            rules=mt.rules_for("dp", mesh),
-            config=mt.TrainConfig(loss="mse", run_dir="", progress=False),
-            loss_fn=lambda logits, targets: logits.mean(),
+            run=mt.RunSpec(
+                model=LENET,
+                data=make_dataset(digits),
+                mesh=mesh,
+                rules=mt.rules_for("dp", mesh),
+                train=mt.TrainConfig(loss="mse", run_dir="", progress=False),
+                loss_fn=lambda logits, targets: logits.mean(),
+            )
         )
 
 

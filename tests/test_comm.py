@@ -31,6 +31,8 @@ from meshtrain.plan import plan
 
 CFG = mt.GPTConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64)
 SPEC = DataSpec("lm", 16, 16, 64, None)
+STEPS = mt.TrainConfig(steps=100)  # the schedule these layouts are compiled with
+NO_DIR = mt.TrainConfig(run_dir="")  # no run directory to check: the settings' problems only
 
 LAYOUTS = {
     "dp": ("data=8", "dp"),
@@ -76,7 +78,11 @@ def reports():
             mesh = mt.make_mesh(mesh_str)
             rules = mt.rules_for(strategy, mesh)
             model = MODELS.get(name, CFG)
-            cache[name] = inspect(model, SPEC, mesh, rules, pipeline=PIPELINES.get(name))
+            pipeline = PIPELINES.get(name, mt.PipelineConfig())
+            run = mt.RunSpec(
+                model=model, data=SPEC, mesh=mesh, rules=rules, train=STEPS, pipeline=pipeline
+            )
+            cache[name] = inspect(run)
         return cache[name]
 
     return get
@@ -253,7 +259,7 @@ def test_a_planted_activation_constraint_that_forces_gathers_is_flagged():
     mesh = mt.make_mesh("data=2,tensor=4")
     rules = mt.rules_for("tp", mesh)
     bad = dataclasses.replace(rules, activations={**rules.activations, "embed": "tensor"})
-    r = inspect(CFG, SPEC, mesh, bad)
+    r = inspect(mt.RunSpec(model=CFG, data=SPEC, mesh=mesh, rules=bad, train=STEPS))
     assert any("unexpected all-gather over tensor" in f for f in r.flags), r.flags
 
 
@@ -263,10 +269,13 @@ def test_the_planner_picks_a_sharded_layout_when_data_parallel_does_not_fit(repo
             if (mesh_str, strategy) == (cand.mesh, cand.strategy) and cand.remat == "none":
                 return reports(name).memory["peak"]
         compiled, _ = compile_step(
-            lambda: CFG.build(rngs=nnx.Rngs(0)),
-            SPEC,
-            mt.make_mesh(cand.mesh),
-            mt.rules_for(cand.strategy),
+            mt.RunSpec(
+                model=lambda: CFG.build(rngs=nnx.Rngs(0)),
+                data=SPEC,
+                mesh=mt.make_mesh(cand.mesh),
+                rules=mt.rules_for(cand.strategy),
+                train=STEPS,
+            )
         )
         ma = compiled.memory_analysis()
         return (
@@ -297,7 +306,9 @@ def test_the_planner_picks_a_sharded_layout_when_data_parallel_does_not_fit(repo
     for choice in capped.confirmed:  # only layouts that pass the run check, compile and fit
         c = choice.candidate
         assert choice.compiled_peak <= cap
-        assert not check_run(model=CFG, data=SPEC, mesh=c.sizes, rules=mt.rules_for(c.strategy))
+        rules = mt.rules_for(c.strategy)
+        run = mt.RunSpec(model=CFG, data=SPEC, mesh=c.sizes, rules=rules, train=NO_DIR)
+        assert not check_run(run)
 
 
 def test_meshtrain_inspect_json_prints_the_compiled_steps_collectives(capsys):

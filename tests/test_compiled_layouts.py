@@ -41,13 +41,17 @@ SCRIPT = textwrap.dedent(
     from meshtrain.comm.compile import compile_step
     from meshtrain.models.base import DataSpec
 
+    TRAIN = mt.TrainConfig(steps=100)  # the schedule these layouts are compiled with
+
     spec = DataSpec("lm", 16, 32, 256, None)
     for style, mesh_str, strategy in LAYOUTS:
         print(f"LAYOUT gpt {style} {mesh_str} {strategy}", file=sys.stderr, flush=True)
         cfg = mt.GPTConfig(style=style, d_model=64, n_layers=2, n_heads=4, max_seq_len=32)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
-        _, info = compile_step(lambda: cfg.build(rngs=nnx.Rngs(0)), spec, mesh, rules)
+        model = lambda: cfg.build(rngs=nnx.Rngs(0))
+        run = mt.RunSpec(model=model, data=spec, mesh=mesh, rules=rules, train=TRAIN)
+        _, info = compile_step(run)
         print(info["stderr"], file=sys.stderr, flush=True)  # XLA's warnings, as captured
     print("DONE", file=sys.stderr, flush=True)
     """
@@ -78,6 +82,8 @@ USER_SCRIPT = textwrap.dedent(
     from meshtrain.comm.compile import compile_step
     from meshtrain.models.base import DataSpec
 
+    TRAIN = mt.TrainConfig(steps=100)  # the schedule these layouts are compiled with
+
 
     class TwoLayer(nnx.Module):
         def __init__(self, rngs):
@@ -97,7 +103,9 @@ USER_SCRIPT = textwrap.dedent(
         print(f"LAYOUT user {mesh_str} {strategy}", file=sys.stderr, flush=True)
         mesh = mt.make_mesh(mesh_str)
         rules = mt.rules_for(strategy, mesh)
-        _, info = compile_step(lambda: TwoLayer(nnx.Rngs(0)), spec, mesh, rules)
+        model = lambda: TwoLayer(nnx.Rngs(0))
+        run = mt.RunSpec(model=model, data=spec, mesh=mesh, rules=rules, train=TRAIN)
+        _, info = compile_step(run)
         print(info["stderr"], file=sys.stderr, flush=True)  # XLA's warnings, as captured
     print("DONE", file=sys.stderr, flush=True)
     """

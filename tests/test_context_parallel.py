@@ -22,12 +22,12 @@ from meshtrain.checkpoint import CheckpointManager, restore
 from meshtrain.context_parallel import blocks, ring, zigzag
 from meshtrain.kernels import reference
 from meshtrain.layout import batch_shardings, manual_region, rules_for, shard_batch
-from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.lower import RunSpec, init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.metrics import read_jsonl
 from meshtrain.models import DataSpec, GPTConfig, build_model
 from meshtrain.state import abstract_target
-from meshtrain.train import OptimConfig
+from meshtrain.train import OptimConfig, TrainConfig
 
 ATOL = 2e-5  # float32: measured ≤ 2e-6 on outputs and gradients of unit-scale inputs
 
@@ -282,7 +282,11 @@ def _train(cfg, mesh_str, strategy="dp", context="ring", devices=None):
     graphdef, state, shardings = init_train_state(model_from(cfg, values), TX, mesh, rules)
     data = _batches(cfg)
     step = jit_train_step(
-        graphdef, TX, mesh, rules, shardings, batch_shardings(data[0], mesh, rules)
+        RunSpec(mesh=mesh, rules=rules),
+        graphdef,
+        TX,
+        shardings,
+        batch_shardings(data[0], mesh, rules),
     )
 
     def go_on(state, batch):
@@ -376,7 +380,8 @@ GPT32 = dataclasses.replace(GPT, max_seq_len=32)
 def _problems(sizes, context, cfg=GPT32, data=LM):
     full = {**dict(pipe=1, data=1, fsdp=1, expert=1, seq=1, tensor=1), **sizes}
     rules = rules_for("dp", full, context_parallel=context)
-    return [str(p) for p in check_run(model=cfg, data=data, mesh=full, rules=rules)]
+    run = RunSpec(model=cfg, data=data, mesh=full, rules=rules, train=TrainConfig(run_dir=""))
+    return [str(p) for p in check_run(run)]
 
 
 def test_bad_context_settings_are_clear_errors_before_compiling():

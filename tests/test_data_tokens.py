@@ -357,15 +357,18 @@ def test_the_run_check_refuses_a_tokenizer_larger_than_the_model(prepared):
     from meshtrain.layout import rules_for
     from meshtrain.mesh import make_mesh
     from meshtrain.models import GPTConfig
+    from meshtrain.run import RunSpec
+    from meshtrain.train import TrainConfig
 
     ds = make_dataset(DataConfig(source="tokens", path=str(prepared[0]), seq_len=16, batch_size=8))
     mesh = make_mesh("data=8")
     rules = rules_for("dp", mesh)
-    problems = check_run(model=GPTConfig(vocab_size=256), data=ds, mesh=mesh, rules=rules)
+    run = RunSpec(data=ds, mesh=mesh, rules=rules, train=TrainConfig(run_dir=""))
+    problems = check_run(run.replace(model=GPTConfig(vocab_size=256)))
     assert [p.field for p in problems] == ["data.tokenizer"]
     line = str(problems[0])
     assert "320 tokens" in line and "256" in line and "--gpt.vocab-size to 320" in line
-    assert not check_run(model=GPTConfig(vocab_size=320), data=ds, mesh=mesh, rules=rules)
+    assert not check_run(run.replace(model=GPTConfig(vocab_size=320)))
 
 
 @pytest.mark.slow  # two compiles (train and eval step): ~30 s on the loaded 2-core machine
@@ -382,7 +385,8 @@ def test_a_gpt_trains_on_packed_tokens_and_reports_perplexity(prepared):
     mesh = mt.make_mesh("data=2", devices=jax.devices()[:2])  # fewer devices compile faster
     model = mt.GPTConfig(vocab_size=320, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
     config = mt.TrainConfig(steps=2, progress=False, run_dir="", eval_batches=1)
-    history = mt.Trainer(model, ds, mesh=mesh, rules=mt.rules_for("dp", mesh), config=config).fit()
+    run = mt.RunSpec(model=model, data=ds, mesh=mesh, rules=mt.rules_for("dp", mesh), train=config)
+    history = mt.Trainer(run=run).fit()
     last = history[-1]
     assert math.isfinite(last["loss"])
     assert last["eval_perplexity"] == pytest.approx(math.exp(last["eval_loss"]), rel=1e-12)

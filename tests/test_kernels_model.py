@@ -18,6 +18,7 @@ from meshtrain.layout import activation_rules, rules_for, shard_batch
 from meshtrain.loss import cross_entropy
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, build_model
+from meshtrain.run import RunSpec
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 # Head width 64 (the kernels take 64 and 128); GQA with 2 query heads per key/value head, so
@@ -116,15 +117,10 @@ def test_trainer_trains_with_kernels_selected():
     rules = rules_for("fsdp+tp", mesh)
     data = make_dataset(DataConfig(source="synthetic", seq_len=32, batch_size=8))
     cfg = GPTConfig(style="llama", **dict(BASE, n_layers=1), **PALLAS)
-    trainer = Trainer(
-        cfg,
-        data,
-        mesh=mesh,
-        rules=rules,
-        config=TrainConfig(
-            steps=3, log_every=1, eval_every=0, run_dir="", progress=False, loss_impl="pallas"
-        ),
+    loop = TrainConfig(
+        steps=3, log_every=1, eval_every=0, run_dir="", progress=False, loss_impl="pallas"
     )
+    trainer = Trainer(run=RunSpec(model=cfg, data=data, mesh=mesh, rules=rules, train=loop))
     logits, targets = jnp.zeros((2, 4, 256)), jnp.zeros((2, 4), jnp.int32)
     assert "cross_entropy_fwd" in str(jax.make_jaxpr(trainer.loss_fn)(logits, targets))
     losses = [m["loss"] for m in trainer.fit()]

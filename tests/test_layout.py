@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import layout as S
 from meshtrain.layout import batch_shardings
-from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.lower import RunSpec, init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
 from meshtrain.state import create_sharded_model
@@ -360,7 +360,8 @@ def test_user_rules_map_mlp_to_fsdp():
     want_loss = optax.softmax_cross_entropy_with_integer_labels(
         plain(batch["inputs"]), batch["targets"]
     ).mean()
-    step = jit_train_step(graphdef, TX, mesh, rules, shardings, batch_shardings(batch, mesh, rules))
+    batch_sh = batch_shardings(batch, mesh, rules)
+    step = jit_train_step(RunSpec(mesh=mesh, rules=rules), graphdef, TX, shardings, batch_sh)
     state, metrics = step(state, S.shard_batch(batch, mesh, rules))
     # fp32, one forward on a [16, 64] → [16, 10] net: a few ulps of the ≈2.3 loss
     np.testing.assert_allclose(float(metrics["loss"]), float(want_loss), rtol=1e-6)

@@ -26,15 +26,16 @@ def _data():
 
 def _trainer(mesh_spec, *, strategy="fsdp+tp", pipeline=None, run_dir="", checkpoint=None):
     mesh = mt.make_mesh(mesh_spec)
-    return mt.Trainer(
-        CFG,
-        _data(),
+    run = mt.RunSpec(
+        model=CFG,
+        data=_data(),
         mesh=mesh,
         rules=mt.rules_for(strategy, mesh),
-        pipeline=pipeline,
+        pipeline=pipeline or mt.PipelineConfig(),
         checkpoint=checkpoint,
-        config=mt.TrainConfig(steps=2, eval_every=0, log_every=1, run_dir=run_dir, progress=False),
+        train=mt.TrainConfig(steps=2, eval_every=0, log_every=1, run_dir=run_dir, progress=False),
     )
+    return mt.Trainer(run=run)
 
 
 def _losses(trainer):

@@ -44,7 +44,7 @@ from meshtrain.models.moe_routing import (
 )
 from meshtrain.optim import OptimConfig, make_optimizer
 from meshtrain.pipeline import PipelineConfig
-from meshtrain.run import RunSpec
+from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.state import TrainState, abstract_target, abstract_train_state
 from meshtrain.train.step import train_step
 
@@ -400,21 +400,27 @@ def test_experts_the_mesh_cannot_split_are_found_before_compiling(n_experts, mes
     cfg = MoEConfig(n_experts=n_experts, top_k=1)
     sizes = dict((k, int(v)) for k, v in (kv.split("=") for kv in mesh.split(",")))
     data = DataSpec("lm", 16, 32, 256)
-    problems = check_run(model=cfg, data=data, mesh=sizes, rules=rules_for("dp", sizes))
+
+    def check(model, mesh, rules):
+        """The run check of `model` on `data`, with no run directory to check."""
+        no_dir = TrainConfig(run_dir="")
+        return check_run(RunSpec(model=model, data=data, mesh=mesh, rules=rules, train=no_dir))
+
+    problems = check(cfg, sizes, rules_for("dp", sizes))
     assert [p.field for p in problems] == [field], problems
     assert message in str(problems[0])
     # A model without experts is still refused on expert > 1; an MoE is not.
-    gpt = check_run(model=None, data=data, mesh={"expert": 8}, rules=rules_for("dp"))
+    gpt = check(None, {"expert": 8}, rules_for("dp"))
     assert [p.field for p in gpt] == ["mesh.expert"]
-    ok = check_run(model=MoEConfig(), data=data, mesh={"expert": 8}, rules=rules_for("dp"))
+    ok = check(MoEConfig(), {"expert": 8}, rules_for("dp"))
     assert ok == []
     # Pipelines: the MoE's groups are its stages' layers (tests/test_moe_pipeline.py trains it).
-    piped = check_run(model=MoEConfig(), data=data, mesh={"pipe": 2}, rules=rules_for("dp"))
+    piped = check(MoEConfig(), {"pipe": 2}, rules_for("dp"))
     assert piped == []
-    odd = check_run(model=MoEConfig(n_layers=3), data=data, mesh={"pipe": 2}, rules=rules_for("dp"))
+    odd = check(MoEConfig(n_layers=3), {"pipe": 2}, rules_for("dp"))
     assert [p.field for p in odd] == ["moe.n_layers"]
     # Context parallelism runs (tests/test_moe_context.py proves it equal to one device).
-    split = check_run(model=MoEConfig(), data=data, mesh={"seq": 2}, rules=rules_for("dp"))
+    split = check(MoEConfig(), {"seq": 2}, rules_for("dp"))
     assert split == []
 
 

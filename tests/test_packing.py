@@ -20,7 +20,7 @@ from meshtrain.kernels import attention as flash
 from meshtrain.kernels import reference
 from meshtrain.layout import batch_shardings
 from meshtrain.loss import cross_entropy, loss_and_metrics, loss_mask
-from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.lower import RunSpec, init_train_state, jit_train_step, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import (
     PACKED_KEYS,
@@ -33,7 +33,7 @@ from meshtrain.models import (
 )
 from meshtrain.models.layers import causal_attention
 from meshtrain.state import TrainState, abstract_model
-from meshtrain.train import OptimConfig
+from meshtrain.train import OptimConfig, TrainConfig
 from meshtrain.train.step import eval_loss, train_step
 
 T = 24
@@ -307,21 +307,22 @@ def test_models_that_cannot_take_packed_batches_are_refused_before_compiling():
     assert call_model(model, plain).shape == (2, T, 8)  # unchanged without packing
     data = DataSpec("lm", 8, T, 64, packed=True)
     sizes = dict(pipe=2, data=2, fsdp=1, expert=1, seq=2, tensor=2)
+    run = RunSpec(data=data, train=TrainConfig(run_dir=""))  # no run directory to check
     text = "\n".join(
-        map(str, check_run(model=GPTS["llama"], data=data, mesh=sizes,
-                           rules=S.rules_for("tp", sizes)))
+        map(str, check_run(run.replace(model=GPTS["llama"], mesh=sizes,
+                                       rules=S.rules_for("tp", sizes))))
     )  # fmt: skip
     assert "packed batches with pipelines" not in text  # tests/test_pipeline_packed.py
     assert "packed batches with context parallelism" not in text  # test_context_parallel_packed
     sizes = dict(pipe=1, data=8, fsdp=1, expert=1, seq=1, tensor=1)
     rules = S.rules_for("dp", sizes)
-    assert check_run(model=GPTS["llama"], data=data, mesh=sizes, rules=rules) == []
-    problems = check_run(data=data, mesh=sizes, rules=rules, abstract=abstract_model(
-        lambda: Plain(nnx.Rngs(0))))  # fmt: skip
+    run = run.replace(mesh=sizes, rules=rules)
+    assert check_run(run.replace(model=GPTS["llama"])) == []
+    problems = check_run(run, abstract=abstract_model(lambda: Plain(nnx.Rngs(0))))
     assert [p.field for p in problems] == ["data.packing"]
     assert "model Plain's __call__ does not take the segment_ids=" in problems[0].message
     cudnn = dataclasses.replace(GPTS["llama"], d_model=128, attention_impl="cudnn")
-    refused = check_run(model=cudnn, data=data, mesh=sizes, rules=rules)
+    refused = check_run(run.replace(model=cudnn))
     assert [p.field for p in refused] == ["gpt.attention_impl"]
     assert "cuDNN attention with packed batches: " in refused[0].message
 
@@ -360,7 +361,7 @@ def test_sharded_packed_step_equals_single_device():
     graphdef, sharded, shardings = init_train_state(
         lambda: nnx.merge(graphdef, state), TX, mesh, rules
     )
-    step = jit_train_step(graphdef, TX, mesh, rules, shardings,
+    step = jit_train_step(RunSpec(mesh=mesh, rules=rules), graphdef, TX, shardings,
                           batch_shardings(batch, mesh, rules))  # fmt: skip
     sharded, got = step(sharded, S.shard_batch(batch, mesh, rules))
     np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=0, atol=1e-5)

@@ -39,6 +39,7 @@ from meshtrain.pipeline import (
     spmd,
 )
 from meshtrain.pipeline.schedules import buffer_depth
+from meshtrain.run import RunSpec
 from meshtrain.train.trainer import TrainConfig, Trainer
 
 GRAD_RTOL, LOSS_RTOL = 2e-5, 1e-5  # fp32
@@ -402,14 +403,15 @@ def _lm_arrays(n=64, seed=0):
 
 def _fit(mesh_spec, pipeline=None, steps=2, devices=8):
     mesh = make_mesh(mesh_spec, devices=jax.devices()[:devices])
-    trainer = Trainer(
-        CFG,
-        _lm_arrays(),
+    run = RunSpec(
+        model=CFG,
+        data=_lm_arrays(),
         mesh=mesh,
         rules=rules_for("fsdp", mesh),
-        pipeline=pipeline,
-        config=TrainConfig(steps=steps, eval_every=0, log_every=1, run_dir="", progress=False),
+        pipeline=pipeline or PipelineConfig(),
+        train=TrainConfig(steps=steps, eval_every=0, log_every=1, run_dir="", progress=False),
     )
+    trainer = Trainer(run=run)
     return [e["loss"] for e in trainer.fit()], trainer
 
 
@@ -524,14 +526,15 @@ def test_trainer_with_pallas_kernels_on_pipe_data_tensor_equals_one_device():
         data = make_arrays_dataset(
             tokens[:, :-1], tokens[:, 1:], batch_size=KB, seed=0, vocab_size=cfg.vocab_size
         )
-        trainer = Trainer(
-            cfg, data, mesh=mesh, rules=rules_for(strategy, mesh), pipeline=pipeline,
-            config=TrainConfig(
+        trainer = Trainer(run=RunSpec(
+            model=cfg, data=data, mesh=mesh, rules=rules_for(strategy, mesh),
+            pipeline=pipeline or PipelineConfig(),
+            train=TrainConfig(
                 steps=2, eval_every=0, log_every=1, run_dir="", progress=False,
                 loss_impl="pallas" if pipeline else "xla",
             ),
             optim=SGD,
-        )  # fmt: skip
+        ))  # fmt: skip
         start = jax.device_get(trainer.state.params)
         return [e["loss"] for e in trainer.fit()], jax.device_get(trainer.state.params), start
 
@@ -623,11 +626,13 @@ def test_trainer_rejects_a_bad_pipeline_before_compiling():
     mesh = make_mesh("pipe=4,data=2")
     with count_compiles() as compiles, pytest.raises(ValueError, match="layers=8: .* = 12"):
         Trainer(
-            CFG,
-            _lm_arrays(),
-            mesh=mesh,
-            rules=rules_for("fsdp", mesh),
-            pipeline=PipelineConfig(schedule="circular", repeats=3, microbatches=4),
-            config=TrainConfig(steps=1, run_dir="", progress=False),
+            run=RunSpec(
+                model=CFG,
+                data=_lm_arrays(),
+                mesh=mesh,
+                rules=rules_for("fsdp", mesh),
+                pipeline=PipelineConfig(schedule="circular", repeats=3, microbatches=4),
+                train=TrainConfig(steps=1, run_dir="", progress=False),
+            )
         )
     assert compiles == []

@@ -158,7 +158,11 @@ def test_a_corpus_with_ids_past_the_model_vocabulary_is_refused_before_training(
     data = make_dataset(DataConfig(source="tokens", path=str(corpus), seq_len=16, batch_size=8))
     assert data.vocab_size == 701
     model = mt.GPTConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
-    problems = check_run(model=model, data=data, mesh={"data": 1}, rules=mt.rules_for("dp"))
+    no_dir = mt.TrainConfig(run_dir="")  # no run directory to check
+    rules = mt.rules_for("dp")
+    problems = check_run(
+        mt.RunSpec(model=model, data=data, mesh={"data": 1}, rules=rules, train=no_dir)
+    )
     assert [str(p) for p in problems] == [
         f"data.tokenizer={str(corpus / 'tokenizer.json')!r}: the tokenizer has 701 tokens but "
         "the model's vocabulary has 256; raise --gpt.vocab-size to 701, or use a tokenizer of "
@@ -182,7 +186,11 @@ def test_the_run_check_reads_the_corpus_max_id_where_the_tokenizer_undercounts(t
     (corpus / "manifest.json").write_text(json.dumps({**manifest, "max_id": 299}))
     data = make_dataset(DataConfig(source="tokens", path=str(corpus), seq_len=4, batch_size=2))
     model = mt.GPTConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
-    problems = check_run(model=model, data=data, mesh={"data": 1}, rules=mt.rules_for("dp"))
+    no_dir = mt.TrainConfig(run_dir="")  # no run directory to check
+    rules = mt.rules_for("dp")
+    problems = check_run(
+        mt.RunSpec(model=model, data=data, mesh={"data": 1}, rules=rules, train=no_dir)
+    )
     assert [p.field for p in problems] == ["gpt.vocab_size"], problems
     assert "the data has 300 token ids; raise --gpt.vocab-size to at least 300" in str(problems[0])
 
@@ -204,14 +212,16 @@ def test_stages_that_do_not_divide_the_layers_are_one_line_naming_the_layers_fla
     sizes = dict(pipe=2, data=4)
     abstract = abstract_model(lambda: mt.GPT(cfg, rngs=nnx.Rngs(0)))
     rules = mt.rules_for(strategy, sizes)
-    problems = check_run(model=cfg, data=data, mesh=sizes, rules=rules, abstract=abstract)
+    no_dir = mt.TrainConfig(run_dir="")  # no run directory to check
+    run = mt.RunSpec(model=cfg, data=data, mesh=sizes, rules=rules, train=no_dir)
+    problems = check_run(run, abstract=abstract)
     assert [str(p) for p in problems] == [
         "gpt.n_layers=3: not divisible by pipe × repeats = 2 × 1 = 2: each stage needs whole "
         "layers; use --gpt.n-layers 4 (a multiple of 2), or fewer stages"
     ]
     # A model from a constructor has no config field to name: the line says so plainly, still
     # once (not once per parameter).
-    problems = check_run(model=None, data=data, mesh=sizes, rules=rules, abstract=abstract)
+    problems = check_run(run.replace(model=None), abstract=abstract)
     assert [p.field for p in problems] == ["layers"], problems
 
 

@@ -1,6 +1,7 @@
 """Tests for meshtrain.run: one `RunSpec` read by the check, the compiler, the inspector, the
-step and the `Trainer`; the older spellings give bit-for-bit the same results, with a
-`DeprecationWarning` naming the new one; and no public function threads ten settings by hand.
+step and the `Trainer`; the removed older spellings raise `TypeError`; the step's older
+spellings give bit-for-bit the same results, with a `DeprecationWarning` naming the new one;
+and no public function threads ten settings by hand.
 """
 
 import ast
@@ -16,6 +17,7 @@ from flax import nnx
 
 import meshtrain as mt
 from meshtrain.check import check_run
+from meshtrain.comm import compile_step, inspect_compiled
 from meshtrain.comm.expect import Traffic, expected, param_layouts
 from meshtrain.data import DataConfig, make_dataset
 from meshtrain.layout import batch_shardings, shard_batch
@@ -121,8 +123,8 @@ def test_the_step_reports_the_learning_rate_under_local_sgd_too():
         assert int(metrics["synced"]) == i
 
 
-def test_old_and_new_check_run_find_the_same_problems():
-    """A run that cannot work: the same problems, in the same order, either way."""
+def test_check_run_finds_the_problems_of_a_run_spec():
+    """A run that cannot work: every problem, from the `RunSpec`."""
     sizes = {a: 1 for a in AXES} | {"data": 4, "tensor": 2}
     data = DataSpec("lm", 12, T, 300, None)  # 12 rows over 4 ways × 2 microbatches; vocab 300
     rules = mt.rules_for("dp+tp", sizes)
@@ -135,41 +137,50 @@ def test_old_and_new_check_run_find_the_same_problems():
             train=TrainConfig(accum_steps=2, run_dir=""),
         )
     )
-    with pytest.warns(DeprecationWarning, match=NEW.format("check_run")):
-        old = check_run(model=GPT, data=data, mesh=sizes, rules=rules, accum_steps=2)
-    assert len(new) >= 2 and new == old
+    assert len(new) >= 2
     assert {p.field for p in new} >= {"data.batch_size", "gpt.vocab_size"}
 
 
-def test_old_and_new_inspect_compile_the_same_collectives(hybrid):
+def test_inspect_and_expected_read_the_run_spec(hybrid):
     mesh, rules = hybrid
     new = mt.inspect(RunSpec(model=GPT, data=SPEC, mesh=mesh, rules=rules))
-    with pytest.warns(DeprecationWarning, match=r"inspect\(model=..., data=..., mesh=..., rules"):
-        old = mt.inspect(GPT, SPEC, mesh, rules)
-    assert new.rows == old.rows and new.collectives == old.collectives
-    assert new.memory == old.memory and new.flags == old.flags
-    assert new.expectation == old.expectation
     assert any(r.kind == "all-gather" for r in new.rows)  # fsdp gathers: a real layout
-    # expected(): the run, its Traffic and the old spelling agree
+    # expected(): the run, its Traffic and a Traffic written out by hand agree
     graphdef, state = abstract_model(lambda: GPT.build(rngs=nnx.Rngs(params=0)))
     params = param_layouts(
         nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)[1], rules, new.mesh
     )
     run = RunSpec(model=GPT, data=SPEC, mesh=mesh, rules=rules)
     axes = rules.batch_axes(new.mesh)
-    with pytest.warns(DeprecationWarning, match=r"expected\(params, RunSpec"):
-        legacy = expected(params, new.mesh, axes, tokens=B * T, d_model=32, batch=B)
-    assert expected(params, run) == legacy == expected(params, Traffic.of(run)) == new.expectation
+    by_hand = expected(params, Traffic(new.mesh, axes, tokens=B * T, d_model=32, batch=B))
+    assert expected(params, run) == by_hand == expected(params, Traffic.of(run)) == new.expectation
+    with pytest.raises(TypeError, match=r"expected\(\) takes a RunSpec or a Traffic as run"):
+        expected(params, new.mesh)
 
 
-def test_unknown_and_mixed_keywords_raise_type_error(hybrid):
+def test_the_removed_keywords_and_positional_forms_raise_type_error(hybrid):
+    """The older spellings of the check, the compiler, the inspector and the `Trainer` are
+    gone: each raises Python's own `TypeError`, before anything compiles."""
     mesh, rules = hybrid
-    with pytest.raises(
-        TypeError, match=r"check_run\(\) got an unexpected keyword argument 'bogus'"
-    ):
-        check_run(mesh=mesh, rules=rules, data=SPEC, bogus=1)
-    with pytest.raises(TypeError, match=r"got a RunSpec and the old keywords accum_steps"):
+    unexpected = "got an unexpected keyword argument"
+    with pytest.raises(TypeError, match=rf"check_run\(\) {unexpected} 'mesh'"):
+        check_run(mesh=mesh, rules=rules, data=SPEC)
+    with pytest.raises(TypeError, match=rf"check_run\(\) {unexpected} 'accum_steps'"):
         check_run(RunSpec(data=SPEC), accum_steps=2)
+    with pytest.raises(TypeError, match=rf"Trainer.__init__\(\) {unexpected} 'config'"):
+        Trainer(GPT, mesh=mesh, config=TrainConfig())
+    with pytest.raises(TypeError, match=r"inspect\(\) takes 1 positional argument but 4"):
+        mt.inspect(GPT, SPEC, mesh, rules)
+    with pytest.raises(TypeError, match=r"compile_step\(\) takes 1 positional argument but 4"):
+        compile_step(GPT, SPEC, mesh, rules)
+    with pytest.raises(TypeError, match=rf"inspect_compiled\(\) {unexpected} 'mesh'"):
+        inspect_compiled(None, RunSpec(), param_vars=None, mesh=mesh)
+    with pytest.raises(TypeError, match=rf"expected\(\) {unexpected} 'tokens'"):
+        expected([], {"data": 8}, ("data",), tokens=B * T)
+
+
+def test_a_run_spec_with_model_data_mesh_or_rules_is_refused_by_the_trainer(hybrid):
+    mesh, _ = hybrid
     with pytest.raises(TypeError, match=r"Trainer\(\) got run= and model, mesh; give one") as err:
         Trainer(GPT, mesh=mesh, run=RunSpec(data=SPEC))
     assert "\n" not in str(err.value)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from meshtrain import layout as S
 from meshtrain.layout import batch_shardings
-from meshtrain.lower import cross_entropy, init_train_state, jit_train_step
+from meshtrain.lower import RunSpec, cross_entropy, init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MLPConfig, build_model
 from meshtrain.train import OPTIMIZERS, OptimConfig, make_optimizer, make_schedule
@@ -156,10 +156,9 @@ def one_device_run(config: OptimConfig, steps: int, data: list[dict]):
     tx = make_optimizer(config, steps)
     graphdef, state, shardings = init_train_state(lambda: build_model(MLP, seed=0), tx, mesh, rules)
     step = jit_train_step(
+        RunSpec(mesh=mesh, rules=rules),
         graphdef,
         tx,
-        mesh,
-        rules,
         shardings,
         batch_shardings(data[0], mesh, rules),
         schedule=make_schedule(config, steps),

@@ -21,6 +21,7 @@ from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MLPConfig, build_model
 from meshtrain.replicas import SyncConfig, with_sync
+from meshtrain.run import RunSpec
 from meshtrain.train import TrainConfig, Trainer
 
 MLP = MLPConfig(num_features=8, num_classes=4, d_model=16, d_hidden=32, n_layers=2)
@@ -48,9 +49,10 @@ def _train(mesh_str, strategy, sync, batches, accum=1):
     graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
     state, shardings = with_sync(sync, TX, state, shardings, mesh, rules)
     batch_sh = batch_shardings(batches[0], mesh, rules)
-    step = jit_train_step(
-        graphdef, TX, mesh, rules, shardings, batch_sh, sync=sync, accum_steps=accum
+    run = RunSpec(
+        mesh=mesh, rules=rules, sync=sync or SyncConfig(), train=TrainConfig(accum_steps=accum)
     )
+    step = jit_train_step(run, graphdef, TX, shardings, batch_sh)
     history = [jax.device_get(state.params)]
     for b in batches:
         state, metrics = step(state, shard_batch(b, mesh, rules))
@@ -145,13 +147,15 @@ def _trainer(tmp_path, sync, steps, resume=False):
     mesh = make_mesh("data=8")
     config = TrainConfig(steps=steps, run_dir=str(tmp_path), progress=False, eval_every=0)
     return Trainer(
-        MLP,
-        data,
-        mesh=mesh,
-        rules=S.rules_for("dp", mesh),
-        config=config,
-        sync=sync,
-        checkpoint=CheckpointConfig(save_every=3, resume=resume, async_save=False),
+        run=RunSpec(
+            model=MLP,
+            data=data,
+            mesh=mesh,
+            rules=S.rules_for("dp", mesh),
+            train=config,
+            sync=sync,
+            checkpoint=CheckpointConfig(save_every=3, resume=resume, async_save=False),
+        )
     )
 
 
@@ -241,8 +245,10 @@ def test_bad_settings_are_one_line(kwargs, message):
 def test_the_run_check_refuses_what_cannot_run(mesh, strategy, sync, field, words):
     sizes = {"pipe": 1, "data": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 1, **mesh}
     data = make_arrays_dataset(np.zeros((64, 8), np.float32), np.zeros(64, np.int32), batch_size=16)
+    rules = S.rules_for(strategy, sizes)
+    no_dir = TrainConfig(run_dir="")  # no run directory to check
     problems = check_run(
-        model=MLP, data=data, mesh=sizes, rules=S.rules_for(strategy, sizes), sync=sync
+        RunSpec(model=MLP, data=data, mesh=sizes, rules=rules, sync=sync, train=no_dir)
     )
     mine = [p for p in problems if p.field == field]
     assert mine and words in str(mine[0]), problems
@@ -279,9 +285,10 @@ def test_the_inspector_reads_compressed_gradients_as_the_gradient_reduction():
     def over_data(report):
         return sum(r.wire_bytes for r in report.rows if r.axes == ("data",))
 
-    plain = mt.inspect(cfg, spec, mesh, rules)
+    run = mt.RunSpec(model=cfg, data=spec, mesh=mesh, rules=rules, train=TrainConfig(steps=100))
+    plain = mt.inspect(run)
     for scheme, ratio in (("int8", 0.25), ("topk:0.01", None)):
-        report = mt.inspect(cfg, spec, mesh, rules, sync=SyncConfig(grad_compression=scheme))
+        report = mt.inspect(run.replace(sync=SyncConfig(grad_compression=scheme)))
         assert not report.flags, report.flags
         got = report.measured["gradient reduction"]
         want = report.expectation.bytes["gradient reduction"]

@@ -18,10 +18,16 @@ from flax import nnx
 from meshtrain import layout as S
 from meshtrain.data import DataConfig, make_dataset
 from meshtrain.layout import batch_shardings
-from meshtrain.lower import cross_entropy, init_train_state, jit_train_step, make_optimizer
+from meshtrain.lower import (
+    RunSpec,
+    cross_entropy,
+    init_train_state,
+    jit_train_step,
+    make_optimizer,
+)
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, MLPConfig, build_model
-from meshtrain.train import OptimConfig
+from meshtrain.train import OptimConfig, TrainConfig
 
 B, T, STEPS = 16, 16, 3
 LR = 1e-3
@@ -120,13 +126,11 @@ def run(model, mesh_str, strategy, data, *, tx=TX, accum=1, devices=None) -> Run
     graphdef, state, shardings = init_train_state(start_from(MODELS[model]), tx, mesh, rules)
     params0 = flat(state.params)
     step = jit_train_step(
+        RunSpec(mesh=mesh, rules=rules, train=TrainConfig(accum_steps=accum)),
         graphdef,
         tx,
-        mesh,
-        rules,
         shardings,
         batch_shardings(data[0], mesh, rules),
-        accum_steps=accum,
     )
     metrics = []
     for batch in data:
@@ -324,7 +328,11 @@ def test_bad_accumulation_steps_are_rejected_while_tracing(k, match):
     (batch,) = batches("mlp", 1)
     with pytest.raises(ValueError, match=match):
         step = jit_train_step(
-            graphdef, TX, mesh, rules, shardings, batch_shardings(batch, mesh, rules), accum_steps=k
+            RunSpec(mesh=mesh, rules=rules, train=TrainConfig(accum_steps=k)),
+            graphdef,
+            TX,
+            shardings,
+            batch_shardings(batch, mesh, rules),
         )
         step.trace(state, S.shard_batch(batch, mesh, rules))
 
@@ -355,7 +363,8 @@ def char_lm_setup(dtype: str):
     rules = S.rules_for("dp", mesh)
     graphdef, state, shardings = init_train_state(start_from(cfg), tx, mesh, rules)
     batch_sh = batch_shardings(char_lm_batches()[0], mesh, rules)
-    return state, jit_train_step(graphdef, tx, mesh, rules, shardings, batch_sh), mesh, rules
+    step = jit_train_step(RunSpec(mesh=mesh, rules=rules), graphdef, tx, shardings, batch_sh)
+    return state, step, mesh, rules
 
 
 def floating_dtypes(tree) -> set:
@@ -433,7 +442,8 @@ def test_a_batch_that_does_not_divide_is_a_clear_error_in_the_lower_api():
     rules = S.rules_for("dp", mesh)
     graphdef, state, shardings = init_train_state(start_from(MODELS["mlp"]), TX, mesh, rules)
     (batch,) = batches("mlp", 1)
-    step = jit_train_step(graphdef, TX, mesh, rules, shardings, batch_shardings(batch, mesh, rules))
+    batch_sh = batch_shardings(batch, mesh, rules)
+    step = jit_train_step(RunSpec(mesh=mesh, rules=rules), graphdef, TX, shardings, batch_sh)
     short = {k: v[:12] for k, v in batch.items()}
     with pytest.raises(ValueError, match=r"batch\['inputs'\] has 12 rows, not divisible by the 8"):
         step(state, short)

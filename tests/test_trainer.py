@@ -16,6 +16,7 @@ from meshtrain.layout import rules_for
 from meshtrain.mesh import make_mesh
 from meshtrain.models import GPTConfig, MLPConfig
 from meshtrain.optim import OptimConfig
+from meshtrain.run import RunSpec
 from meshtrain.train import trainer as trainer_mod
 from meshtrain.train.trainer import TrainConfig, Trainer
 
@@ -42,15 +43,15 @@ def _trainer(model=GPT, data=None, mesh=HYBRID, strategy="fsdp+tp", optim=OPTIM,
     """A Trainer on a named mesh with preset rules; `kw` go to TrainConfig (or the Trainer)."""
     mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
     extra = {k: kw.pop(k) for k in ("flops_per_token",) if k in kw}
-    return Trainer(
-        model,
-        _lm_data() if data is None else data,
+    run = RunSpec(
+        model=model,
+        data=_lm_data() if data is None else data,
         mesh=mesh,
         rules=rules_for(strategy, mesh),
         optim=optim,
-        config=_loop(**kw),
-        **extra,
+        train=_loop(**kw),
     )
+    return Trainer(run=run, **extra)
 
 
 def _losses(history):

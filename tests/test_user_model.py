@@ -103,17 +103,18 @@ def _data():
 
 def _train(mesh, strategy, pipeline=None, seed=3):
     """Trains StackLM (the class itself is the constructor: it gets the seed) for STEPS."""
-    trainer = mt.Trainer(
-        StackLM,
-        _data(),
+    run = mt.RunSpec(
+        model=StackLM,
+        data=_data(),
         mesh=mesh,
         rules=mt.rules_for(strategy, mesh),
         optim=mt.OptimConfig(lr=1e-2, warmup_steps=0),
-        config=mt.TrainConfig(
+        train=mt.TrainConfig(
             steps=STEPS, seed=seed, run_dir="", progress=False, eval_every=0, log_every=1
         ),
-        pipeline=pipeline,
+        pipeline=pipeline or mt.PipelineConfig(),
     )
+    trainer = mt.Trainer(run=run)
     losses = [e["loss"] for e in trainer.fit()]
     params = jax.tree.map(np.asarray, jax.device_get(trainer.state.params))
     return losses, params
@@ -168,11 +169,13 @@ def test_a_zero_argument_constructor_refuses_a_seed_it_would_ignore():
     mesh = mt.make_mesh("data=8")
     with pytest.raises(mt.RunCheckError, match=r"train.seed=5: a zero-argument model constructor"):
         mt.Trainer(
-            lambda: StackLM(nnx.Rngs(0)),
-            _data(),
-            mesh=mesh,
-            rules=mt.rules_for("dp", mesh),
-            config=mt.TrainConfig(steps=1, seed=5, run_dir="", progress=False),
+            run=mt.RunSpec(
+                model=lambda: StackLM(nnx.Rngs(0)),
+                data=_data(),
+                mesh=mesh,
+                rules=mt.rules_for("dp", mesh),
+                train=mt.TrainConfig(steps=1, seed=5, run_dir="", progress=False),
+            )
         )
 
 
@@ -183,11 +186,13 @@ def test_a_model_without_pipeline_parts_is_refused_on_a_pipe_mesh():
     mesh = mt.make_mesh("pipe=2,data=4")
     with pytest.raises(mt.RunCheckError, match=r"mesh.pipe=2: this model cannot be pipelined"):
         mt.Trainer(
-            Plain,
-            _data(),
-            mesh=mesh,
-            rules=mt.rules_for("dp", mesh),
-            config=mt.TrainConfig(steps=1, run_dir="", progress=False),
+            run=mt.RunSpec(
+                model=Plain,
+                data=_data(),
+                mesh=mesh,
+                rules=mt.rules_for("dp", mesh),
+                train=mt.TrainConfig(steps=1, run_dir="", progress=False),
+            )
         )
 
 
@@ -200,12 +205,14 @@ def test_the_trainer_takes_a_custom_loss():
 
     mesh = mt.make_mesh("data=8")
     trainer = mt.Trainer(
-        StackLM,
-        _data(),
-        mesh=mesh,
-        rules=mt.rules_for("dp", mesh),
-        config=mt.TrainConfig(steps=1, run_dir="", progress=False, eval_every=0),
-        loss_fn=with_z_loss,
+        run=mt.RunSpec(
+            model=StackLM,
+            data=_data(),
+            mesh=mesh,
+            rules=mt.rules_for("dp", mesh),
+            train=mt.TrainConfig(steps=1, run_dir="", progress=False, eval_every=0),
+            loss_fn=with_z_loss,
+        )
     )
     model = trainer.model  # the initial parameters, before the step
     batch = next(_data().train_iter())

@@ -30,7 +30,7 @@ from meshtrain.models.base import batch_structs
 from meshtrain.offload import transfer_bytes, with_offload
 from meshtrain.optim import make_schedule
 from meshtrain.replicas import with_sync
-from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
+from meshtrain.run import RunSpec
 from meshtrain.state import TrainState, abstract_model, abstract_target, state_layout
 from meshtrain.train.step import jit_train_step
 
@@ -61,21 +61,13 @@ def captured_stderr():
                 sys.stderr.write(text)  # pass anything else on
 
 
-_LEGACY = ("ctor", "spec", "mesh", "rules", "optim", "pipeline", "accum_steps", "loss_impl")
-_LEGACY += ("steps", "sync")  # the older keywords (see compile_step)
-
-
-def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
+def compile_step(run: RunSpec, *, fast_codegen: bool = True):
     """Compiles the train step of a run without allocating its state.
 
     Args:
         run: the run (`RunSpec`); its mesh must be a `Mesh` of real devices (the program is
             compiled for them); its model is traced abstractly only.
         fast_codegen: skip the backend's LLVM optimisations (see the module docstring).
-        *old_args: the older positional arguments, deprecated (see legacy).
-        **legacy: the older spelling ``compile_step(ctor, spec, mesh, rules, *,
-            optim=, pipeline=, accum_steps=, loss_impl=, steps=, sync=)``, deprecated: it builds
-            the `RunSpec` (with ``steps=100``) and warns.
 
     Returns:
         ``(compiled, info)``: the compiled step and a dict with ``compile_s``, ``stderr`` (what
@@ -83,11 +75,6 @@ def compile_step(run: RunSpec, *old_args, fast_codegen: bool = True, **legacy):
         (host↔device bytes per device per step of offloaded activations,
         `meshtrain.offload.transfer_bytes`).
     """
-    run, legacy = positional_legacy("compile_step", run, old_args, _LEGACY[:4], legacy)
-    if run is None or legacy:
-        run = run_from_legacy(
-            "compile_step({run})", run, legacy, accepted=_LEGACY, defaults={"steps": 100}
-        )
     step, state, batch = step_parts(run)
     t0 = time.perf_counter()
     with captured_stderr() as err:

@@ -72,7 +72,7 @@ from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.pipeline.slots import permute_uses
 from meshtrain.replicas import Codec, gossip, parse_compression, replica_sets
-from meshtrain.run import RunSpec, deprecated
+from meshtrain.run import RunSpec
 
 BUCKETS = (
     "gradient reduction",
@@ -184,32 +184,29 @@ class Traffic(NamedTuple):
         )  # fmt: skip
 
 
-def expected(params: list[ParamLayout], run: RunSpec | Traffic, *old_args, **legacy) -> Expectation:
+def expected(params: list[ParamLayout], run: RunSpec | Traffic) -> Expectation:
     """The analytic collectives of a layout (see the module docstring).
 
     Args:
         params: the parameters' layouts (`param_layouts`).
         run: the run (`meshtrain.run.RunSpec`; its mesh may be axis sizes alone), or its
             `Traffic` when no run is at hand.
-        *old_args: the older positional arguments, deprecated (see legacy).
-        **legacy: the older spelling ``expected(params, sizes, batch_axes, *,
-            tokens=, d_model=, act_itemsize=, pipeline=, batch=, codec=, replica_axes=)``,
-            deprecated: it builds the `Traffic` and warns.
 
     Returns:
         An `Expectation`.
+
+    Raises:
+        TypeError: `run` is neither a `RunSpec` nor a `Traffic`.
     """
     if isinstance(run, RunSpec):
         traffic = Traffic.of(run)
     elif isinstance(run, Traffic):
         traffic = run
     else:
-        deprecated(
-            "expected(params, sizes, batch_axes, ...)",
-            "expected(params, RunSpec(...))",
-            stacklevel=2,
+        raise TypeError(
+            f"expected() takes a RunSpec or a Traffic as run, not {type(run).__name__}: "
+            "expected(params, RunSpec(...)) or expected(params, Traffic(sizes, batch_axes, ...))"
         )
-        traffic = Traffic(run, *old_args, **legacy)
     sizes, batch_axes, tokens, d_model, act_itemsize, pipeline, batch, codec, replica_axes = (
         traffic[:9]
     )

@@ -25,7 +25,7 @@ from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
 from meshtrain.pipeline.slots import count_permutes
 from meshtrain.problem import raise_if
 from meshtrain.replicas import parse_compression, replica_sets
-from meshtrain.run import RunSpec, positional_legacy, run_from_legacy
+from meshtrain.run import RunSpec
 from meshtrain.state import abstract_model
 
 REMAT_WARNING = "Involuntary full rematerialization"
@@ -186,18 +186,14 @@ def _largest(
     return {k: v[1] for k, v in best.items()}
 
 
-_COMPILED_LEGACY = ("mesh", "rules", "spec", "model", "pipeline", "sync")
-
-
 def inspect_compiled(
     compiled,
-    run: RunSpec | None = None,
+    run: RunSpec,
     *,
     param_vars: nnx.State,
     stderr: str = "",
     compile_s: float = 0.0,
     transfers: dict[str, float] | None = None,
-    **legacy,
 ) -> Inspection:
     """An `Inspection` of an already compiled step (see `inspect`).
 
@@ -208,15 +204,10 @@ def inspect_compiled(
         stderr: what XLA printed while compiling.
         compile_s: the compile time.
         transfers: the step's activation transfers (`meshtrain.offload.transfer_bytes`).
-        **legacy: the older keywords ``mesh=, rules=, spec=, model=, pipeline=, sync=``,
-            deprecated: they build the `RunSpec` and warn.
 
     Returns:
         An `Inspection`.
     """
-    if run is None or legacy:
-        call = "inspect_compiled(compiled, {run}, param_vars=...)"
-        run = run_from_legacy(call, run, legacy, accepted=_COMPILED_LEGACY)
     run = run.resolved()
     mesh, rules, sizes, sync = run.mesh, run.rules, run.sizes, run.sync
     codec = parse_compression(sync.grad_compression) if sync.compresses else None
@@ -295,11 +286,7 @@ def _host_memory(compiled, ma, memory: dict[str, int]) -> dict[str, int]:
     return host
 
 
-_POSITIONAL = ("model", "data", "mesh", "rules")  # the older form's positional parameters
-_LEGACY = (*_POSITIONAL, "optim", "pipeline", "accum_steps", "loss_impl", "seed", "sync")
-
-
-def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
+def inspect(run: RunSpec) -> Inspection:
     """Compiles the real train step of a run ahead of time (nothing runs, nothing is
     allocated) and reports memory, FLOPs and every collective against the expectation.
 
@@ -309,10 +296,6 @@ def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
             optimizer, pipeline, accumulation, loss and sync (compressed gradients show up as
             the codec's own collectives). Its run directory and checkpoints play no part:
             nothing is written.
-        *old_args: the older positional arguments, deprecated (see legacy).
-        **legacy: the older spelling ``inspect(model, data, mesh, rules, *, optim=,
-            pipeline=, accum_steps=, loss_impl=, seed=, sync=)``, deprecated: it builds the
-            `RunSpec` (with ``steps=100``) and warns.
 
     Returns:
         An `Inspection`.
@@ -320,10 +303,6 @@ def inspect(run: RunSpec, *old_args, **legacy) -> Inspection:
     Raises:
         RunCheckError: the run check's problems, before anything compiles.
     """
-    run, legacy = positional_legacy("inspect", run, old_args, _POSITIONAL, legacy)
-    if run is None or legacy:
-        defaults = {"steps": 100}
-        run = run_from_legacy("inspect({run})", run, legacy, accepted=_LEGACY, defaults=defaults)
     run = run.resolved()
     ctor, _ = run.constructor()
     graphdef, state = abstract_model(ctor)

@@ -11,8 +11,6 @@ Ring, all-gather and Ulysses are the *algorithms* (`ALGORITHMS`, chosen by
 `Rules.context_parallel` or ``--context-parallel``); "strategy" names a sharding preset only.
 """
 
-import warnings
-
 from meshtrain.context_parallel.attention import (
     ALGORITHMS,
     DEFAULT,
@@ -42,28 +40,3 @@ __all__ = [
     "naive_counts",
     "order",
 ]
-
-
-def __getattr__(name: str):
-    """The names this package had before "strategy" came to mean a sharding preset only;
-    they work for one more release, with a DeprecationWarning."""
-    if name == "STRATEGIES":
-        warnings.warn(
-            "meshtrain.context_parallel.STRATEGIES is now ALGORITHMS", DeprecationWarning, 2
-        )
-        return ALGORITHMS
-    if name == "strategy_problem":
-        warnings.warn(
-            "meshtrain.context_parallel.strategy_problem is now algorithm_problems (a list of "
-            "Problems)",
-            DeprecationWarning,
-            2,
-        )
-        return _strategy_problem
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _strategy_problem(algorithm) -> str | None:
-    """The old form of `algorithm_problems`: the first problem as a string, or None."""
-    problems = algorithm_problems(algorithm)
-    return str(problems[0]) if problems else None

@@ -210,7 +210,7 @@ def _task_loss(loss_fn: LossFn, logits: jax.Array, targets: jax.Array, mask) -> 
 
 def _with_stats(cut: _Cut, task: jax.Array, totals: dict, m: int):
     """``(loss, metrics)``: the task loss plus the statistics' loss terms, and the metrics
-    (with ``task_loss`` when there are statistics, as `meshtrain.train.loss` reports it)."""
+    (with ``task_loss`` when there are statistics, as `meshtrain.loss` reports it)."""
     if cut.stats is None:
         return task, {}
     aux, metrics = cut.finish(totals, m)

@@ -25,7 +25,7 @@ from meshtrain.offload import with_offload
 from meshtrain.optim import make_schedule
 from meshtrain.problem import raise_if
 from meshtrain.replicas import replicas, with_sync
-from meshtrain.run import RunSpec, TrainConfig, run_from_legacy
+from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.state import abstract_model, abstract_target, init_train_state
 from meshtrain.train import events
 from meshtrain.train.hooks import NonFiniteError, StopSignals, save_due
@@ -39,21 +39,16 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-_LEGACY = ("optim", "config", "pipeline", "loss_fn", "checkpoint", "sync")
-
-
-def _run_of(run: RunSpec | None, simple: dict, legacy: dict) -> RunSpec:
-    """The `Trainer`'s run: `run`, or one from the simple arguments and any older keywords."""
-    given = [k for k, v in simple.items() if v is not None]
+def _run_of(run: RunSpec | None, simple: dict) -> RunSpec:
+    """The `Trainer`'s run: `run`, or one from the simple arguments."""
+    given = {k: v for k, v in simple.items() if v is not None}
     if run is not None and given:
         raise TypeError(
             f"Trainer() got run= and {', '.join(given)}; give one: Trainer(run=RunSpec("
             f"{', '.join(f'{k}=...' for k in given)}, ...)) or Trainer(model, data, mesh=..., "
             "rules=...)"
         )
-    call = "Trainer(run={run})" if legacy else "Trainer({run})"
-    spec = run_from_legacy(call, run, legacy, accepted=_LEGACY)
-    return run if run is not None else spec.replace(**{k: simple[k] for k in given})
+    return run if run is not None else RunSpec(**given)
 
 
 class Trainer:
@@ -76,8 +71,6 @@ class Trainer:
         run_meta: extra JSON facts stored in every checkpoint (the CLI stores its whole job).
         params: parameters to start from instead of the initialisers' (e.g. a Hugging Face
             checkpoint's, `meshtrain.hf.load_pretrained`); a resumed checkpoint replaces them.
-        **legacy: the older keywords ``optim=, config=, pipeline=, loss_fn=, checkpoint=,
-            sync=``, deprecated: they build the `RunSpec` and warn.
 
     With ``run.checkpoint`` and its ``resume`` the trainer starts from the newest readable
     checkpoint.
@@ -85,7 +78,7 @@ class Trainer:
     Raises:
         RunCheckError: the settings cannot work (`meshtrain.check.check_run`); every problem
             is listed, one per line, before anything is allocated or compiled.
-        TypeError: `run` together with model, data, mesh or rules (or the older keywords).
+        TypeError: `run` together with model, data, mesh or rules.
     """
 
     def __init__(
@@ -99,9 +92,8 @@ class Trainer:
         flops_per_token: float | None = None,
         run_meta: dict | None = None,
         params: dict | None = None,
-        **legacy,
     ):
-        run = _run_of(run, dict(model=model, data=data, mesh=mesh, rules=rules), legacy)
+        run = _run_of(run, dict(model=model, data=data, mesh=mesh, rules=rules))
         self.run = run = run.resolved()
         self.config: TrainConfig = run.train
         self.optim, self.pipeline, self.sync = run.optim, run.pipeline, run.sync

@@ -65,7 +65,8 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from meshtrain.comm.report import Row, axes_label, fmt_bytes
+from meshtrain._units import fmt_bytes
+from meshtrain.comm.report import Row, axes_label
 from meshtrain.layout import Rules, axes_of, resolve
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.pipeline import PipelineConfig

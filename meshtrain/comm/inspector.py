@@ -16,12 +16,13 @@ import json
 
 from flax import nnx
 
+from meshtrain._units import fmt_bytes
 from meshtrain.check import check_run
 from meshtrain.comm.compile import compile_step
 from meshtrain.comm.exchange import exchange_line, replica_exchange
 from meshtrain.comm.expect import BUCKETS, Expectation, bucket_of, expected, judge, param_layouts
 from meshtrain.comm.hlo import Collective, collectives, entry_host_bytes
-from meshtrain.comm.report import Row, axes_label, fmt_bytes, summarize
+from meshtrain.comm.report import Row, axes_label, summarize
 from meshtrain.pipeline.slots import count_permutes
 from meshtrain.problem import raise_if
 from meshtrain.replicas import parse_compression, replica_sets

@@ -6,7 +6,6 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 
-from meshtrain._units import fmt_bytes  # noqa: F401  TEMP until merge
 from meshtrain.comm.axes import axes_of_groups
 from meshtrain.comm.hlo import Collective
 

@@ -327,37 +327,6 @@ def deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
     )
 
 
-def positional_legacy(
-    name: str, first: Any, old_args: tuple, names: tuple[str, ...], legacy: Mapping[str, object]
-) -> tuple[RunSpec | None, dict[str, object]]:
-    """Sorts the arguments of a call whose older form took `names` positionally.
-
-    Args:
-        name: the function's name, for the `TypeError`.
-        first: the first positional argument: a `RunSpec`, or the older form's first.
-        old_args: the other positional arguments.
-        names: the older form's positional parameters, in order.
-        legacy: the keywords given.
-
-    Returns:
-        ``(run, legacy)``: the `RunSpec` (None for the older form) and the older keywords,
-        the positional ones named, for `run_from_legacy`.
-
-    Raises:
-        TypeError: more positional arguments than either form takes.
-    """
-    if isinstance(first, RunSpec):
-        if old_args:
-            raise TypeError(
-                f"{name}() takes 1 positional argument but {1 + len(old_args)} were given"
-            )
-        return first, dict(legacy)
-    given = (first, *old_args)
-    if len(given) > len(names):
-        raise TypeError(f"{name}() takes {len(names)} positional arguments in its older form")
-    return None, {**dict(zip(names, given, strict=False)), **legacy}
-
-
 def run_from_legacy(
     call: str,
     run: RunSpec | None,

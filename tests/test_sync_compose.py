@@ -237,6 +237,32 @@ HSDP_MOE = "data=2,fsdp=2,expert=2"
 CAPACITY, DROPLESS = {"dispatch": "capacity"}, {"dispatch": "dropless"}
 
 
+def _reduced_with_codec_none(compute, state, batch, mesh, rules, sets, specs):
+    """The gradient `reduced_grads` gives over the replicas `sets` with the codec none."""
+
+    @jax.jit
+    def run(params, rest, batch):
+        with activation_rules(mesh, rules):
+            return reduced_grads(
+                compute, params, rest, batch, None, sets=sets, codec=Codec(name="none"),
+                error_feedback=False, param_specs=specs,
+            )  # fmt: skip
+
+    return run(state.params, state.rest, shard_batch(batch, mesh, rules))[1]
+
+
+def _assert_each_leaf_close(grads, want):
+    """Each leaf of `grads` within `GRAD_RTOL` of `want`'s, relative to the leaf's scale."""
+    for (where, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want), strict=True
+    ):
+        scale = float(np.abs(w).max())
+        assert scale > 0, where
+        np.testing.assert_allclose(
+            g, w, atol=GRAD_RTOL * scale, err_msg=jax.tree_util.keystr(where)
+        )
+
+
 @pytest.mark.parametrize(
     ("mesh_str", "strategy", "d", "moe"),
     [
@@ -273,23 +299,8 @@ def test_codec_none_on_an_moe_reduces_each_leaf_over_its_own_replicas(mesh_str, 
 
         return jax.value_and_grad(loss, has_aux=True)(params)
 
-    @jax.jit
-    def run(params, rest, batch):
-        with activation_rules(mesh, rules):
-            return reduced_grads(
-                compute, params, rest, batch, None, sets=sets, codec=Codec(name="none"),
-                error_feedback=False, param_specs=specs,
-            )  # fmt: skip
-
-    _, grads, _ = run(state.params, state.rest, shard_batch(batch, mesh, rules))
-    for (where, g), w in zip(
-        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want), strict=True
-    ):
-        scale = float(np.abs(w).max())
-        assert scale > 0, where
-        np.testing.assert_allclose(
-            g, w, atol=GRAD_RTOL * scale, err_msg=jax.tree_util.keystr(where)
-        )
+    grads = _reduced_with_codec_none(compute, state, batch, mesh, rules, sets, specs)
+    _assert_each_leaf_close(grads, want)
 
 
 @pytest.mark.pair("compression", "moe-capacity")
@@ -473,23 +484,8 @@ def test_codec_none_after_the_pipeline_loop_equals_one_device(schedule):
         )  # fmt: skip
         return (loss, (rest, {})), grads
 
-    @jax.jit
-    def run(params, rest, batch):
-        with activation_rules(mesh, rules):
-            return reduced_grads(
-                compute, params, rest, batch, None, sets=sets, codec=Codec(name="none"),
-                error_feedback=False, param_specs=specs,
-            )  # fmt: skip
-
-    _, grads, _ = run(state.params, state.rest, shard_batch(batch, mesh, rules))
-    for (where, g), w in zip(
-        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want), strict=True
-    ):
-        scale = float(np.abs(w).max())
-        assert scale > 0, where
-        np.testing.assert_allclose(
-            g, w, atol=GRAD_RTOL * scale, err_msg=jax.tree_util.keystr(where)
-        )
+    grads = _reduced_with_codec_none(compute, state, batch, mesh, rules, sets, specs)
+    _assert_each_leaf_close(grads, want)
 
 
 # gpipe: the codec follows the loop whatever the schedule (the codec none test above runs

@@ -70,6 +70,19 @@ def one_json_line(script, *args, devices: int | None = None, timeout: int = 300)
     return json.loads(lines[0])
 
 
+def token_batches(n: int, vocab: int, rows: int, length: int, seed: int = 0) -> list[dict]:
+    """`n` batches of random next-token examples: ``rows`` × ``length`` inputs and their
+    targets (the same tokens one on), drawn from one generator seeded `seed`."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tokens = rng.integers(0, vocab, (rows, length + 1), np.int32)
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    return out
+
+
 def copied(state):
     """A copy of `state` on its own buffers, with the same shardings: for a step that donates
     its input, so that a state built once can start several runs."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cp_helpers import errors_vs_full, qkv
-from _helpers import count_compiles, model_from
+from _helpers import count_compiles, model_from, token_batches
 from flax import nnx
 
 from meshtrain import cli
@@ -264,11 +264,7 @@ GPT = GPTConfig(style="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, 
 
 
 def _batches(cfg):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(STEPS):  # noqa: B007
-        tokens = rng.integers(0, cfg.vocab_size, (B, T + 1), np.int32)
-        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    out = token_batches(STEPS, cfg.vocab_size, B, T)
     return out + out[:1]  # one more batch for a resumed step
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cp_helpers import errors_vs_full, qkv
-from _helpers import initial_values
+from _helpers import initial_values, token_batches
 from flax import nnx
 
 from meshtrain import context_parallel as cp
@@ -137,12 +137,7 @@ GPT = GPTConfig(
 
 
 def _batches(cfg):
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(STEPS):  # noqa: B007
-        tokens = rng.integers(0, cfg.vocab_size, (B, T + 1), np.int32)
-        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-    return out
+    return token_batches(STEPS, cfg.vocab_size, B, T)
 
 
 def _train(cfg, mesh_str, values, devices=None):

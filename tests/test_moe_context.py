@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import initial_values
+from _helpers import initial_values, token_batches
 from flax import nnx
 
 from meshtrain import context_parallel as cp
@@ -41,12 +41,7 @@ CONFIGS = {
 
 
 def _batches(cfg):
-    rng = np.random.default_rng(len(cfg.dispatch))
-    out = []
-    for _ in range(STEPS):  # noqa: B007
-        tokens = rng.integers(0, cfg.vocab_size, (B, T + 1), np.int32)
-        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-    return out
+    return token_batches(STEPS, cfg.vocab_size, B, T, seed=len(cfg.dispatch))
 
 
 def _assert_split(step, state, batch, mesh, rules) -> None:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import model_from
+from _helpers import model_from, token_batches
 from flax import nnx
 
 from meshtrain.check import check_run
@@ -166,12 +166,7 @@ def _initial(cfg):
 
 
 def _batches(n, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        tokens = rng.integers(0, vocab, (B, T + 1), np.int32)
-        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
-    return out
+    return token_batches(n, vocab, B, T, seed)
 
 
 def _setup(

@@ -34,6 +34,12 @@ otherwise), summed over the microbatches each stage runs and then over the stage
 
 Shapes: M microbatches, b rows per microbatch, T positions, D width, L stacked layers, Lc
 layers per chunk.
+
+The executors' pieces, a module a role: `meshtrain.pipeline.buffers` (fills, masked ring
+writes, `poison_buffers`), `meshtrain.pipeline.collectives` (the permutes and the sums over
+``pipe``), `meshtrain.pipeline.chunk` (a chunk's forward and backward),
+`meshtrain.pipeline.passes` (what a slot can run) and `meshtrain.pipeline.hand_scheduled`
+(`scheduled`, in stages).
 """
 
 from __future__ import annotations

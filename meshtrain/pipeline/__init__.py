@@ -9,8 +9,12 @@ dimension on ``pipe``, so each stage already holds its own layers.
 
 - `config`: `PipelineConfig` and `pipeline_problems` (the checks before compiling);
 - `schedules`: the schedule tables, bubble counts and Gantt charts;
-- `spmd`: the executors inside the manual region;
-- `run`: the pipelined loss and gradients of a model.
+- `slots`: what a table implies: ring buffers and each slot's permutes;
+- `split`: a backward cut into its input and weight passes (zb-h1);
+- `spmd`: the executors inside the manual region (with `hand_scheduled`, `passes`, `chunk`,
+  `collectives` and `buffers`, their pieces);
+- `run`: the pipelined loss and gradients of a model (with `cut`, the model in pieces,
+  `layers`, its layers as the stages hold them, and `specs`, the blocks' specs in the region).
 
     from meshtrain.pipeline import PipelineConfig, schedule_table
     schedule_table("1f1b", p=4, m=8).plot()

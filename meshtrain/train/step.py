@@ -109,7 +109,7 @@ def train_step(
     return new_state, metrics
 
 
-def _grad_fn(graphdef: nnx.GraphDef, run: RunSpec, loss_fn: LossFn, scale):
+def _grad_fn(graphdef: nnx.GraphDef, run: RunSpec, loss_fn: LossFn, scale: jax.Array | None):
     """``(params, rest, mb, share=None) -> ((loss, (rest, extra)), grads)`` of one microbatch:
     through the pipeline where the run pipelines, else `jax.value_and_grad` of the model."""
     mesh = pipeline_mesh(run.pipeline, run.mesh)
@@ -127,7 +127,7 @@ def _grad_fn(graphdef: nnx.GraphDef, run: RunSpec, loss_fn: LossFn, scale):
     return jax.value_and_grad(loss_of, has_aux=True)
 
 
-def _compute_fn(grad_fn, accum_steps: int, scale):
+def _compute_fn(grad_fn, accum_steps: int, scale: jax.Array | None):
     """``(params, rest, batch) -> ((loss, (rest, extra)), grads)``: `grad_fn` accumulated over
     the batch's microbatches, its gradient unscaled."""
 

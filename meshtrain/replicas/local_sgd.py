@@ -187,7 +187,7 @@ def local_step(
         skipped), ``synced`` (1 on a synchronising step). (`meshtrain.train.train_step` adds
         ``lr``, as for every step.)
     """
-    sync, local = _checked(sets, sync, state)
+    sync, sync_every, local = _checked(sets, sync, state)
     mesh, specs = sets.mesh_for("local_step"), sets.specs(state.params, param_specs)
     inner = _replica_step(compute, tx, sets, specs, sync, skip_nonfinite)
     region = _local_region(inner, tx, mesh, sets, specs, local["opt_state"])
@@ -195,7 +195,7 @@ def local_step(
     local_params, local_opt, rest, metrics = region(
         local["params"], local["opt_state"], state.rest, dict(batch), step
     )
-    synced = (step + 1) % sync.sync_every == 0
+    synced = (step + 1) % sync_every == 0
     consensus = state.comm.get("consensus", jnp.zeros((), jnp.float32))
     carry = (state.params, state.opt_state, local_params, consensus)
     synchronise = _outer_step(outer_tx, mesh, sets, specs, sync, step)
@@ -207,8 +207,11 @@ def local_step(
     return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
 
 
-def _checked(sets: ReplicaSets, sync: SyncConfig | int, state: TrainState):
-    """`sync` as a `SyncConfig`, and ``state.comm["local"]``; refused where no local step runs."""
+def _checked(
+    sets: ReplicaSets, sync: SyncConfig | int, state: TrainState
+) -> tuple[SyncConfig, int, dict]:
+    """`sync` as a `SyncConfig`, its H, and ``state.comm["local"]``; refused where no local
+    step runs."""
     if not sets.axes:
         raise ValueError(
             "local SGD needs at least one replica axis (data, or fsdp under dp/zero1) of size > 1"
@@ -223,7 +226,7 @@ def _checked(sets: ReplicaSets, sync: SyncConfig | int, state: TrainState):
     local = state.comm.get("local")
     if local is None:
         raise ValueError('local_step: state.comm has no "local" entry; build it with local_init')
-    return sync, local
+    return sync, sync_every, local
 
 
 def _replica_step(compute: Compute, tx, sets: ReplicaSets, specs, sync: SyncConfig, skip: bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -99,7 +100,7 @@ def train_step(
     state = offload.to_device(state)  # a state kept in host memory (`Offload`) comes in first
     scale = loss_scale.step_scale(state.opt_state, run.loss_scaling)
     compute = _compute_fn(_grad_fn(graphdef, run, loss_fn, scale), run.train.accum_steps, scale)
-    options = {"skip_nonfinite": skip_nonfinite, "param_specs": param_specs}
+    options: dict[str, Any] = {"skip_nonfinite": skip_nonfinite, "param_specs": param_specs}
     if run.sync.local:  # local SGD: the replicas' own step is the whole step
         new_state, metrics = local_train_step(compute, tx, state, batch, sync=run.sync, **options)
     else:

@@ -110,6 +110,17 @@ def axis_size(axis: str) -> int:
     return 1 if layout is None else int(layout.mesh.shape.get(axis, 1))
 
 
+def manual_batch_axes() -> tuple[str, ...]:
+    """The batch axes this is traced manual over, in the rules' order (a pipeline stage, the
+    replicas' own step); none outside a manual region or outside `activation_rules`."""
+    from meshtrain.layout.context import active
+
+    layout, manual = active(), manual_axes()
+    if layout is None or not manual:
+        return ()
+    return layout.rules.batch_axes({a: axis_size(a) for a in manual})
+
+
 def manual_in_layout(fn: Callable, *, axes: Iterable[str], in_specs, out_specs) -> Callable:
     """`manual_region` over `axes` of the active layout's mesh: for model code, which names no
     mesh. Specs are tuples of mesh-axis entries, one per dimension (``(("data", "expert"),)``

@@ -43,6 +43,7 @@ from meshtrain.layout import (
     manual_axes,
     manual_in_layout,
 )
+from meshtrain.layout.manual import manual_batch_axes
 from meshtrain.precision import fp8 as precision_fp8
 
 DISPATCH = ("capacity", "dropless")
@@ -279,7 +280,7 @@ def dispatch(
         # experts; exchange with the other expert shards directly (a region nested here could
         # not be differentiated); the other axes stay automatic.
         return local(x_BTD, routing, weights, axis=EXPERT if shards > 1 else None, shards=shards)
-    inside = manual & {EXPERT, *layout.rules.batch_axes({a: axis_size(a) for a in manual})}
+    inside = manual & {EXPERT, *manual_batch_axes()}
     if inside:
         raise ValueError(
             f"the expert dispatch inside a region manual over {', '.join(sorted(inside))} "

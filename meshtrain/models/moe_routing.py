@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from meshtrain.layout import active, axis_size, manual_axes, rows_are_apart
+from meshtrain.layout import rows_are_apart
+from meshtrain.layout.manual import manual_batch_axes
 from meshtrain.models.moe_dispatch import Routing
 
 ROUTER_LOSSES = ("meshtrain", "mixtral")
@@ -30,10 +31,9 @@ ROUTER_LOSSES = ("meshtrain", "mixtral")
 
 def _row_axes() -> tuple[str, ...]:
     """The manual batch axes the rows here are split over (none outside a manual region)."""
-    layout, manual = active(), manual_axes()
-    if layout is None or not manual or rows_are_apart():  # local SGD: each replica its own
+    if rows_are_apart():  # local SGD: each replica its own
         return ()
-    return layout.rules.batch_axes({a: axis_size(a) for a in manual})
+    return manual_batch_axes()
 
 
 def _mean_over_rows(x: jax.Array) -> jax.Array:

@@ -2,7 +2,8 @@
 (`loss_scale`), and fp8 matmuls with current scaling (`fp8`).
 
 - `policy`: `Precision`, `POLICIES`, `matmul_precision`.
-- `loss_scale`: `with_loss_scale`, `scale_backward`, `unscale`, `adjust`, `settle`, `state_of`.
+- `loss_scale`: `with_loss_scale`, `step_scale`, `scale_backward`, `unscale`, `adjust`,
+  `settle`, `state_of`.
 - `fp8`: `dot_general` (for ``nnx.Linear``), `matmul` (for other products), `round_trip`.
 """
 

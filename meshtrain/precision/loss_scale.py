@@ -3,9 +3,9 @@
 The backward starts from ``scale × 1`` instead of 1 (`scale_backward`; the loss's value is
 untouched), so every gradient comes out `scale` times too large; `unscale` divides them in
 float32. A step whose gradients are not finite while its loss is (an overflow) is skipped and
-the scale halves; after ``period`` good steps in a row it doubles (`adjust`; `settle` is the
-train step's whole after-step handling). Scales are powers of two, so scaling and
-unscaling are exact.
+the scale halves; after ``period`` good steps in a row it doubles (`adjust`). `step_scale` is
+the train step's whole before-step handling, `settle` its whole after-step handling. Scales
+are powers of two, so scaling and unscaling are exact.
 
 The scale lives in the optimizer state (`with_loss_scale` wraps the optax transformation),
 so it is checkpointed, restored and resharded with it. DeepMind's jmp has the same scheme but
@@ -58,6 +58,28 @@ def with_loss_scale(tx: optax.GradientTransformation, init: float) -> optax.Grad
 def state_of(opt_state) -> LossScaleState | None:
     """The loss-scale state of an optimizer state, or None without loss scaling."""
     return opt_state if isinstance(opt_state, LossScaleState) else None
+
+
+def step_scale(opt_state, required: bool) -> jax.Array | None:
+    """The scale a train step's backward starts from: the one in its optimizer state.
+
+    Args:
+        opt_state: the optimizer state (a `LossScaleState` under loss scaling).
+        required: whether the run scales the loss (`meshtrain.RunSpec.loss_scaling`).
+
+    Returns:
+        The scale, float32 ``[]``; None when `opt_state` holds none.
+
+    Raises:
+        ValueError: `required`, but the optimizer was built without a loss scale.
+    """
+    scaler = state_of(opt_state)
+    if required and scaler is None:
+        raise ValueError(
+            "precision: loss scaling keeps its scale in the optimizer state; build the "
+            "optimizer with run.optimizer(total_steps) (or meshtrain.precision.with_loss_scale)"
+        )
+    return None if scaler is None else scaler.scale
 
 
 @jax.custom_vjp

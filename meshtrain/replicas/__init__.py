@@ -9,6 +9,8 @@ backward pass. `SyncConfig` replaces that with a step manual over the replica ax
 - `manual`: the gradient step manual over the replica axes, with error feedback;
 - `local_sgd`: local SGD and DiLoCo (replicas step alone, then synchronise parameters);
 - `staleness`: bounded staleness (updates apply gradients `s` steps old);
+- `step`: what ``run.sync`` changes in the train step (local SGD's whole step, or the
+  gradient a synchronous update applies), on the active layout's replica sets;
 - `sets`: the sync axes and each parameter's replica set (an MoE's expert weights have fewer);
 - `state`: the train state's ``comm`` part and its layout (`with_sync`);
 - `stack`: per-replica leaves, stacked on a dimension split over the replica axes;

@@ -187,13 +187,37 @@ def local_step(
         skipped), ``synced`` (1 on a synchronising step). (`meshtrain.train.train_step` adds
         ``lr``, as for every step.)
     """
-    axes = sets.axes
-    if not axes:
+    sync, sync_every, local = _checked(sets, sync, state)
+    mesh, specs = sets.mesh_for("local_step"), sets.specs(state.params, param_specs)
+    inner = _replica_step(compute, tx, sets, specs, sync, skip_nonfinite)
+    region = _local_region(inner, tx, mesh, sets, specs, local["opt_state"])
+    step = jnp.asarray(state.step, jnp.int32)
+    local_params, local_opt, rest, metrics = region(
+        local["params"], local["opt_state"], state.rest, dict(batch), step
+    )
+    synced = (step + 1) % sync_every == 0
+    consensus = state.comm.get("consensus", jnp.zeros((), jnp.float32))
+    carry = (state.params, state.opt_state, local_params, consensus)
+    synchronise = _outer_step(outer_tx, mesh, sets, specs, sync, step)
+    params, opt_state, local_params, consensus = lax.cond(synced, synchronise, lambda c: c, carry)
+    metrics["synced"] = synced.astype(jnp.int32)
+    comm = {**state.comm, "local": {"params": local_params, "opt_state": local_opt}}
+    if "consensus" in state.comm:
+        comm["consensus"] = metrics["consensus"] = consensus
+    return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
+
+
+def _checked(
+    sets: ReplicaSets, sync: SyncConfig | int, state: TrainState
+) -> tuple[SyncConfig, int, dict]:
+    """`sync` as a `SyncConfig`, its H, and ``state.comm["local"]``; refused where no local
+    step runs."""
+    if not sets.axes:
         raise ValueError(
             "local SGD needs at least one replica axis (data, or fsdp under dp/zero1) of size > 1"
         )
     sync = SyncConfig(sync_every=sync) if isinstance(sync, int) else sync
-    sync_every, gossip, client_fraction = sync.sync_every, sync.gossip, sync.client_fraction
+    sync_every = sync.sync_every
     if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
         raise ValueError(
             f"sync_every={sync_every!r}: the steps between synchronisations must be a positive "
@@ -202,41 +226,32 @@ def local_step(
     local = state.comm.get("local")
     if local is None:
         raise ValueError('local_step: state.comm has no "local" entry; build it with local_init')
-    mesh = sets.mesh_for("local_step")
-    specs = sets.specs(state.params, param_specs)
-    param_in = _tree_specs(sets.stacked_spec, specs)
-    opt_in = optax.tree_map_params(
-        tx,
-        lambda _, spec: sets.stacked_spec(spec),
-        local["opt_state"],
-        specs,
-        transform_non_params=lambda _: sets.stacked_spec(None),
-        is_leaf=_is_spec,
-    )
+    return sync, sync_every, local
 
-    sizes = {a: sets.sizes[a] for a in axes}
+
+def _replica_step(compute: Compute, tx, sets: ReplicaSets, specs, sync: SyncConfig, skip: bool):
+    """One replica's inner step, per device in the region: ``(params_r, opt_r, rest, batch_r,
+    step) -> (params_r, opt_r, rest, metrics)`` (`skip`: keep a non-finite replica's own)."""
+    axes, sizes = sets.axes, {a: sets.sizes[a] for a in sets.axes}
 
     def inner(params_r, opt_r, rest, batch_r, step):
         params_r, opt_r = own(params_r), own(opt_r)
-        if client_fraction is not None:  # a round starts with fresh moments (FedAvg's clients)
-            opt_r = _fresh_moments(tx, params_r, opt_r, step % sync_every == 0)
+        if sync.client_fraction is not None:  # a round starts with fresh moments (FedAvg's)
+            opt_r = _fresh_moments(tx, params_r, opt_r, step % sync.sync_every == 0)
         with rows_apart():  # each device trains a copy of its own until the next average
             (loss, (new_rest, extra)), grads = compute(params_r, rest, batch_r)
         loss, new_rest, extra = settled((loss, new_rest, extra), sets.stages)
-        grads = settled(grads, sets.stages, specs)
-        # A leaf split over a sync axis holds the gradient of every row its shard served.
-        scale = jax.tree.map(lambda s: sets.count(s) / sets.devices, specs, is_leaf=_is_spec)
-        grads = jax.tree.map(lambda g, c: g * c if c != 1 else g, grads, scale)
+        grads = _served_share(settled(grads, sets.stages, specs), specs, sets)
         updates, new_opt = tx.update(grads, opt_r, params_r)
         new_params = optax.apply_updates(params_r, updates)
         grad_norm = _norm(grads, specs, sets)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        if skip_nonfinite:
+        if skip:
             new_params = _keep_if_not(finite, new_params, params_r)
             new_opt = _keep_if_not(finite, new_opt, opt_r)
             new_rest = _keep_if_not(finite, new_rest, rest)
-        if gossip is not None:
-            new_params = graphs.mix(new_params, gossip, sizes, step)
+        if sync.gossip is not None:
+            new_params = graphs.mix(new_params, sync.gossip, sizes, step)
         metrics = {
             **replica_mean(extra, axes),
             "loss": lax.pmean(loss, axes),
@@ -245,41 +260,59 @@ def local_step(
         }
         return stacked(new_params, 1), stacked(new_opt, 1), replica_mean(new_rest, axes), metrics
 
-    run = manual_region(
+    return inner
+
+
+def _served_share(grads, specs, sets: ReplicaSets):
+    """`grads` scaled to this replica's share: a leaf split over a sync axis holds the gradient
+    of every row its shard served."""
+    scale = jax.tree.map(lambda s: sets.count(s) / sets.devices, specs, is_leaf=_is_spec)
+    return jax.tree.map(lambda g, c: g * c if c != 1 else g, grads, scale)
+
+
+def _local_region(inner, tx, mesh: Mesh, sets: ReplicaSets, specs, opt_state):
+    """`inner` as a region manual over the sync axes, laid out for ``comm["local"]`` (whose
+    inner optimizer state is `opt_state`) and each replica's rows of the batch."""
+    param_in = _tree_specs(sets.stacked_spec, specs)
+    opt_in = optax.tree_map_params(
+        tx,
+        lambda _, spec: sets.stacked_spec(spec),
+        opt_state,
+        specs,
+        transform_non_params=lambda _: sets.stacked_spec(None),
+        is_leaf=_is_spec,
+    )
+    return manual_region(
         inner,
         mesh=mesh,
         axes=sets.manual,
-        in_specs=(param_in, opt_in, P(), P(entry(axes)), P()),
+        in_specs=(param_in, opt_in, P(), P(entry(sets.axes)), P()),
         out_specs=(param_in, opt_in, P(), P()),
     )
-    step = jnp.asarray(state.step, jnp.int32)
-    local_params, local_opt, rest, metrics = run(
-        local["params"], local["opt_state"], state.rest, dict(batch), step
-    )
+
+
+def _outer_step(outer_tx, mesh: Mesh, sets: ReplicaSets, specs, sync: SyncConfig, step):
+    """The synchronisation, a `lax.cond` branch: ``(θ̄, outer state, stacked θ_r, consensus)``
+    after the outer update by θ̄ − mean_r θ_r (of the sampled clients' under federated
+    averaging); every replica restarts from θ̄ unless they gossip."""
+    sizes = {a: sets.sizes[a] for a in sets.axes}
 
     def synchronise(carry):
         theta_bar, outer_state, local_params, _ = carry
         weight = None
-        if client_fraction is not None:  # a client is a replica of the expert weights too
-            rnd, clients = step // sync_every, math.prod(sizes[a] for a in _clients(sets))
-            weight = federated.sampled_mask(rnd, clients, client_fraction, sync.client_seed)
-        mean, distance = _average(local_params, mesh, sets, specs, weight, gossip is not None)
+        if sync.client_fraction is not None:  # a client is a replica of the expert weights too
+            rnd, clients = step // sync.sync_every, math.prod(sizes[a] for a in _clients(sets))
+            weight = federated.sampled_mask(rnd, clients, sync.client_fraction, sync.client_seed)
+        gossip = sync.gossip is not None
+        mean, distance = _average(local_params, mesh, sets, specs, weight, gossip)
         delta = jax.tree.map(jnp.subtract, theta_bar, mean)  # the outer gradient
         updates, outer_state = outer_tx.update(delta, outer_state, theta_bar)
         theta_bar = optax.apply_updates(theta_bar, updates)
-        if gossip is None:  # every replica restarts from θ̄
+        if not gossip:  # every replica restarts from θ̄
             local_params = _restart(theta_bar, local_params, mesh, sets, specs)
         return theta_bar, outer_state, local_params, distance
 
-    synced = (step + 1) % sync_every == 0
-    consensus = state.comm.get("consensus", jnp.zeros((), jnp.float32))
-    carry = (state.params, state.opt_state, local_params, consensus)
-    params, opt_state, local_params, consensus = lax.cond(synced, synchronise, lambda c: c, carry)
-    metrics["synced"] = synced.astype(jnp.int32)
-    comm = {**state.comm, "local": {"params": local_params, "opt_state": local_opt}}
-    if "consensus" in state.comm:
-        comm["consensus"] = metrics["consensus"] = consensus
-    return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
+    return synchronise
 
 
 def _clients(sets: ReplicaSets) -> tuple[str, ...]:

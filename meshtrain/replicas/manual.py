@@ -101,57 +101,8 @@ def reduced_grads(
         gradient (replicated over each leaf's replica axes, each leaf in its parameter's
         dtype), and the new residual (None when `residual` is None).
     """
-    axes, stages = sets.axes, sets.stages
-    if not axes:
-        raise ValueError(
-            "reduced_grads: no replica axis (R = 1), nothing to reduce; use the plain step"
-        )
-    mesh = sets.mesh_for("reduced_grads")
-    specs = sets.specs(params, param_specs)
-    feedback = error_feedback and codec.lossy
-    if feedback and residual is None:
-        r = math.prod(mesh.shape[a] for a in axes)
-        raise ValueError(
-            f"reduced_grads: error feedback with grad_compression={codec.spec!r} needs the "
-            f"residual; pass residual_init(params, {r}) (or error_feedback=False)"
-        )
-
-    def body(params, rest, batch, residual):
-        params, rest = varying((params, rest), axes)
-        (loss, (rest, extra)), grads = compute(params, rest, batch)
-        loss, rest, extra = settled((loss, rest, extra), stages)
-        grads = settled(grads, stages, specs)
-
-        def one(g, res, spec):
-            over = sets.leaf_axes(spec)
-            # A leaf split over a sync axis holds the gradient of every row its shard served
-            # across that axis: R/N of it is this replica's share of the mean.
-            scale = sets.count(spec) / sets.devices
-            x = g.astype(jnp.float32) * scale if scale != 1 else g.astype(jnp.float32)
-
-            def step(x, r):
-                mean, sent = codec.reduce(x + r, over)
-                return mean, x + r - sent
-
-            if not feedback:
-                fn = _per_shard(lambda x: codec.reduce(x, over)[0], spec, mesh, sets.manual, 1)
-                return fn(x).astype(g.dtype), res
-            mean, kept = _per_shard(step, spec, mesh, sets.manual, 2)(x, res[0])
-            return mean.astype(g.dtype), kept[None]
-
-        if residual is None:
-            mean = jax.tree.map(lambda g, s: one(g, None, s)[0], grads, specs)
-            new = None
-        else:
-            pairs = jax.tree.map(one, grads, residual, specs)
-            outer = jax.tree.structure(grads)
-            mean, new = jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
-        return (
-            (replica_mean(loss, axes), (replica_mean(rest, axes), replica_mean(extra, axes))),
-            mean,
-            new,
-        )
-
+    mesh, specs, feedback = _checked(sets, codec, error_feedback, residual, params, param_specs)
+    body = _replica_body(compute, sets, specs, _leaf_reducer(sets, codec, feedback, mesh))
     blocks = jax.tree.map(sets.block_spec, specs, is_leaf=_is_spec)
     res_spec = (
         None if residual is None else jax.tree.map(sets.stacked_spec, specs, is_leaf=_is_spec)
@@ -160,10 +111,82 @@ def reduced_grads(
         body,
         mesh=mesh,
         axes=sets.manual,
-        in_specs=(blocks, P(), P(axes), res_spec),
+        in_specs=(blocks, P(), P(sets.axes), res_spec),
         out_specs=((P(), (P(), P())), blocks, res_spec),
     )
     return run(params, rest, batch, residual)
+
+
+def _checked(sets: ReplicaSets, codec: Codec, error_feedback: bool, residual, params, specs):
+    """The mesh, the parameters' specs and whether error feedback runs; refused where there is
+    nothing to reduce or error feedback lacks its residual."""
+    if not sets.axes:
+        raise ValueError(
+            "reduced_grads: no replica axis (R = 1), nothing to reduce; use the plain step"
+        )
+    mesh = sets.mesh_for("reduced_grads")
+    specs = sets.specs(params, specs)
+    feedback = error_feedback and codec.lossy
+    if feedback and residual is None:
+        r = math.prod(mesh.shape[a] for a in sets.axes)
+        raise ValueError(
+            f"reduced_grads: error feedback with grad_compression={codec.spec!r} needs the "
+            f"residual; pass residual_init(params, {r}) (or error_feedback=False)"
+        )
+    return mesh, specs, feedback
+
+
+def _replica_body(compute: Compute, sets: ReplicaSets, specs, one: Callable):
+    """The region's per-device code: this replica's loss and gradient, each leaf reduced by
+    `one` (`_leaf_reducer`), the loss, metrics and other variables averaged."""
+    axes, stages = sets.axes, sets.stages
+
+    def body(params, rest, batch, residual):
+        params, rest = varying((params, rest), axes)
+        (loss, (rest, extra)), grads = compute(params, rest, batch)
+        loss, rest, extra = settled((loss, rest, extra), stages)
+        grads = settled(grads, stages, specs)
+        mean, new = _reduced(grads, residual, specs, one)
+        return (
+            (replica_mean(loss, axes), (replica_mean(rest, axes), replica_mean(extra, axes))),
+            mean,
+            new,
+        )
+
+    return body
+
+
+def _leaf_reducer(sets: ReplicaSets, codec: Codec, feedback: bool, mesh: Mesh) -> Callable:
+    """``one(g, res, spec) -> (mean, res)``: one leaf's gradient sent by `codec` over its
+    replica axes; with `feedback` its residual is added first and what was not sent kept."""
+
+    def one(g, res, spec):
+        over = sets.leaf_axes(spec)
+        # A leaf split over a sync axis holds the gradient of every row its shard served
+        # across that axis: R/N of it is this replica's share of the mean.
+        scale = sets.count(spec) / sets.devices
+        x = g.astype(jnp.float32) * scale if scale != 1 else g.astype(jnp.float32)
+
+        def step(x, r):
+            mean, sent = codec.reduce(x + r, over)
+            return mean, x + r - sent
+
+        if not feedback:
+            fn = _per_shard(lambda x: codec.reduce(x, over)[0], spec, mesh, sets.manual, 1)
+            return fn(x).astype(g.dtype), res
+        mean, kept = _per_shard(step, spec, mesh, sets.manual, 2)(x, res[0])
+        return mean.astype(g.dtype), kept[None]
+
+    return one
+
+
+def _reduced(grads, residual, specs, one: Callable):
+    """``(mean, new residual)``: `one` over every leaf (no residual: None)."""
+    if residual is None:
+        return jax.tree.map(lambda g, s: one(g, None, s)[0], grads, specs), None
+    pairs = jax.tree.map(one, grads, residual, specs)
+    outer = jax.tree.structure(grads)
+    return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
 
 
 def _is_spec(x) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,37 +13,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import layout, offload, replicas
+from meshtrain import layout, offload
+from meshtrain.data.shares import token_shares
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
 from meshtrain.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
-from meshtrain.mesh import PIPE, mesh_sizes
 from meshtrain.models.base import call_model
-from meshtrain.pipeline import PipelineConfig, pipeline_loss, pipeline_loss_and_grads
+from meshtrain.pipeline import PipelineConfig, pipeline_loss
+from meshtrain.pipeline.step import pipeline_mesh, pipelined_grad_fn
 from meshtrain.precision import loss_scale, matmul_precision
+from meshtrain.replicas.step import local_train_step, synced_grads
 from meshtrain.run import RunSpec, run_from_legacy
 from meshtrain.state import TrainState
-
-
-def _pipeline_mesh(pipeline: PipelineConfig | None, run_mesh=None) -> Mesh | None:
-    """The mesh to pipeline over: the active layout's, when `pipeline` is set and pipe > 1.
-
-    Without an active layout there is nothing to pipeline over: fine unless the run's own
-    mesh (`run_mesh`, a mesh or its sizes) has ``pipe > 1``."""
-    if pipeline is None:
-        return None
-    active = layout.active()
-    if active is None:
-        if run_mesh is None:
-            return None
-        sizes = run_mesh if isinstance(run_mesh, Mapping) else mesh_sizes(run_mesh)
-        if sizes.get(PIPE, 1) == 1:
-            return None
-        raise ValueError(
-            "pipeline=...: a pipelined step must be traced under "
-            "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
-        )
-    return active.mesh if mesh_sizes(active.mesh)[PIPE] > 1 else None
-
 
 _STEP_LEGACY = ("accum_steps", "loss_fn", "pipeline", "sync")
 
@@ -64,11 +45,10 @@ def train_step(
     The step reads four settings of `run`: ``train.accum_steps``, the loss (``loss_fn``, or
     ``train.loss`` with ``train.loss_impl``), ``pipeline`` and ``sync``.
 
-    With ``accum_steps = k`` the batch is cut into k microbatches whose gradients are averaged
-    (in float32) before the single update: the same update as the whole batch at once.
-    Traced under a layout whose mesh has ``pipe > 1`` (as `jit_train_step` does), the loss
-    and gradients come from the pipelined model (`meshtrain.pipeline`) instead of a plain
-    `jax.value_and_grad`.
+    With ``accum_steps = k`` the batch is cut into k microbatches whose gradients are averaged (in
+    float32) before the single update: the same update as the whole batch at once. Traced under a
+    layout whose mesh has ``pipe > 1`` (as `jit_train_step` does), the loss and gradients come from
+    the pipelined model (`meshtrain.pipeline`) instead of a plain `jax.value_and_grad`.
 
     With `skip_nonfinite`, a step whose loss or gradient norm is NaN or infinite skips its
     batch: the parameters, the optimizer's moments and the other variables stay exactly as they
@@ -77,26 +57,24 @@ def train_step(
     own step, and the optimizer's counters always equal ``state.step``.
 
     With float16's dynamic loss scaling (``run.precision``; the scale in ``state.opt_state``,
-    see `meshtrain.precision.loss_scale`), the backward starts from the scale and the
-    gradients are unscaled in float32 before anything reads them. A step whose gradients
-    overflow while its loss is finite skips its batch as above (error-feedback residuals
-    included), halves the scale and reports ``overflow``; it is not ``skipped``, which counts
-    bad steps only.
+    see `meshtrain.precision.loss_scale`), the backward starts from the scale and the gradients
+    are unscaled in float32 before anything reads them. A step whose gradients overflow while
+    its loss is finite skips its batch as above (error-feedback residuals included), halves the
+    scale and reports ``overflow``; it is not ``skipped``, which counts bad steps only.
 
-    With ``run.sync``, the data-parallel replicas synchronise as `meshtrain.replicas` describes: a
-    compressed gradient exchange in a region manual over the replica axes (error-feedback
-    residuals in ``state.comm``); local SGD / DiLoCo (the whole step is
-    `meshtrain.replicas.local_step`); or bounded staleness s, where the update applies the
-    gradient computed s steps before (``grad_norm`` and the non-finite check are that
-    gradient's) and the first s steps update nothing.
+    With ``run.sync``, the replicas synchronise as `meshtrain.replicas` describes: local SGD /
+    DiLoCo (the whole step is `meshtrain.replicas.local_step`); a compressed gradient exchange in a
+    region manual over the replica axes (error-feedback residuals in ``state.comm``); or bounded
+    staleness s, where the update applies the gradient computed s steps before (``grad_norm`` and
+    the non-finite check are that gradient's) and the first s steps update nothing.
 
     Args:
         graphdef: the model's graph (from `init_train_state`).
         tx: the optax transformation.
         state: the current state.
-        batch: ``inputs`` and ``targets``, global arrays; a packed batch also has
-            ``segment_ids`` and ``positions`` (passed to the model as keywords; the loss then
-            counts only tokens with ``segment_ids > 0``).
+        batch: ``inputs`` and ``targets``, global arrays; a packed batch also has ``segment_ids``
+            and ``positions`` (passed to the model as keywords; the loss then counts only
+            tokens with ``segment_ids > 0``).
         run: the run (`meshtrain.run.RunSpec`); None: ``RunSpec()``. Its ``sync`` state is
             ``state.comm`` (`meshtrain.replicas.with_sync` builds it); its ``pipeline`` takes
             effect only where the active layout's mesh has ``pipe > 1``.
@@ -104,8 +82,8 @@ def train_step(
         skip_nonfinite: skip updates whose loss or gradient is not finite.
         param_specs: the parameters' `PartitionSpec`s (`jit_train_step` passes them): with
             gradient compression, a gradient split over model axes is encoded shard by shard.
-        **legacy: the older keywords ``accum_steps=, loss_fn=, pipeline=, sync=``,
-            deprecated: they build the `RunSpec` and warn.
+        **legacy: the older keywords ``accum_steps=, loss_fn=, pipeline=, sync=``, deprecated:
+            they build the `RunSpec` and warn.
 
     Returns:
         The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
@@ -115,19 +93,29 @@ def train_step(
         ``overflow``, and (with `schedule`) ``lr``, the rate of this step (``schedule`` at the
         old ``state.step``), which is the one the update used.
     """
-
     if run is None or legacy:
         call = "train_step(graphdef, tx, state, batch, run={run})"
         run = run_from_legacy(call, run, legacy, accepted=_STEP_LEGACY)
-    accum_steps, loss_fn, pipeline = run.train.accum_steps, run.step_loss, run.pipeline
+    loss_fn = run.step_loss
     state = offload.to_device(state)  # a state kept in host memory (`Offload`) comes in first
-    scaler = loss_scale.state_of(state.opt_state)
-    if run.loss_scaling and scaler is None:
-        raise ValueError(
-            "precision: loss scaling keeps its scale in the optimizer state; build the "
-            "optimizer with run.optimizer(total_steps) (or meshtrain.precision.with_loss_scale)"
-        )
-    scale = None if scaler is None else scaler.scale
+    scale = loss_scale.step_scale(state.opt_state, run.loss_scaling)
+    compute = _compute_fn(_grad_fn(graphdef, run, loss_fn, scale), run.train.accum_steps, scale)
+    options: dict[str, Any] = {"skip_nonfinite": skip_nonfinite, "param_specs": param_specs}
+    if run.sync.local:  # local SGD: the replicas' own step is the whole step
+        new_state, metrics = local_train_step(compute, tx, state, batch, sync=run.sync, **options)
+    else:
+        new_state, metrics = _synchronous_step(compute, tx, state, batch, run, scale, **options)
+    if schedule is not None:
+        metrics["lr"] = schedule(state.step)
+    return new_state, metrics
+
+
+def _grad_fn(graphdef: nnx.GraphDef, run: RunSpec, loss_fn: LossFn, scale: jax.Array | None):
+    """``(params, rest, mb, share=None) -> ((loss, (rest, extra)), grads)`` of one microbatch:
+    through the pipeline where the run pipelines, else `jax.value_and_grad` of the model."""
+    mesh = pipeline_mesh(run.pipeline, run.mesh)
+    if mesh is not None:
+        return pipelined_grad_fn(graphdef, run.pipeline, mesh, loss_fn, scale)
 
     def loss_of(params, rest, mb, share=None):
         model = nnx.merge(graphdef, params, rest)
@@ -137,93 +125,54 @@ def train_step(
             loss = loss_scale.scale_backward(loss, scale)
         return loss, (nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), extra)
 
-    mesh = _pipeline_mesh(pipeline, run.mesh)
-    if mesh is None:
-        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    else:
+    return jax.value_and_grad(loss_of, has_aux=True)
 
-        def grad_fn(params, rest, mb, share=None):
-            (loss, extra), grads = pipeline_loss_and_grads(
-                graphdef,
-                params,
-                rest,
-                mb,
-                config=pipeline,
-                mesh=mesh,
-                loss_fn=loss_fn,
-                with_metrics=True,
-                loss_scale=scale,
-            )
-            if share is not None:  # accumulated packed microbatches: see `_accumulated`
-                loss, grads = loss * share, jax.tree.map(lambda g: g * share, grads)
-                if "task_loss" in extra:
-                    extra = {**extra, "task_loss": extra["task_loss"] * share}
-            return (loss, (rest, extra)), grads
+
+def _compute_fn(grad_fn, accum_steps: int, scale: jax.Array | None):
+    """``(params, rest, batch) -> ((loss, (rest, extra)), grads)``: `grad_fn` accumulated over
+    the batch's microbatches, its gradient unscaled."""
 
     def compute(params, rest, batch):
-        """Loss, new variables, metrics and gradient of `batch` (accumulated over microbatches,
-        unscaled)."""
         out, grads = _accumulated(grad_fn, params, rest, batch, accum_steps)
         return out, grads if scale is None else loss_scale.unscale(grads, scale)
 
-    sync = run.sync
-    if sync.local:
-        new_state, metrics = replicas.local_step(
-            compute,
-            tx,
-            replicas.outer_optimizer(sync.outer_optimizer, sync.outer_lr, sync.outer_momentum),
-            state,
-            batch,
-            **_replica_layout("sync_every"),
-            sync=sync,
-            skip_nonfinite=skip_nonfinite,
-            param_specs=param_specs,
-        )
-        if schedule is not None:
-            metrics["lr"] = schedule(state.step)
-        return new_state, metrics
-    comm = dict(state.comm)
-    if sync.compresses:
-        (loss, (rest, extra)), grads, residual = replicas.reduced_grads(
-            compute,
-            state.params,
-            state.rest,
-            batch,
-            comm.get("residual"),
-            **_replica_layout("grad_compression"),
-            codec=replicas.parse_compression(sync.grad_compression),
-            error_feedback=sync.error_feedback,
-            param_specs=param_specs,
-        )
-        if residual is not None:
-            comm["residual"] = residual
-    else:
-        (loss, (rest, extra)), grads = compute(state.params, state.rest, batch)
-    ready = True
-    if sync.staleness:
-        grads, comm["stale"], ready = replicas.delay(grads, comm["stale"], state.step)
+    return compute
 
+
+def _synchronous_step(compute, tx, state, batch, run, scale, *, skip_nonfinite, param_specs):
+    """The step of replicas that apply one gradient together: gradient, update, guard,
+    loss-scale bookkeeping and metrics."""
+    scaled = scale is not None
+    sync = run.sync
+    (loss, (rest, extra)), grads, comm, ready = synced_grads(
+        compute, state, batch, sync=sync, param_specs=param_specs
+    )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if skip_nonfinite or sync.staleness or scaler:
-        apply = (finite if skip_nonfinite or scaler else True) & ready
+    if skip_nonfinite or sync.staleness or scaled:
+        apply = (finite if skip_nonfinite or scaled else True) & ready
         params, opt_state, rest = _keep_if_not(apply, (params, opt_state, rest), state)
     overflow = jnp.bool_(False)
-    if scaler is not None:  # an overflow is skipped, error-feedback residuals included
+    if scaled:  # an overflow is skipped, error-feedback residuals included
         opt_state, overflow = loss_scale.settle(
             opt_state, loss, grad_norm, run.precision.loss_scale_period
         )
         comm = jax.tree.map(lambda n, o: jnp.where(overflow, o, n), comm, dict(state.comm))
+    metrics = _step_metrics(extra, loss, grad_norm, finite, overflow, opt_state, scaled)
+    return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
+
+
+def _step_metrics(extra, loss, grad_norm, finite, overflow, opt_state, scaled: bool) -> dict:
+    """The synchronous step's metrics (``lr`` aside): the loss's, ``grad_norm``, ``skipped``,
+    and under loss scaling ``loss_scale`` and ``overflow``."""
     metrics = {**extra, "loss": loss, "grad_norm": grad_norm}
     metrics["skipped"] = (~finite & ~overflow).astype(jnp.int32)
-    if scaler is not None:
+    if scaled:
         metrics["loss_scale"] = opt_state.scale
         metrics["overflow"] = overflow.astype(jnp.int32)
-    if schedule is not None:
-        metrics["lr"] = schedule(state.step)
-    return TrainState(state.step + 1, params, opt_state, rest, comm), metrics
+    return metrics
 
 
 def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
@@ -237,7 +186,7 @@ def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
     the real tokens of every device's rows, so the replicas' mean is the whole batch's too.
     """
     if accum_steps == 1:
-        shares = _token_shares({k: x[None] for k, x in batch.items()}, 1)
+        shares = token_shares(loss_mask({k: x[None] for k, x in batch.items()}), 1)
         return grad_fn(params, rest, batch, None if shares is None else shares[0])
 
     def accumulate(carry, mb_share):
@@ -262,52 +211,11 @@ def _accumulated(grad_fn, params, rest, batch, accum_steps: int):
     carry = varying((jnp.zeros((), jnp.float32), zeros, rest, extra0))
     microbatches = {k: split_microbatches(x, accum_steps) for k, x in batch.items()}
     (loss, grads, rest, extra), _ = jax.lax.scan(
-        accumulate, carry, (microbatches, _token_shares(microbatches, accum_steps))
+        accumulate, carry, (microbatches, token_shares(loss_mask(microbatches), accum_steps))
     )
     extra = jax.tree.map(lambda m: m / accum_steps, extra)
     grads = jax.tree.map(lambda g, p: (g / accum_steps).astype(p.dtype), grads, params)
     return (loss / accum_steps, (rest, extra)), grads
-
-
-def _token_shares(microbatches: Mapping[str, jax.Array], accum_steps: int) -> jax.Array | None:
-    """``accum_steps × real tokens of each microbatch / of the batch`` ([accum_steps] float32)
-    for packed microbatches; None for plain ones (every microbatch weighs the same)."""
-    mask = loss_mask(microbatches)
-    if mask is None:
-        return None
-    counts = mask.reshape(accum_steps, -1).sum(1).astype(jnp.float32)
-    total, devices = counts.sum(), 1
-    rows = _manual_rows()
-    if rows:  # each device holds its rows only: the batch's count is every device's
-        total, devices = jax.lax.psum(total, rows), jax.lax.psum(1, rows)
-    return accum_steps * devices * counts / jnp.maximum(total, 1.0)
-
-
-def _manual_rows() -> tuple[str, ...]:
-    """The batch axes this is traced manual over (the replicas' own step), else ()."""
-    active, manual = layout.active(), layout.manual_axes()
-    if active is None or not manual:
-        return ()
-    return tuple(a for a in active.rules.batch_axes(mesh_sizes(active.mesh)) if a in manual)
-
-
-def _replica_layout(field: str) -> dict:
-    """The replica sets of the active layout on its mesh, as the ``sets=`` of a step manual
-    over the replicas (`meshtrain.replicas.replica_sets`: the replica axes, ``expert`` for an
-    MoE, and the pipeline's ``pipe``, whose loop then runs inside that step's region)."""
-    active = layout.active()
-    if active is None:
-        raise ValueError(
-            f"{field}: a step that synchronises the replicas itself must be traced under "
-            "meshtrain.layout.activation_rules(mesh, rules) (jit_train_step does this)"
-        )
-    sets = replicas.replica_sets(active.rules, mesh_sizes(active.mesh), mesh=active.mesh)
-    if not sets.axes:
-        raise ValueError(
-            f"{field}: rules {active.rules.name!r} have no replica axes on this mesh (every "
-            "batch axis splits the parameters); use dp, zero1 or hsdp"
-        )
-    return {"sets": sets}
 
 
 def _keep_if_not(ok: jax.Array, new: tuple, state: TrainState) -> tuple:
@@ -341,7 +249,7 @@ def eval_loss(
     pipeline: PipelineConfig | None = None,
 ) -> jax.Array:
     """Mean loss of the model in `state` on `batch` (no update); `pipeline` as in `train_step`."""
-    mesh = _pipeline_mesh(pipeline)
+    mesh = pipeline_mesh(pipeline)
     if mesh is not None:
         loss, metrics = pipeline_loss(
             graphdef,

@@ -9,18 +9,15 @@ all take the same `RunSpec` instead of a dozen separate settings::
     report = inspect(run)
     trainer = Trainer(run=run)
 
-The train step's older spellings (``train_step(..., accum_steps=...)`` and
-``jit_train_step(graphdef, tx, mesh, rules, ...)``) are turned into a `RunSpec` by
-`run_from_legacy`, with a `DeprecationWarning` naming the new one; the other functions' older
-spellings are gone.
+The older spellings (``check_run(mesh=..., rules=...)``, ``train_step(..., accum_steps=...)``
+and the like) are gone; ``CHANGELOG.md`` gives the new spelling of each.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flax import nnx
@@ -293,92 +290,3 @@ def model_constructor(model: Any, seed: int) -> tuple[Callable[[], nnx.Module], 
             )
         )
     return model, problems
-
-
-# Where each keyword of the older spellings goes in a RunSpec ("train.x": a TrainConfig field).
-LEGACY_FIELDS = {
-    "model": "model",
-    "ctor": "model",
-    "data": "data",
-    "spec": "data",
-    "mesh": "mesh",
-    "rules": "rules",
-    "optim": "optim",
-    "config": "train",
-    "pipeline": "pipeline",
-    "sync": "sync",
-    "checkpoint": "checkpoint",
-    "loss_fn": "loss_fn",
-    "accum_steps": "train.accum_steps",
-    "loss_impl": "train.loss_impl",
-    "steps": "train.steps",
-    "seed": "train.seed",
-    "run_dir": "train.run_dir",
-}
-_OPTIONAL = ("optim", "config", "pipeline", "sync")  # None meant the default config
-
-
-def deprecated(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """Warns that the spelling `old` goes in the next release; `new` is the one to use."""
-    warnings.warn(
-        f"{old} is deprecated: pass {new}; the old keywords go in the next release",
-        DeprecationWarning,
-        stacklevel=stacklevel + 1,
-    )
-
-
-def run_from_legacy(
-    call: str,
-    run: RunSpec | None,
-    legacy: Mapping[str, object],
-    *,
-    accepted: Collection[str],
-    defaults: Mapping[str, object] | None = None,
-) -> RunSpec:
-    """The `RunSpec` an older spelling describes, with a `DeprecationWarning` naming the new one.
-
-    Args:
-        call: the new spelling, with ``{run}`` where the `RunSpec` goes, e.g.
-            ``"check_run({run})"``; its name is the function's.
-        run: the `RunSpec` given with the old keywords (refused), or None.
-        legacy: the old keywords (positional old forms named as keywords), as passed.
-        accepted: the old keywords this function took; any other raises `TypeError`, as
-            Python would.
-        defaults: the old spelling's defaults where they differ from `RunSpec`'s (e.g.
-            ``{"run_dir": ""}``), applied when the keyword is absent.
-
-    Returns:
-        The `RunSpec`; ``RunSpec()`` (after `defaults`) when `legacy` is empty, without a
-        warning.
-
-    Raises:
-        TypeError: an unknown keyword, or a `RunSpec` together with old keywords.
-    """
-    name = call.partition("(")[0]
-    for key in legacy:
-        if key not in accepted:
-            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
-    if run is not None and legacy:
-        raise TypeError(
-            f"{name}() got a RunSpec and the old keywords {', '.join(legacy)}; put those "
-            f"settings in the RunSpec: {call.format(run='RunSpec(...)')}"
-        )
-    given = {**(defaults or {}), **legacy}
-    fields: dict[str, Any] = {}
-    train: dict[str, Any] = {}
-    for key, value in given.items():
-        path = LEGACY_FIELDS[key]
-        if path.startswith("train."):
-            train[path.removeprefix("train.")] = value
-        elif not (key in _OPTIONAL and value is None):
-            fields[path] = value
-    if train:
-        fields["train"] = dataclasses.replace(fields.get("train", TrainConfig()), **train)
-    if legacy:
-        paths = [LEGACY_FIELDS[k] for k in legacy]
-        inner = [p.removeprefix("train.") + "=..." for p in paths if p.startswith("train.")]
-        parts = [f"{p}=..." for p in dict.fromkeys(paths) if not p.startswith("train.")]
-        parts += [f"train=TrainConfig({', '.join(inner)})"] if inner else []
-        old = ", ".join(f"{k}=..." for k in legacy)
-        deprecated(f"{name}({old})", call.format(run=f"RunSpec({', '.join(parts)})"))
-    return RunSpec(**fields)

@@ -1,7 +1,6 @@
 """Tests for meshtrain.run: one `RunSpec` read by the check, the compiler, the inspector, the
-step and the `Trainer`; the removed older spellings raise `TypeError`; the step's older
-spellings give bit-for-bit the same results, with a `DeprecationWarning` naming the new one;
-and no public function threads ten settings by hand.
+step and the `Trainer`; the removed older spellings raise `TypeError`; and no public function
+threads ten settings by hand.
 """
 
 import ast
@@ -9,8 +8,6 @@ import dataclasses
 import pathlib
 import warnings
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,7 +17,7 @@ from meshtrain.check import check_run
 from meshtrain.comm import compile_step, inspect_compiled
 from meshtrain.comm.expect import Traffic, expected, param_layouts
 from meshtrain.data import DataConfig, make_dataset
-from meshtrain.layout import batch_shardings, shard_batch
+from meshtrain.layout import shard_batch
 from meshtrain.lower import init_train_state, jit_train_step, make_optimizer, train_step
 from meshtrain.mesh import AXES, make_mesh
 from meshtrain.models import GPTConfig, MLPConfig
@@ -33,71 +30,12 @@ T, B = 16, 16
 GPT = GPTConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=T, vocab_size=64)
 SPEC = DataSpec("lm", B, T, 64, None)
 TX = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=0), 10)
-NEW = r"pass {}\(RunSpec\("  # the warning names the new spelling
-
-
-def _batches(n, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 64, (n, B, T + 1), dtype=np.int32)
-    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
 
 
 @pytest.fixture(scope="module")
 def hybrid():
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     return mesh, mt.rules_for("fsdp+tp", mesh)
-
-
-def test_old_and_new_jit_train_step_are_bit_for_bit_equal(hybrid):
-    """Two accumulated steps of a GPT on 2×2×2, spelt both ways, from the same state."""
-    mesh, rules = hybrid
-    batches = _batches(2)
-    ctor = lambda: GPT.build(rngs=nnx.Rngs(params=0))  # noqa: E731
-    results = []
-    for spelling in ("new", "old"):
-        graphdef, state, shardings = init_train_state(ctor, TX, mesh, rules)
-        batch_sh = batch_shardings(batches[0], mesh, rules)
-        if spelling == "new":
-            run = RunSpec(mesh=mesh, rules=rules, train=TrainConfig(accum_steps=2))
-            step = jit_train_step(run, graphdef, TX, shardings, batch_sh)
-        else:
-            with pytest.warns(DeprecationWarning, match=NEW.format("jit_train_step")) as seen:
-                step = jit_train_step(graphdef, TX, mesh, rules, shardings, batch_sh, accum_steps=2)
-            assert "train=TrainConfig(accum_steps=...)" in str(seen[0].message)
-        metrics = []
-        for b in batches:
-            state, m = step(state, shard_batch(b, mesh, rules))
-            metrics.append(jax.device_get(m))
-        results.append((jax.device_get(state.params), metrics))
-    (new_params, new_metrics), (old_params, old_metrics) = results
-    assert new_metrics == old_metrics
-    for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(old_params), strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert new_metrics[0]["loss"] != new_metrics[1]["loss"]  # the steps did train
-
-
-def test_old_and_new_train_step_are_bit_for_bit_equal():
-    """The pure step, unsharded: old keywords (accumulation, loss) against the `RunSpec`."""
-    cfg = MLPConfig(num_features=8, num_classes=4, d_model=16, d_hidden=16, n_layers=1)
-    mesh = make_mesh("data=1", devices=jax.devices()[:1])
-    rules = mt.rules_for("dp", mesh)
-    graphdef, state, _ = init_train_state(
-        lambda: cfg.build(rngs=nnx.Rngs(params=0)), TX, mesh, rules
-    )
-    rng = np.random.default_rng(1)
-    batch = {
-        "inputs": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32),
-        "targets": jnp.asarray(rng.integers(0, 4, 8), jnp.int32),
-    }
-    run = RunSpec(train=TrainConfig(accum_steps=2, loss="mse"))
-    new = jax.jit(lambda s, b: train_step(graphdef, TX, s, b, run=run))(state, batch)
-    mse = run.step_loss
-    with pytest.warns(DeprecationWarning, match=r"train_step\(graphdef, tx, state, batch, run="):
-        old = jax.jit(lambda s, b: train_step(graphdef, TX, s, b, accum_steps=2, loss_fn=mse))(
-            state, batch
-        )
-    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 def test_the_step_reports_the_learning_rate_under_local_sgd_too():
@@ -159,8 +97,8 @@ def test_inspect_and_expected_read_the_run_spec(hybrid):
 
 
 def test_the_removed_keywords_and_positional_forms_raise_type_error(hybrid):
-    """The older spellings of the check, the compiler, the inspector and the `Trainer` are
-    gone: each raises Python's own `TypeError`, before anything compiles."""
+    """The older spellings of the check, the compiler, the inspector, the step and the `Trainer`
+    are gone: each raises Python's own `TypeError`, before anything compiles."""
     mesh, rules = hybrid
     unexpected = "got an unexpected keyword argument"
     with pytest.raises(TypeError, match=rf"check_run\(\) {unexpected} 'mesh'"):
@@ -177,6 +115,10 @@ def test_the_removed_keywords_and_positional_forms_raise_type_error(hybrid):
         inspect_compiled(None, RunSpec(), param_vars=None, mesh=mesh)
     with pytest.raises(TypeError, match=rf"expected\(\) {unexpected} 'tokens'"):
         expected([], {"data": 8}, ("data",), tokens=B * T)
+    with pytest.raises(TypeError, match=rf"train_step\(\) {unexpected} 'accum_steps'"):
+        train_step(None, TX, None, {}, accum_steps=2)
+    with pytest.raises(TypeError, match=r"jit_train_step\(\) takes 5 positional arguments but 6"):
+        jit_train_step(None, TX, mesh, rules, None, {})
 
 
 def test_a_run_spec_with_model_data_mesh_or_rules_is_refused_by_the_trainer(hybrid):

@@ -14,7 +14,8 @@ the resumable iterator), `text` (byte-level corpora), `arrays` (``.npz`` and in-
 (`prepare_corpus`: text, JSONL and Parquet tokenised into a memory-mappable directory; its
 `inputs` readers, `destination` (where it may write) and `workers` pool; `command`,
 ``meshtrain prepare``), `tokens` (the ``tokens`` source streaming from it), `packing`
-(segment ids and positions), `clients` (examples split among federated clients, each a
+(segment ids and positions), `shares` (each microbatch's share of a packed step's tokens),
+`clients` (examples split among federated clients, each a
 Dirichlet mix of the labels or sources, and batches drawn per client).
 """
 

@@ -14,7 +14,8 @@ dimension on ``pipe``, so each stage already holds its own layers.
 - `spmd`: the executors inside the manual region (with `hand_scheduled`, `passes`, `chunk`,
   `collectives` and `buffers`, their pieces);
 - `run`: the pipelined loss and gradients of a model (with `cut`, the model in pieces,
-  `layers`, its layers as the stages hold them, and `specs`, the blocks' specs in the region).
+  `layers`, its layers as the stages hold them, and `specs`, the blocks' specs in the region);
+- `step`: what the train step asks of a pipeline (its mesh, the pipelined gradient function).
 
     from meshtrain.pipeline import PipelineConfig, schedule_table
     schedule_table("1f1b", p=4, m=8).plot()

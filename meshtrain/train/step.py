@@ -22,10 +22,8 @@ from meshtrain.pipeline import PipelineConfig, pipeline_loss
 from meshtrain.pipeline.step import pipeline_mesh, pipelined_grad_fn
 from meshtrain.precision import loss_scale, matmul_precision
 from meshtrain.replicas.step import local_train_step, synced_grads
-from meshtrain.run import RunSpec, run_from_legacy
+from meshtrain.run import RunSpec
 from meshtrain.state import TrainState
-
-_STEP_LEGACY = ("accum_steps", "loss_fn", "pipeline", "sync")
 
 
 def train_step(
@@ -38,7 +36,6 @@ def train_step(
     schedule: optax.Schedule | None = None,
     skip_nonfinite: bool = True,
     param_specs: dict | None = None,
-    **legacy,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step; a pure function of its inputs.
 
@@ -82,8 +79,6 @@ def train_step(
         skip_nonfinite: skip updates whose loss or gradient is not finite.
         param_specs: the parameters' `PartitionSpec`s (`jit_train_step` passes them): with
             gradient compression, a gradient split over model axes is encoded shard by shard.
-        **legacy: the older keywords ``accum_steps=, loss_fn=, pipeline=, sync=``, deprecated:
-            they build the `RunSpec` and warn.
 
     Returns:
         The new state and metrics: ``loss`` (with any auxiliary terms the model returns, see
@@ -93,9 +88,7 @@ def train_step(
         ``overflow``, and (with `schedule`) ``lr``, the rate of this step (``schedule`` at the
         old ``state.step``), which is the one the update used.
     """
-    if run is None or legacy:
-        call = "train_step(graphdef, tx, state, batch, run={run})"
-        run = run_from_legacy(call, run, legacy, accepted=_STEP_LEGACY)
+    run = RunSpec() if run is None else run
     loss_fn = run.step_loss
     state = offload.to_device(state)  # a state kept in host memory (`Offload`) comes in first
     scale = loss_scale.step_scale(state.opt_state, run.loss_scaling)
@@ -307,19 +300,15 @@ class _Jitted:
         return self.fn.trace(state, batch)
 
 
-_JIT_LEGACY = ("mesh", "rules", *_STEP_LEGACY)
-
-
 def jit_train_step(
     run: RunSpec,
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
     state_shardings: TrainState,
     batch_sharding: Mapping[str, NamedSharding],
-    *old_args,
+    *,
     schedule: optax.Schedule | None = None,
     skip_nonfinite: bool = True,
-    **legacy,
 ):
     """`train_step` jitted with explicit in/out shardings; the input state is donated.
 
@@ -332,31 +321,12 @@ def jit_train_step(
             ``run.sync`` it includes ``comm``'s, from `meshtrain.replicas.with_sync`).
         batch_sharding: one `NamedSharding` per batch entry (`batch_shardings`).
         schedule, skip_nonfinite: as for `train_step`.
-        *old_args: the older positional arguments, deprecated (see legacy).
-        **legacy: the older spelling ``jit_train_step(graphdef, tx, mesh, rules,
-            state_shardings, batch_sharding, *, accum_steps=, loss_fn=, pipeline=, sync=)``,
-            deprecated: it builds the `RunSpec` and warns.
 
     Returns:
         ``step(state, batch) -> (state, metrics)``; metrics are replicated scalars. A batch
         whose rows do not divide over its sharding is refused with a clear error before the
         call; ``step.lower(state, batch)`` gives jax's lowered program.
     """
-    if not isinstance(run, RunSpec):  # the older positional form
-        args = (run, graphdef, tx, state_shardings, batch_sharding, *old_args)
-        if len(args) != 6:
-            raise TypeError(
-                "jit_train_step() takes run, graphdef, tx, state_shardings, batch_sharding"
-            )
-        graphdef, tx, mesh, rules, state_shardings, batch_sharding = args
-        run, legacy = None, {"mesh": mesh, "rules": rules, **legacy}
-    elif old_args:
-        raise TypeError(
-            f"jit_train_step() takes 5 positional arguments but {5 + len(old_args)} were given"
-        )
-    if run is None or legacy:
-        call = "jit_train_step({run}, graphdef, tx, state_shardings, batch_sharding)"
-        run = run_from_legacy(call, run, legacy, accepted=_JIT_LEGACY)
     run = run.resolved()
     mesh, rules = run.mesh, run.rules
 

@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain._compat import varying_axes
-from meshtrain.layout import active, axes_of, manual_axes, manual_region, resolve
+from meshtrain.layout import active, axes_of, entry_of, manual_axes, manual_region, resolve
 
 IMPLS = ("pallas", "xla", "auto")
 ATTENTION_IMPLS = ("pallas", "xla", "cudnn", "auto")
@@ -149,7 +149,7 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
         parts = []
         for name in arg_names:
             axes = resolved.get(name, ()) if name is not None else ()
-            parts.append(axes[0] if len(axes) == 1 else (axes or None))
+            parts.append(entry_of(axes))
         return P(*parts)
 
     single = out_names and not isinstance(out_names[0], tuple)

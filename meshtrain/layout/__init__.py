@@ -47,6 +47,7 @@ from meshtrain.layout.rules import (
     alternatives,
     auto_strategy,
     axes_of,
+    entry_of,
     rules_for,
     strategy_problems,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "active",
     "alternatives",
     "axes_of",
+    "entry_of",
     "axis_size",
     "batch_shardings",
     "batch_spec",

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain._tree import path_str
-from meshtrain.layout.rules import Entry, alternatives, axes_of
+from meshtrain.layout.rules import Entry, alternatives, axes_of, entry_of
 from meshtrain.mesh import mesh_sizes
 from meshtrain.problem import Problem
 
@@ -69,7 +69,7 @@ def resolve(
         if axes is None:
             raise ValueError(_indivisible(where, dim, name, shape[dim], table[name], sizes, used))
         used.update(axes)
-        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+        spec.append(entry_of(axes))
     return P(*spec)
 
 

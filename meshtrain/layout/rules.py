@@ -82,6 +82,12 @@ def axes_of(entry: MeshAxes) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def entry_of(axes: tuple[str, ...]) -> MeshAxes:
+    """The spec entry that splits over `axes`, as `axes_of` reads it back: ``()`` → ``None``,
+    ``("x",)`` → ``"x"``, longer tuples unchanged."""
+    return axes[0] if len(axes) == 1 else (tuple(axes) or None)
+
+
 def alternatives(entry: Entry) -> list[MeshAxes]:
     """A table entry as its list of alternatives (a single layout is a list of one)."""
     return list(entry) if isinstance(entry, list) else [entry]

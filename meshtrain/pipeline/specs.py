@@ -12,7 +12,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import axes_of
+from meshtrain.layout import axes_of, entry_of
 
 
 def _filtered(spec: P, keep: Callable[[str], bool]) -> P:
@@ -20,8 +20,7 @@ def _filtered(spec: P, keep: Callable[[str], bool]) -> P:
     alone, one left with none is None."""
     entries = []
     for entry in spec:
-        axes = tuple(a for a in axes_of(entry) if keep(a))
-        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+        entries.append(entry_of(tuple(a for a in axes_of(entry) if keep(a))))
     return P(*entries)
 
 

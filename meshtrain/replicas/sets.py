@@ -28,7 +28,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from meshtrain.layout import Rules, axes_of
+from meshtrain.layout import Rules, axes_of, entry_of
 from meshtrain.mesh import EXPERT, PIPE
 
 
@@ -125,5 +125,4 @@ def replica_sets(rules: Rules, sizes: Mapping[str, int], mesh: Mesh | None = Non
 
 def _only(entry, keep: tuple[str, ...]):
     """A spec entry with only the axes of `keep`, or None."""
-    kept = tuple(a for a in axes_of(entry) if a in keep)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+    return entry_of(tuple(a for a in axes_of(entry) if a in keep))

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshtrain._compat import varying_axes
-from meshtrain.layout import axes_of, varying
+from meshtrain.layout import axes_of, entry_of, varying
 from meshtrain.replicas.sets import ReplicaSets
 
 
@@ -44,8 +44,7 @@ def stacked_shardings(shardings, axes):
     sets = axes if isinstance(axes, ReplicaSets) else None
 
     def strip(e, over):
-        kept = tuple(a for a in axes_of(e) if a not in over)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
+        return entry_of(tuple(a for a in axes_of(e) if a not in over))
 
     def one(s: NamedSharding) -> NamedSharding:
         over = tuple(axes) if sets is None else sets.leaf_axes(s.spec)

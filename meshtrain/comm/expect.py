@@ -67,13 +67,17 @@ from flax import nnx
 
 from meshtrain._units import fmt_bytes
 from meshtrain.comm.report import Row, axes_label
+from meshtrain.costmodel import profile
+from meshtrain.costmodel.moe import dispatch_costs
 from meshtrain.layout import Rules, axes_of, resolve
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
+from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.pipeline.slots import permute_uses
 from meshtrain.replicas import Codec, gossip, parse_compression, replica_sets
 from meshtrain.run import RunSpec
+from meshtrain.state import abstract_model
 
 BUCKETS = (
     "gradient reduction",
@@ -380,8 +384,6 @@ def stage_weight_bytes(model, mesh, rules: Rules) -> float:
         mesh: the mesh.
         rules: the layout rules.
     """
-    from meshtrain.state import abstract_model
-
     graphdef, abstract = abstract_model(lambda: model.build(rngs=nnx.Rngs(0)))
     params = nnx.split(nnx.merge(graphdef, abstract), nnx.Param, ...)[1]
     sizes = dict(mesh.shape)
@@ -418,16 +420,9 @@ def _dispatch_bytes(model, sizes: Mapping[str, int], tokens_local: float) -> flo
     """The all-to-all buffer bytes per device and step of an MoE's dispatch over ``expert``,
     as the planner models them (`meshtrain.costmodel.moe.dispatch_costs`, on this backend); 0 for
     other models or without an expert axis."""
-    # Imported here: meshtrain.plan imports this module (the planner models communication
-    # with the expectation), so the planner's dispatch model cannot be imported at its top.
-    from meshtrain.costmodel import profile
-    from meshtrain.costmodel.moe import dispatch_costs
-    from meshtrain.models.moe_config import MoEConfig
-
     shards = sizes.get(EXPERT, 1)
     if not isinstance(model, MoEConfig) or shards == 1:
         return 0.0
-
     device = profile("h100" if jax.default_backend() == "gpu" else "cpu-sim")
     cost = dispatch_costs(model, tokens=tokens_local, shards=shards, device=device)
     exchanges = 4 if model.remat == "none" else 6  # remat re-runs the forward's two

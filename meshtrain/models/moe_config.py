@@ -145,25 +145,8 @@ class MoEConfig(validate.Checked):
     @property
     def backbone(self) -> GPTConfig:
         """The attention, norm and embedding settings as a Llama-style `GPTConfig`."""
-        return GPTConfig(
-            style="llama",
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            d_ff=self.d_ff,
-            rope_theta=self.rope_theta,
-            norm_eps=self.norm_eps,
-            tie_embeddings=self.tie_embeddings,
-            remat=self.remat,
-            dtype=self.dtype,
-            fp8=self.fp8,
-            attention_impl=self.attention_impl,
-            sliding_window=self.sliding_window,
-            vocab_multiple=self.vocab_multiple,
-        )
+        shared = {name: getattr(self, name) for name in _BACKBONE_FIELDS}
+        return GPTConfig(style="llama", **shared)
 
     @property
     def expert_dim(self) -> int:
@@ -263,6 +246,13 @@ class MoEConfig(validate.Checked):
     def supported_axes(self) -> tuple[str, ...]:
         """Axes beyond the defaults that this model runs (the run check reads it)."""
         return (EXPERT,)
+
+
+_BACKBONE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(MoEConfig)
+    if f.name in {g.name for g in dataclasses.fields(GPTConfig)}
+)  # the fields an MoE shares with the dense decoder: vocab_size … vocab_multiple
 
 
 def _moe(fix: str) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,20 +104,60 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
     the call must not be differentiated: a kernel puts its custom VJP around `sharded`, whose
     forward and backward rules each call it (see `kernels.norms` for the pattern).
     """
+    region = plan_region(args, names, with_axes=with_axes)
+    call = region.bind(fn)
+    if region.mesh is None:
+        return call(*args)
+    single = out_names and not isinstance(out_names[0], tuple)
+    out_specs = region.spec(out_names) if single else tuple(region.spec(n) for n in out_names)
+    return region.run(call, args, out_specs)
+
+
+class Region(NamedTuple):
+    """Where `sharded` runs a call: the mesh (None: no region, call it directly), the axes
+    already manual around it, and each logical name's mesh axes."""
+
+    mesh: Any
+    outer: frozenset
+    resolved: dict
+    in_specs: tuple
+    with_axes: bool
+
+    def spec(self, arg_names) -> P:
+        """The spec of an array with these logical names (None: never split)."""
+        return P(*(entry_of(self.resolved.get(n, ()) if n else ()) for n in arg_names))
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes the region is manual over (those not manual around it)."""
+        return tuple(a for a in self.mesh.axis_names if a not in self.outer)
+
+    def bind(self, fn):
+        """`fn`, given ``axes=`` (logical name → its mesh axes) when asked for."""
+        if not self.with_axes:
+            return fn
+        return functools.partial(fn, axes={k: v for k, v in self.resolved.items() if v})
+
+    def run(self, fn, args, out_specs):
+        """``fn(*args)`` per shard: a new region, or one nested in the enclosing one."""
+        if not self.outer:
+            return manual_region(
+                fn, mesh=self.mesh, axes=None, in_specs=self.in_specs, out_specs=out_specs,
+                check_vma=False,
+            )(*args)  # fmt: skip
+        return _nested(fn, args, self.mesh, self.in_specs, out_specs)
+
+
+def plan_region(args, names, *, with_axes: bool = False) -> Region:
+    """How `sharded` splits `args` (see there): the region's mesh and specs."""
     layout = active()
+    outer = frozenset(manual_axes())
     if layout is None:
-        if not manual_axes():
-            return fn(*args, axes={}) if with_axes else fn(*args)
+        if not outer:
+            return Region(None, outer, {}, (), with_axes)
         # Inside a manual region but outside any layout: every argument whole.
         whole = tuple(P(*([None] * len(n))) for n in names)
-        single = out_names and not isinstance(out_names[0], tuple)
-        outs = (
-            P(*([None] * len(out_names)))
-            if single
-            else tuple(P(*([None] * len(n))) for n in out_names)
-        )
-        call = functools.partial(fn, axes={}) if with_axes else fn
-        return _nested(call, args, jax.sharding.get_abstract_mesh(), whole, outs)
+        return Region(jax.sharding.get_abstract_mesh(), outer, {}, whole, with_axes)
     # The gcd of each name's sizes: a split divides the gcd exactly when it divides every
     # argument that carries the name.
     sizes: dict[str, int] = {}
@@ -125,7 +166,6 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
             if name is not None:
                 sizes[name] = math.gcd(sizes.get(name, 0), arg.shape[dim])
     where = f"kernel inputs {tuple(tuple(a.shape) for a in args)}"
-    outer = manual_axes()
     mesh_sizes = {a: 1 if a in outer else n for a, n in layout.mesh.shape.items()}
     resolved: dict[str, tuple[str, ...]] = {}
     for arg_names in names:
@@ -144,27 +184,11 @@ def sharded(fn, args, names, out_names, *, with_axes=False):
                     f"argument and {axes_of(part)} in another; give the kernel's arguments "
                     "their logical names in one order"
                 )
-
-    def spec_of(arg_names):
-        parts = []
-        for name in arg_names:
-            axes = resolved.get(name, ()) if name is not None else ()
-            parts.append(entry_of(axes))
-        return P(*parts)
-
-    single = out_names and not isinstance(out_names[0], tuple)
-    out_specs = spec_of(out_names) if single else tuple(spec_of(n) for n in out_names)
-    in_specs = tuple(spec_of(n) for n in names)
-    if with_axes:
-        fn = functools.partial(fn, axes={k: v for k, v in resolved.items() if v})
-    if not outer:
-        if all(s == P(*([None] * len(s))) for s in in_specs):
-            return fn(*args)
-        region = manual_region(
-            fn, mesh=layout.mesh, axes=None, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
-        return region(*args)
-    return _nested(fn, args, layout.mesh, in_specs, out_specs)
+    region = Region(layout.mesh, outer, resolved, (), with_axes)
+    in_specs = tuple(region.spec(n) for n in names)
+    if not outer and all(s == P(*([None] * len(s))) for s in in_specs):
+        return Region(None, outer, resolved, in_specs, with_axes)  # nothing split: no region
+    return region._replace(in_specs=in_specs)
 
 
 def _nested(fn, args, mesh, in_specs, out_specs):

@@ -33,6 +33,7 @@ from meshtrain.kernels._flash_shards import (
     local_kv_heads,
 )
 from meshtrain.kernels._flash_tiles import Tiling, kv_range, q_range, sees_block
+from meshtrain.kernels._shard_vjp import sharded_autodiff
 
 __all__ = [
     "DTYPES",
@@ -163,7 +164,8 @@ def flash_attention(
     if impl == "pallas":
         t = tiling(q_BTHK, k_BSGK, causal, window, block_q, block_k)
         return _pallas_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids, t)
-    # cuDNN: jax differentiates its fused attention; run it per shard.
+    # cuDNN: run per shard, and differentiated per shard (jax's VJP of cuDNN's attention),
+    # so that it composes with regions nested in manual ones (pipelines, the replicas' step).
     # (left, right) keys beside the query itself: (window − 1, 0) is (i − window, i].
     local = None if window is None else (window - 1, 0)
     H = q_BTHK.shape[2]
@@ -175,4 +177,4 @@ def flash_attention(
         )
 
     args, names = (q_BTHK, k_BSGK, v_BSGK), (Q_NAMES, KV_NAMES, KV_NAMES)
-    return _common.sharded(per_shard, args, names, Q_NAMES, with_axes=True)
+    return sharded_autodiff(per_shard, args, names, Q_NAMES, with_axes=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from meshtrain.composition import checks as check
 from meshtrain.composition import examples as example
 from meshtrain.composition.checks import all_of, split
-from meshtrain.composition.features import CONTEXT, LOCAL, MOE, PIPELINES
+from meshtrain.composition.features import CONTEXT, MOE, PIPELINES
 from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
 from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
@@ -238,31 +238,6 @@ TABLE = (
         check.cudnn_name,
         example.pair({"seq": 2, "data": 4}, {"data": 8}, model=_CUDNN),
         cells=cells(("cudnn",), CONTEXT),
-    ),
-    Refusal(
-        "cuDNN attention",
-        "pipelines",
-        "jax differentiates cuDNN's fused attention itself, which a stage's nested manual "
-        "region cannot (the Pallas kernel's own backward can)",
-        all_of(split(PIPE), check.cudnn),
-        "{model}.attention_impl",
-        "use pallas (or auto) inside pipelines, or set pipe=1",
-        check.cudnn_name,
-        example.pair({"pipe": 2, "data": 4}, {"data": 8}, model=_CUDNN),
-        cells=cells(("cudnn",), PIPELINES),
-    ),
-    Refusal(
-        "cuDNN attention",
-        _OWN_STEP,
-        "jax differentiates cuDNN's fused attention itself, which a region manual over the "
-        "replicas cannot (the Pallas kernel's own backward can)",
-        all_of(check.own_step, check.cudnn),
-        "{model}.attention_impl",
-        "use pallas (or auto) with --grad-compression, --sync-every, --gossip or "
-        "--client-fraction, or drop them",
-        check.cudnn_name,
-        example.sync({"grad_compression": "int8"}, {}, model=_CUDNN),
-        cells=cells(("cudnn",), ("compression", *LOCAL)),
     ),
     Refusal(
         _OWN_STEP,

@@ -65,3 +65,11 @@ def errors_vs_full(
         pairs = zip((o, *g), (o_want, *g_want), strict=True)
         out[algorithm] = [float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in pairs]
     return out
+
+
+def assert_split(step, state, batch, mesh, rules) -> None:
+    """Under seq > 1 the context-parallel algorithm's collective is in the program of `step`
+    (the run is not silently unsplit)."""
+    if mesh.shape["seq"] > 1:
+        want = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
+        assert f"stablehlo.{want[rules.context_parallel]}" in step.lower(state, batch).as_text()

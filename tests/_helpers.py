@@ -121,3 +121,53 @@ def model_from(cfg, values):
         return nnx.merge(graphdef, state)
 
     return ctor
+
+
+def state_and_step(ctor, tx, mesh, rules, example, params=None, **step_kw):
+    """The train state of `ctor`'s model laid out on `mesh` (`params`: its initial values, as
+    `init_train_state` takes them) and its jitted step under a plain run spec, built for
+    batches shaped as `example` (``step_kw``: `jit_train_step`'s keywords, the schedule).
+
+    Returns:
+        ``(graphdef, state, shardings, step)``; the step takes batches already sharded.
+    """
+    from meshtrain.layout import batch_shardings
+    from meshtrain.lower import init_train_state, jit_train_step
+    from meshtrain.run import RunSpec
+
+    graphdef, state, shardings = init_train_state(ctor, tx, mesh, rules, params)
+    batch_sh = batch_shardings(example, mesh, rules)
+    step = jit_train_step(
+        RunSpec(mesh=mesh, rules=rules), graphdef, tx, shardings, batch_sh, **step_kw
+    )
+    return graphdef, state, shardings, step
+
+
+def losses_and_params(step, state, batches, mesh, rules):
+    """Runs `step` over the host `batches` (sharded one by one): the losses, the final host
+    parameters and the final state."""
+    import jax
+    import numpy as np
+
+    from meshtrain.layout import shard_batch
+
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, shard_batch(batch, mesh, rules))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.tree.map(np.asarray, state.params), state
+
+
+def params_history(step, state, batches, mesh, rules):
+    """Runs `step` over the host `batches`, none of them skipped: the host parameters before
+    the first and after each step, and the final state."""
+    import jax
+
+    from meshtrain.layout import shard_batch
+
+    history = [jax.device_get(state.params)]
+    for b in batches:
+        state, metrics = step(state, shard_batch(b, mesh, rules))
+        assert int(metrics["skipped"]) == 0
+        history.append(jax.device_get(state.params))
+    return history, state

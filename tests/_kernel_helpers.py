@@ -45,3 +45,19 @@ def h100():
     from jax.sharding import AbstractDevice
 
     return AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+
+def under_fsdp_tp(kernel):
+    """`kernel` called under the activation rules of a data×fsdp×tensor mesh (fsdp+tp), where
+    a kernel runs per shard of the batch."""
+    from meshtrain.layout import activation_rules, rules_for
+    from meshtrain.mesh import make_mesh
+
+    mesh = make_mesh("data=2,fsdp=2,tensor=2")
+    rules = rules_for("fsdp+tp", mesh)
+
+    def sharded(*args):
+        with activation_rules(mesh, rules):
+            return kernel(*args)
+
+    return sharded

@@ -8,7 +8,8 @@ through a module-level name bound to such a mark) or sits in the ``marks=`` of a
 ``pytest.param`` among the function's ``parametrize`` values: written there, in a
 module-level list the decorator names, or in a comprehension over literal values
 (``[pytest.param(a, marks=pytest.mark.pair("packed", a)) for a in ("ring", "ulysses")]``,
-f-strings of its names included)::
+f-strings of its names included) or over ``combinations`` of them (every two of a case's
+features: ``[pair(a, b) for a, b in combinations(("dp", "tp", "remat"), 2)]``)::
 
     for where, pair in markers("tests"):
         print(where, pair)  # tests/test_x.py::test_y ('packed', 'ring')
@@ -164,7 +165,7 @@ def _bindings(generators: list[ast.comprehension], names, env: Env) -> list[Env]
         if gen.ifs or gen.is_async:
             return []
         try:
-            values = _value(gen.iter, names, env)
+            values = _iterated(gen.iter, names, env)
         except _Unreadable:
             return []
         if not isinstance(values, list | tuple | set | frozenset):
@@ -177,6 +178,20 @@ def _bindings(generators: list[ast.comprehension], names, env: Env) -> list[Env]
                 return []
         out = grown
     return out
+
+
+def _iterated(node: ast.expr, names, env: Env) -> object:
+    """What a comprehension iterates: a literal value, or ``combinations(literal, r)``
+    (`itertools.combinations`, by that name or as an attribute)."""
+    func = node.func if isinstance(node, ast.Call) else None
+    if getattr(func, "id", getattr(func, "attr", None)) != "combinations":
+        return _value(node, names, env)
+    if len(node.args) != 2 or node.keywords:
+        raise _Unreadable
+    items, r = (_value(a, names, env) for a in node.args)
+    if not isinstance(items, list | tuple) or not isinstance(r, int):
+        raise _Unreadable
+    return list(itertools.combinations(items, r))
 
 
 def _assign(target: ast.expr, value: object) -> dict[str, object]:

@@ -10,12 +10,13 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from _helpers import state_and_step
 
 from meshtrain import checkpoint as ckpt
 from meshtrain.checkpoint import CheckpointConfig, CheckpointManager, CheckpointWarning
 from meshtrain.data import make_arrays_dataset
 from meshtrain.layout import rules_for, shard_batch
-from meshtrain.lower import RunSpec, batch_shardings, init_train_state, jit_train_step
+from meshtrain.lower import RunSpec, init_train_state
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import GPTConfig, MLPConfig, build_model
 from meshtrain.models.base import batch_structs
@@ -384,14 +385,8 @@ def test_nan_batch_skips_the_update_but_its_counters_advance():
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     rules = rules_for("fsdp+tp", mesh)
     tx = make_optimizer(OPTIM, 10)
-    graphdef, state, shardings = init_train_state(lambda: build_model(MLP, seed=0), tx, mesh, rules)
-    step = jit_train_step(
-        RunSpec(mesh=mesh, rules=rules),
-        graphdef,
-        tx,
-        shardings,
-        batch_shardings(batch_structs(data), mesh, rules),
-    )
+    ctor = lambda: build_model(MLP, seed=0)  # noqa: E731
+    _, state, _, step = state_and_step(ctor, tx, mesh, rules, batch_structs(data))
     batch = next(data.train_iter())
     good = jax.device_get(state)
     for poison in ("nan", "inf"):

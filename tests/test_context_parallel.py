@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cp_helpers import errors_vs_full, qkv
-from _helpers import count_compiles, model_from, token_batches
+from _cp_helpers import assert_split, errors_vs_full, qkv
+from _helpers import count_compiles, losses_and_params, model_from, state_and_step, token_batches
 from flax import nnx
 
 from meshtrain import cli
@@ -21,8 +21,8 @@ from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointManager, restore
 from meshtrain.context_parallel import blocks, ring, zigzag
 from meshtrain.kernels import reference
-from meshtrain.layout import batch_shardings, manual_region, rules_for, shard_batch
-from meshtrain.lower import RunSpec, init_train_state, jit_train_step, make_optimizer
+from meshtrain.layout import manual_region, rules_for, shard_batch
+from meshtrain.lower import RunSpec, make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.metrics import read_jsonl
 from meshtrain.models import DataSpec, GPTConfig, build_model
@@ -275,31 +275,15 @@ def _train(cfg, mesh_str, strategy="dp", context="ring", devices=None):
     rules = rules_for(strategy, mesh, context_parallel=context)
     values = _initial(cfg)
 
-    graphdef, state, shardings = init_train_state(model_from(cfg, values), TX, mesh, rules)
     data = _batches(cfg)
-    step = jit_train_step(
-        RunSpec(mesh=mesh, rules=rules),
-        graphdef,
-        TX,
-        shardings,
-        batch_shardings(data[0], mesh, rules),
-    )
+    _, state, shardings, step = state_and_step(model_from(cfg, values), TX, mesh, rules, data[0])
+    assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)
+    losses, params, state = losses_and_params(step, state, data[:STEPS], mesh, rules)
 
     def go_on(state, batch):
         return step(state, shard_batch(batch, mesh, rules))
 
-    # The algorithm's collective is in the program (the run is not silently unsplit).
-    if mesh.shape["seq"] > 1:
-        text = step.lower(state, shard_batch(data[0], mesh, rules)).as_text()
-        want_op = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
-        assert f"stablehlo.{want_op[context]}" in text, context
-
-    losses = []
-    for batch in data[:STEPS]:
-        state, m = go_on(state, batch)
-        losses.append(float(m["loss"]))
-    params = jax.tree.map(np.asarray, state.params)
-    return dict(loss=np.array(losses), params=params, state=state, shardings=shardings, step=go_on)
+    return dict(loss=losses, params=params, state=state, shardings=shardings, step=go_on)
 
 
 _INIT = {}

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cp_helpers import errors_vs_full, qkv
-from _helpers import initial_values, token_batches
+from _helpers import initial_values, losses_and_params, state_and_step, token_batches
 from flax import nnx
 
 from meshtrain import context_parallel as cp
@@ -24,8 +24,8 @@ from meshtrain.check import check_run
 from meshtrain.context_parallel import blocks
 from meshtrain.kernels import attention as flash
 from meshtrain.kernels import reference
-from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
-from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.layout import activation_rules, rules_for
+from meshtrain.lower import make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import DataSpec, GPTConfig, build_model
 from meshtrain.run import RunSpec
@@ -145,15 +145,10 @@ def _train(cfg, mesh_str, values, devices=None):
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for("dp", mesh, context_parallel="ring")
     # `values` moved into the layout (no initialiser program is compiled)
-    graphdef, state, shardings = init_train_state(lambda: build_model(cfg), TX, mesh, rules, values)
     data = _batches(cfg)
-    run = RunSpec(mesh=mesh, rules=rules)
-    step = jit_train_step(run, graphdef, TX, shardings, batch_shardings(data[0], mesh, rules))
-    losses = []
-    for batch in data:
-        state, m = step(state, shard_batch(batch, mesh, rules))
-        losses.append(float(m["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params)
+    _, state, _, step = state_and_step(lambda: build_model(cfg), TX, mesh, rules, data[0], values)
+    losses, params, _ = losses_and_params(step, state, data, mesh, rules)
+    return losses, params
 
 
 @pytest.mark.slow

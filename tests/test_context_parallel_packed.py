@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cp_helpers import qkv
-from _helpers import initial_values, model_from
+from _cp_helpers import assert_split, qkv
+from _helpers import initial_values, losses_and_params, model_from, state_and_step
 
 from meshtrain import context_parallel as cp
 from meshtrain.check import check_run
 from meshtrain.context_parallel import blocks, ring
-from meshtrain.layout import batch_shardings, manual_region, rules_for, shard_batch
-from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.layout import manual_region, rules_for, shard_batch
+from meshtrain.lower import make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import DataSpec, GPTConfig
 from meshtrain.models.layers import causal_attention
@@ -167,27 +167,15 @@ def _batches(cfg, seed):
     return out
 
 
-def _assert_split(step, state, batch, mesh, rules) -> None:
-    """Under seq > 1 the algorithm's collective is in the program (not silently unsplit)."""
-    if mesh.shape["seq"] > 1:
-        want = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
-        assert f"stablehlo.{want[rules.context_parallel]}" in step.lower(state, batch).as_text()
-
-
 def _train(cfg, tx, mesh_str, context, values, data, devices=None):
     """STEPS steps from `values` on `data`: the losses and the final parameters."""
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for("dp", mesh, context_parallel=context)
 
-    graphdef, state, shardings = init_train_state(model_from(cfg, values), tx, mesh, rules)
-    run = RunSpec(mesh=mesh, rules=rules)
-    step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(data[0], mesh, rules))
-    _assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)
-    losses = []
-    for batch in data:
-        state, m = step(state, shard_batch(batch, mesh, rules))
-        losses.append(float(m["loss"]))
-    return np.array(losses), jax.tree.map(np.asarray, state.params)
+    _, state, _, step = state_and_step(model_from(cfg, values), tx, mesh, rules, data[0])
+    assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)
+    losses, params, _ = losses_and_params(step, state, data, mesh, rules)
+    return losses, params
 
 
 _REF: dict = {}

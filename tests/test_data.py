@@ -331,20 +331,20 @@ def test_arrays_source_on_a_file_that_is_not_an_npz(tmp_path, content, what):
 
 
 def test_an_empty_or_tiny_file_names_the_file_its_size_and_the_fix(tmp_path):
-    empty = tmp_path / "empty.txt"
-    empty.write_bytes(b"")
-    with pytest.raises(ValueError) as err:
-        make_dataset(DataConfig(source="text", path=str(empty)))
-    message = _one_line(err)
+    def refusal(name, content):
+        """The one-line message that refuses a text file holding `content`."""
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(ValueError) as err:
+            make_dataset(DataConfig(source="text", path=str(path)))
+        return str(path), _one_line(err)
+
+    path, message = refusal("empty.txt", b"")
     # Defaults: 32 windows of 129 bytes for training plus a 5 % tail of at least 129 bytes.
-    assert f"data.path={str(empty)!r} is empty (0 bytes)" in message, message
+    assert f"data.path={path!r} is empty (0 bytes)" in message, message
     assert "at least 4312 bytes" in message, message
-    tiny = tmp_path / "tiny.txt"
-    tiny.write_bytes(b"hello there\n")
-    with pytest.raises(ValueError) as err:
-        make_dataset(DataConfig(source="text", path=str(tiny)))
-    message = _one_line(err)
-    assert f"data.path={str(tiny)!r} holds 12 bytes" in message, message
+    path, message = refusal("tiny.txt", b"hello there\n")
+    assert f"data.path={path!r} holds 12 bytes" in message, message
     assert "at least 4312 bytes" in message and "lower seq_len" in message, message
     # The size the message asks for is enough, and one byte less is not.
     need = tmp_path / "need.txt"

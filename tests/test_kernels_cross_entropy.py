@@ -7,11 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _kernel_helpers import TOL, assert_close, fresh_key
+from _kernel_helpers import TOL, assert_close, fresh_key, under_fsdp_tp
 
 from meshtrain.kernels import poison_outputs, reference, token_cross_entropy
-from meshtrain.layout import activation_rules, constrain, rules_for
-from meshtrain.mesh import make_mesh
+from meshtrain.layout import constrain
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -110,13 +109,11 @@ def test_every_output_element_is_written():
 def test_vocab_parallel_under_tensor_parallelism():
     """Logits split over the vocabulary (tensor=2) and batch: partial reductions combined."""
     key, seed = fresh_key()
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    rules = rules_for("fsdp+tp", mesh)
 
+    @under_fsdp_tp
     def sharded(x, t):
-        with activation_rules(mesh, rules):
-            x = constrain(x, ("batch", "seq", "vocab"))
-            return token_cross_entropy(x, t, impl="pallas", block_vocab=32)
+        x = constrain(x, ("batch", "seq", "vocab"))
+        return token_cross_entropy(x, t, impl="pallas", block_vocab=32)
 
     (loss, grad), (ref, ref_grad) = _against(
         key, (4, 6), 256, jnp.float32, sharded, reference.token_cross_entropy

@@ -5,11 +5,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from _kernel_helpers import TOL, assert_close, fresh_key
+from _kernel_helpers import TOL, assert_close, fresh_key, under_fsdp_tp
 
 from meshtrain.kernels import matmul, poison_outputs, reference
-from meshtrain.layout import activation_rules, rules_for
-from meshtrain.mesh import make_mesh
 
 TILES = dict(block_m=16, block_n=16, block_k=16)
 
@@ -91,12 +89,10 @@ def test_every_output_element_is_written():
 
 def test_sharded_over_the_batch_matches():
     key, seed = fresh_key()
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    rules = rules_for("fsdp+tp", mesh)
 
+    @under_fsdp_tp
     def sharded(x, w, b):
-        with activation_rules(mesh, rules):
-            return matmul(x, w, b, activation="silu", impl="pallas", **TILES)
+        return matmul(x, w, b, activation="silu", impl="pallas", **TILES)
 
     (out, grads), (ref, ref_grads) = _against(
         key,

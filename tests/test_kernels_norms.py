@@ -6,12 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _kernel_helpers import TOL, assert_close, fresh_key
+from _kernel_helpers import TOL, assert_close, fresh_key, under_fsdp_tp
 from flax import nnx
 
 from meshtrain.kernels import layer_norm, poison_outputs, reference, rms_norm
-from meshtrain.layout import activation_rules, rules_for
-from meshtrain.mesh import make_mesh
 
 KINDS = {
     "rms": (rms_norm, lambda x, w, b, **kw: reference.rms_norm(x, w, **kw)),
@@ -121,12 +119,10 @@ def test_every_output_element_is_written(kind):
 def test_sharded_over_the_batch_matches():
     """Under a data×fsdp×tensor mesh the kernel runs per shard; values and grads unchanged."""
     key, seed = fresh_key()
-    mesh = make_mesh("data=2,fsdp=2,tensor=2")
-    rules = rules_for("fsdp+tp", mesh)
 
+    @under_fsdp_tp
     def sharded(x, w, b):
-        with activation_rules(mesh, rules):
-            return layer_norm(x, w, b, impl="pallas")
+        return layer_norm(x, w, b, impl="pallas")
 
     (out, grads), (ref, ref_grads) = _against(
         key, (8, 6, 64), jnp.float32, sharded, reference.layer_norm

@@ -131,29 +131,29 @@ def _tables(strategy: str):
     return {**TP, **params}, {**TP, **optimizer}
 
 
+def _assert_follows(leaves, names, table, mesh, what):
+    """Every leaf of the flat `leaves` (the parameters' paths, no other) is laid out as
+    `table` places its logical axes (`names`)."""
+    assert set(leaves) == set(names), what
+    for path, array in leaves.items():
+        want = NamedSharding(mesh, intended_spec(names[path], table, mesh))
+        assert array.sharding.is_equivalent_to(want, array.ndim), (what, path, array.sharding.spec)
+
+
 @pytest.mark.parametrize("strategy, mesh_str, style", LAYOUTS)
 def test_parameters_follow_the_preset(strategy, mesh_str, style):
     mesh, state = sharded_state(strategy, mesh_str, style)
-    names = gpt_param_names(style)
-    params = flat(state.params)
-    assert set(params) == set(names)
     table, _ = _tables(strategy)
-    for path, array in params.items():
-        want = NamedSharding(mesh, intended_spec(names[path], table, mesh))
-        assert array.sharding.is_equivalent_to(want, array.ndim), (path, array.sharding.spec)
+    _assert_follows(flat(state.params), gpt_param_names(style), table, mesh, "params")
 
 
 @pytest.mark.parametrize("strategy, mesh_str, style", LAYOUTS)
 def test_optimizer_state_follows_the_preset(strategy, mesh_str, style):
     mesh, state = sharded_state(strategy, mesh_str, style)
-    names = gpt_param_names(style)
     _, table = _tables(strategy)
     for moment in ("mu", "nu"):
         leaves = flat(optax.tree_utils.tree_get(state.opt_state, moment))
-        assert set(leaves) == set(names)
-        for path, array in leaves.items():
-            want = NamedSharding(mesh, intended_spec(names[path], table, mesh))
-            assert array.sharding.is_equivalent_to(want, array.ndim), (moment, path)
+        _assert_follows(leaves, gpt_param_names(style), table, mesh, moment)
 
 
 @functools.cache

@@ -11,13 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import initial_values, token_batches
+from _cp_helpers import assert_split
+from _helpers import initial_values, state_and_step, token_batches
 from flax import nnx
 
 from meshtrain import context_parallel as cp
 from meshtrain.check import check_run
-from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
-from meshtrain.lower import init_train_state, jit_train_step, make_optimizer
+from meshtrain.layout import activation_rules, rules_for, shard_batch
+from meshtrain.lower import make_optimizer
 from meshtrain.mesh import make_mesh
 from meshtrain.models import DataSpec, MoEConfig, build_model
 from meshtrain.run import RunSpec
@@ -44,23 +45,14 @@ def _batches(cfg):
     return token_batches(STEPS, cfg.vocab_size, B, T, seed=len(cfg.dispatch))
 
 
-def _assert_split(step, state, batch, mesh, rules) -> None:
-    """Under seq > 1 the algorithm's collective is in the program (not silently unsplit)."""
-    if mesh.shape["seq"] > 1:
-        want = {"ring": "collective_permute", "allgather": "all_gather", "ulysses": "all_to_all"}
-        assert f"stablehlo.{want[rules.context_parallel]}" in step.lower(state, batch).as_text()
-
-
 def _train(cfg, mesh_str, values, devices=None):
     """STEPS steps from `values`: per step the metrics, and the final parameters."""
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for("dp", mesh)
     # `values` moved into the layout (no initialiser program is compiled)
-    graphdef, state, shardings = init_train_state(lambda: build_model(cfg), TX, mesh, rules, values)
     data = _batches(cfg)
-    run = RunSpec(mesh=mesh, rules=rules)
-    step = jit_train_step(run, graphdef, TX, shardings, batch_shardings(data[0], mesh, rules))
-    _assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)
+    _, state, _, step = state_and_step(lambda: build_model(cfg), TX, mesh, rules, data[0], values)
+    assert_split(step, state, shard_batch(data[0], mesh, rules), mesh, rules)
     metrics = []
     for batch in data:
         state, m = step(state, shard_batch(batch, mesh, rules))

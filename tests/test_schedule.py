@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import state_and_step
 from flax import nnx
 
 from meshtrain import layout as S
-from meshtrain.layout import batch_shardings
-from meshtrain.lower import RunSpec, cross_entropy, init_train_state, jit_train_step
+from meshtrain.lower import cross_entropy
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MLPConfig, build_model
 from meshtrain.train import OPTIMIZERS, OptimConfig, make_optimizer, make_schedule
@@ -154,15 +154,9 @@ def one_device_run(config: OptimConfig, steps: int, data: list[dict]):
     mesh = make_mesh("data=1", devices=jax.devices()[:1])
     rules = S.rules_for("dp", mesh)
     tx = make_optimizer(config, steps)
-    graphdef, state, shardings = init_train_state(lambda: build_model(MLP, seed=0), tx, mesh, rules)
-    step = jit_train_step(
-        RunSpec(mesh=mesh, rules=rules),
-        graphdef,
-        tx,
-        shardings,
-        batch_shardings(data[0], mesh, rules),
-        schedule=make_schedule(config, steps),
-    )
+    ctor = lambda: build_model(MLP, seed=0)  # noqa: E731
+    schedule = make_schedule(config, steps)
+    graphdef, state, _, step = state_and_step(ctor, tx, mesh, rules, data[0], schedule=schedule)
     out = []
     for batch in data:
         before = jax.device_get(state)

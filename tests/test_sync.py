@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import params_history
 from flax import nnx
 
 from meshtrain import layout as S
 from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.data import make_arrays_dataset
-from meshtrain.layout import batch_shardings, shard_batch
+from meshtrain.layout import batch_shardings
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MLPConfig, build_model
@@ -53,12 +54,7 @@ def _train(mesh_str, strategy, sync, batches, accum=1):
         mesh=mesh, rules=rules, sync=sync or SyncConfig(), train=TrainConfig(accum_steps=accum)
     )
     step = jit_train_step(run, graphdef, TX, shardings, batch_sh)
-    history = [jax.device_get(state.params)]
-    for b in batches:
-        state, metrics = step(state, shard_batch(b, mesh, rules))
-        assert int(metrics["skipped"]) == 0
-        history.append(jax.device_get(state.params))
-    return history, state
+    return params_history(step, state, batches, mesh, rules)
 
 
 @functools.cache

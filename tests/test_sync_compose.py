@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import copied
+from _helpers import copied, params_history
 from flax import nnx
 
 from meshtrain import checkpoint as ckpt
@@ -207,12 +207,7 @@ def _train(cfg, mesh_str, sync, batches, pipeline=None, accum=1):
         batch_sh = batch_shardings(batches[0], mesh, rules)
         _STEPS[key] = jit_train_step(run, graphdef, TX, sh, batch_sh)
     step = _STEPS[key]
-    history = [jax.device_get(state.params)]
-    for b in batches:
-        state, metrics = step(state, shard_batch(b, mesh, rules))
-        assert int(metrics["skipped"]) == 0
-        history.append(jax.device_get(state.params))
-    return history, state
+    return params_history(step, state, batches, mesh, rules)
 
 
 def _moved(before, after) -> float:

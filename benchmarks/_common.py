@@ -2,9 +2,10 @@
 take, the one JSON line each prints, and the simulated CPU devices they run on without an
 accelerator.
 
-A script run as ``python benchmarks/<name>.py`` finds this module beside it (Python puts the
-script's folder first on ``sys.path``). It imports the standard library only (meshtrain when
-devices are simulated), so the scripts run on the GPU image can use it too.
+A script run as ``python benchmarks/<name>.py`` finds this module beside it: Python puts the
+script's folder first on ``sys.path`` (unless ``PYTHONSAFEPATH`` is set, as scripts/gpu_check.sh
+does; the scripts it runs put their folder there themselves). It imports the standard library
+only (meshtrain when devices are simulated), so the scripts run on the GPU image can use it too.
 """
 
 from __future__ import annotations

@@ -38,11 +38,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 import time
 
-from _common import emit, logger, parser
+# scripts/gpu_check.sh runs this with PYTHONSAFEPATH set, which leaves this folder off sys.path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _common import emit, logger, parser  # noqa: E402
 
 SHAPES = {
     "attention": ((8, 1024), (4, 4096), (1, 16384)),  # (batch, seq)

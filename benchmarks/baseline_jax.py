@@ -1,9 +1,12 @@
 """The hand-written baseline: the same GPT and train step in plain JAX + optax, no meshtrain.
 
-It imports jax, numpy and optax only. The model is a few functions over a nested dict of
-arrays with the layer weights stacked on a leading dimension and run by `jax.lax.scan` (the
-layout meshtrain's GPT uses, so the same initial weights can be handed over as they are), and
-the step is ``jax.jit(value_and_grad → optax update → apply_updates, donate_argnums=0)``.
+Its model and step are jax, numpy and optax only. The model is a few functions over a nested
+dict of arrays with the layer weights stacked on a leading dimension and run by `jax.lax.scan`
+(the layout meshtrain's GPT uses, so the same initial weights can be handed over as they are),
+and the step is ``jax.jit(value_and_grad → optax update → apply_updates, donate_argnums=0)``.
+Only its settings come from meshtrain: the decoder's shape is a `meshtrain.models.GPTConfig`
+and the optimizer's numbers an `meshtrain.optim.OptimConfig`, so the two sides of a comparison
+are configured by the same values.
 
 `benchmarks/e2e.py` times it beside ``meshtrain bench`` in the same run (the framework-overhead
 ratio); `tests/test_bench.py` checks that it computes meshtrain's losses on the same batch and
@@ -24,47 +27,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from meshtrain.models import GPTConfig
+from meshtrain.optim import OptimConfig
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The decoder's shape, as plain numbers (llama: RoPE, RMSNorm, SwiGLU, no biases; gpt2:
-    learned positions, LayerNorm, GELU, biases)."""
-
-    style: str = "llama"
-    vocab_size: int = 256
-    max_seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    d_ff: int = 384
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dtype: str = "float32"
-    attention: str = "xla"  # "xla" (einsum + softmax) or "cudnn" (jax.nn.dot_product_attention)
-    remat: str = "none"  # "none", "full" or "save-dots"
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+# The decoder's settings. Of them the baseline implements the shape (`style`, the sizes and
+# head counts, `rope_theta`, `norm_eps`, `tie_embeddings`), `dtype`, ``attention_impl`` "xla"
+# (einsum + softmax) or "cudnn" (`jax.nn.dot_product_attention`), and ``remat`` "none", "full"
+# or "save-dots"; kernels, fp8, RoPE scaling, sliding windows and q/k/v biases it leaves out.
+Config = GPTConfig
 
 
-@dataclasses.dataclass(frozen=True)
-class OptConfig:
-    """AdamW after global-norm clipping, linear warmup then cosine decay."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptConfig(OptimConfig):
+    """meshtrain's optimizer settings (AdamW only: global-norm clipping, linear warmup then
+    cosine decay) and the length of the run, where the cosine ends."""
 
-    lr: float = 3e-3
-    warmup_steps: int = 20
     total_steps: int = 1000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -75,9 +55,9 @@ def init_params(cfg: Config, key: jax.Array) -> dict:
     D, H, G, K, F, L, V = (
         cfg.d_model,
         cfg.n_heads,
-        cfg.n_kv_heads,
+        cfg.kv_heads,
         cfg.head_dim,
-        cfg.d_ff,
+        cfg.ff_dim,
         cfg.n_layers,
         cfg.vocab_size,
     )
@@ -169,7 +149,7 @@ def _block(cfg: Config, p: dict, x_BTD: jax.Array) -> jax.Array:
     v = _dense(a["v"], h, "btd,dgk->btgk", dtype)
     if cfg.style == "llama":
         q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
-    o = _attention(q, k, v, cfg.attention)
+    o = _attention(q, k, v, cfg.attention_impl)
     x_BTD = x_BTD + _dense(a["o"], o, "bthk,hkd->btd", dtype)
     h = _norm(p["norm2"], x_BTD, cfg.norm_eps)
     m = p["mlp"]
@@ -220,6 +200,8 @@ def loss(cfg: Config, params: dict, batch: dict) -> jax.Array:
 
 def optimizer(opt: OptConfig) -> optax.GradientTransformation:
     """clip_by_global_norm, then AdamW with warmup + cosine; no decay on biases and scales."""
+    if opt.optimizer != "adamw":
+        raise ValueError(f"the baseline's optimizer is adamw, not {opt.optimizer!r}")
     # Step s (from 0) runs at optax's schedule of s + 1: the first step already gets lr/W, step
     # W − 1 the peak, and the last step (total_steps − 1) exactly lr · min_lr_ratio.
     warmup = max(min(opt.warmup_steps, opt.total_steps - 1), 1)

@@ -31,23 +31,17 @@ import sys
 import tempfile
 import time
 
+from _common import emit, logger, parser
 
-def log(*parts) -> None:
-    print("[data]", *parts, file=sys.stderr, flush=True)
+log = logger("data")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="prepare throughput and loader speed")
+    p = parser("prepare throughput and loader speed", quick="smoke test: small and fast", steps=10)
     p.add_argument("--mb", type=float, default=16.0, help="MB of text to prepare")
     p.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary")
     p.add_argument("--batches", type=int, default=200, help="loader batches to time")
-    p.add_argument("--steps", type=int, default=10, help="train steps to time")
-    p.add_argument("--quick", action="store_true", help="smoke test: small and fast")
     return p.parse_args(argv)
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def write_inputs(root: str, corpus: bytes) -> dict[str, str]:

@@ -32,9 +32,9 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _common import logger  # noqa: E402
 
-def log(*parts) -> None:
-    print("[e2e]", *parts, file=sys.stderr, flush=True)
+log = logger("e2e")
 
 
 def parse_args(argv=None):
@@ -114,6 +114,8 @@ def run_torch(args) -> dict:
 
 def run_jax_baseline(args, shape) -> dict:
     """Times the hand-written step on meshtrain's initial weights and batches."""
+    import dataclasses
+
     import baseline_jax as B
     from flax import nnx
 
@@ -126,20 +128,9 @@ def run_jax_baseline(args, shape) -> dict:
         if c.attention_impl in ("xla", "cudnn")
         else ("cudnn" if bench.on_gpu() else "xla")
     )
-    cfg = B.Config(
-        style=c.style,
-        vocab_size=c.vocab_size,
-        max_seq_len=c.max_seq_len,
-        d_model=c.d_model,
-        n_layers=c.n_layers,
-        n_heads=c.n_heads,
-        n_kv_heads=c.kv_heads,
-        d_ff=c.ff_dim,
-        rope_theta=c.rope_theta,
-        norm_eps=c.norm_eps,
-        tie_embeddings=c.tie_embeddings,
-        dtype=c.dtype,
-        attention=attention,
+    cfg = dataclasses.replace(
+        c,
+        attention_impl=attention,
         remat=c.remat if c.remat in ("none", "full", "save-dots") else "none",
     )
     _, param_vars, _ = nnx.split(mt.lower.build_model(c, seed=args.seed), nnx.Param, ...)

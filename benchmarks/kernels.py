@@ -43,6 +43,11 @@ import statistics
 import sys
 import time
 
+# scripts/gpu_check.sh runs this with PYTHONSAFEPATH set, which leaves this folder off sys.path
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _common import emit, logger, parser  # noqa: E402
+
 SHAPES = {
     "attention": ((8, 1024), (4, 4096), (1, 16384)),  # (batch, seq)
     "heads": 16,
@@ -69,12 +74,11 @@ SELFTEST_SHAPES = {
 }
 
 
-def log(*parts) -> None:
-    print("[kernels]", *parts, file=sys.stderr, flush=True)
+log = logger("kernels")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="meshtrain.kernels vs cuDNN and XLA on a GPU")
+    p = parser("meshtrain.kernels vs cuDNN and XLA on a GPU", out=True)
     p.add_argument("--warmup", type=int, default=5, help="untimed calls after compiling")
     p.add_argument("--reps", type=int, default=30, help="timed calls; the median is reported")
     p.add_argument(
@@ -88,7 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=4096,
         help="longest sequence at which the O(T²)-memory XLA attention reference is run",
     )
-    p.add_argument("--out", default="", help="also write the JSON line to this file")
     p.add_argument(
         "--selftest",
         action="store_true",
@@ -122,26 +125,19 @@ def median_seconds(fn, arg_sets, warmup: int, reps: int) -> float:
 
 
 def measure_ceilings(args) -> dict:
-    """The two ceilings of the roofline, measured: bf16 matmul TFLOP/s and copy GB/s."""
+    """The two ceilings of the roofline, measured: bf16 matmul TFLOP/s (as `meshtrain bench`
+    measures its peak: `meshtrain.measure.matmul_peak`) and copy GB/s."""
     import jax
-    import jax.numpy as jnp
 
-    n = args.shapes["ceiling_matmul"]
-    keys = jax.random.split(jax.random.key(0), 6)
-    mats = [
-        (
-            jax.random.normal(keys[i], (n, n), jnp.bfloat16),
-            jax.random.normal(keys[i + 3], (n, n), jnp.bfloat16),
-        )
-        for i in range(3)
-    ]
-    dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.bfloat16))
-    t_dot = median_seconds(dot, mats, args.warmup, args.reps)
-    big = [(jax.random.normal(k, (args.shapes["ceiling_copy_elems"],)),) for k in keys[:3]]
+    from meshtrain.measure import matmul_peak
+
+    dot = matmul_peak(args.shapes["ceiling_matmul"], args.reps, args.warmup)
+    keys = jax.random.split(jax.random.key(0), 3)
+    big = [(jax.random.normal(k, (args.shapes["ceiling_copy_elems"],)),) for k in keys]
     copy = jax.jit(lambda x: x * 1.0000001)  # a read and a write of every element
     t_copy = median_seconds(copy, big, args.warmup, args.reps)
     return {
-        "matmul_tflops": 2 * n**3 / t_dot / 1e12,
+        "matmul_tflops": dot["tflops"],
         "copy_gbps": 2 * big[0][0].nbytes / t_copy / 1e9,
     }
 
@@ -450,12 +446,7 @@ def main(argv=None) -> int:
             rows += bench_matmul(args, out["ceilings"])
         add_peer_ratios(rows)
         out["rows"] = rows
-    line = json.dumps(out)
-    if args.out:
-        path = pathlib.Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(line + "\n")
-    print(line)
+    emit(out, args.out)
     return 0
 
 

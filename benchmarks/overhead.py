@@ -35,22 +35,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import statistics
-import sys
 import time
+
+from _common import emit, logger, parser, simulate_cpu_devices
 
 COMPILE_DEPTHS = (4, 32)
 CONTENDERS = ("meshtrain", "baseline", "baseline_constrained")
 
 
-def log(*parts) -> None:
-    print("[overhead]", *parts, file=sys.stderr, flush=True)
+log = logger("overhead")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="meshtrain train-step overhead vs jax.jit + optax")
+    p = parser(
+        "meshtrain train-step overhead vs jax.jit + optax",
+        quick="tiny sizes and few rounds (smoke test)",
+        devices=8,
+    )
     p.add_argument("--mesh", default="data=2,fsdp=2,tensor=2", help="mesh axis sizes")
     p.add_argument("--strategy", default="fsdp+tp", help="sharding strategy preset")
     p.add_argument("--style", default="llama", choices=("llama", "gpt2"), help="GPT flavour")
@@ -64,11 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--compile-reps", type=int, default=2, help="compiles per depth; the fastest is reported"
     )
-    p.add_argument(
-        "--devices", type=int, default=8, help="simulated devices when the platform is CPU"
-    )
     p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the batch")
-    p.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
         args.d_model, args.layers, args.seq_len, args.batch = 64, 4, 32, 8
@@ -80,11 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-
-    from meshtrain.mesh import simulate_devices
-
-    if args.devices and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-        simulate_devices(args.devices)
+    simulate_cpu_devices(args.devices)
 
     import flax
     import jax
@@ -340,4 +334,4 @@ if __name__ == "__main__":
     start = time.perf_counter()
     result = main()
     log(f"wall time {time.perf_counter() - start:.1f} s")
-    print(json.dumps(result), flush=True)
+    emit(result)

@@ -29,28 +29,30 @@ Prints one JSON line on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
+
+from _common import emit, logger, parser, simulate_cpu_devices
 
 MODES = ("none", "async", "sync")
 
 
-def log(*parts) -> None:
-    print("[save_overhead]", *parts, file=sys.stderr, flush=True)
+log = logger("save_overhead")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="checkpoint save overhead, async vs sync")
-    p.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    p = parser(
+        "checkpoint save overhead, async vs sync",
+        quick="tiny model and few steps (smoke test)",
+        steps=20,
+        steps_help="steps per timed round",
+        devices=8,
+    )
     p.add_argument("--save-every", type=int, default=5, help="steps between saves")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each mode")
-    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    p.add_argument("--quick", action="store_true", help="tiny model and few steps (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.save_every, args.rounds = 4, 2, 1
@@ -61,10 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from meshtrain.mesh import simulate_devices
-
-    if args.devices and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-        simulate_devices(args.devices)
+    simulate_cpu_devices(args.devices)
 
     import jax
     import numpy as np
@@ -162,7 +161,7 @@ def main(argv=None) -> dict:
         "async_drain_s": statistics.median(drains) if drains else None,
         "saves": n_saves,
     }
-    print(json.dumps(result), flush=True)
+    emit(result)
     return result
 
 

@@ -31,6 +31,20 @@ def llama_fields(**changes) -> dict:
     return fields | changes
 
 
+def mixtral_fields(**changes) -> dict:
+    """A tiny Mixtral's fields: `llama_fields` with 4 experts, top-2 routing, unscaled RoPE
+    (base 10⁴) and an untied head, `changes` on top."""
+    return (
+        llama_fields(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters=plain_rope(10_000.0),
+            tie_word_embeddings=False,
+        )
+        | changes
+    )
+
+
 def plain_rope(theta: float) -> dict:
     """``rope_parameters`` of unscaled RoPE with base `theta`."""
     return {"rope_type": "default", "rope_theta": theta}

@@ -54,7 +54,7 @@ import numpy as np
 import safetensors
 import torch
 import transformers
-from _hf_tiny import REFERENCE, llama_fields, plain_rope
+from _hf_tiny import REFERENCE, llama_fields, mixtral_fields, plain_rope
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 BATCH = 2
@@ -128,15 +128,7 @@ def _qwen2() -> transformers.PreTrainedModel:
 
 def _mixtral() -> transformers.PreTrainedModel:
     """Tiny Mixtral: 4 experts, top-2, GQA, untied head, no sliding window."""
-    cfg = transformers.MixtralConfig(
-        **llama_fields(
-            intermediate_size=48,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            rope_parameters=plain_rope(10_000.0),
-            tie_word_embeddings=False,
-        )
-    )
+    cfg = transformers.MixtralConfig(**mixtral_fields(intermediate_size=48))
     return transformers.MixtralForCausalLM(cfg)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import safetensors
 import torch
 import transformers
-from _hf_tiny import llama_fields, plain_rope
+from _hf_tiny import mixtral_fields
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
@@ -47,16 +47,12 @@ ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 def _model() -> transformers.MixtralForCausalLM:
     """The tiny Mixtral, with norm weights perturbed so their mapping is exercised too."""
     cfg = transformers.MixtralConfig(
-        **llama_fields(
+        **mixtral_fields(
             hidden_size=32,
             intermediate_size=32,
             max_position_embeddings=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
             output_router_logits=True,
             router_aux_loss_coef=AUX,
-            rope_parameters=plain_rope(10_000.0),
-            tie_word_embeddings=False,
         )
     )
     torch.manual_seed(SEED)

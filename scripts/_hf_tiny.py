@@ -48,3 +48,21 @@ def mixtral_fields(**changes) -> dict:
 def plain_rope(theta: float) -> dict:
     """``rope_parameters`` of unscaled RoPE with base `theta`."""
     return {"rope_type": "default", "rope_theta": theta}
+
+
+def versions() -> dict:
+    """The versions a fixture was made with (imports torch and transformers when called)."""
+    import sys
+
+    import numpy as np
+    import safetensors
+    import torch
+    import transformers
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+    }

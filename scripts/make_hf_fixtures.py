@@ -51,10 +51,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
 import torch
 import transformers
 from _hf_tiny import REFERENCE, llama_fields, mixtral_fields, plain_rope
+from _hf_tiny import versions as tiny_versions
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
 BATCH = 2
@@ -202,14 +202,7 @@ def main() -> None:
     unknown = sorted(set(args.names) - set(FIXTURES))
     if unknown:
         sys.exit(f"unknown fixtures {unknown}; choose from {', '.join(FIXTURES)}")
-    versions = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "safetensors": safetensors.__version__,
-        "numpy": np.__version__,
-        "attn_implementation": "eager",
-    }
+    versions = {**tiny_versions(), "attn_implementation": "eager"}
     recorded = args.out / "versions.json"
     if args.names and set(args.names) != set(FIXTURES) and recorded.exists():
         if json.loads(recorded.read_text()) != versions:

@@ -28,14 +28,13 @@ of a row is trained on, as meshtrain's ``inputs``/``targets`` batches are.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-import safetensors
 import torch
 import transformers
 from _hf_tiny import mixtral_fields
+from _hf_tiny import versions as tiny_versions
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
@@ -102,13 +101,7 @@ def main() -> None:
     model.save_pretrained(OUT / "mixtral_steps_trained", safe_serialization=True)
     data["loss"] = np.asarray(losses, np.float32)
     data["aux_loss"] = np.asarray(aux, np.float32)
-    versions = {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "safetensors": safetensors.__version__,
-        "numpy": np.__version__,
-    }
+    versions = tiny_versions()
     data["versions"] = np.asarray(json.dumps(versions))
     np.savez(OUT / "mixtral_steps.npz", **data)
     print(json.dumps({"loss": losses, "aux_loss": aux, **versions}))

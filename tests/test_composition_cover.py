@@ -33,11 +33,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _cudnn import cudnn_stand_in
 from _helpers import initial_values, model_from
 
 from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointManager, restore
-from meshtrain.kernels import _common
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
@@ -390,9 +390,9 @@ CASES = [
         id="hsdp-gpipe-staleness",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="circular"),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "circular"), 2)],
-        id="hsdp-circular",
+        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="circular"),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "circular", "cudnn"), 2)],
+        id="hsdp-circular-cudnn",
     ),
     # bf16 compute
     pytest.param(
@@ -424,13 +424,13 @@ CASES = [
         id="hsdp-moe-dropless-pallas-zb-h1-packed-compression-staleness-offload-acts-bf16",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1",
+        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="zb-h1",
              sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), offload_acts=True,
              accum=2, precision="bf16"),
         marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "zb-h1", "diloco", "offload-activations", "accumulation", "bf16",
+            "hsdp", "zb-h1", "diloco", "cudnn", "offload-activations", "accumulation", "bf16",
         ), 2)],
-        id="hsdp-zb-h1-diloco-offload-acts-accum-bf16",
+        id="hsdp-zb-h1-diloco-cudnn-offload-acts-accum-bf16",
     ),
     pytest.param(
         Case("pipe=2,data=2,expert=2", "zero1", model="moe-capacity", schedule="circular",
@@ -550,27 +550,30 @@ CASES = [
         id="fsdp-allgather-offload-opt-fp8",
     ),
     pytest.param(
-        Case("data=2,fsdp=4", "hsdp", sync=SyncConfig(grad_compression="int8"), remat=True,
-             precision="fp8"),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "compression", "remat", "fp8"), 2)],
-        id="hsdp-compression-remat-fp8",
+        Case("data=2,fsdp=4", "hsdp", cudnn=True, sync=SyncConfig(grad_compression="int8"),
+             remat=True, precision="fp8"),
+        marks=[pair(a, b) for a, b in combinations((
+            "hsdp", "compression", "cudnn", "remat", "fp8",
+        ), 2)],
+        id="hsdp-compression-cudnn-remat-fp8",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="gpipe",
+        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="gpipe",
              sync=SyncConfig(client_fraction=1.0, sync_every=1), remat=True, precision="fp8"),
         marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "gpipe", "federated", "remat", "fp8",
+            "hsdp", "gpipe", "federated", "cudnn", "remat", "fp8",
         ), 2)],
-        id="hsdp-gpipe-federated-remat-fp8",
+        id="hsdp-gpipe-federated-cudnn-remat-fp8",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="zb-h1", sync=SyncConfig(sync_every=1),
-             remat=True, offload=True, precision="fp8", resume=True,
+        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="zb-h1",
+             sync=SyncConfig(sync_every=1), remat=True, offload=True, precision="fp8", resume=True,
              resume_onto=("pipe=2,data=2,tensor=2", "dp+tp")),
         marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "zb-h1", "local-sgd", "remat", "offload-optimizer", "fp8", "resume-relayout",
+            "hsdp", "zb-h1", "local-sgd", "cudnn", "remat", "offload-optimizer", "fp8",
+            "resume-relayout",
         ), 2)],
-        id="hsdp-zb-h1-local-sgd-remat-offload-opt-fp8-resume",
+        id="hsdp-zb-h1-local-sgd-cudnn-remat-offload-opt-fp8-resume",
     ),
     pytest.param(
         Case("data=4,tensor=2", "zero1+tp", model="pallas", packed=True,
@@ -583,13 +586,13 @@ CASES = [
         id="zero1+tp-pallas-packed-diloco-remat-offload-opt-fp8-resume",
     ),
     pytest.param(
-        Case("pipe=2,data=4", "zero1", schedule="1f1b",
+        Case("pipe=2,data=4", "zero1", cudnn=True, schedule="1f1b",
              sync=SyncConfig(gossip="complete", sync_every=1), precision="fp8", resume=True,
              resume_onto=("pipe=2,data=4", "dp")),
         marks=[pair(a, b) for a, b in combinations((
-            "zero1", "1f1b", "gossip", "fp8", "resume-relayout",
+            "zero1", "1f1b", "gossip", "cudnn", "fp8", "resume-relayout",
         ), 2)],
-        id="zero1-1f1b-gossip-fp8-resume",
+        id="zero1-1f1b-gossip-cudnn-fp8-resume",
     ),
     pytest.param(
         Case("pipe=2,data=4", "zero1", schedule="circular", remat=True, precision="fp8",
@@ -600,13 +603,14 @@ CASES = [
         id="zero1-circular-remat-fp8-resume",
     ),
     pytest.param(
-        Case("pipe=2,data=2,expert=2", "zero1", model="moe-dropless", schedule="interleaved-1f1b",
+        Case("pipe=2,data=2,expert=2", "zero1", model="moe-dropless", cudnn=True,
+             schedule="interleaved-1f1b",
              sync=SyncConfig(staleness=1), offload=True, accum=2, precision="fp8"),
         marks=[pair(a, b) for a, b in combinations((
-            "zero1", "interleaved-1f1b", "moe-dropless", "staleness", "offload-optimizer",
+            "zero1", "interleaved-1f1b", "moe-dropless", "staleness", "cudnn", "offload-optimizer",
             "accumulation", "fp8",
         ), 2)],
-        id="zero1-moe-dropless-interleaved-1f1b-staleness-offload-opt-accum-fp8",
+        id="zero1-moe-dropless-interleaved-1f1b-staleness-cudnn-offload-opt-accum-fp8",
     ),
     pytest.param(
         Case("data=4,seq=2", "zero1", context="ring", offload=True, precision="fp8"),
@@ -625,29 +629,7 @@ def test_combination_equals_one_device(case, request, tmp_path, monkeypatch):
 
     marked = {cell(*m.args) for m in request.node.iter_markers("pair")}
     assert marked == _pairs(case.features())  # the marks say what the case combines
-    calls = _cudnn_stand_in(monkeypatch) if case.cudnn else None
+    calls = cudnn_stand_in(monkeypatch) if case.cudnn else None
     _check(case, tmp_path)
     if calls is not None:
         assert calls  # the model's attention went through the cuDNN path
-
-
-def _cudnn_stand_in(monkeypatch) -> list | None:
-    """Without a GPU, cuDNN's fused attention is replaced by jax's XLA implementation of the
-    same `jax.nn.dot_product_attention` call (the mask and window arguments unchanged), so
-    everything meshtrain does around it (per-shard wrapping, key/value heads, autodiff through
-    the layouts) runs here; on a GPU the real kernel runs. Returns the calls it served."""
-    if jax.default_backend() == "gpu":
-        return None
-    real, calls = jax.nn.dot_product_attention, []
-
-    def stand_in(*args, implementation=None, **kw):
-        assert implementation == "cudnn"
-        calls.append(implementation)
-        return real(*args, implementation="xla", **kw)
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
-    resolve = _common.resolve_impl  # cuDNN is otherwise refused off a GPU
-    monkeypatch.setattr(
-        _common, "resolve_impl", lambda impl, **kw: impl if impl == "cudnn" else resolve(impl, **kw)
-    )
-    return calls

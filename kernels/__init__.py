@@ -2,9 +2,10 @@
 
 Every public kernel takes ``impl="pallas" | "xla" | "auto"`` (attention also ``"cudnn"``):
 ``"xla"`` is the jnp reference in `meshtrain.kernels.reference`, ``"pallas"`` the kernel
-(interpreted when no GPU is present), ``"auto"`` on a GPU whichever of the two measured
-faster there (Pallas for attention; XLA for the norms, the cross-entropy and the matmul:
-`_common.XLA_WINS_ON_GPU`), the reference elsewhere.
+(interpreted when no GPU is present), ``"auto"`` on a GPU the implementation measured fastest
+for the call's shape on that device kind (`autotable`, the committed table the GPU check
+writes), the safe default where nothing was measured (cuDNN's attention, XLA's other ops), and
+the reference off a GPU.
 See kernels/README.md for each kernel's algorithm, backend and limits.
 """
 

@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from meshtrain._compat import varying_axes
+from meshtrain.kernels import autotable
 from meshtrain.layout import active, axes_of, entry_of, manual_axes, manual_region, resolve
 
 IMPLS = ("pallas", "xla", "auto")
@@ -25,26 +26,42 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-# What ``"auto"`` runs on a GPU, by measurement (benchmarks/kernels.py on an H200, jax 0.11.2,
-# 2026-11-26, benchmarks/results/kernels_gpu.json): the Pallas attention is 1.1-5.9x faster
-# than XLA's, while XLA's fused norms (3-9x), cross-entropy (1.4-3.5x) and matmul epilogue
-# (1.1-1.5x) beat the Pallas ones. Kernels not measured there keep Pallas.
-XLA_WINS_ON_GPU = frozenset({"rms_norm", "layer_norm", "token_cross_entropy", "matmul"})
-
-
-def resolve_impl(impl: str, *, kernel: str, allowed: tuple[str, ...] = IMPLS) -> str:
-    """Checks `impl` and resolves ``"auto"``: on a GPU the faster of Pallas and XLA as measured
-    (`XLA_WINS_ON_GPU`), the jnp reference elsewhere."""
+def resolve_impl(
+    impl: str,
+    *,
+    kernel: str,
+    allowed: tuple[str, ...] = IMPLS,
+    shape: dict | None = None,
+    exclude: tuple[str, ...] = (),
+) -> str:
+    """Checks `impl` and resolves ``"auto"`` (`auto_choice`)."""
     if impl not in allowed:
         raise ValueError(f"{kernel}: impl={impl!r} is not one of {', '.join(allowed)}")
     if impl == "auto":
-        return "pallas" if on_gpu() and kernel not in XLA_WINS_ON_GPU else "xla"
+        return auto_choice(kernel, allowed, shape, exclude).impl
     if impl == "cudnn" and not on_gpu():
         raise ValueError(
             f"{kernel}: impl='cudnn' needs a CUDA GPU, but the backend is "
             f"{jax.default_backend()!r}; use impl='pallas' (interpreted on CPU), 'xla' or 'auto'"
         )
     return impl
+
+
+def auto_choice(
+    kernel: str, allowed: tuple[str, ...], shape: dict | None, exclude: tuple[str, ...] = ()
+) -> autotable.Choice:
+    """What ``"auto"`` runs for a `kernel` call of `shape` (its sizes by name, as the table's
+    rows name them): off a GPU XLA's ops; on one the fastest of `allowed` (less `exclude`,
+    what this call cannot take) measured on this device kind (`autotable`), else the safe
+    default, cuDNN's attention where allowed and XLA's ops otherwise."""
+    if not on_gpu():
+        return autotable.Choice("xla", "off a GPU")
+    candidates = tuple(i for i in allowed if i != "auto" and i not in exclude)
+    found = autotable.fastest(kernel, shape or {}, candidates)
+    if found is not None:
+        return found
+    safe = "cudnn" if "cudnn" in candidates else "xla"
+    return autotable.Choice(safe, "not measured on this GPU: the safe default")
 
 
 def interpret_mode() -> bool:

@@ -11,6 +11,13 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.float32, jnp.bfloat16)
 
 
+def cannot_run(head_dim: int, dtype, *, packed: bool) -> tuple[str, ...]:
+    """The attention impls a call cannot take: the kernels off their head widths and dtypes,
+    cuDNN on packed documents (what ``"auto"`` leaves out)."""
+    unfit = () if head_dim in HEAD_DIMS and jnp.dtype(dtype) in DTYPES else ("pallas", "cudnn")
+    return (*unfit, "cudnn") if packed and not unfit else unfit
+
+
 def validate(q, k, v, impl, causal, window, segment_ids=None):
     """Clear errors for shapes, head widths, dtypes, windows and segment ids the kernels do
     not take."""

@@ -22,7 +22,7 @@ import jax
 
 from meshtrain.kernels import _common, reference
 from meshtrain.kernels._flash_blocks import block_backward, block_forward
-from meshtrain.kernels._flash_checks import DTYPES, HEAD_DIMS, tiling, validate
+from meshtrain.kernels._flash_checks import DTYPES, HEAD_DIMS, cannot_run, tiling, validate
 from meshtrain.kernels._flash_shards import (
     KV_NAMES,
     LSE_NAMES,
@@ -94,6 +94,11 @@ def _pallas_attention(q, k, v, seg, t: Tiling):
     return attend(q, k, v, *segs)
 
 
+def shape_of(q_BTHK, causal: bool) -> dict:
+    """An attention call's sizes as the ``auto`` table names them."""
+    return {"seq": q_BTHK.shape[1], "head_dim": q_BTHK.shape[3], "causal": causal}
+
+
 def _self_segments(seg):
     """Self-attention's segment ids as the query and the key ids; None without."""
     return (seg[0], seg[0]) if seg else None
@@ -155,7 +160,13 @@ def flash_attention(
         that the layout keeps whole (fewer than tensor) are picked per shard for its query
         heads.
     """
-    impl = _common.resolve_impl(impl, kernel="flash_attention", allowed=_common.ATTENTION_IMPLS)
+    impl = _common.resolve_impl(
+        impl,
+        kernel="flash_attention",
+        allowed=_common.ATTENTION_IMPLS,
+        shape=shape_of(q_BTHK, causal),
+        exclude=cannot_run(q_BTHK.shape[3], q_BTHK.dtype, packed=segment_ids is not None),
+    )
     validate(q_BTHK, k_BSGK, v_BSGK, impl, causal, window, segment_ids)
     if impl == "xla":
         return reference.attention(

@@ -174,7 +174,9 @@ def token_cross_entropy(
         [...] float32 losses. Under `activation_rules` the rows run split over the batch axes
         and, when the logits are split over ``vocab``, each shard reduces its own slice.
     """
-    impl = _common.resolve_impl(impl, kernel="token_cross_entropy")
+    impl = _common.resolve_impl(
+        impl, kernel="token_cross_entropy", shape={"vocab": logits.shape[-1] if logits.ndim else 0}
+    )
     if logits.ndim < 1 or targets.shape != logits.shape[:-1]:
         raise ValueError(
             f"token_cross_entropy: targets {targets.shape} must be logits {logits.shape} "

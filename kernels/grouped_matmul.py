@@ -16,7 +16,8 @@ consecutive rows, in order) and rows past the last group give zeros, as
   every group's weights (``groups ×`` the active work); on GPU its cost is measured in the
   MoE guide.
 
-``"auto"`` takes ``"tiled"`` on every backend where it measured faster (see `auto_impl`).
+``"auto"`` takes the faster of the two measured on the GPU, ``"xla"`` on a GPU not measured,
+and ``"tiled"`` off a GPU (see `auto_impl`).
 Shape suffixes: M rows, D input width, F output width, L groups, V visits, R tile rows.
 """
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshtrain._compat import varying_axes
+from meshtrain.kernels import _common, autotable
 from meshtrain.kernels._common import typed_like
 from meshtrain.layout import varying
 
@@ -53,11 +55,15 @@ def tile_rows(rows: int, groups: int, backend: str | None = None) -> int:
     return min(hi, max(lo, 1 << (half_group.bit_length() - 1)))
 
 
-def auto_impl() -> str:
-    """What ``impl="auto"`` runs: the tiled loop, on every backend measured. On CPU XLA's
-    ragged_dot is a dense product over every group (groups × the work); on an H200 the tiled
-    loop ran 2.6× faster than ragged_dot (forward + backward, the shape of `GPU_TILES`)."""
-    return "tiled"
+def auto_impl(rows: int = 0) -> str:
+    """What ``impl="auto"`` runs for `rows` rows: on a GPU the faster of the two measured on
+    that device kind (`autotable`; on an H200 the tiled loop ran 2.1× faster than ragged_dot,
+    forward + backward at 16384 rows), XLA's ragged_dot where nothing was measured; off a GPU
+    the tiled loop (XLA's CPU ragged_dot is a dense product over every group)."""
+    if not _common.on_gpu():
+        return "tiled"
+    found = autotable.fastest("grouped_matmul", {"rows": rows}, ("tiled", "xla"))
+    return "xla" if found is None else found.impl
 
 
 def visits(sizes_L: jax.Array, tile: int) -> jax.Array:
@@ -92,7 +98,7 @@ def grouped_matmul(
     if tile is not None and tile < 1:
         raise ValueError(f"grouped_matmul: tile={tile!r} rows; give a positive tile height")
     if impl == "auto":
-        impl = auto_impl()
+        impl = auto_impl(x_MD.shape[0])
     if impl == "xla":
         return lax.ragged_dot(x_MD, w_LDF, sizes_L.astype(jnp.int32))
     R = tile or tile_rows(x_MD.shape[0], w_LDF.shape[0])

@@ -134,7 +134,9 @@ def matmul(
         [..., N] in the dtype of `x` (accumulated in float32). Under `activation_rules` the
         rows run split over the batch (and seq) axes; `w` and `bias` are used whole.
     """
-    impl = _common.resolve_impl(impl, kernel="matmul")
+    impl = _common.resolve_impl(
+        impl, kernel="matmul", shape={"n": w.shape[-1] if w.ndim else 0, "activation": activation}
+    )
     if activation not in ACTIVATIONS:
         raise ValueError(f"matmul: activation={activation!r}; choose from {', '.join(ACTIVATIONS)}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:

@@ -221,7 +221,7 @@ def _validate(kernel, x, params, impl):
 
 def _dispatch(kernel, ref, x, params, eps, impl, block_rows):
     """Resolves `impl`, checks the arguments and runs the reference `ref` or the kernel."""
-    impl = _common.resolve_impl(impl, kernel=kernel)
+    impl = _common.resolve_impl(impl, kernel=kernel, shape={"features": x.shape[-1]})
     _validate(kernel, x, params, impl)
     if impl == "xla":
         return ref(x, *params.values(), eps=eps)

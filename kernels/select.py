@@ -1,11 +1,12 @@
-"""Choosing kernels from a model config: validation and what ``"auto"`` means for the GPT."""
+"""Choosing kernels from a model config: validation, and what ``"auto"`` runs for the GPT's
+attention."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from meshtrain.kernels import _common
-from meshtrain.kernels.attention import DTYPES, HEAD_DIMS
+from meshtrain.kernels import _common, autotable
+from meshtrain.kernels._flash_checks import HEAD_DIMS, cannot_run
 
 
 def check_impls(attention_impl: str, norm_impl: str, head_dim: int) -> None:
@@ -25,11 +26,80 @@ def check_impls(attention_impl: str, norm_impl: str, head_dim: int) -> None:
         )
 
 
-def model_attention_impl(impl: str, head_dim: int, dtype=None) -> str:
-    """The attention impl the GPT runs: ``"auto"`` is Pallas on a GPU for a supported head
-    width and dtype (float32, bfloat16), and the jnp path (`layers.causal_attention`)
-    otherwise."""
+def attention_choice(
+    impl: str,
+    *,
+    head_dim: int,
+    dtype=None,
+    seq: int = 0,
+    causal: bool = True,
+    packed: bool = False,
+    context: bool = False,
+) -> autotable.Choice:
+    """The attention the model runs for a setting of ``attention_impl``, and why: a named impl
+    as it is; ``"auto"`` as `_common.auto_choice` resolves it for this call, leaving out what
+    the call cannot take (the kernels off their head widths and dtypes, cuDNN on packed
+    documents or under context parallelism)."""
     if impl != "auto":
-        return impl
-    supported = dtype is None or jnp.dtype(dtype) in DTYPES
-    return "pallas" if _common.on_gpu() and head_dim in HEAD_DIMS and supported else "xla"
+        return autotable.Choice(impl, "set")
+    exclude = cannot_run(head_dim, jnp.float32 if dtype is None else dtype, packed=packed)
+    exclude += ("cudnn",) if context else ()
+    shape = {"seq": seq, "head_dim": head_dim, "causal": causal}
+    return _common.auto_choice("flash_attention", _common.ATTENTION_IMPLS, shape, exclude)
+
+
+def model_attention_impl(impl: str, head_dim: int, dtype=None, **call) -> str:
+    """`attention_choice`'s impl (``call``: its ``seq``, ``causal``, ``packed``, ``context``)."""
+    return attention_choice(impl, head_dim=head_dim, dtype=dtype, **call).impl
+
+
+def chosen(
+    model,
+    *,
+    seq_len: int,
+    packed: bool = False,
+    context: bool = False,
+    loss_impl: str | None = "xla",
+) -> dict[str, autotable.Choice]:
+    """What each kernel setting of `model` (a GPT or MoE config; others have none) and the
+    loss runs in this run, by op: ``"attention"``, ``"norm"``, ``"loss"``.
+
+    Args:
+        model: the model config (``attention_impl``, ``norm_impl`` where it has them).
+        seq_len: tokens per sequence.
+        packed: packed documents (segment ids) in the batches.
+        context: context parallelism (``seq > 1``).
+        loss_impl: the cross-entropy setting (`meshtrain.run.TrainConfig.loss_impl`); None
+            for a run with another loss.
+    """
+    shape = getattr(model, "backbone", model)  # an MoE's attention, norms and head
+    if not hasattr(shape, "attention_impl"):
+        return {}
+    out = {
+        "attention": attention_choice(
+            model.attention_impl, head_dim=shape.head_dim, dtype=shape.compute_dtype,
+            seq=seq_len, packed=packed, context=context,
+        ),
+    }  # fmt: skip
+    norm = getattr(model, "norm_impl", "xla")
+    kernel = "layer_norm" if shape.style == "gpt2" else "rms_norm"
+    out["norm"] = _setting(norm, kernel, {"features": shape.d_model})
+    if loss_impl is not None:
+        out["loss"] = _setting(loss_impl, "token_cross_entropy", {"vocab": shape.padded_vocab})
+    return out
+
+
+def describe(choices: dict[str, autotable.Choice]) -> str:
+    """The run summary's kernel line, e.g. ``kernels: attention cudnn (auto: ...) · norm xla``."""
+    parts = [
+        f"{op} {c.impl}" + ("" if c.why == "set" else f" (auto: {c.why})")
+        for op, c in choices.items()
+    ]
+    return "kernels: " + " · ".join(parts)
+
+
+def _setting(impl: str, kernel: str, shape: dict) -> autotable.Choice:
+    """A norm or loss setting as it runs: as named, or ``auto`` resolved."""
+    if impl != "auto":
+        return autotable.Choice(impl, "set")
+    return _common.auto_choice(kernel, _common.IMPLS, shape)

@@ -27,7 +27,7 @@ from meshtrain import validate
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.layout import Rules, rules_for
 from meshtrain.loss import LOSS_IMPLS, LOSSES, LossFn, loss_with
-from meshtrain.mesh import make_mesh, mesh_sizes
+from meshtrain.mesh import SEQ, make_mesh, mesh_sizes
 from meshtrain.models.base import DataSpec
 from meshtrain.offload import Offload
 from meshtrain.optim import OptimConfig, make_optimizer
@@ -54,7 +54,7 @@ class TrainConfig(validate.Checked):
         progress: show a progress bar.
         max_bad_steps: stop after this many consecutive steps whose update was skipped for a
             non-finite loss or gradient.
-        loss_impl: the cross-entropy kernel: xla (optax), pallas or auto (Pallas on a GPU);
+        loss_impl: the cross-entropy kernel: xla (optax), pallas or auto (as measured on a GPU);
             see kernels/README.md. With ``loss=mse``: the MSE kernels' switch.
         loss: ``cross_entropy`` or ``mse`` (squared error to the one-hot targets, for
             classifiers; the surveys' proof of concept).
@@ -219,6 +219,20 @@ class RunSpec(validate.Checked):
         scale in its state when `loss_scaling` (`meshtrain.precision.with_loss_scale`)."""
         tx = make_optimizer(self.optim, total_steps)
         return with_loss_scale(tx, self.precision.loss_scale_init) if self.loss_scaling else tx
+
+    def kernels(self) -> str:
+        """The run summary's kernel line: what each kernel setting runs here (``auto``
+        resolved for this GPU, sequence, packing and layout); empty for a model without any."""
+        from meshtrain.kernels import select
+
+        spec, cfg = self.data_spec, self.model_config
+        plain = self.loss_fn is None and self.train.loss == "cross_entropy"
+        loss_impl = self.train.loss_impl if plain else None
+        choices = select.chosen(
+            cfg, seq_len=spec.seq_len or 0, packed=spec.packed,
+            context=self.sizes.get(SEQ, 1) > 1, loss_impl=loss_impl,
+        )  # fmt: skip
+        return select.describe(choices) if choices else ""
 
     def constructor(self) -> tuple[Callable[[], nnx.Module], list[Problem]]:
         """A zero-argument constructor of the model, and a problem if ``train.seed`` cannot

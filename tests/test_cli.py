@@ -386,6 +386,7 @@ def test_console_script_end_to_end_twice_keeps_the_first_run(tmp_path):
     out = outs[0]
     assert "data=2 × fsdp=2 × tensor=2 (8 cpu devices)" in out, out
     assert "loss" in out and "final loss" in out, out
+    assert "kernels: attention xla · norm xla · loss xla\n" in out, out  # set, not auto
     assert "sample:\ndef " in out, out
     run_dir = tmp_path / "runs" / "default"
     ckpt = run_dir / "checkpoints" / "12"

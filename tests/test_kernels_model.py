@@ -143,20 +143,6 @@ def test_auto_on_cpu_uses_the_jnp_paths():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "kernel, on_gpu",
-    [("flash_attention", "pallas"), ("rms_norm", "xla"), ("layer_norm", "xla"),
-     ("token_cross_entropy", "xla"), ("matmul", "xla"), ("relu", "pallas")],
-)  # fmt: skip
-def test_auto_picks_the_implementation_measured_faster_on_a_gpu(monkeypatch, kernel, on_gpu):
-    """``"auto"`` off a GPU is the jnp reference; on one, Pallas only where it won."""
-    from meshtrain.kernels import _common
-
-    assert _common.resolve_impl("auto", kernel=kernel, allowed=_common.ATTENTION_IMPLS) == "xla"
-    monkeypatch.setattr(_common, "on_gpu", lambda: True)
-    assert _common.resolve_impl("auto", kernel=kernel, allowed=_common.ATTENTION_IMPLS) == on_gpu
-
-
 def test_pallas_config_runs_the_kernels():
     """The Pallas config really calls the kernels; the xla config calls none."""
 

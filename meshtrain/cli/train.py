@@ -325,6 +325,8 @@ def _announce(job: TrainJob, trainer, first: int, say) -> None:
     n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
     say(f"model {model_cfg.describe()} · {n_params / 1e6:.2f}M parameters")
     say(job.precision.describe(model_cfg))
+    if line := trainer.run.kernels():
+        say(line)
     if trainer.run.offload.active:
         from meshtrain.offload import host_bytes
 

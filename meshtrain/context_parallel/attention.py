@@ -50,11 +50,12 @@ def algorithm_problems(algorithm) -> list[Problem]:
     ]
 
 
-def block_impl(impl: str, head_dim: int, dtype=None) -> str:
-    """The block impl `impl` names for heads of width `head_dim`: ``"auto"`` is the Pallas
-    kernel on a GPU for widths 64 and 128 (and a `dtype` it takes: float32, bfloat16) and the
-    jnp math otherwise; raises a ValueError for
-    an impl context parallelism cannot run (``"cudnn"``: no position mask, no log-sum-exp)."""
+def block_impl(impl: str, head_dim: int, dtype=None, seq: int = 0) -> str:
+    """The block impl `impl` names for heads of width `head_dim` over a sequence of `seq`:
+    ``"auto"`` is the faster of the Pallas kernel and the jnp math measured on this GPU
+    (`meshtrain.kernels.select.attention_choice`; the jnp math off a GPU, or where nothing was
+    measured); raises a ValueError for an impl context parallelism cannot run (``"cudnn"``: no
+    position mask, no log-sum-exp)."""
     if impl == "cudnn":
         raise ValueError(
             "context parallelism: impl='cudnn' cannot compute a block (cuDNN's attention takes "
@@ -62,7 +63,7 @@ def block_impl(impl: str, head_dim: int, dtype=None) -> str:
         )
     if impl not in IMPLS:
         raise ValueError(f"context parallelism: impl={impl!r}; choose from {', '.join(IMPLS)}")
-    return model_attention_impl(impl, head_dim, dtype)
+    return model_attention_impl(impl, head_dim, dtype, seq=seq, context=True)
 
 
 def context_attention(
@@ -91,8 +92,9 @@ def context_attention(
         window: with `causal`, each query sees keys (t − window, t]; None: all earlier.
         impl: how each device computes its blocks: ``"xla"`` (jnp), ``"pallas"`` (the
             flash-attention kernel at global positions, interpreted off the GPU; head widths
-            64 and 128, float32 or bfloat16) or ``"auto"`` (Pallas on a GPU where it applies,
-            else xla). ``"cudnn"`` is refused: it cannot compute a block at given positions.
+            64 and 128, float32 or bfloat16) or ``"auto"`` (the faster of the two measured on
+            this GPU, else xla). ``"cudnn"`` is refused: it cannot compute a block at given
+            positions.
         segment_ids: [batch, T] integers in the layout of the tokens (packed documents): a
             query sees only keys of its own segment (padding, id 0, is one more segment, as
             in `meshtrain.models.layers.causal_attention`). None: one sequence per row.
@@ -101,10 +103,10 @@ def context_attention(
         [batch, T, heads, head_dim] in the dtype of `v_BSGK`, laid out like `q_BTHK`.
     """
     raise_if(algorithm_problems(algorithm))
-    opts = blocks.Options(causal, window, block_impl(impl, q_BTHK.shape[-1], q_BTHK.dtype))
+    T, H, K = q_BTHK.shape[1:]
+    opts = blocks.Options(causal, window, block_impl(impl, K, q_BTHK.dtype, T))
     axis = AXIS
     n = mesh.shape[axis]
-    T, H = q_BTHK.shape[1], q_BTHK.shape[2]
     if T % n:
         raise ValueError(f"context parallelism: sequence length {T} is not divisible by {axis}={n}")
     if algorithm == "ulysses" and H % n:

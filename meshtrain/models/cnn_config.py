@@ -47,7 +47,7 @@ class CNNConfig(validate.Checked):
             the batch axes), ``group`` or ``none``.
         groups: groups of the group norm (must divide every width).
         act_impl: the ReLU: ``xla`` (`jax.nn.relu`), ``pallas`` (the hand-written kernels
-            `meshtrain.kernels.relu`) or ``auto`` (Pallas on a GPU).
+            `meshtrain.kernels.relu`) or ``auto`` (XLA's until a GPU measures the kernels).
         dtype: compute dtype, ``float32``, ``bfloat16`` or ``float16``; parameters stay
             float32 (the CNN has no fp8 layers).
     """

@@ -79,7 +79,7 @@ class Attention(nnx.Module):
                 cfg.rope_original_max_seq_len,
             )
         self.window = cfg.sliding_window or None
-        self.impl = kernels.model_attention_impl(cfg.attention_impl, K, cfg.compute_dtype)
+        self.impl = cfg.attention_impl  # "auto" resolves per call (sequence, packing, layout)
 
     def __call__(
         self,
@@ -111,14 +111,18 @@ class Attention(nnx.Module):
                 cos, sin = cos[order], sin[order]
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
+        impl = kernels.model_attention_impl(
+            self.impl, q_BTHK.shape[-1], q_BTHK.dtype, seq=T, packed=segment_ids_BT is not None,
+            context=cp is not None,
+        )  # fmt: skip
         if cp is not None:
             # The mask: causal (and windowed) by each token's index in its row (`order`), and
             # within one segment, as `layers.causal_attention` masks the plain order.
             o_BTHK = context_parallel.attend_active(
-                q_BTHK, k_BTGK, v_BTGK, order, window=self.window, impl=self.impl,
+                q_BTHK, k_BTGK, v_BTGK, order, window=self.window, impl=impl,
                 segment_ids=segment_ids_BT,
             )  # fmt: skip
-        elif self.impl == "xla":
+        elif impl == "xla":
             o_BTHK = layers.causal_attention(
                 q_BTHK, k_BTGK, v_BTGK, window=self.window, segment_ids=segment_ids_BT
             )
@@ -127,7 +131,7 @@ class Attention(nnx.Module):
                 q_BTHK,
                 k_BTGK,
                 v_BTGK,
-                impl=self.impl,
+                impl=impl,
                 window=self.window,
                 segment_ids=segment_ids_BT,
             )

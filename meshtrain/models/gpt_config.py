@@ -47,9 +47,11 @@ class GPTConfig(validate.Checked):
             (`meshtrain.precision.Precision`).
         fp8: the attention and MLP projections run as fp8 matmuls
             (`meshtrain.precision.fp8.dot_general`); the embedding and head do not.
-        attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (Pallas on
-            a GPU when head width is 64 or 128, else xla). See kernels/README.md.
-        norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto.
+        attention_impl: attention kernel: xla (jnp), pallas, cudnn (GPU only) or auto (on a GPU
+            the one measured fastest for the sequence, packing and layout, else xla). See
+            kernels/README.md.
+        norm_impl: RMSNorm/LayerNorm kernel: xla (the flax module), pallas or auto (as
+            measured).
         rope_scaling: RoPE frequency scaling (llama): ``"none"`` or ``"llama3"`` (Llama 3.1's
             long-context scaling, set by the four ``rope_*`` fields below).
         rope_factor: llama3: the factor low frequencies are divided by.

@@ -1,0 +1,67 @@
+"""Writes the table ``impl="auto"`` reads (kernels/auto_table.json) from kernel benchmark
+records: ``benchmarks/kernels.py``'s JSON (one object per file, or one per line).
+
+    python scripts/auto_table.py benchmarks/results/kernels_gpu.json [MORE...] [--date D]
+
+Rows from every file are merged (a later file's row replaces an earlier one for the same device
+kind, op and shape); the GPU check runs this after its kernels stage. Prints one JSON line: the
+rows written per device kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "kernels"))  # autotable needs nothing of the package at import
+import autotable  # noqa: E402
+
+
+def records(path: pathlib.Path) -> list[dict]:
+    """The JSON objects in `path`: a whole-file object, or one per line."""
+    text = path.read_text()
+    try:
+        return [json.loads(text)]
+    except json.JSONDecodeError:
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", type=pathlib.Path, help="kernel benchmark records")
+    p.add_argument("--date", default="", help="YYYY-MM-DD, for records that carry no date")
+    p.add_argument("--out", type=pathlib.Path, default=autotable.TABLE, help="the table to write")
+    p.add_argument("--merge", action="store_true", help="keep the rows --out already has")
+    args = p.parse_args(argv)
+    old = json.loads(args.out.read_text())["rows"] if args.merge and args.out.exists() else []
+    merged = {_key(r): r for r in old}
+    for path in args.results:
+        for row in autotable.table_from(records(path), date=args.date):
+            merged[_key(row)] = {**row, "source": path.name}
+    rows = [merged[k] for k in sorted(merged)]
+    if not rows:
+        print(f"auto_table: no GPU kernel records in {[str(p) for p in args.results]}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    table = {
+        "what": "forward+backward milliseconds per implementation; impl='auto' runs the fastest",
+        "written_by": "python scripts/auto_table.py",
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(table, indent=1) + "\n")
+    kinds: dict[str, int] = {}
+    for r in rows:
+        kinds[r["device_kind"]] = kinds.get(r["device_kind"], 0) + 1
+    print(json.dumps({"auto_table": str(args.out.name), "rows": kinds}))
+    return 0
+
+
+def _key(row: dict) -> tuple:
+    return (row["device_kind"], row["op"], json.dumps(row["shape"], sort_keys=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

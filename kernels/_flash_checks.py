@@ -9,13 +9,15 @@ from meshtrain.kernels._flash_tiles import Tiling
 
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.float32, jnp.bfloat16)
+CUDNN_DTYPES = (jnp.bfloat16,)  # cuDNN's fused attention has no float32 kernel
 
 
 def cannot_run(head_dim: int, dtype, *, packed: bool) -> tuple[str, ...]:
     """The attention impls a call cannot take: the kernels off their head widths and dtypes,
     cuDNN on packed documents (what ``"auto"`` leaves out)."""
-    unfit = () if head_dim in HEAD_DIMS and jnp.dtype(dtype) in DTYPES else ("pallas", "cudnn")
-    return (*unfit, "cudnn") if packed and not unfit else unfit
+    if head_dim not in HEAD_DIMS or jnp.dtype(dtype) not in DTYPES:
+        return ("pallas", "cudnn")
+    return ("cudnn",) if packed or jnp.dtype(dtype) not in CUDNN_DTYPES else ()
 
 
 def validate(q, k, v, impl, causal, window, segment_ids=None):
@@ -68,10 +70,10 @@ def validate(q, k, v, impl, causal, window, segment_ids=None):
                 f"flash_attention impl={impl!r}: head_dim={K} is not supported; supported head "
                 f"dims are {', '.join(map(str, HEAD_DIMS))} (use impl='xla' for others)"
             )
-        if q.dtype not in DTYPES:
+        if q.dtype not in (CUDNN_DTYPES if impl == "cudnn" else DTYPES):
             raise ValueError(
                 f"flash_attention impl={impl!r}: dtype {q.dtype} is not supported; supported "
-                "dtypes are float32, bfloat16"
+                + ("dtypes are float32, bfloat16" if impl == "pallas" else "dtype is bfloat16")
             )
 
 

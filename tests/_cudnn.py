@@ -2,6 +2,7 @@
 implementation, and the switches that let a program with the real call export for ``cuda``."""
 
 import jax
+import jax.numpy as jnp
 
 from meshtrain.kernels import _common
 
@@ -20,6 +21,8 @@ def cudnn_stand_in(monkeypatch) -> list | None:
 
     def stand_in(*args, implementation=None, **kw):
         assert implementation == "cudnn"
+        dtypes = [a.dtype for a in args[:3]]
+        assert all(d in (jnp.bfloat16, jnp.float16) for d in dtypes), f"cuDNN takes no {dtypes}"
         calls.append(implementation)
         return real(*args, implementation="xla", **kw)
 

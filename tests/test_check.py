@@ -147,5 +147,5 @@ def test_kernels_in_a_pipeline_pass_the_check():
     )  # fmt: skip
     rules = mt.rules_for("dp", sizes)
     assert check_run(mt.RunSpec(model=cfg, data=LM, mesh=sizes, rules=rules)) == []
-    cudnn = dataclasses.replace(cfg, attention_impl="cudnn")
+    cudnn = dataclasses.replace(cfg, attention_impl="cudnn", dtype="bfloat16")
     assert check_run(mt.RunSpec(model=cudnn, data=LM, mesh=sizes, rules=rules)) == []

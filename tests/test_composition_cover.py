@@ -350,18 +350,6 @@ CASES = [
         id="dp+tp-pallas-1f1b-packed-federated-offload-opt-accum",
     ),
     pytest.param(
-        Case("fsdp=8", "fsdp", cudnn=True, offload_acts=True, offload=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "fsdp", "cudnn", "offload-optimizer", "offload-activations",
-        ), 2)],
-        id="fsdp-cudnn-offload-acts-offload-opt",
-    ),
-    pytest.param(
-        Case("data=2,fsdp=2,tensor=2", "hsdp+tp", cudnn=True, remat=True),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "tp", "cudnn", "remat"), 2)],
-        id="hsdp+tp-cudnn-remat",
-    ),
-    pytest.param(
         Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="gpipe",
              sync=SyncConfig(gossip="ring", sync_every=1), remat=True, accum=2),
         marks=[pair(a, b) for a, b in combinations((
@@ -389,12 +377,24 @@ CASES = [
         marks=[pair(a, b) for a, b in combinations(("hsdp", "gpipe", "staleness"), 2)],
         id="hsdp-gpipe-staleness",
     ),
-    pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="circular"),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "circular", "cudnn"), 2)],
-        id="hsdp-circular-cudnn",
-    ),
     # bf16 compute
+    pytest.param(
+        Case("fsdp=8", "fsdp", cudnn=True, offload_acts=True, offload=True, precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations((
+            "fsdp", "cudnn", "offload-optimizer", "offload-activations", "bf16",
+        ), 2)],
+        id="fsdp-cudnn-offload-acts-offload-opt-bf16",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,tensor=2", "hsdp+tp", cudnn=True, remat=True, precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "tp", "cudnn", "remat", "bf16"), 2)],
+        id="hsdp+tp-cudnn-remat-bf16",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="circular", precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "circular", "cudnn", "bf16"), 2)],
+        id="hsdp-circular-cudnn-bf16",
+    ),
     pytest.param(
         Case("pipe=2,data=2,tensor=2", "dp+tp", model="pallas", schedule="zb-h1", packed=True,
              sync=SyncConfig(gossip="ring", sync_every=1), offload_acts=True, offload=True,

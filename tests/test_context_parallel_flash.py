@@ -103,7 +103,10 @@ def test_gpt_with_cudnn_attention_under_seq_is_refused_naming_the_field():
     """The run check refuses the pair before anything compiles, naming the field and the fix;
     traced anyway, the model's context-parallel attention refuses the impl."""
     sizes = dict(pipe=1, data=4, fsdp=1, expert=1, seq=2, tensor=1)
-    cfg = GPTConfig(n_layers=1, d_model=128, n_heads=2, max_seq_len=32, attention_impl="cudnn")
+    cfg = GPTConfig(
+        n_layers=1, d_model=128, n_heads=2, max_seq_len=32, attention_impl="cudnn",
+        dtype="bfloat16",
+    )  # fmt: skip
     data = DataSpec(kind="lm", batch_size=8, seq_len=32, vocab_size=cfg.vocab_size)
     problems = check_run(RunSpec(model=cfg, data=data, mesh=sizes, rules=rules_for("dp", sizes)))
     assert [p.field for p in problems] == ["gpt.attention_impl"]

@@ -62,6 +62,7 @@ def test_auto_runs_the_fastest_measured_and_the_safe_default_elsewhere():
     assert _attention(8192, context=True).impl == "pallas"  # nor a context-parallel block
     assert _attention(1024, head_dim=96).impl == "xla"  # the kernels' head widths only
     assert _attention(1024, dtype=jnp.float16).impl == "xla"  # and their dtypes
+    assert _attention(8192, dtype=jnp.float32).impl == "pallas"  # cuDNN: bfloat16 only
     assert _attention(1 << 16) == ("cudnn", "not measured on this GPU: the safe default")
     assert _attention(1 << 16, packed=True).impl == "xla"  # nothing unmeasured, ever
     assert _attention(1024, causal=False).impl == "cudnn"  # a causal row is not a full one
@@ -97,7 +98,12 @@ MEASURED = "(auto: fastest measured at seq 8192 (2026-01-02))"
 )  # fmt: skip
 def test_the_run_summary_names_what_auto_resolved_to_in_each_layout(mesh, packed, attention):
     gpt = GPTConfig(
-        d_model=2048, n_heads=32, max_seq_len=8192, attention_impl="auto", norm_impl="auto"
+        d_model=2048,
+        n_heads=32,
+        max_seq_len=8192,
+        attention_impl="auto",
+        norm_impl="auto",
+        dtype="bfloat16",
     )
     data = DataSpec("lm", 8, 8192, gpt.vocab_size, packed=packed)
     assert RunSpec(model=gpt, data=data, mesh=mesh).kernels() == (
@@ -108,7 +114,7 @@ def test_the_run_summary_names_what_auto_resolved_to_in_each_layout(mesh, packed
 
 @pytest.mark.usefixtures("gpu_table")
 def test_the_summary_of_a_moe_and_of_a_long_sequence_falls_back_safely():
-    moe = MoEConfig(d_model=128, n_heads=2, attention_impl="auto")
+    moe = MoEConfig(d_model=128, n_heads=2, attention_impl="auto", dtype="bfloat16")
     data = DataSpec("lm", 8, 1 << 16, moe.vocab_size, packed=False)
     assert RunSpec(model=moe, data=data, mesh={"data": 8}).kernels() == (
         "kernels: attention cudnn (auto: not measured on this GPU: the safe default) · norm xla"

@@ -321,7 +321,9 @@ def test_models_that_cannot_take_packed_batches_are_refused_before_compiling():
     problems = check_run(run, abstract=abstract_model(lambda: Plain(nnx.Rngs(0))))
     assert [p.field for p in problems] == ["data.packing"]
     assert "model Plain's __call__ does not take the segment_ids=" in problems[0].message
-    cudnn = dataclasses.replace(GPTS["llama"], d_model=128, attention_impl="cudnn")
+    cudnn = dataclasses.replace(
+        GPTS["llama"], d_model=128, attention_impl="cudnn", dtype="bfloat16"
+    )
     refused = check_run(run.replace(model=cudnn))
     assert [p.field for p in refused] == ["gpt.attention_impl"]
     assert "cuDNN attention with packed batches: " in refused[0].message

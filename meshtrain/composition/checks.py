@@ -151,6 +151,11 @@ def clips(run: RunSpec) -> bool:
     return run.optim.clip_norm > 0
 
 
+def float32_compute(run: RunSpec) -> bool:
+    """The model computes in float32 (the fp32 policy, or a model config left at float32)."""
+    return run.precision.resolved(run.model) == "fp32"
+
+
 def fp16_kernels(run: RunSpec) -> bool:
     """float16 compute with a hand-written kernel (pallas, cudnn) in attention or norms."""
     names = {str(getattr(run.model, f, "")) for f in ("attention_impl", "norm_impl")}

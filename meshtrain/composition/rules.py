@@ -23,7 +23,7 @@ from meshtrain.run import TrainConfig
 
 __all__ = ["REFUSALS"]
 
-_CUDNN = example.gpt(attention_impl="cudnn", d_model=256)
+_CUDNN = example.gpt(attention_impl="cudnn", d_model=256, dtype="bfloat16")
 _OWN_STEP = (
     "the replicas' own step (gradient compression, local SGD, DiLoCo, gossip, federated averaging)"
 )
@@ -226,6 +226,19 @@ TABLE = (
             example.run({"data": 8}, model=_CUDNN()),
         ),
         cells=(("cudnn", "packed"),),
+    ),
+    Refusal(
+        "cuDNN attention",
+        "float32 compute",
+        "cuDNN's fused attention has kernels for bfloat16 and float16 inputs only",
+        all_of(check.cudnn, check.float32_compute),
+        "{model}.attention_impl",
+        "use --precision bf16 (or fp8), or --{model}.attention-impl pallas, auto or xla",
+        check.cudnn_name,
+        lambda: (
+            example.run({"data": 8}, model=_CUDNN(), precision=Precision(policy="fp32")),
+            example.run({"data": 8}, model=_CUDNN(), precision=Precision(policy="bf16")),
+        ),
     ),
     Refusal(
         "cuDNN attention",

@@ -26,6 +26,14 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def hopper_or_later() -> bool:
+    """True on an NVIDIA GPU of compute capability 9.0 or later (cuDNN's packed layout)."""
+    if not on_gpu():
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return tuple(int(x) for x in str(capability).split(".")[:2]) >= (9, 0)
+
+
 def resolve_impl(
     impl: str,
     *,

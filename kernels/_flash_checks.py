@@ -12,12 +12,14 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 CUDNN_DTYPES = (jnp.bfloat16,)  # cuDNN's fused attention has no float32 kernel
 
 
-def cannot_run(head_dim: int, dtype, *, packed: bool) -> tuple[str, ...]:
-    """The attention impls a call cannot take: the kernels off their head widths and dtypes,
-    cuDNN on packed documents (what ``"auto"`` leaves out)."""
+def cannot_run(head_dim: int, dtype, *, packed: bool, window=None) -> tuple[str, ...]:
+    """The attention impls a call cannot take (what ``"auto"`` leaves out): the kernels off
+    their head widths and dtypes; cuDNN off bfloat16, and on packed documents before Hopper
+    or with a sliding window."""
     if head_dim not in HEAD_DIMS or jnp.dtype(dtype) not in DTYPES:
         return ("pallas", "cudnn")
-    return ("cudnn",) if packed or jnp.dtype(dtype) not in CUDNN_DTYPES else ()
+    packed_unfit = packed and (window is not None or not _common.hopper_or_later())
+    return ("cudnn",) if packed_unfit or jnp.dtype(dtype) not in CUDNN_DTYPES else ()
 
 
 def validate(q, k, v, impl, causal, window, segment_ids=None):
@@ -59,10 +61,15 @@ def validate(q, k, v, impl, causal, window, segment_ids=None):
             raise ValueError(
                 f"flash_attention: segment_ids must be integers, got {segment_ids.dtype}"
             )
-        if impl == "cudnn":
+        if impl == "cudnn" and window is not None:
             raise ValueError(
-                "flash_attention impl='cudnn' does not take segment_ids (packed documents); "
-                "use impl='pallas' or 'xla'"
+                "flash_attention impl='cudnn' takes no sliding window beside segment_ids "
+                "(cuDNN's packed layout); use impl='pallas' or 'xla'"
+            )
+        if impl == "cudnn" and not _common.hopper_or_later():
+            raise ValueError(
+                "flash_attention impl='cudnn' with segment_ids (packed documents) needs a GPU "
+                "of compute capability 9.0 or later (cuDNN's packed layout); use impl='pallas'"
             )
     if impl in ("pallas", "cudnn"):
         if K not in HEAD_DIMS:

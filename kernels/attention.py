@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 
 from meshtrain.kernels import _common, reference
+from meshtrain.kernels._cudnn_attention import cudnn_attention
 from meshtrain.kernels._flash_blocks import block_backward, block_forward
 from meshtrain.kernels._flash_checks import DTYPES, HEAD_DIMS, cannot_run, tiling, validate
 from meshtrain.kernels._flash_shards import (
@@ -30,10 +31,8 @@ from meshtrain.kernels._flash_shards import (
     SEG_NAMES,
     backward_shard,
     forward_shard,
-    local_kv_heads,
 )
 from meshtrain.kernels._flash_tiles import Tiling, kv_range, q_range, sees_block
-from meshtrain.kernels._shard_vjp import sharded_autodiff
 
 __all__ = [
     "DTYPES",
@@ -165,7 +164,9 @@ def flash_attention(
         kernel="flash_attention",
         allowed=_common.ATTENTION_IMPLS,
         shape=shape_of(q_BTHK, causal),
-        exclude=cannot_run(q_BTHK.shape[3], q_BTHK.dtype, packed=segment_ids is not None),
+        exclude=cannot_run(
+            q_BTHK.shape[3], q_BTHK.dtype, packed=segment_ids is not None, window=window
+        ),
     )
     validate(q_BTHK, k_BSGK, v_BSGK, impl, causal, window, segment_ids)
     if impl == "xla":
@@ -175,17 +176,4 @@ def flash_attention(
     if impl == "pallas":
         t = tiling(q_BTHK, k_BSGK, causal, window, block_q, block_k)
         return _pallas_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids, t)
-    # cuDNN: run per shard, and differentiated per shard (jax's VJP of cuDNN's attention),
-    # so that it composes with regions nested in manual ones (pipelines, the replicas' step).
-    # (left, right) keys beside the query itself: (window − 1, 0) is (i − window, i].
-    local = None if window is None else (window - 1, 0)
-    H = q_BTHK.shape[2]
-
-    def per_shard(q, k, v, *, axes):
-        k, v = local_kv_heads(q, k, v, heads=H, axes=axes)
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, local_window_size=local, implementation="cudnn"
-        )
-
-    args, names = (q_BTHK, k_BSGK, v_BSGK), (Q_NAMES, KV_NAMES, KV_NAMES)
-    return sharded_autodiff(per_shard, args, names, Q_NAMES, with_axes=True)
+    return cudnn_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids, causal=causal, window=window)

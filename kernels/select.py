@@ -33,16 +33,18 @@ def attention_choice(
     dtype=None,
     seq: int = 0,
     causal: bool = True,
+    window: int | None = None,
     packed: bool = False,
     context: bool = False,
 ) -> autotable.Choice:
     """The attention the model runs for a setting of ``attention_impl``, and why: a named impl
     as it is; ``"auto"`` as `_common.auto_choice` resolves it for this call, leaving out what
-    the call cannot take (the kernels off their head widths and dtypes, cuDNN on packed
-    documents or under context parallelism)."""
+    the call cannot take (`cannot_run`, and cuDNN under context parallelism)."""
     if impl != "auto":
         return autotable.Choice(impl, "set")
-    exclude = cannot_run(head_dim, jnp.float32 if dtype is None else dtype, packed=packed)
+    exclude = cannot_run(
+        head_dim, jnp.float32 if dtype is None else dtype, packed=packed, window=window
+    )
     exclude += ("cudnn",) if context else ()
     shape = {"seq": seq, "head_dim": head_dim, "causal": causal}
     return _common.auto_choice("flash_attention", _common.ATTENTION_IMPLS, shape, exclude)
@@ -78,7 +80,7 @@ def chosen(
     out = {
         "attention": attention_choice(
             model.attention_impl, head_dim=shape.head_dim, dtype=shape.compute_dtype,
-            seq=seq_len, packed=packed, context=context,
+            seq=seq_len, window=shape.sliding_window or None, packed=packed, context=context,
         ),
     }  # fmt: skip
     norm = getattr(model, "norm_impl", "xla")

@@ -184,3 +184,22 @@ def orbax_state_handler_without_replica_slices():
         type_handler_registry=_WholeShardArrays(array),
     )
     return handler
+
+
+def cudnn_packed_attention(q, k, v, q_lengths, kv_lengths, q_offsets, kv_offsets, *, causal):
+    """cuDNN's fused attention over packed documents ([B, T, heads, head_dim] in and out).
+
+    Uses ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention``: the public
+    `jax.nn.dot_product_attention` passes no document offsets (jax 0.11 and 0.12). Each row
+    holds documents ``[offsets[b, m], offsets[b, m] + lengths[b, m])``, int32 [B, M] and
+    [B, M + 1], -1 past a row's last; a query sees keys of its own document only (and, with
+    `causal`, none after itself).
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    scale = 1.0 / float(q.shape[-1]) ** 0.5
+    return cudnn.dot_product_attention(
+        q, k, v, None, None, q_lengths, kv_lengths, q_offsets, kv_offsets,
+        scale=scale, mask_type=mask, qkv_layout="BTNH",
+    )  # fmt: skip

@@ -146,3 +146,14 @@ def test_no_module_outside_compat_reaches_for_private_names(module):
         "_use_replica_parallel",
     ):
         assert private not in source, f"{module} uses {private}: go through meshtrain._compat"
+
+
+def test_cudnn_packed_attention_reaches_jax_private_packed_layout():
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    params = list(inspect.signature(cudnn.dot_product_attention).parameters)
+    positional = ["query", "key", "value", "bias", "mask", "q_seqlen", "kv_seqlen", "q_offsets"]
+    assert params[: len(positional) + 1] == [*positional, "kv_offsets"]
+    assert {"scale", "mask_type", "qkv_layout"} <= set(params)
+    assert cudnn.MaskType.PADDING_CAUSAL and cudnn.MaskType.PADDING
+    assert "cudnn_packed_attention" in dir(_compat)

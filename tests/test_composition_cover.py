@@ -386,14 +386,20 @@ CASES = [
         id="fsdp-cudnn-offload-acts-offload-opt-bf16",
     ),
     pytest.param(
-        Case("data=2,fsdp=2,tensor=2", "hsdp+tp", cudnn=True, remat=True, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "tp", "cudnn", "remat", "bf16"), 2)],
-        id="hsdp+tp-cudnn-remat-bf16",
+        Case("data=2,fsdp=2,tensor=2", "hsdp+tp", cudnn=True, packed=True, remat=True,
+             precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations((
+            "hsdp", "tp", "packed", "cudnn", "remat", "bf16",
+        ), 2)],
+        id="hsdp+tp-packed-cudnn-remat-bf16",
     ),
     pytest.param(
-        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="circular", precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "circular", "cudnn", "bf16"), 2)],
-        id="hsdp-circular-cudnn-bf16",
+        Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="circular", packed=True,
+             precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations((
+            "hsdp", "circular", "packed", "cudnn", "bf16",
+        ), 2)],
+        id="hsdp-circular-packed-cudnn-bf16",
     ),
     pytest.param(
         Case("pipe=2,data=2,tensor=2", "dp+tp", model="pallas", schedule="zb-h1", packed=True,
@@ -633,3 +639,4 @@ def test_combination_equals_one_device(case, request, tmp_path, monkeypatch):
     _check(case, tmp_path)
     if calls is not None:
         assert calls  # the model's attention went through the cuDNN path
+        assert ("cudnn-packed" in calls) == case.packed  # through its packed layout if packed

@@ -1,15 +1,17 @@
-"""cuDNN's fused attention differentiated per shard (`kernels._shard_vjp`), so it runs in a
-region nested in a manual one: a pipeline stage, the replicas' own step.
+"""cuDNN's fused attention as meshtrain runs it: differentiated per shard (`kernels._shard_vjp`),
+so it runs in a region nested in a manual one (a pipeline stage, the replicas' own step), and
+over packed documents through cuDNN's packed layout (`kernels._cudnn_attention`).
 
-Without a GPU, `cudnn_stand_in` serves the same `jax.nn.dot_product_attention` call with jax's
-XLA implementation: the gradients through meshtrain's per-shard custom VJP are compared with
-the jnp reference's. The cuda export then shows the real cuDNN forward and backward calls in a
-pipeline stage's program (jax's cuDNN version check is answered for the export: nothing
-runs).
+Without a GPU, `cudnn_stand_in` serves the same calls with jax's XLA attention (the packed one
+as cuDNN documents its offsets and lengths): the gradients through meshtrain's per-shard custom
+VJP are compared with the jnp reference's. The cuda exports then show the real cuDNN forward
+and backward calls in the programs (jax's cuDNN version check is answered for the export:
+nothing runs).
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _cudnn import CUDNN_CALLS, cudnn_for_export, cudnn_stand_in
 from _kernel_helpers import TOL, assert_close, fresh_key
@@ -19,25 +21,41 @@ from jax.sharding import PartitionSpec as P
 
 from meshtrain import layout
 from meshtrain.kernels import attention
+from meshtrain.kernels._cudnn_attention import documents
 
 B, T, H, G, K = 4, 32, 4, 2, 64  # 4 query heads on tensor=4, 2 key/value heads picked
 
 
-def _inputs(key):
-    """bfloat16 queries, keys and values (cuDNN's dtype) and a float32 cotangent weight."""
-    keys = jax.random.split(key, 4)
+def _segments(rng, rows, n):
+    """Random packed rows: documents of 1..n/3 tokens, then some padding (id 0)."""
+    seg = np.zeros((rows, n), np.int32)
+    for r in range(rows):
+        start, end, doc = 0, n - int(rng.integers(0, n // 4)), 1
+        while start < end:
+            size = min(int(rng.integers(1, n // 3 + 1)), end - start)
+            seg[r, start : start + size], start, doc = doc, start + size, doc + 1
+    return seg
+
+
+def _inputs(key, packed):
+    """bfloat16 queries, keys and values (cuDNN's dtype), a float32 cotangent weight and, when
+    `packed`, segment ids."""
+    keys = jax.random.split(key, 5)
     q = jax.random.normal(keys[0], (B, T, H, K), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (B, T, G, K), jnp.bfloat16) for kk in keys[1:3])
-    return q, k, v, jax.random.normal(keys[3], (B, T, H, K))
+    rng = np.random.default_rng(int(jax.random.randint(keys[4], (), 0, 2**30)))
+    seg = jnp.asarray(_segments(rng, B, T)) if packed else None
+    return q, k, v, jax.random.normal(keys[3], (B, T, H, K)), seg
 
 
-def _grads(impl, w):
+def _grads(impl, w, seg):
     """The gradients of a weighted sum of `impl`'s attention (the reference in float32)."""
 
     def loss(q, k, v):
         if impl == "xla":
             q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-        return (attention.flash_attention(q, k, v, impl=impl).astype(jnp.float32) * w).sum()
+        o = attention.flash_attention(q, k, v, impl=impl, segment_ids=seg)
+        return (o.astype(jnp.float32) * w).sum()
 
     return jax.grad(loss, argnums=(0, 1, 2))
 
@@ -46,62 +64,94 @@ def _mesh(shape, names):
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def test_documents_are_each_rows_runs_of_equal_ids():
+    seg = _segments(np.random.default_rng(fresh_key()[1]), 3, 40)
+    lengths, offsets = (np.asarray(a) for a in documents(jnp.asarray(seg)))
+    for row, length, offset in zip(seg, lengths, offsets, strict=True):
+        starts = [t for t in range(len(row)) if t == 0 or row[t] != row[t - 1]]
+        n = len(starts)
+        assert list(offset[:n]) == starts and set(offset[n:]) == {-1}
+        assert list(length[:n]) == list(np.diff([*starts, len(row)])) and set(length[n:]) <= {-1}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("nested", [False, True], ids=["layout", "inside-a-manual-region"])
-def test_cudnn_gradients_per_shard_equal_the_reference(monkeypatch, nested):
+def test_cudnn_gradients_per_shard_equal_the_reference(monkeypatch, nested, packed):
     calls = cudnn_stand_in(monkeypatch)
     key, seed = fresh_key()
-    q, k, v, w = _inputs(key)
+    q, k, v, w, seg = _inputs(key, packed)
     mesh = _mesh((2, 1, 4), ("data", "fsdp", "tensor"))
     rules = layout.rules_for("dp+tp")
+    segs = () if seg is None else (seg,)
     if not nested:
-        want = _grads("xla", w)(q, k, v)
+        want = _grads("xla", w, seg)(q, k, v)
 
-        def fn(q, k, v):
+        def fn(q, k, v, *segs):
             with layout.activation_rules(mesh, rules):
-                return _grads("cudnn", w)(q, k, v)
+                return _grads("cudnn", w, *segs or (None,))(q, k, v)
     else:  # each data shard differentiates its own block, as a pipeline stage does
         halves = [slice(0, B // 2), slice(B // 2, B)]
-        per = [_grads("xla", w[s])(q[s], k[s], v[s]) for s in halves]
+        per = [_grads("xla", w[s], None if seg is None else seg[s])(q[s], k[s], v[s])
+               for s in halves]  # fmt: skip
         want = [jnp.concatenate([p[i] for p in per]) for i in range(3)]
 
-        def fn(q, k, v):
+        def fn(q, k, v, *segs):
+            def stage(q, k, v, w, *segs):
+                return _grads("cudnn", w, *segs or (None,))(q, k, v)
+
             with layout.activation_rules(mesh, rules):
                 region = layout.manual_region(
-                    lambda q, k, v, w: _grads("cudnn", w)(q, k, v), mesh=mesh, axes={"data"},
-                    in_specs=(P("data"),) * 4, out_specs=(P("data"),) * 3,
+                    stage, mesh=mesh, axes={"data"}, in_specs=(P("data"),) * (4 + len(segs)),
+                    out_specs=(P("data"),) * 3,
                 )  # fmt: skip
-                return region(q, k, v, w)
+                return region(q, k, v, w, *segs)
 
-    got = jax.jit(fn)(q, k, v)
-    assert calls  # the cuDNN path ran
+    got = jax.jit(fn)(q, k, v, *segs)
+    assert calls and ("cudnn-packed" in calls) == packed  # cuDNN's path, packed when packed
     for g, r, name in zip(got, want, "qkv", strict=True):
         assert_close(g, r, TOL[jnp.bfloat16][1], f"d{name}", seed)
 
 
-def test_cudnn_inside_a_pipeline_stage_exports_for_cuda_with_the_fused_calls(monkeypatch):
+def _export(fn, *shapes):
+    spec = lambda s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+    args = [spec(s) if len(s) == 4 else spec(s, jnp.int32) for s in shapes]
+    exported = export.export(
+        jax.jit(fn),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS],
+    )(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_cudnn_inside_a_pipeline_stage_exports_for_cuda_with_the_fused_calls(monkeypatch, packed):
     """A stage (a region manual over ``pipe``) differentiating cuDNN's attention, heads over
     ``tensor``: the program for ``cuda`` holds one cuDNN forward and one backward call, which
-    jax's own differentiation of the nested region could not produce."""
+    jax's own differentiation of the nested region could not produce; packed, the calls carry
+    cuDNN's packed layout (a row of up to 128 documents)."""
     cudnn_for_export(monkeypatch)
     mesh = _mesh((2, 2, 2), ("pipe", "data", "tensor"))
     rules = layout.rules_for("dp+tp")
 
-    def stage(q, k, v):
-        loss = lambda q, k, v: attention.flash_attention(q, k, v, impl="cudnn").sum()
+    def stage(q, k, v, *seg):
+        def loss(q, k, v):
+            o = attention.flash_attention(
+                q, k, v, impl="cudnn", segment_ids=seg[0] if seg else None
+            )
+            return o.astype(jnp.float32).sum()
+
         return jax.grad(loss, argnums=(0, 1, 2))(*layout.varying((q, k, v)))
 
-    def step(q, k, v):
+    def step(q, k, v, *seg):
         with layout.activation_rules(mesh, rules):
             return layout.manual_region(
-                stage, mesh=mesh, axes={"pipe"}, in_specs=(P("pipe"),) * 3,
+                stage, mesh=mesh, axes={"pipe"}, in_specs=(P("pipe"),) * (3 + len(seg)),
                 out_specs=(P("pipe"),) * 3,
-            )(q, k, v)  # fmt: skip
+            )(q, k, v, *seg)  # fmt: skip
 
-    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-    exported = export.export(
-        jax.jit(step),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS],
-    )(spec(2 * B, 128, H, K), spec(2 * B, 128, G, K), spec(2 * B, 128, G, K))
-    module = exported.mlir_module()
+    n = 128
+    shapes = [(2 * B, n, H, K), (2 * B, n, G, K), (2 * B, n, G, K)] + [(2 * B, n)] * packed
+    module = _export(step, *shapes)
     assert [module.count(f"@{c}(") for c in CUDNN_CALLS] == [1, 1]
+    documents_per_row = n if packed else 1
+    assert module.count(f"max_seg_per_batch\\22: {documents_per_row},") == 2

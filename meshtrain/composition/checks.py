@@ -151,6 +151,11 @@ def clips(run: RunSpec) -> bool:
     return run.optim.clip_norm > 0
 
 
+def sliding_window(run: RunSpec) -> bool:
+    """The model's attention has a sliding window."""
+    return bool(getattr(run.model, "sliding_window", 0))
+
+
 def float32_compute(run: RunSpec) -> bool:
     """The model computes in float32 (the fp32 policy, or a model config left at float32)."""
     return run.precision.resolved(run.model) == "fp32"

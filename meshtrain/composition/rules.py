@@ -24,6 +24,7 @@ from meshtrain.run import TrainConfig
 __all__ = ["REFUSALS"]
 
 _CUDNN = example.gpt(attention_impl="cudnn", d_model=256, dtype="bfloat16")
+_CUDNN_WINDOW = example.gpt(attention_impl="cudnn", d_model=256, dtype="bfloat16", sliding_window=8)
 _OWN_STEP = (
     "the replicas' own step (gradient compression, local SGD, DiLoCo, gossip, federated averaging)"
 )
@@ -215,17 +216,16 @@ TABLE = (
     ),
     Refusal(
         "cuDNN attention",
-        "packed batches",
-        "the cuDNN path takes no document masks",
-        all_of(check.packed, check.cudnn),
+        "packed batches with a sliding window",
+        "cuDNN's packed layout takes no sliding window",
+        all_of(check.packed, check.cudnn, check.sliding_window),
         "{model}.attention_impl",
         "use pallas, auto or xla, or train on plain windows (--data.no-packing)",
         check.cudnn_name,
         lambda: (
-            example.run({"data": 8}, model=_CUDNN(), data=example.lm(packed=True)()),
-            example.run({"data": 8}, model=_CUDNN()),
+            example.run({"data": 8}, model=_CUDNN_WINDOW(), data=example.lm(packed=True)()),
+            example.run({"data": 8}, model=_CUDNN_WINDOW()),
         ),
-        cells=(("cudnn", "packed"),),
     ),
     Refusal(
         "cuDNN attention",

@@ -112,8 +112,8 @@ class Attention(nnx.Module):
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         impl = kernels.model_attention_impl(
-            self.impl, q_BTHK.shape[-1], q_BTHK.dtype, seq=T, packed=segment_ids_BT is not None,
-            context=cp is not None,
+            self.impl, q_BTHK.shape[-1], q_BTHK.dtype, seq=T, window=self.window,
+            packed=segment_ids_BT is not None, context=cp is not None,
         )  # fmt: skip
         if cp is not None:
             # The mask: causal (and windowed) by each token's index in its row (`order`), and

@@ -12,16 +12,24 @@ nothing runs).
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _cudnn import CUDNN_CALLS, cudnn_for_export, cudnn_stand_in
 from _kernel_helpers import TOL, assert_close, fresh_key
+from flax import nnx
 from jax import export
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from meshtrain import layout
+from meshtrain import GPTConfig, RunSpec, layout
 from meshtrain.kernels import attention
 from meshtrain.kernels._cudnn_attention import documents
+from meshtrain.layout import batch_shardings, rules_for
+from meshtrain.lower import init_train_state, jit_train_step
+from meshtrain.mesh import make_mesh
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.replicas import SyncConfig, with_sync
+from meshtrain.run import TrainConfig
 
 B, T, H, G, K = 4, 32, 4, 2, 64  # 4 query heads on tensor=4, 2 key/value heads picked
 
@@ -155,3 +163,40 @@ def test_cudnn_inside_a_pipeline_stage_exports_for_cuda_with_the_fused_calls(mon
     assert [module.count(f"@{c}(") for c in CUDNN_CALLS] == [1, 1]
     documents_per_row = n if packed else 1
     assert module.count(f"max_seg_per_batch\\22: {documents_per_row},") == 2
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "pipeline", "sync"),
+    [("pipe=2,data=4", PipelineConfig(schedule="1f1b", microbatches=4), SyncConfig()),
+     ("data=8", PipelineConfig(), SyncConfig(grad_compression="int8"))],
+    ids=["1f1b-packed", "compression-packed"],
+)  # fmt: skip
+def test_a_whole_train_step_exports_for_cuda_with_cudnn_inside(monkeypatch, mesh_shape, pipeline,
+                                                               sync):  # fmt: skip
+    """The jitted train step of a packed GPT with cuDNN attention, pipelined by 1F1B or in the
+    replicas' own step (int8 compression), exported for ``cuda``: cuDNN's forward and backward
+    calls are in it, in the packed layout."""
+    cudnn_for_export(monkeypatch)
+    seq = 64
+    cfg = GPTConfig(d_model=128, n_heads=2, n_layers=2, max_seq_len=seq, attention_impl="cudnn",
+                    dtype="bfloat16")  # fmt: skip
+    mesh = make_mesh(mesh_shape)
+    rules = rules_for("dp", mesh)
+    tx = optax.sgd(0.1)
+    graphdef, state, shardings = init_train_state(lambda: cfg.build(rngs=nnx.Rngs(0)), tx, mesh,
+                                                  rules)  # fmt: skip
+    state, shardings = with_sync(sync, tx, state, shardings, mesh, rules)
+    run = RunSpec(mesh=mesh, rules=rules, train=TrainConfig(run_dir=""), pipeline=pipeline,
+                  sync=sync)  # fmt: skip
+    rows = np.zeros((16, seq), np.int32)
+    batch = {"inputs": rows, "targets": rows, "segment_ids": rows + 1,
+             "positions": rows + np.arange(seq, dtype=np.int32)}  # fmt: skip
+    step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(batch, mesh, rules))
+    exported = export.export(
+        step.fn,
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS],
+    )(state, batch)
+    module = exported.mlir_module()
+    assert all(module.count(f"@{c}(") >= 1 for c in CUDNN_CALLS)
+    assert module.count(f"max_seg_per_batch\\22: {seq},") == module.count("@__cudnn$")

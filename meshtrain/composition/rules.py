@@ -243,8 +243,9 @@ TABLE = (
     Refusal(
         "cuDNN attention",
         "context parallelism",
-        "cuDNN's attention takes no position mask and returns no log-sum-exp, so it cannot run "
-        "a ring step",
+        "a context-parallel block is masked by global positions, which cuDNN's attention takes "
+        "no mask for, and merging blocks differentiates their log-sum-exp, whose gradient "
+        "jax's cuDNN backward drops (return_residual)",
         all_of(split(SEQ), check.cudnn),
         "{model}.attention_impl",
         "use --{model}.attention-impl pallas, auto or xla, or set seq=1",

@@ -55,11 +55,12 @@ def block_impl(impl: str, head_dim: int, dtype=None, seq: int = 0) -> str:
     ``"auto"`` is the faster of the Pallas kernel and the jnp math measured on this GPU
     (`meshtrain.kernels.select.attention_choice`; the jnp math off a GPU, or where nothing was
     measured); raises a ValueError for an impl context parallelism cannot run (``"cudnn"``: no
-    position mask, no log-sum-exp)."""
+    mask by global positions, no gradient of its log-sum-exp in jax)."""
     if impl == "cudnn":
         raise ValueError(
             "context parallelism: impl='cudnn' cannot compute a block (cuDNN's attention takes "
-            "no position mask and returns no log-sum-exp); use impl='pallas', 'auto' or 'xla'"
+            "no mask by global positions, and jax's cuDNN backward drops the gradient of the "
+            "log-sum-exp that merging blocks needs); use impl='pallas', 'auto' or 'xla'"
         )
     if impl not in IMPLS:
         raise ValueError(f"context parallelism: impl={impl!r}; choose from {', '.join(IMPLS)}")

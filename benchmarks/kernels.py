@@ -37,6 +37,7 @@ interpret-mode correctness smoke of every kernel, prints a line with ``"gpu_figu
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 import statistics
@@ -415,6 +416,7 @@ def main(argv=None) -> int:
         "platform": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "jax_version": jax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     args.shapes = SELFTEST_SHAPES if args.selftest else SHAPES
     if args.selftest:

@@ -35,7 +35,6 @@ import json
 import pathlib
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from meshtrain.measure import environment, matmul_peak, memory_figures, profile, spread, time_steps
@@ -128,17 +127,9 @@ def resolve_shape(args) -> Shape:
     return Shape(config=config, seq_len=seq_len, batch=args.batch or size["batch"])
 
 
-def loss_fn_for(impl: str) -> Callable | None:
-    """The train step's loss: None (meshtrain's default, optax) for "xla", else the kernel."""
-    if impl == "xla":
-        return None
-    from meshtrain.loss import cross_entropy_with
-
-    return cross_entropy_with(impl)
-
-
-def synthetic_tokens(shape: Shape, n_batches: int, seed: int):
-    """`n_batches` distinct host batches {"inputs", "targets"} [B, T] int32 of random tokens."""
+def synthetic_tokens(shape: Shape, n_batches: int, seed: int, *, packed: bool = False):
+    """`n_batches` distinct host batches {"inputs", "targets"} [B, T] int32 of random tokens;
+    `packed`: also "segment_ids" and "positions" of random documents (see `random_documents`)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -147,8 +138,28 @@ def synthetic_tokens(shape: Shape, n_batches: int, seed: int):
         tokens = rng.integers(
             0, shape.config.vocab_size, (shape.batch, shape.seq_len + 1), dtype=np.int32
         )
-        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        if packed:
+            batch["segment_ids"], batch["positions"] = random_documents(rng, *batch["inputs"].shape)
+        out.append(batch)
     return out
+
+
+def random_documents(rng, rows: int, seq_len: int):
+    """Segment ids and positions [rows, seq_len] of rows packed with documents of random
+    lengths (exponential, a quarter of the row on average, at least 16 tokens), the last cut at
+    the row's end: the shape of a packed pretraining batch, with no padding."""
+    import numpy as np
+
+    seg = np.zeros((rows, seq_len), np.int32)
+    pos = np.zeros((rows, seq_len), np.int32)
+    for r in range(rows):
+        start, doc = 0, 1
+        while start < seq_len:
+            n = min(max(16, int(rng.exponential(seq_len / 4))), seq_len - start)
+            seg[r, start : start + n], pos[r, start : start + n] = doc, np.arange(n)
+            start, doc = start + n, doc + 1
+    return seg, pos
 
 
 def throughput(
@@ -242,6 +253,7 @@ def _compile_step(args, shape: Shape, record: dict) -> _Step:
     import jax
 
     import meshtrain as mt
+    from meshtrain.models import DataSpec
 
     mesh = mt.make_mesh(args.mesh)
     rules = mt.rules_for(args.strategy, mesh)
@@ -257,15 +269,21 @@ def _compile_step(args, shape: Shape, record: dict) -> _Step:
         rules=rules,
         optim=optim,
         precision=precision,
-        loss_fn=loss_fn_for(args.loss),
+        train=mt.TrainConfig(loss_impl=args.loss, run_dir=""),
     )
     tx = run.optimizer(total)
     graphdef, state, shardings = mt.lower.init_train_state(
         lambda: mt.lower.build_model(shape.config, seed=args.seed), tx, mesh, rules
     )
     record["params"] = sum(int(x.size) for x in jax.tree.leaves(state.params))
-    batches = [mt.lower.shard_batch(b, mesh, rules) for b in synthetic_tokens(shape, 3, args.seed)]
+    packed = getattr(args, "packed", False)
+    record["packed"] = packed
+    host = synthetic_tokens(shape, 3, args.seed, packed=packed)
+    batches = [mt.lower.shard_batch(b, mesh, rules) for b in host]
     batch_sharding = {k: v.sharding for k, v in batches[0].items()}
+    data = DataSpec("lm", shape.batch, shape.seq_len, shape.config.vocab_size, packed=packed)
+    record["kernels"] = run.replace(data=data).kernels()
+    log(record["kernels"])
     jitted = mt.lower.jit_train_step(run, graphdef, tx, shardings, batch_sharding)
     t0 = time.perf_counter()
     compiled = jitted.lower(state, batches[0]).compile()

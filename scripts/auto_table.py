@@ -4,8 +4,11 @@ records: ``benchmarks/kernels.py``'s JSON (one object per file, or one per line)
     python scripts/auto_table.py benchmarks/results/kernels_gpu.json [MORE...] [--date D]
 
 Rows from every file are merged (a later file's row replaces an earlier one for the same device
-kind, op and shape); the GPU check runs this after its kernels stage. Prints one JSON line: the
-rows written per device kind.
+kind, op and shape; --merge keeps the table's own rows and sources first). The table lists its
+sources, so `tests/test_kernels_auto.py` can write it again and compare. The GPU check runs this
+after its kernels stage into its output folder; commit that run's results under
+benchmarks/results/ and run this with --merge on them to update the committed table. Prints one
+JSON line: the rows per device kind.
 """
 
 from __future__ import annotations
@@ -31,31 +34,33 @@ def records(path: pathlib.Path) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", nargs="+", type=pathlib.Path, help="kernel benchmark records")
+    p.add_argument("results", nargs="+", help="kernel benchmark records (paths from the repo root)")
     p.add_argument("--date", default="", help="YYYY-MM-DD, for records that carry no date")
     p.add_argument("--out", type=pathlib.Path, default=autotable.TABLE, help="the table to write")
     p.add_argument("--merge", action="store_true", help="keep the rows --out already has")
     args = p.parse_args(argv)
-    old = json.loads(args.out.read_text())["rows"] if args.merge and args.out.exists() else []
-    merged = {_key(r): r for r in old}
+    old = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
+    merged = {_key(r): r for r in old.get("rows", [])}
+    sources = list(old.get("sources", []))
     for path in args.results:
-        for row in autotable.table_from(records(path), date=args.date):
-            merged[_key(row)] = {**row, "source": path.name}
+        rows = autotable.table_from(records(pathlib.Path(path)), date=args.date)
+        merged.update({_key(row): row for row in rows})
+        sources += [path] if rows and path not in sources else []
     rows = [merged[k] for k in sorted(merged)]
-    if not rows:
-        print(f"auto_table: no GPU kernel records in {[str(p) for p in args.results]}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    table = {
-        "what": "forward+backward milliseconds per implementation; impl='auto' runs the fastest",
-        "written_by": "python scripts/auto_table.py",
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(table, indent=1) + "\n")
     kinds: dict[str, int] = {}
     for r in rows:
         kinds[r["device_kind"]] = kinds.get(r["device_kind"], 0) + 1
-    print(json.dumps({"auto_table": str(args.out.name), "rows": kinds}))
+    if not rows:  # a CPU run (the GPU check's dry run): nothing measured, nothing written
+        print(json.dumps({"auto_table": args.out.name, "rows": {}, "written": False}))
+        return 0
+    table = {
+        "what": "forward+backward milliseconds per implementation; impl='auto' runs the fastest",
+        "written_by": "python scripts/auto_table.py SOURCES... --date " + (args.date or "''"),
+        "sources": sources,
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(table, indent=1) + "\n")
+    print(json.dumps({"auto_table": args.out.name, "rows": kinds, "written": True}))
     return 0
 
 

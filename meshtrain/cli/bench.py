@@ -4,6 +4,7 @@
     meshtrain bench --size 125m                      # on a GPU: bf16, cuDNN attention
     meshtrain bench --size 1.3b --seq-len 2048 --profile runs/trace
     meshtrain bench --size 125m --precision fp8 --compile-only   # compiled memory, no timing
+    meshtrain bench --size 1.3b --packed --precision bf16 --attention auto   # the recipe
 
 What it measures is described in `meshtrain.bench`.
 """
@@ -37,7 +38,11 @@ class BenchSettings(validate.Checked):
             place of --dtype; fp8's MFU is against the bfloat16 peak, as peers report it.
         compile_only: compile the step and report its compiled memory, compile time and
             FLOPs; time nothing.
-        attention: attention kernel; default: cudnn on a GPU, xla elsewhere.
+        packed: packed documents, as language-model pretraining batches are built: each row
+            holds random documents (segment ids and positions), so attention stays within a
+            document and the loss covers real tokens.
+        attention: attention kernel; default: cudnn on a GPU, xla elsewhere; auto: what was
+            measured fastest (`meshtrain.kernels.autotable`).
         norm: norm kernel.
         loss: cross-entropy kernel.
         remat: remat policy: none, full, save-dots, save-attention-out.
@@ -62,6 +67,7 @@ class BenchSettings(validate.Checked):
     dtype: Literal["", "bfloat16", "float32"] = ""
     precision: Literal["", "fp32", "bf16", "fp16", "fp8"] = ""
     compile_only: bool = False
+    packed: bool = False
     attention: Literal["default", "xla", "pallas", "cudnn", "auto"] = "default"
     norm: Literal["xla", "pallas", "auto"] = "xla"
     loss: Literal["xla", "pallas", "auto"] = "xla"

@@ -41,18 +41,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     old = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
     merged = {_key(r): r for r in old.get("rows", [])}
-    sources = list(old.get("sources", []))
+    sources, measured = list(old.get("sources", [])), 0
     for path in args.results:
         rows = autotable.table_from(records(pathlib.Path(path)), date=args.date)
         merged.update({_key(row): row for row in rows})
         sources += [path] if rows and path not in sources else []
+        measured += len(rows)
+    if not measured:  # a CPU run (the GPU check's dry run): nothing measured, nothing written
+        print(json.dumps({"auto_table": args.out.name, "rows": {}, "written": False}))
+        return 0
     rows = [merged[k] for k in sorted(merged)]
     kinds: dict[str, int] = {}
     for r in rows:
         kinds[r["device_kind"]] = kinds.get(r["device_kind"], 0) + 1
-    if not rows:  # a CPU run (the GPU check's dry run): nothing measured, nothing written
-        print(json.dumps({"auto_table": args.out.name, "rows": {}, "written": False}))
-        return 0
     table = {
         "what": "forward+backward milliseconds per implementation; impl='auto' runs the fastest",
         "written_by": "python scripts/auto_table.py SOURCES... --date " + (args.date or "''"),

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The one command to run on a GPU machine: install the bundled wheels, print versions and the
 # device, then, each stage under its own timeout and all inside --budget seconds, run
-#   the gpu-marked tests, meshtrain bench + its jax and PyTorch baselines at 125m and 1.3b
-#   (benchmarks/e2e.py), bf16 against fp8 at 350m and 1.3b (meshtrain bench --precision),
-#   benchmarks/kernels.py, and 1.3b with the Pallas kernels;
+#   the recipe users train with (1.3b, packed documents, bf16, `auto` kernels) and it with fp8,
+#   benchmarks/kernels.py and the `auto` table it writes, the XLA GPU flags peers set (each on
+#   and off), the gpu-marked tests, meshtrain bench + its jax and PyTorch baselines at 125m and
+#   1.3b (benchmarks/e2e.py), bf16 against fp8 at 350m, and 1.3b with the Pallas kernels;
 # write every JSON line and the whole log under $OUT (a local folder when $OUT is unset) and
 # print a summary table last.
 #
 #   bash scripts/gpu_check.sh [--budget SECONDS] [--dry-run] [--python PY] [--wheels DIR]
-#                             [--no-profile] [--stages gpu_tests,bench_1.3b,...]
+#                             [--no-profile] [--stages recipe_1.3b,...] [--resume RESULTS]
 #
-# Stages, in this order (most wanted first): gpu_tests, bench_1.3b (bench_1.3b_small if it
-# fails), bench_125m, precision_350m_bf16, precision_350m_fp8, precision_1.3b_fp8, kernels,
-# bench_1.3b_pallas. A 540 s budget may not reach the last ones;
-# a second call with --stages runs the rest.
+# Stages, in this order (most wanted first): recipe_1.3b, recipe_1.3b_fp8, kernels, auto_table,
+# xla_flags, gpu_tests, bench_1.3b (bench_1.3b_small if it fails), bench_125m,
+# precision_350m_bf16, precision_350m_fp8, bench_1.3b_pallas. A 540 s budget may not reach the
+# last ones: --resume with the results.jsonl of the earlier run (committed under
+# benchmarks/results/) skips the stages that finished there, and --stages picks some.
 #
 # On a machine with an NVIDIA GPU, with the wheels of `make gpu-bundle` in .whl/ beside it:
 #   bash scripts/gpu_check.sh --budget 540
@@ -25,6 +27,8 @@
 #   gpu_check.log   everything every stage printed, prefixed by the stage
 #   results.jsonl   every JSON line, and one {"stage", "status", "seconds"} line per stage
 #   summary.txt     the table printed last
+#   auto_table.json kernels/auto_table.json with this GPU's kernel rows merged in (commit the
+#                   results under benchmarks/results/, then scripts/auto_table.py --merge)
 #   trace_1.3b.*    the jax.profiler trace of three 1.3b steps (xplane.pb, Perfetto .json.gz)
 set -uo pipefail
 
@@ -34,6 +38,7 @@ DRY=0
 PROFILE=1
 PYTHON="${PYTHON:-python3}"
 STAGES=""  # empty: all
+RESUME=""  # an earlier run's results.jsonl: its finished stages are skipped
 WHEELS="$ROOT/.whl"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -43,11 +48,16 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS="$2"; shift 2 ;;
     --no-profile) PROFILE=0; shift ;;
     --stages) STAGES=",$2,"; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    --resume) RESUME="$2"; shift 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 case "$BUDGET" in ''|*[!0-9]*) echo "gpu_check: --budget needs whole seconds" >&2; exit 2 ;; esac
+if [ -n "$RESUME" ] && [ ! -f "$RESUME" ]; then
+  echo "gpu_check: --resume $RESUME: no such file (give an earlier run's results.jsonl)" >&2
+  exit 2
+fi
 
 OUT="${OUT:-$ROOT/runs/gpu_check}"
 mkdir -p "$OUT"
@@ -73,7 +83,13 @@ stage() {
   local name="$1" max="$2"; shift 2
   local now left limit rc t0 status
   case "$name" in install|env|import) ;; *)
-    if [ -n "$STAGES" ] && [[ "$STAGES" != *",$name,"* ]]; then return 0; fi ;;
+    if [ -n "$STAGES" ] && [[ "$STAGES" != *",$name,"* ]]; then return 0; fi
+    if [ -n "$RESUME" ] && grep -q "^{\"stage\": \"$name\", \"status\": \"ok\"" "$RESUME"; then
+      say "$name: done in $RESUME"
+      record "$name" "done earlier" 0
+      STATUS_OF+=("$name=done earlier")
+      return 0
+    fi ;;
   esac
   now=$(date +%s)
   left=$(( BUDGET - (now - START) - RESERVE ))
@@ -175,12 +191,14 @@ cd "$ROOT" || exit 2
 mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 if [ "$DRY" = 1 ]; then
   SIZE_A=(--size tiny) SIZE_B=(--size tiny) SIZE_P=(--size tiny) SIZE_Q=(--size tiny)
+  SIZE_F=(--size tiny)
   STEPS=(--steps 2 --warmup 1)
   PALLAS=(--attention pallas --norm pallas --loss pallas)
   KERNELS=(--selftest)
 else
   SIZE_A=(--size 125m) SIZE_B=(--size 1.3b --seq-len 2048 --dtype bfloat16)
-  SIZE_P=(--size 350m) SIZE_Q=(--size 1.3b --seq-len 2048)  # bf16 vs fp8 (1.3b bf16: bench_1.3b)
+  SIZE_P=(--size 350m) SIZE_Q=(--size 1.3b --seq-len 2048)  # the recipe, by --precision
+  SIZE_F=(--size 350m --seq-len 2048)  # the XLA flags, each a fresh compile
   # 1.3b at batch 8 without remat needs about 77 GiB: it ran on an H200 (141 GB) and ran out of
   # memory on an H100 (80 GB). Below 100 GB of GPU memory the 1.3b stages recompute each block.
   GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
@@ -196,6 +214,16 @@ fi
 PROF=()
 [ "$PROFILE" = 1 ] && PROF=(--profile "$WORK/trace_b" --profile-steps 3)
 
+AUTO=(--packed --attention auto --norm auto --loss auto)  # the recipe: what users train with
+stage recipe_1.3b 240 "$PYTHON" -m meshtrain.cli bench "${SIZE_Q[@]}" "${AUTO[@]}" \
+  --precision bf16 "${STEPS[@]}"
+stage recipe_1.3b_fp8 180 "$PYTHON" -m meshtrain.cli bench "${SIZE_Q[@]}" "${AUTO[@]}" \
+  --precision fp8 "${STEPS[@]}"
+stage kernels 240 "$PYTHON" benchmarks/kernels.py "${KERNELS[@]}"
+cp "$ROOT/kernels/auto_table.json" "$OUT/auto_table.json"
+stage auto_table 30 "$PYTHON" scripts/auto_table.py "$RESULTS" --merge --out "$OUT/auto_table.json"
+stage xla_flags 300 "$PYTHON" benchmarks/xla_flags.py "${SIZE_F[@]}" --packed --precision bf16 \
+  "${STEPS[@]}" --only none,latency_hiding_scheduler,no_triton_gemm,maxtext
 stage gpu_tests 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]}"
 stage bench_1.3b 300 "$PYTHON" benchmarks/e2e.py "${SIZE_B[@]}" "${STEPS[@]}" "${PROF[@]}"
 if [ -z "$STAGES" ] || [[ "$STAGES" == *",bench_1.3b,"* ]] && ! ok bench_1.3b; then
@@ -208,9 +236,6 @@ stage precision_350m_bf16 120 "$PYTHON" -m meshtrain.cli bench "${SIZE_P[@]}" --
   "${STEPS[@]}"
 stage precision_350m_fp8 120 "$PYTHON" -m meshtrain.cli bench "${SIZE_P[@]}" --precision fp8 \
   "${STEPS[@]}"
-stage precision_1.3b_fp8 180 "$PYTHON" -m meshtrain.cli bench "${SIZE_Q[@]}" --precision fp8 \
-  "${STEPS[@]}"
-stage kernels 240 "$PYTHON" benchmarks/kernels.py "${KERNELS[@]}"
 stage bench_1.3b_pallas 150 "$PYTHON" benchmarks/e2e.py "${SIZE_B[@]}" "${STEPS[@]}" \
   "${PALLAS[@]}" --torch off --no-jax-baseline
 

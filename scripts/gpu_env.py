@@ -100,6 +100,18 @@ def summary(path: str) -> str:
             )
         if r.get("benchmark") == "kernels" and "rows" in r:
             figures.append(f"kernels: {len(r['rows'])} rows, gpu_figures={r.get('gpu_figures')}")
+        if r.get("benchmark") == "meshtrain_bench" and r.get("packed"):
+            figures.append(
+                f"recipe {r['size']} packed {r['precision']}: "
+                f"{_fmt(r.get('tokens_per_s'), '.0f')} tokens/s, mfu {_fmt(r.get('mfu'), '.3f')}"
+                f" · {r.get('kernels', '')}"
+            )
+        if r.get("benchmark") == "xla_flags_summary":
+            ratios = ", ".join(f"{k} {v:.3f}" for k, v in r["vs_none"].items())
+            figures.append(f"xla flags ({r['size']}), tokens/s over none: {ratios}")
+        if "auto_table" in r:
+            measured = r["rows"] or "nothing measured"
+            figures.append(f"auto table: {measured} (written: {r['written']})")
     head = (
         "size   device                 dtype    tokens/s    mfu   mfu_p  mfu_m  vsjax vstrch"
         "  memGB  compS"

@@ -24,8 +24,9 @@ from lowest_versions import lower_bounds  # noqa: E402
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 STAGES = (
-    "install", "env", "import", "gpu_tests", "bench_125m", "bench_1.3b", "precision_350m_bf16",
-    "precision_350m_fp8", "precision_1.3b_fp8", "kernels",
+    "install", "env", "import", "recipe_1.3b", "recipe_1.3b_fp8", "kernels", "auto_table",
+    "xla_flags", "gpu_tests", "bench_125m", "bench_1.3b", "precision_350m_bf16",
+    "precision_350m_fp8",
 )  # fmt: skip
 
 
@@ -144,6 +145,18 @@ def test_dry_run_passes_every_stage(tmp_path):
         assert "/site/" not in imported["jax_file"]
     kernels = next(r for r in records if r.get("benchmark") == "kernels")
     assert kernels["rows"] and kernels["gpu_figures"] == "unmeasured"
+    recipe = [r for r in records if r.get("benchmark") == "meshtrain_bench" and r.get("packed")]
+    assert {r["precision"] for r in recipe} >= {"bf16", "fp8"}
+    assert all(r["kernels"].startswith("kernels: attention ") for r in recipe)
+    table = next(r for r in records if "auto_table" in r)
+    assert table["written"] is False  # a CPU run measures nothing for the table
+    flags = next(r for r in records if r.get("benchmark") == "xla_flags_summary")
+    assert set(flags["vs_none"]) == {
+        "none",
+        "latency_hiding_scheduler",
+        "no_triton_gemm",
+        "maxtext",
+    }
     trace = tmp_path / "OUT" / "trace_1.3b.xplane.pb"
     assert trace.exists() and trace.stat().st_size > 0
     last = proc.stdout.strip().splitlines()
@@ -160,6 +173,23 @@ def test_the_bundle_holds_what_the_image_lacks_and_fits_a_call():
     assert "jax" in manifest["left_to_the_image"]
     assert not any(gpu_bundle.FORBIDDEN.match(n) for n in names)
     assert manifest["total_bytes"] < 48 * 2**20  # with the checkout, 64 MiB at most
+
+
+def test_resume_skips_the_stages_an_earlier_run_finished(tmp_path):
+    """--resume with an earlier run's results.jsonl: the stages that finished there are not run
+    again, the others are."""
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text(
+        '{"stage": "gpu_tests", "status": "ok", "seconds": 80}\n'
+        '{"stage": "auto_table", "status": "timeout after 30 s", "seconds": 30}\n'
+    )
+    proc = _run_check(tmp_path, "--dry-run", "--stages", "gpu_tests,auto_table", "--resume",
+                      str(earlier), timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status = _status(_records(tmp_path))
+    assert status["gpu_tests"] == "done earlier" and status["auto_table"] == "ok", status
+    missing = _run_check(tmp_path, "--resume", str(tmp_path / "none.jsonl"), timeout=60)
+    assert missing.returncode == 2 and "--resume" in missing.stderr
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from meshtrain.kernels import _common
+from meshtrain.kernels import _common, autotable
 from meshtrain.kernels._flash_tiles import Tiling
 
 HEAD_DIMS = (64, 128)
@@ -84,16 +84,24 @@ def validate(q, k, v, impl, causal, window, segment_ids=None):
             )
 
 
-def tiling(q, k, causal, window, block_q=None, block_k=None) -> Tiling:
-    """The kernels' tiling of q [B, T, H, K] against k [B, S, G, K]: blocks of 64 by default,
-    shrunk (to a power of two ≥ 16) for short sequences."""
+def tiling(q, k, causal, window, block_q=None, block_k=None, warps=None, stages=None) -> Tiling:
+    """The kernels' tiling of q [B, T, H, K] against k [B, S, G, K]. What is not given comes
+    from the configuration tuned on this GPU for the shape (`autotable.flash_config`, which
+    the GPU check's sweep writes), else blocks of 64 (shrunk to a power of two ≥ 16 for short
+    sequences), 4 or 8 warps by head width and 2 stages."""
     T, S = q.shape[1], k.shape[1]
-    bq = block_q or min(64, max(16, _common.next_pow2(T)))
-    bk = block_k or min(64, max(16, _common.next_pow2(S)))
+    tuned = {}
+    if _common.on_gpu():
+        shape = {"seq": T, "head_dim": q.shape[3], "causal": causal}
+        tuned = autotable.flash_config(shape, autotable.device_kind()) or {}
+    bq = block_q or min(tuned.get("block_q", 64), max(16, _common.next_pow2(T)))
+    bk = block_k or min(tuned.get("block_k", 64), max(16, _common.next_pow2(S)))
     for name, b in (("block_q", bq), ("block_k", bk)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"flash_attention: {name}={b} must be a power of two ≥ 16")
-    return Tiling(causal=causal, window=window, bq=bq, bk=bk, seq_q=T, seq_k=S)
+    warps = warps or tuned.get("warps", 0)
+    stages = stages or tuned.get("stages", 2)
+    return Tiling(causal, window, bq, bk, T, S, warps=warps, stages=stages)
 
 
 def check_block(q, k, v, q_pos, k_pos, causal, window, q_segments, k_segments):

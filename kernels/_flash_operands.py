@@ -122,7 +122,7 @@ def launch(
         in_specs=[sp[n] for n in in_names] + arg_specs,
         out_specs=[sp[n] for n in outs] if isinstance(outs, list) else sp[outs],
         out_shape=out_shape,
-        compiler_params=_common.triton_params(4 if K <= 64 else 8, 2),
+        compiler_params=_common.triton_params(t.warps or (4 if K <= 64 else 8), t.stages),
         interpret=interpret,
         name=name,
     )(*inputs, *args)

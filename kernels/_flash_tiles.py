@@ -32,6 +32,8 @@ class Tiling:
     bk: int
     seq_q: int
     seq_k: int
+    warps: int = 0  # Triton warps per program (0: 4 for head width 64, 8 above)
+    stages: int = 2  # Triton software-pipelining stages
 
     @property
     def padded_q(self) -> int:

@@ -135,6 +135,8 @@ def flash_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     segment_ids: jax.Array | None = None,
+    warps: int | None = None,
+    stages: int | None = None,
 ) -> jax.Array:
     """Softmax attention ``softmax(q kᵀ / √K) v`` with grouped key/value heads.
 
@@ -147,8 +149,11 @@ def flash_attention(
             None: all of 0..i. Key blocks wholly outside the window are skipped.
         impl: ``"pallas"`` (interpreted off the GPU), ``"xla"`` (the jnp reference),
             ``"cudnn"`` (`jax.nn.dot_product_attention`, GPU only) or ``"auto"``.
-        block_q: query rows per tile (power of two ≥ 16; default 64, less for short sequences).
+        block_q: query rows per tile (power of two ≥ 16; default: the configuration tuned for
+            the shape on this GPU, else 64, less for short sequences).
         block_k: key rows per inner step (same rule).
+        warps, stages: the Triton launch's warps and pipelining stages (default: tuned, else
+            4 or 8 by head width, and 2); the interpreter ignores them.
         segment_ids: [batch, T] integers for self-attention over packed documents: query i
             sees key j only when both carry one id (padding, id 0, is one more segment, so
             no row is left empty and nothing is NaN). Not with ``impl="cudnn"``.
@@ -174,6 +179,6 @@ def flash_attention(
             q_BTHK, k_BSGK, v_BSGK, causal=causal, window=window, segment_ids=segment_ids
         )
     if impl == "pallas":
-        t = tiling(q_BTHK, k_BSGK, causal, window, block_q, block_k)
+        t = tiling(q_BTHK, k_BSGK, causal, window, block_q, block_k, warps, stages)
         return _pallas_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids, t)
     return cudnn_attention(q_BTHK, k_BSGK, v_BSGK, segment_ids, causal=causal, window=window)

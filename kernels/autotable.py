@@ -101,6 +101,22 @@ def fastest(kernel: str, shape: Mapping, candidates: Iterable[str]) -> Choice | 
     return Choice(impl, f"fastest measured at {size} {row['shape'][size]} ({row['date']})")
 
 
+def flash_config(shape: Mapping, kind: str) -> dict | None:
+    """The flash kernel's configuration tuned for a call of `shape` (``seq``, ``head_dim``,
+    ``causal``) on a device of `kind`: ``{"block_q", "block_k", "warps", "stages"}`` from the
+    row nearest in sequence length (as `measured` serves), or None."""
+    best, distance = None, SPAN
+    for row in rows():
+        if row["device_kind"] != kind or row["op"] != "flash_config":
+            continue
+        if any(row["shape"].get(d) != shape.get(d) for d in ("head_dim", "causal")):
+            continue
+        gap = abs(math.log2(max(shape.get("seq", 0), 1) / row["shape"]["seq"]))
+        if gap <= distance:
+            best, distance = row, gap
+    return None if best is None else dict(best["config"])
+
+
 def table_from(records: Iterable[Mapping], *, date: str = "") -> list[dict]:
     """The table's rows from `benchmarks/kernels.py` and `benchmarks/grouped_matmul.py`
     records: per device kind, op and shape, the forward+backward milliseconds of each
@@ -116,13 +132,13 @@ def table_from(records: Iterable[Mapping], *, date: str = "") -> list[dict]:
     """
     table: dict[tuple, dict] = {}
     for rec in records:
-        measured_here = rec.get("benchmark") in ("kernels", "grouped_matmul")
+        measured_here = rec.get("benchmark") in ("kernels", "grouped_matmul", "flash_sweep")
         if not measured_here or rec.get("platform") != "gpu":
             continue
         when = str(rec.get("date", date))[:10]
         if not when:
             raise ValueError(f"a kernels record from {rec['device_kind']} has no date; pass one")
-        for op, shape, impl, ms in _timings(rec):
+        for op, shape, impl, ms, config in _timings(rec):
             key = (rec["device_kind"], op, json.dumps(shape, sort_keys=True))
             row = table.setdefault(
                 key,
@@ -136,18 +152,30 @@ def table_from(records: Iterable[Mapping], *, date: str = "") -> list[dict]:
                     "date": when,
                 },
             )
-            row["ms"][impl] = min(ms, row["ms"].get(impl, math.inf))  # the best tile's
+            if ms < row["ms"].get(impl, math.inf):  # the best tile's, the best configuration's
+                row["ms"][impl] = ms
+                if config is not None:
+                    row["config"] = config
     return [table[k] for k in sorted(table)]
 
 
-def _timings(rec: Mapping) -> Iterable[tuple[str, dict, str, float]]:
-    """``(op, shape, impl, forward+backward ms)`` of a benchmark record: `benchmarks/kernels.py`
-    rows, or `benchmarks/grouped_matmul.py`'s one shape with a row per impl and tile."""
+def _timings(rec: Mapping) -> Iterable[tuple[str, dict, str, float, dict | None]]:
+    """``(op, shape, impl, forward+backward ms, configuration)`` of a benchmark record:
+    `benchmarks/kernels.py` rows; `benchmarks/grouped_matmul.py`'s one shape with a row per
+    impl and tile; `benchmarks/flash_sweep.py`'s configurations of the Pallas attention per
+    shape (each also an attention timing, so ``auto`` weighs the tuned kernel)."""
     if rec["benchmark"] == "grouped_matmul":
         shape = {**rec["shape"], "rows": rec["shape"]["tokens"] * rec["shape"]["top_k"]}
         for r in rec["rows"]:
-            yield "grouped_matmul", shape, r["impl"], r[f"{PASS}_ms"]
+            yield "grouped_matmul", shape, r["impl"], r[f"{PASS}_ms"], None
         return
     for r in rec["rows"]:
-        if r["pass"] == PASS and r["kernel"] in SIZE:
-            yield r["kernel"], r["shape"], r["impl"], r["ms"]
+        if r.get("pass") != PASS or "ms" not in r:  # an error row (out of memory) is no timing
+            continue
+        if rec["benchmark"] == "flash_sweep":
+            config = r.get("config")
+            yield "attention", r["shape"], r["impl"], r["ms"], None
+            if config is not None:
+                yield "flash_config", r["shape"], r["impl"], r["ms"], config
+        elif r["kernel"] in SIZE:
+            yield r["kernel"], r["shape"], r["impl"], r["ms"], None

@@ -2,7 +2,8 @@
 # The one command to run on a GPU machine: install the bundled wheels, print versions and the
 # device, then, each stage under its own timeout and all inside --budget seconds, run
 #   the recipe users train with (1.3b, packed documents, bf16, `auto` kernels) and it with fp8,
-#   benchmarks/kernels.py and the `auto` table it writes, the XLA GPU flags peers set (each on
+#   benchmarks/kernels.py, the Pallas attention's configurations swept against cuDNN
+#   (benchmarks/flash_sweep.py) and the `auto` table they write, the XLA GPU flags peers set (each on
 #   and off), the gpu-marked tests, meshtrain bench + its jax and PyTorch baselines at 125m and
 #   1.3b (benchmarks/e2e.py), bf16 against fp8 at 350m, and 1.3b with the Pallas kernels;
 # write every JSON line and the whole log under $OUT (a local folder when $OUT is unset) and
@@ -11,8 +12,8 @@
 #   bash scripts/gpu_check.sh [--budget SECONDS] [--dry-run] [--python PY] [--wheels DIR]
 #                             [--no-profile] [--stages recipe_1.3b,...] [--resume RESULTS]
 #
-# Stages, in this order (most wanted first): recipe_1.3b, recipe_1.3b_fp8, kernels, auto_table,
-# xla_flags, gpu_tests, bench_1.3b (bench_1.3b_small if it fails), bench_125m,
+# Stages, in this order (most wanted first): recipe_1.3b, recipe_1.3b_fp8, kernels, flash_sweep,
+# auto_table, xla_flags, gpu_tests, bench_1.3b (bench_1.3b_small if it fails), bench_125m,
 # precision_350m_bf16, precision_350m_fp8, bench_1.3b_pallas. A 540 s budget may not reach the
 # last ones: --resume with the results.jsonl of the earlier run (committed under
 # benchmarks/results/) skips the stages that finished there, and --stages picks some.
@@ -195,6 +196,7 @@ if [ "$DRY" = 1 ]; then
   STEPS=(--steps 2 --warmup 1)
   PALLAS=(--attention pallas --norm pallas --loss pallas)
   KERNELS=(--selftest)
+  SWEEP=(--selftest)
 else
   SIZE_A=(--size 125m) SIZE_B=(--size 1.3b --seq-len 2048 --dtype bfloat16)
   SIZE_P=(--size 350m) SIZE_Q=(--size 1.3b --seq-len 2048)  # the recipe, by --precision
@@ -210,6 +212,7 @@ else
   STEPS=(--steps 10 --warmup 3)
   PALLAS=(--attention pallas --norm pallas --loss pallas)
   KERNELS=(--warmup 3 --reps 10)
+  SWEEP=(--budget 200)
 fi
 PROF=()
 [ "$PROFILE" = 1 ] && PROF=(--profile "$WORK/trace_b" --profile-steps 3)
@@ -220,6 +223,7 @@ stage recipe_1.3b 240 "$PYTHON" -m meshtrain.cli bench "${SIZE_Q[@]}" "${AUTO[@]
 stage recipe_1.3b_fp8 180 "$PYTHON" -m meshtrain.cli bench "${SIZE_Q[@]}" "${AUTO[@]}" \
   --precision fp8 "${STEPS[@]}"
 stage kernels 240 "$PYTHON" benchmarks/kernels.py "${KERNELS[@]}"
+stage flash_sweep 240 "$PYTHON" benchmarks/flash_sweep.py "${SWEEP[@]}"
 cp "$ROOT/kernels/auto_table.json" "$OUT/auto_table.json"
 stage auto_table 30 "$PYTHON" scripts/auto_table.py "$RESULTS" --merge --out "$OUT/auto_table.json"
 stage xla_flags 300 "$PYTHON" benchmarks/xla_flags.py "${SIZE_F[@]}" --packed --precision bf16 \

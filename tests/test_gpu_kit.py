@@ -24,7 +24,8 @@ from lowest_versions import lower_bounds  # noqa: E402
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 STAGES = (
-    "install", "env", "import", "recipe_1.3b", "recipe_1.3b_fp8", "kernels", "auto_table",
+    "install", "env", "import", "recipe_1.3b", "recipe_1.3b_fp8", "kernels", "flash_sweep",
+    "auto_table",
     "xla_flags", "gpu_tests", "bench_125m", "bench_1.3b", "precision_350m_bf16",
     "precision_350m_fp8",
 )  # fmt: skip
@@ -148,6 +149,8 @@ def test_dry_run_passes_every_stage(tmp_path):
     recipe = [r for r in records if r.get("benchmark") == "meshtrain_bench" and r.get("packed")]
     assert {r["precision"] for r in recipe} >= {"bf16", "fp8"}
     assert all(r["kernels"].startswith("kernels: attention ") for r in recipe)
+    sweep = next(r for r in records if r.get("benchmark") == "flash_sweep")
+    assert sweep["rows"] and all("config" in r for r in sweep["rows"])
     table = next(r for r in records if "auto_table" in r)
     assert table["written"] is False  # a CPU run measures nothing for the table
     flags = next(r for r in records if r.get("benchmark") == "xla_flags_summary")

@@ -147,3 +147,46 @@ def test_a_run_without_gpu_records_writes_nothing(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0 and json.loads(proc.stdout)["written"] is False
     assert not out.exists()
+
+
+def _sweep_row(seq, impl, ms, config=None):
+    shape = {"batch": 16384 // seq, "seq": seq, "heads": 16, "head_dim": 128, "causal": True}
+    row = {"kernel": "attention", "shape": shape, "pass": "fwd+bwd", "impl": impl, "ms": ms}
+    return row | ({"config": config} if config else {})
+
+
+def test_the_sweep_becomes_a_tuned_configuration_and_an_attention_timing():
+    slow, fast = ({"block_q": b, "block_k": 64, "warps": 8, "stages": 3} for b in (64, 128))
+    sweep = {"benchmark": "flash_sweep", "platform": "gpu", "device_kind": KIND,
+             "date": "2026-02-03T00:00:00", "rows": [
+                 _sweep_row(4096, "cudnn", 2.0), _sweep_row(4096, "pallas", 3.0, slow),
+                 _sweep_row(4096, "pallas", 2.5, fast),
+                 {**_sweep_row(4096, "pallas", 0.0, slow), "error": "Triton refused"}]}  # fmt: skip
+    del sweep["rows"][-1]["ms"]  # a configuration that failed is no timing
+    rows = {r["op"]: r for r in autotable.table_from([sweep])}
+    assert rows["flash_config"]["config"] == fast and rows["flash_config"]["ms"] == {"pallas": 2.5}
+    assert rows["attention"]["ms"] == {"cudnn": 2.0, "pallas": 2.5}
+    assert rows["attention"]["date"] == "2026-02-03"
+
+
+@pytest.mark.usefixtures("gpu_table")
+def test_the_kernel_tiles_with_the_configuration_tuned_for_the_shape(monkeypatch, tmp_path):
+    from meshtrain.kernels._flash_checks import tiling
+
+    tuned = {"block_q": 128, "block_k": 32, "warps": 8, "stages": 3}
+    row = _row("flash_config", {"seq": 4096, "head_dim": 128, "causal": True}, {"pallas": 1.0})
+    table = tmp_path / "tuned.json"
+    table.write_text(json.dumps({"rows": [*ROWS, {**row, "config": tuned}]}))
+    monkeypatch.setattr(autotable, "TABLE", table)
+    autotable.rows.cache_clear()
+
+    def tiles(seq, head_dim=128, **given):
+        q = jnp.zeros((1, seq, 2, head_dim), jnp.bfloat16)
+        t = tiling(q, q, True, None, **given)
+        return t.bq, t.bk, t.warps, t.stages
+
+    assert tiles(4096) == (128, 32, 8, 3)
+    assert tiles(8192) == (128, 32, 8, 3)  # within a factor of four: the nearest row serves
+    assert tiles(4096, block_q=64, warps=4) == (64, 32, 4, 3)  # what is given wins
+    assert tiles(4096, head_dim=64) == (64, 64, 0, 2)  # not tuned: the defaults
+    assert tiles(1 << 16) == (64, 64, 0, 2)

@@ -110,3 +110,18 @@ def test_the_check_sees_the_interpreted_path_as_no_kernel():
     fn, args, _ = CASES["rms_norm_fwd_bwd"]
     jax.clear_caches()
     assert _export_for_h100(fn, args).mlir_module().count(TRITON_CALL) == 0
+
+
+def test_a_tuned_configuration_reaches_the_triton_launch(compiled_path):
+    """The block sizes, warps and stages the GPU check's sweep tunes are the launch's: the
+    exported kernel carries them (the defaults otherwise)."""
+    q = _spec(1, 256, 2, 128)
+
+    def launch(**config):
+        fn = lambda q: kernels.flash_attention(q, q, q, impl="pallas", **config)  # noqa: E731
+        return _export_for_h100(fn, (q,)).mlir_module()
+
+    tuned = launch(block_q=128, block_k=32, warps=8, stages=3)
+    assert "num_warps = 8 : i32" in tuned and "num_stages = 3 : i32" in tuned
+    default = launch()
+    assert "num_warps = 8 : i32" in default and "num_stages = 2 : i32" in default  # head width 128

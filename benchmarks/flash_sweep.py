@@ -14,7 +14,6 @@ reads (`meshtrain.kernels.autotable.flash_config`) and weighs the tuned kernel a
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import pathlib
 import sys
@@ -87,12 +86,11 @@ def main(argv=None) -> int:
         shapes, tokens, heads, configs = (SELFTEST[k] for k in ("shapes", "tokens", "heads",
                                                                 "configs"))  # fmt: skip
         args.warmup, args.reps = 0, 1
+    from meshtrain.measure import environment
+
     record = {
         "benchmark": "flash_sweep",
-        "platform": jax.default_backend(),
-        "device_kind": jax.devices()[0].device_kind,
-        "jax_version": jax.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **environment(),
         "gpu_figures": "measured" if on_gpu and not args.selftest else "unmeasured",
         "method": {
             "warmup": args.warmup,

@@ -37,7 +37,6 @@ interpret-mode correctness smoke of every kernel, prints a line with ``"gpu_figu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import statistics
@@ -411,13 +410,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    out = {
-        "benchmark": "kernels",
-        "platform": jax.default_backend(),
-        "device_kind": jax.devices()[0].device_kind,
-        "jax_version": jax.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
+    from meshtrain.measure import environment
+
+    out = {"benchmark": "kernels", **environment()}
     args.shapes = SELFTEST_SHAPES if args.selftest else SHAPES
     if args.selftest:
         args.warmup, args.reps = 1, 2

@@ -7,8 +7,8 @@ kernels avoid it with a backward kernel of their own. A call whose backward jax 
 fused attention) gets the same shape here: the forward rule runs ``jax.vjp`` of the call on
 each shard and keeps that shard's residuals (stacked along a new leading dimension over the
 region's axes); the backward rule runs each shard's pullback on its own residuals, then sums
-every cotangent over the axes its argument was not split over (the transpose of handing one
-whole argument to every shard). Nothing is recomputed.
+every cotangent over the axes its argument was not split over but the output was (the
+transpose of handing one whole argument to every shard for its part). Nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def sharded_autodiff(fn, args, names, out_names, *, with_axes: bool = False):
         pullback = jax.tree.unflatten(pullback_tree[0], [r[0] for r in residuals])
         grads = pullback(d_out)
         return tuple(
-            _sum_unsplit(g, spec, region.axes)
+            _sum_unsplit(g, spec, out_spec)
             for g, spec, f in zip(grads, region.in_specs, floats, strict=True)
             if f
         )
@@ -73,8 +73,12 @@ def sharded_autodiff(fn, args, names, out_names, *, with_axes: bool = False):
     return run(*args)
 
 
-def _sum_unsplit(g, spec: P, axes: tuple[str, ...]):
-    """A shard's cotangent summed over the region's axes its argument was whole on."""
+def _sum_unsplit(g, spec: P, out_spec: P):
+    """A shard's cotangent summed over the axes its argument was whole on and the output
+    split over: there each shard used the same argument for its own part of the output (where
+    the output is whole too, every shard computed the same thing, and one copy is the
+    cotangent)."""
     split = {a for entry in spec for a in _common.axes_of(entry)}
-    whole = tuple(a for a in axes if a not in split)
+    out = [a for entry in out_spec for a in _common.axes_of(entry)]
+    whole = tuple(a for a in out if a not in split)
     return lax.psum(g, whole) if whole else g

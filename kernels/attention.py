@@ -156,7 +156,9 @@ def flash_attention(
             4 or 8 by head width, and 2); the interpreter ignores them.
         segment_ids: [batch, T] integers for self-attention over packed documents: query i
             sees key j only when both carry one id (padding, id 0, is one more segment, so
-            no row is left empty and nothing is NaN). Not with ``impl="cudnn"``.
+            no row is left empty and nothing is NaN). With ``impl="cudnn"`` each segment must
+            be one run of tokens, as packing makes documents (cuDNN's packed layout: an id in
+            two runs is two documents).
 
     Returns:
         [batch, T, heads, head_dim] in the input dtype. Under `activation_rules` the Pallas and

@@ -35,17 +35,18 @@ def attention_choice(
     causal: bool = True,
     window: int | None = None,
     packed: bool = False,
-    context: bool = False,
+    context: bool | str = False,
 ) -> autotable.Choice:
     """The attention the model runs for a setting of ``attention_impl``, and why: a named impl
     as it is; ``"auto"`` as `_common.auto_choice` resolves it for this call, leaving out what
-    the call cannot take (`cannot_run`, and cuDNN under context parallelism)."""
+    the call cannot take (`cannot_run`, and cuDNN under context parallelism other than
+    Ulysses: `context` is the algorithm, or True for any)."""
     if impl != "auto":
         return autotable.Choice(impl, "set")
     exclude = cannot_run(
         head_dim, jnp.float32 if dtype is None else dtype, packed=packed, window=window
     )
-    exclude += ("cudnn",) if context else ()
+    exclude += ("cudnn",) if context and context != "ulysses" else ()
     shape = {"seq": seq, "head_dim": head_dim, "causal": causal}
     return _common.auto_choice("flash_attention", _common.ATTENTION_IMPLS, shape, exclude)
 
@@ -60,7 +61,7 @@ def chosen(
     *,
     seq_len: int,
     packed: bool = False,
-    context: bool = False,
+    context: bool | str = False,
     loss_impl: str | None = "xla",
 ) -> dict[str, autotable.Choice]:
     """What each kernel setting of `model` (a GPT or MoE config; others have none) and the
@@ -70,7 +71,7 @@ def chosen(
         model: the model config (``attention_impl``, ``norm_impl`` where it has them).
         seq_len: tokens per sequence.
         packed: packed documents (segment ids) in the batches.
-        context: context parallelism (``seq > 1``).
+        context: context parallelism (``seq > 1``): its algorithm, or True.
         loss_impl: the cross-entropy setting (`meshtrain.run.TrainConfig.loss_impl`); None
             for a run with another loss.
     """

@@ -546,11 +546,12 @@ CASES = [
         id="dp-moe-capacity-cudnn-fp8-resume",
     ),
     pytest.param(
-        Case("data=4,seq=2", "dp", context="ulysses", offload_acts=True, precision="fp8"),
+        Case("data=4,seq=2", "dp", context="ulysses", packed=True, cudnn=True, offload_acts=True,
+             precision="fp8"),
         marks=[pair(a, b) for a, b in combinations((
-            "dp", "ulysses", "offload-activations", "fp8",
+            "dp", "ulysses", "packed", "cudnn", "offload-activations", "fp8",
         ), 2)],
-        id="dp-ulysses-offload-acts-fp8",
+        id="dp-ulysses-packed-cudnn-offload-acts-fp8",
     ),
     pytest.param(
         Case("fsdp=4,seq=2", "fsdp", context="allgather", offload=True, precision="fp8"),

@@ -45,7 +45,7 @@ def _segments(rng, rows, n):
     return seg
 
 
-def _inputs(key, packed):
+def _inputs(key, packed=False):
     """bfloat16 queries, keys and values (cuDNN's dtype), a float32 cotangent weight and, when
     `packed`, segment ids."""
     keys = jax.random.split(key, 5)
@@ -168,20 +168,21 @@ def test_cudnn_inside_a_pipeline_stage_exports_for_cuda_with_the_fused_calls(mon
 @pytest.mark.parametrize(
     ("mesh_shape", "pipeline", "sync"),
     [("pipe=2,data=4", PipelineConfig(schedule="1f1b", microbatches=4), SyncConfig()),
-     ("data=8", PipelineConfig(), SyncConfig(grad_compression="int8"))],
-    ids=["1f1b-packed", "compression-packed"],
+     ("data=8", PipelineConfig(), SyncConfig(grad_compression="int8")),
+     ("data=4,seq=2", PipelineConfig(), SyncConfig())],
+    ids=["1f1b-packed", "compression-packed", "ulysses-packed"],
 )  # fmt: skip
 def test_a_whole_train_step_exports_for_cuda_with_cudnn_inside(monkeypatch, mesh_shape, pipeline,
                                                                sync):  # fmt: skip
-    """The jitted train step of a packed GPT with cuDNN attention, pipelined by 1F1B or in the
-    replicas' own step (int8 compression), exported for ``cuda``: cuDNN's forward and backward
-    calls are in it, in the packed layout."""
+    """The jitted train step of a packed GPT with cuDNN attention, pipelined by 1F1B, in the
+    replicas' own step (int8 compression) or context-parallel by Ulysses, exported for
+    ``cuda``: cuDNN's forward and backward calls are in it, in the packed layout."""
     cudnn_for_export(monkeypatch)
     seq = 64
     cfg = GPTConfig(d_model=128, n_heads=2, n_layers=2, max_seq_len=seq, attention_impl="cudnn",
                     dtype="bfloat16")  # fmt: skip
     mesh = make_mesh(mesh_shape)
-    rules = rules_for("dp", mesh)
+    rules = rules_for("dp", mesh, context_parallel="ulysses")  # (used only where seq > 1)
     tx = optax.sgd(0.1)
     graphdef, state, shardings = init_train_state(lambda: cfg.build(rngs=nnx.Rngs(0)), tx, mesh,
                                                   rules)  # fmt: skip
@@ -200,3 +201,37 @@ def test_a_whole_train_step_exports_for_cuda_with_cudnn_inside(monkeypatch, mesh
     module = exported.mlir_module()
     assert all(module.count(f"@{c}(") >= 1 for c in CUDNN_CALLS)
     assert module.count(f"max_seg_per_batch\\22: {seq},") == module.count("@__cudnn$")
+
+
+def test_ulysses_with_cudnn_equals_the_reference_over_packed_documents(monkeypatch):
+    """Ulysses with cuDNN on each device's heads: the tokens in the balanced order of seq=2,
+    packed documents, against the reference over the plain order (forward and gradients)."""
+    from meshtrain import context_parallel as cp
+    from meshtrain.kernels import reference
+
+    calls = cudnn_stand_in(monkeypatch)
+    key, seed = fresh_key()
+    q, k, v, w, documents_in_order = _inputs(key, packed=True)
+    pos = cp.order(T, 2)  # entry i of the layout holds token pos[i]
+    seg = documents_in_order[:, pos]  # each document contiguous in the plain order
+    mesh = _mesh((4, 2), ("data", "seq"))
+
+    def loss(q, k, v, impl):
+        if impl == "xla":  # the reference over the plain order, read back in the layout's
+            plain = np.argsort(pos)
+            f32 = (x[:, plain].astype(jnp.float32) for x in (q, k, v))
+            o = reference.attention(*f32, segment_ids=seg[:, plain])[:, pos]
+        else:
+            o = cp.context_attention(q, k, v, pos, mesh=mesh, algorithm="ulysses", impl=impl,
+                                     segment_ids=seg)  # fmt: skip
+        return (o.astype(jnp.float32) * w).sum(), o
+
+    def both(q, k, v):
+        return [jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, impl)
+                for impl in ("cudnn", "xla")]  # fmt: skip
+
+    ((_, got), got_grads), ((_, want), want_grads) = jax.jit(both)(q, k, v)
+    assert "cudnn-packed" in calls
+    assert_close(got, want, TOL[jnp.bfloat16][0], "output", seed)
+    for g, r, name in zip(got_grads, want_grads, "qkv", strict=True):
+        assert_close(g, r, TOL[jnp.bfloat16][1], f"d{name}", seed)

@@ -151,6 +151,11 @@ def clips(run: RunSpec) -> bool:
     return run.optim.clip_norm > 0
 
 
+def context_algorithm(*names: str) -> Check:
+    """``run → its context parallelism's algorithm is one of names`` (ring by default)."""
+    return lambda run: getattr(run.rules, "context_parallel", "ring") in names
+
+
 def sliding_window(run: RunSpec) -> bool:
     """The model's attention has a sliding window."""
     return bool(getattr(run.model, "sliding_window", 0))

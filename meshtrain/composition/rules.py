@@ -242,16 +242,17 @@ TABLE = (
     ),
     Refusal(
         "cuDNN attention",
-        "context parallelism",
+        "ring or all-gather context parallelism",
         "a context-parallel block is masked by global positions, which cuDNN's attention takes "
         "no mask for, and merging blocks differentiates their log-sum-exp, whose gradient "
         "jax's cuDNN backward drops (return_residual)",
-        all_of(split(SEQ), check.cudnn),
+        all_of(split(SEQ), check.cudnn, check.context_algorithm("ring", "allgather")),
         "{model}.attention_impl",
-        "use --{model}.attention-impl pallas, auto or xla, or set seq=1",
+        "use --{model}.attention-impl pallas, auto or xla, --context-parallel ulysses, or set "
+        "seq=1",
         check.cudnn_name,
         example.pair({"seq": 2, "data": 4}, {"data": 8}, model=_CUDNN),
-        cells=cells(("cudnn",), CONTEXT),
+        cells=cells(("cudnn",), ("ring", "allgather")),
     ),
     Refusal(
         _OWN_STEP,

@@ -50,21 +50,23 @@ def algorithm_problems(algorithm) -> list[Problem]:
     ]
 
 
-def block_impl(impl: str, head_dim: int, dtype=None, seq: int = 0) -> str:
+def block_impl(impl: str, head_dim: int, dtype=None, seq: int = 0, algorithm: str = DEFAULT) -> str:
     """The block impl `impl` names for heads of width `head_dim` over a sequence of `seq`:
     ``"auto"`` is the faster of the Pallas kernel and the jnp math measured on this GPU
     (`meshtrain.kernels.select.attention_choice`; the jnp math off a GPU, or where nothing was
-    measured); raises a ValueError for an impl context parallelism cannot run (``"cudnn"``: no
-    mask by global positions, no gradient of its log-sum-exp in jax)."""
-    if impl == "cudnn":
+    measured; with Ulysses cuDNN's too); raises a ValueError for an impl `algorithm` cannot run
+    (``"cudnn"`` beside ring or all-gather: no mask by global positions, no gradient of its
+    log-sum-exp in jax)."""
+    if impl == "cudnn" and algorithm != "ulysses":
         raise ValueError(
             "context parallelism: impl='cudnn' cannot compute a block (cuDNN's attention takes "
             "no mask by global positions, and jax's cuDNN backward drops the gradient of the "
-            "log-sum-exp that merging blocks needs); use impl='pallas', 'auto' or 'xla'"
+            "log-sum-exp that merging blocks needs); use impl='pallas', 'auto' or 'xla', or "
+            "--context-parallel ulysses"
         )
-    if impl not in IMPLS:
+    if impl not in (*IMPLS, "cudnn"):
         raise ValueError(f"context parallelism: impl={impl!r}; choose from {', '.join(IMPLS)}")
-    return model_attention_impl(impl, head_dim, dtype, seq=seq, context=True)
+    return model_attention_impl(impl, head_dim, dtype, seq=seq, context=algorithm)
 
 
 def context_attention(
@@ -105,7 +107,7 @@ def context_attention(
     """
     raise_if(algorithm_problems(algorithm))
     T, H, K = q_BTHK.shape[1:]
-    opts = blocks.Options(causal, window, block_impl(impl, K, q_BTHK.dtype, T))
+    opts = blocks.Options(causal, window, block_impl(impl, K, q_BTHK.dtype, T, algorithm))
     axis = AXIS
     n = mesh.shape[axis]
     if T % n:
@@ -120,7 +122,9 @@ def context_attention(
             f"context parallelism: segment_ids {tuple(segment_ids.shape)} must be [batch, seq] "
             f"= {q_BTHK.shape[:2]}"
         )
-    if algorithm == "ring":
+    if opts.impl == "cudnn":  # Ulysses only (`block_impl`)
+        fn = gather.ulysses_cudnn
+    elif algorithm == "ring":
         fn = ring.for_positions(positions_T, n, opts)
     else:
         fn = _FNS[algorithm]

@@ -141,6 +141,31 @@ def ulysses(
     return _either(_ulysses_fwd, _ulysses_vjp, args)
 
 
+def ulysses_cudnn(
+    q_BTHK, k_BSGK, v_BSGK, q_pos_T, k_pos_S, axis, opts, *, q_segments=None, k_segments=None
+):  # fmt: skip
+    """`ulysses` with cuDNN's fused attention on each device's heads. cuDNN masks by index,
+    not by position, so the whole sequence is put in position order for the call and back in
+    the layout's order after it: the positions must be one sequence's (self-attention, the
+    query's and the keys' the same permutation of 0..T−1, as a balanced layout has them).
+    Differentiated by autodiff: the all-to-alls', the reorders' and, per shard, cuDNN's own
+    backward (`meshtrain.kernels._shard_vjp`)."""
+    from meshtrain.kernels import flash_attention
+
+    segs = _segments(q_segments, k_segments, "ulysses")
+    r = _repeats(q_BTHK.shape[2], k_BSGK.shape[2], axis)
+    k_r, v_r = (x if r == 1 else jnp.repeat(x, r, axis=2) for x in (k_BSGK, v_BSGK))
+    q_h, k_h, v_h = (_to_heads(x, axis) for x in (q_BTHK, k_r, v_r))
+    pos_all = _gather(q_pos_T, axis, 0)  # the layout's order: entry i holds position pos_all[i]
+    natural = jnp.argsort(pos_all)  # natural[p]: where position p sits in the layout
+    seg = None if segs is None else _gather(segs[0], axis, 1)[:, natural]
+    o_n = flash_attention(
+        *(x[:, natural] for x in (q_h, k_h, v_h)), causal=opts.causal, window=opts.window,
+        impl="cudnn", segment_ids=seg,
+    )  # fmt: skip
+    return _to_sequence(o_n[:, pos_all].astype(v_BSGK.dtype), axis)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _ulysses_vjp(q, k, v, q_pos, k_pos, segs, axis, opts):
     """`ulysses` with its backward spelled out (for block impls autodiff may not enter)."""

@@ -113,7 +113,7 @@ class Attention(nnx.Module):
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         impl = kernels.model_attention_impl(
             self.impl, q_BTHK.shape[-1], q_BTHK.dtype, seq=T, window=self.window,
-            packed=segment_ids_BT is not None, context=cp is not None,
+            packed=segment_ids_BT is not None, context=cp is not None and cp.algorithm,
         )  # fmt: skip
         if cp is not None:
             # The mask: causal (and windowed) by each token's index in its row (`order`), and

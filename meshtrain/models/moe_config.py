@@ -11,6 +11,7 @@ from flax import nnx
 
 from meshtrain import validate
 from meshtrain.kernels import grouped_matmul as gmm
+from meshtrain.kernels._common import on_gpu
 from meshtrain.layout import EXPERT, Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
@@ -228,7 +229,9 @@ class MoEConfig(validate.Checked):
         """E.g. ``moe · d_model=64 · 2 layers (2 MoE) · 8 experts, top-2, capacity 1.25``."""
         how = f"capacity {self.capacity_factor:g}"
         if self.dispatch == "dropless":
-            impl = gmm.auto_impl() if self.grouped_impl == "auto" else self.grouped_impl
+            impl = self.grouped_impl
+            if impl == "auto":  # off a GPU the tiled loop; on one, by the table per call
+                impl = gmm.auto_impl() if not on_gpu() else "auto: as measured"
             how = f"dropless ({impl} grouped matmul, {exchange_impl()} exchange)"
         shared = f" + shared {self.shared_expert}" if self.shared_expert else ""
         losses = "" if self.router_losses == "meshtrain" else f", {self.router_losses} losses"

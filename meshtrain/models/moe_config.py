@@ -231,7 +231,7 @@ class MoEConfig(validate.Checked):
         if self.dispatch == "dropless":
             impl = self.grouped_impl
             if impl == "auto":  # off a GPU the tiled loop; on one, by the table per call
-                impl = gmm.auto_impl() if not on_gpu() else "auto: as measured"
+                impl = gmm.auto_impl() if not on_gpu() else "measured-fastest"
             how = f"dropless ({impl} grouped matmul, {exchange_impl()} exchange)"
         shared = f" + shared {self.shared_expert}" if self.shared_expert else ""
         losses = "" if self.router_losses == "meshtrain" else f", {self.router_losses} losses"

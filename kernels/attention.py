@@ -94,7 +94,10 @@ def _pallas_attention(q, k, v, seg, t: Tiling):
 
 
 def shape_of(q_BTHK, causal: bool) -> dict:
-    """An attention call's sizes as the ``auto`` table names them."""
+    """An attention call's sizes as the ``auto`` table names them (none for a query of the
+    wrong rank, which `validate` then names)."""
+    if q_BTHK.ndim != 4:
+        return {}
     return {"seq": q_BTHK.shape[1], "head_dim": q_BTHK.shape[3], "causal": causal}
 
 
@@ -172,7 +175,7 @@ def flash_attention(
         allowed=_common.ATTENTION_IMPLS,
         shape=shape_of(q_BTHK, causal),
         exclude=cannot_run(
-            q_BTHK.shape[3], q_BTHK.dtype, packed=segment_ids is not None, window=window
+            q_BTHK.shape[-1], q_BTHK.dtype, packed=segment_ids is not None, window=window
         ),
     )
     validate(q_BTHK, k_BSGK, v_BSGK, impl, causal, window, segment_ids)

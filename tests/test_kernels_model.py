@@ -12,7 +12,7 @@ from _helpers import initial_values
 from _kernel_helpers import assert_close, fresh_key
 from flax import nnx
 
-from meshtrain import cli
+from meshtrain import cli, kernels
 from meshtrain.data import DataConfig, make_dataset
 from meshtrain.layout import activation_rules, rules_for, shard_batch
 from meshtrain.loss import cross_entropy
@@ -133,8 +133,9 @@ def test_auto_on_cpu_uses_the_jnp_paths():
     cfg = GPTConfig(attention_impl="auto", norm_impl="auto", **BASE)
     ref_cfg = dataclasses.replace(cfg, attention_impl="xla", norm_impl="xla")
     model = nnx.eval_shape(lambda: build_model(cfg))
-    if jax.default_backend() != "gpu":
-        assert model.blocks.attn.impl == "xla"
+    if jax.default_backend() != "gpu":  # "auto" resolves per call: here, to the jnp path
+        impl = kernels.model_attention_impl(model.blocks.attn.impl, 64, jnp.float32, seq=8)
+        assert (model.blocks.attn.impl, impl) == ("auto", "xla")
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, initial_values(ref_cfg))  # the same values for both
     ref_graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(ref_cfg)))

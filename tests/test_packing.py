@@ -324,9 +324,11 @@ def test_models_that_cannot_take_packed_batches_are_refused_before_compiling():
     cudnn = dataclasses.replace(
         GPTS["llama"], d_model=128, attention_impl="cudnn", dtype="bfloat16"
     )
-    refused = check_run(run.replace(model=cudnn))
+    assert check_run(run.replace(model=cudnn)) == []  # cuDNN's packed layout takes them
+    windowed = dataclasses.replace(cudnn, sliding_window=8)
+    refused = check_run(run.replace(model=windowed))
     assert [p.field for p in refused] == ["gpt.attention_impl"]
-    assert "cuDNN attention with packed batches: " in refused[0].message
+    assert "cuDNN attention with packed batches with a sliding window: " in refused[0].message
 
 
 def packed_batch(rng, rows: int, vocab: int) -> dict:

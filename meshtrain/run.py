@@ -228,8 +228,8 @@ class RunSpec(validate.Checked):
         spec, cfg = self.data_spec, self.model_config
         plain = self.loss_fn is None and self.train.loss == "cross_entropy"
         loss_impl = self.train.loss_impl if plain else None
-        split = self.sizes.get(SEQ, 1) > 1  # context parallelism, by its algorithm
-        context = split and getattr(self.rules, "context_parallel", "ring")
+        algorithm: str = getattr(self.rules, "context_parallel", "ring")
+        context = algorithm if self.sizes.get(SEQ, 1) > 1 else False  # its algorithm, if any
         choices = select.chosen(
             cfg, seq_len=spec.seq_len or 0, packed=spec.packed, context=context,
             loss_impl=loss_impl,

@@ -188,6 +188,7 @@ def _pipeline_problems(model, abstract, pipeline, sizes, spec, ways, axes, k) ->
         batch_axes=axes,
         layers=layers,
         layers_field=_layers_field(model),
+        accum_steps=k,
     )
 
 

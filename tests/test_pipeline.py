@@ -605,6 +605,18 @@ def test_trainer_with_pallas_kernels_on_pipe_data_tensor_equals_one_device():
             r"pipe × repeats = 2 × 3 = 6",
         ),
         (PipelineConfig(schedule="zb-h1", repeats=2), dict(), r"repeats=2: "),
+        (  # the batch the user gave, and a multiple that splits, beside accumulation
+            PipelineConfig(microbatches=4),
+            dict(batch_size=8, batch_ways=4, accum_steps=2),
+            r"batch_size=16: / accum_steps=2 = 8 rows per accumulation step, / microbatches=4 "
+            r"= 2 rows per microbatch, .* = 4 devices; use a batch that is a multiple of 32",
+        ),
+        (
+            PipelineConfig(microbatches=3),
+            dict(batch_size=8, accum_steps=2),
+            r"batch_size=16: / accum_steps=2 = 8 rows per accumulation step, not divisible by "
+            r"microbatches=3; use a batch that is a multiple of 6",
+        ),
     ],
 )
 def test_bad_pipelines_are_rejected_with_the_fix(config, kw, match):

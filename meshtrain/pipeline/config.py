@@ -82,6 +82,7 @@ def pipeline_problems(
     batch_axes: str = "data × fsdp",
     layers: int | None = None,
     layers_field: str = "layers",
+    accum_steps: int = 1,
 ) -> list[Problem]:
     """What keeps a pipeline from running, before anything compiles.
 
@@ -94,6 +95,8 @@ def pipeline_problems(
         batch_axes: the names of those axes, for messages.
         layers: the model's stacked layers, when known.
         layers_field: the config field that sets them (``gpt.n_layers``), named with its flag.
+        accum_steps: the accumulation steps `batch_size` is one of: the lines name the batch
+            the user gave (``batch_size × accum_steps``) and a multiple of it that splits.
 
     Returns:
         One `Problem` per thing wrong, each naming the field, the value and the fix.
@@ -116,22 +119,26 @@ def pipeline_problems(
                 f"whole layers; {fix}",
             )
         )
+    k = accum_steps
+    given = batch_size * k  # the batch the user set
+    per_step = f"/ accum_steps={k} = {batch_size} rows per accumulation step, " if k > 1 else ""
     if batch_size % m:
         problems.append(
             Problem(
                 "data.batch_size",
-                batch_size,
-                f"not divisible by microbatches={m}; use a batch that is a multiple of {m}",
+                given,
+                f"{per_step}not divisible by microbatches={m}; use a batch that is a multiple "
+                f"of {m * k}",
             )
         )
     elif (batch_size // m) % batch_ways:
         problems.append(
             Problem(
                 "data.batch_size",
-                batch_size,
-                f"/ microbatches={m} = {batch_size // m} rows per microbatch, not divisible by "
-                f"{batch_axes} = {batch_ways} devices; use a batch that is a multiple of "
-                f"{m * batch_ways}",
+                given,
+                f"{per_step}/ microbatches={m} = {batch_size // m} rows per microbatch, not "
+                f"divisible by {batch_axes} = {batch_ways} devices; use a batch that is a "
+                f"multiple of {m * batch_ways * k}",
             )
         )
     return problems

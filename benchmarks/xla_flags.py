@@ -1,5 +1,5 @@
 """XLA's GPU flags that peers set for throughput, each measured on and off: one `meshtrain bench`
-run per flag set, each in a fresh process (XLA reads its flags once), in one session so the
+run per flag set, each in a fresh process (XLA reads its flags once), back to back so the
 ratios share the machine's state.
 
     python benchmarks/xla_flags.py --size 350m --seq-len 2048 --packed --precision bf16

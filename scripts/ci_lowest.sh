@@ -6,7 +6,8 @@
 #      bundle (.whl, `make gpu-bundle`) the way scripts/gpu_check.sh does on a GPU machine;
 #   2. lowest: the removed pins come back, meshtrain is installed, and a smoke subset runs
 #      (import, 2-step train on 2×2×2, a 1F1B pipeline, kernels in interpret mode, a checkpoint
-#      round trip, every kernel lowered for an H100).
+#      round trip, every kernel lowered for an H100, cuDNN's attention per shard and exported
+#      for cuda through the private packed layout the GPU image's jax has).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-python3.12}"
@@ -49,6 +50,6 @@ t2=$SECONDS
 $V/bin/python -m pip install -q -r build/lowest.txt pytest
 $V/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 pytest_ok $V/bin/python -m pytest -q -p no:cacheprovider \
-  tests/test_lowest_smoke.py tests/test_kernels_lowering.py
+  tests/test_lowest_smoke.py tests/test_kernels_lowering.py tests/test_kernels_cudnn.py
 echo "[lowest] smoke subset on the lowest versions: $((SECONDS - t2)) s"
 echo "[lowest] total $((SECONDS - t0)) s"

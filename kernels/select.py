@@ -52,7 +52,8 @@ def attention_choice(
 
 
 def model_attention_impl(impl: str, head_dim: int, dtype=None, **call) -> str:
-    """`attention_choice`'s impl (``call``: its ``seq``, ``causal``, ``packed``, ``context``)."""
+    """`attention_choice`'s impl (``call``: its ``seq``, ``causal``, ``window``, ``packed``,
+    ``context``)."""
     return attention_choice(impl, head_dim=head_dim, dtype=dtype, **call).impl
 
 

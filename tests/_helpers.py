@@ -83,6 +83,25 @@ def token_batches(n: int, vocab: int, rows: int, length: int, seed: int = 0) -> 
     return out
 
 
+def packed_layout(rng, rows: int, seq: int, *, longest: int | None = None, pad: bool = True):
+    """Random ``(segment_ids, positions)`` [rows, seq] int32 of packed rows: documents of 1 to
+    `longest` tokens (default ``seq // 3 - 1``: at least three a row), then (with `pad`) some
+    padding, segment 0."""
+    import numpy as np
+
+    longest = longest or seq // 3 - 1
+    seg = np.zeros((rows, seq), np.int32)
+    pos = np.zeros((rows, seq), np.int32)
+    for r in range(rows):
+        end = seq - int(rng.integers(1, seq // 4)) if pad else seq
+        start, doc = 0, 1
+        while start < end:
+            n = min(int(rng.integers(1, longest + 1)), end - start)
+            seg[r, start : start + n], pos[r, start : start + n] = doc, np.arange(n)
+            start, doc = start + n, doc + 1
+    return seg, pos
+
+
 def copied(state):
     """A copy of `state` on its own buffers, with the same shardings: for a step that donates
     its input, so that a state built once can start several runs."""

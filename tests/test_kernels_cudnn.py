@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from _cudnn import CUDNN_CALLS, cudnn_for_export, cudnn_stand_in
+from _helpers import packed_layout
 from _kernel_helpers import TOL, assert_close, fresh_key
 from flax import nnx
 from jax import export
@@ -34,17 +35,6 @@ from meshtrain.run import TrainConfig
 B, T, H, G, K = 4, 32, 4, 2, 64  # 4 query heads on tensor=4, 2 key/value heads picked
 
 
-def _segments(rng, rows, n):
-    """Random packed rows: documents of 1..n/3 tokens, then some padding (id 0)."""
-    seg = np.zeros((rows, n), np.int32)
-    for r in range(rows):
-        start, end, doc = 0, n - int(rng.integers(0, n // 4)), 1
-        while start < end:
-            size = min(int(rng.integers(1, n // 3 + 1)), end - start)
-            seg[r, start : start + size], start, doc = doc, start + size, doc + 1
-    return seg
-
-
 def _inputs(key, packed=False):
     """bfloat16 queries, keys and values (cuDNN's dtype), a float32 cotangent weight and, when
     `packed`, segment ids."""
@@ -52,7 +42,7 @@ def _inputs(key, packed=False):
     q = jax.random.normal(keys[0], (B, T, H, K), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (B, T, G, K), jnp.bfloat16) for kk in keys[1:3])
     rng = np.random.default_rng(int(jax.random.randint(keys[4], (), 0, 2**30)))
-    seg = jnp.asarray(_segments(rng, B, T)) if packed else None
+    seg = jnp.asarray(packed_layout(rng, B, T)[0]) if packed else None
     return q, k, v, jax.random.normal(keys[3], (B, T, H, K)), seg
 
 
@@ -73,7 +63,7 @@ def _mesh(shape, names):
 
 
 def test_documents_are_each_rows_runs_of_equal_ids():
-    seg = _segments(np.random.default_rng(fresh_key()[1]), 3, 40)
+    seg = packed_layout(np.random.default_rng(fresh_key()[1]), 3, 40)[0]
     lengths, offsets = (np.asarray(a) for a in documents(jnp.asarray(seg)))
     for row, length, offset in zip(seg, lengths, offsets, strict=True):
         starts = [t for t in range(len(row)) if t == 0 or row[t] != row[t - 1]]

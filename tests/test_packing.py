@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import packed_layout
 from flax import nnx
 
 from meshtrain import layout as S
@@ -37,22 +38,6 @@ from meshtrain.train import OptimConfig, TrainConfig
 from meshtrain.train.step import eval_loss, train_step
 
 T = 24
-
-
-def packed_layout(rng, rows: int, seq: int, *, pad: bool = True):
-    """Random ``(segment_ids, positions)`` [rows, seq] int32: documents of random lengths, then
-    (with `pad`) some padding."""
-    seg = np.zeros((rows, seq), np.int32)
-    pos = np.zeros((rows, seq), np.int32)
-    for r in range(rows):
-        end = seq - int(rng.integers(1, seq // 4)) if pad else seq
-        start, doc = 0, 1
-        while start < end:
-            n = min(int(rng.integers(1, seq // 3)), end - start)  # ≥ 3 documents a row
-            seg[r, start : start + n] = doc
-            pos[r, start : start + n] = np.arange(n)
-            start, doc = start + n, doc + 1
-    return seg, pos
 
 
 def other_documents_changed(rng, x, seg, row, doc):

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: their progress lines on stderr, the options most of them
-take, the one JSON line each prints, and the simulated CPU devices they run on without an
-accelerator.
+take, the one JSON line each prints, the median time of a jitted call, and the simulated CPU
+devices they run on without an accelerator.
 
 A script run as ``python benchmarks/<name>.py`` finds this module beside it: Python puts the
 script's folder first on ``sys.path`` (unless ``PYTHONSAFEPATH`` is set, as scripts/gpu_check.sh
@@ -14,7 +14,9 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import sys
+import time
 from collections.abc import Callable
 
 
@@ -68,6 +70,22 @@ def emit(record: dict, out: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(line + "\n")
     print(line, flush=True)
+
+
+def median_seconds(fn, arg_sets, warmup: int, reps: int) -> float:
+    """Median seconds of ``fn(*args)`` after warm-up, rotating through `arg_sets`."""
+    import jax
+
+    jax.block_until_ready(fn(*arg_sets[0]))  # compile
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for i in range(reps):
+        args = arg_sets[i % len(arg_sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def simulate_cpu_devices(n: int) -> None:

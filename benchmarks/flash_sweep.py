@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _common, under PYTHONSAFEPATH
-from _common import emit, logger, parser  # noqa: E402
+from _common import emit, logger, median_seconds, parser  # noqa: E402
 
 log = logger("flash_sweep")
 
@@ -42,21 +42,6 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=10, help="timed calls; the median is reported")
     p.add_argument("--selftest", action="store_true", help="tiny shapes, any backend")
     return p.parse_args(argv)
-
-
-def timed(fn, args, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn(*args)`` after compiling and warming up."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def fwd_bwd(impl: str, config: dict | None = None):
@@ -115,7 +100,8 @@ def main(argv=None) -> int:
             if config is not None:
                 row["config"] = config
             try:
-                row["ms"] = timed(fwd_bwd(impl, config), qkv, args.warmup, args.reps)
+                seconds = median_seconds(fwd_bwd(impl, config), [qkv], args.warmup, args.reps)
+                row["ms"] = 1e3 * seconds
             except Exception as e:  # noqa: BLE001 - a configuration Triton refuses is a result
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             record["rows"].append(row)

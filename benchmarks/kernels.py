@@ -39,14 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 # scripts/gpu_check.sh runs this with PYTHONSAFEPATH set, which leaves this folder off sys.path
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _common import emit, logger, parser  # noqa: E402
+from _common import emit, logger, median_seconds, parser  # noqa: E402
 
 SHAPES = {
     "attention": ((8, 1024), (4, 4096), (1, 16384)),  # (batch, seq)
@@ -106,22 +104,6 @@ def rel_err(out, ref) -> float:
 
     a, b = out.astype(jnp.float32), ref.astype(jnp.float32)
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-
-
-def median_seconds(fn, arg_sets, warmup: int, reps: int) -> float:
-    """Median seconds of ``fn(*args)`` after warm-up, rotating through `arg_sets`."""
-    import jax
-
-    jax.block_until_ready(fn(*arg_sets[0]))  # compile
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    times = []
-    for i in range(reps):
-        args = arg_sets[i % len(arg_sets)]
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_ceilings(args) -> dict:

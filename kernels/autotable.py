@@ -34,7 +34,11 @@ OPS = {
     "grouped_matmul": "grouped_matmul",
 }
 # Per op: the dimensions a row must match exactly, and the size matched within `SPAN`.
-EXACT = {"attention": ("head_dim", "causal"), "matmul": ("activation",)}
+EXACT = {
+    "attention": ("head_dim", "causal"),
+    "flash_config": ("head_dim", "causal"),
+    "matmul": ("activation",),
+}
 SIZE = {
     "attention": "seq",
     "rms_norm": "features",
@@ -42,6 +46,7 @@ SIZE = {
     "cross_entropy": "vocab",
     "matmul": "n",
     "grouped_matmul": "rows",  # tokens × top_k: the rows the experts multiply
+    "flash_config": "seq",
 }
 SPAN = 2.0  # octaves: a row serves sizes within a factor of 2**SPAN of its own
 PASS = "fwd+bwd"
@@ -74,7 +79,13 @@ def measured(kernel: str, shape: Mapping, kind: str) -> dict | None:
     """The row serving a `kernel` call of `shape` on a device of `kind` (see the module's
     docstring), or None."""
     op = OPS.get(kernel)
-    if op is None or not shape.get(SIZE[op], 0) > 0:
+    return None if op is None else _nearest(op, shape, kind)
+
+
+def _nearest(op: str, shape: Mapping, kind: str) -> dict | None:
+    """The `op` row of a device of `kind` whose exact dimensions are `shape`'s and whose size
+    is nearest `shape`'s, within `SPAN` octaves; None when none is."""
+    if not shape.get(SIZE[op], 0) > 0:
         return None
     best, distance = None, SPAN
     for row in rows():
@@ -105,16 +116,8 @@ def flash_config(shape: Mapping, kind: str) -> dict | None:
     """The flash kernel's configuration tuned for a call of `shape` (``seq``, ``head_dim``,
     ``causal``) on a device of `kind`: ``{"block_q", "block_k", "warps", "stages"}`` from the
     row nearest in sequence length (as `measured` serves), or None."""
-    best, distance = None, SPAN
-    for row in rows():
-        if row["device_kind"] != kind or row["op"] != "flash_config":
-            continue
-        if any(row["shape"].get(d) != shape.get(d) for d in ("head_dim", "causal")):
-            continue
-        gap = abs(math.log2(max(shape.get("seq", 0), 1) / row["shape"]["seq"]))
-        if gap <= distance:
-            best, distance = row, gap
-    return None if best is None else dict(best["config"])
+    row = _nearest("flash_config", shape, kind)
+    return None if row is None else dict(row["config"])
 
 
 def table_from(records: Iterable[Mapping], *, date: str = "") -> list[dict]:

@@ -99,6 +99,10 @@ def tiling(q, k, causal, window, block_q=None, block_k=None, warps=None, stages=
     for name, b in (("block_q", bq), ("block_k", bk)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"flash_attention: {name}={b} must be a power of two ≥ 16")
+    if warps is not None and (warps < 1 or warps & (warps - 1)):
+        raise ValueError(f"flash_attention: warps={warps} must be a power of two ≥ 1 (e.g. 4)")
+    if stages is not None and stages < 1:
+        raise ValueError(f"flash_attention: stages={stages} must be ≥ 1 (e.g. 2)")
     warps = warps or tuned.get("warps", 0)
     stages = stages or tuned.get("stages", 2)
     return Tiling(causal, window, bq, bk, T, S, warps=warps, stages=stages)

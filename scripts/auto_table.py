@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=pathlib.Path, default=autotable.TABLE, help="the table to write")
     p.add_argument("--merge", action="store_true", help="keep the rows --out already has")
     args = p.parse_args(argv)
+    missing = [path for path in args.results if not pathlib.Path(path).is_file()]
+    if missing:
+        print(f"auto_table: no such results file: {', '.join(missing)}", file=sys.stderr)
+        return 2
     old = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
     merged = {_key(r): r for r in old.get("rows", [])}
     sources, measured = list(old.get("sources", [])), 0

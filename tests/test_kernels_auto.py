@@ -147,6 +147,10 @@ def test_a_run_without_gpu_records_writes_nothing(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0 and json.loads(proc.stdout)["written"] is False
     assert not out.exists()
+    cmd[2] = str(tmp_path / "missing.jsonl")  # a results file that is not there: one line
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith("missing.jsonl")
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def _sweep_row(seq, impl, ms, config=None):
@@ -190,3 +194,7 @@ def test_the_kernel_tiles_with_the_configuration_tuned_for_the_shape(monkeypatch
     assert tiles(4096, block_q=64, warps=4) == (64, 32, 4, 3)  # what is given wins
     assert tiles(4096, head_dim=64) == (64, 64, 0, 2)  # not tuned: the defaults
     assert tiles(1 << 16) == (64, 64, 0, 2)
+    with pytest.raises(ValueError, match=r"warps=3 must be a power of two"):
+        tiles(4096, warps=3)
+    with pytest.raises(ValueError, match=r"stages=0 must be ≥ 1"):
+        tiles(4096, stages=0)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshtrain.context_parallel import blocks
+from meshtrain.kernels import flash_attention
 from meshtrain.kernels._common import typed_like
 
 
@@ -150,8 +151,6 @@ def ulysses_cudnn(
     query's and the keys' the same permutation of 0..T−1, as a balanced layout has them).
     Differentiated by autodiff: the all-to-alls', the reorders' and, per shard, cuDNN's own
     backward (`meshtrain.kernels._shard_vjp`)."""
-    from meshtrain.kernels import flash_attention
-
     segs = _segments(q_segments, k_segments, "ulysses")
     r = _repeats(q_BTHK.shape[2], k_BSGK.shape[2], axis)
     k_r, v_r = (x if r == 1 else jnp.repeat(x, r, axis=2) for x in (k_BSGK, v_BSGK))

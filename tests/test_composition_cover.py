@@ -35,7 +35,7 @@ import numpy as np
 import optax
 import pytest
 from _cudnn import cudnn_stand_in
-from _helpers import initial_values, model_from
+from _helpers import initial_values, model_from, packed_layout
 
 from meshtrain.check import check_run
 from meshtrain.checkpoint import CheckpointManager, restore
@@ -160,20 +160,6 @@ class Case:
         return Precision(policy=self.precision).applied(dataclasses.replace(base, remat=remat))
 
 
-def _packed_layout(rng, rows):
-    """Random segment ids and positions: documents of 1..T/3 tokens crossing every shard and
-    microbatch boundary, then some padding (segment 0)."""
-    seg = np.zeros((rows, T), np.int32)
-    pos = np.zeros((rows, T), np.int32)
-    for r in range(rows):
-        end, start, doc = T - int(rng.integers(1, T // 4)), 0, 1
-        while start < end:
-            n = min(int(rng.integers(1, T // 3 + 1)), end - start)
-            seg[r, start : start + n], pos[r, start : start + n] = doc, np.arange(n)
-            start, doc = start + n, doc + 1
-    return seg, pos
-
-
 def _batches(case, vocab, n):
     rng = np.random.default_rng(abs(hash(case)) % 2**32)
     out = []
@@ -181,7 +167,7 @@ def _batches(case, vocab, n):
         tokens = rng.integers(0, vocab, (B, T + 1), np.int32)
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
         if case.packed:
-            batch["segment_ids"], batch["positions"] = _packed_layout(rng, B)
+            batch["segment_ids"], batch["positions"] = packed_layout(rng, B, T, longest=T // 3)
         out.append(batch)
     return out
 
@@ -390,12 +376,9 @@ CASES = [
         id="fsdp-cudnn-offload-acts-offload-opt-bf16",
     ),
     pytest.param(
-        Case("data=2,fsdp=2,tensor=2", "hsdp+tp", cudnn=True, packed=True, remat=True,
-             precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "tp", "packed", "cudnn", "remat", "bf16",
-        ), 2)],
-        id="hsdp+tp-packed-cudnn-remat-bf16",
+        Case("data=2,fsdp=2,tensor=2", "hsdp+tp", cudnn=True, remat=True, precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "tp", "cudnn", "remat", "bf16"), 2)],
+        id="hsdp+tp-cudnn-remat-bf16",
     ),
     pytest.param(
         Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="circular", packed=True,

@@ -10,12 +10,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from meshtrain._compat import varying_axes
 from meshtrain.kernels import autotable
 from meshtrain.layout import active, axes_of, entry_of, manual_axes, manual_region, resolve
+from meshtrain.layout.manual import nested_unchecked
 
 IMPLS = ("pallas", "xla", "auto")
 ATTENTION_IMPLS = ("pallas", "xla", "cudnn", "auto")
@@ -170,7 +169,7 @@ class Region(NamedTuple):
                 fn, mesh=self.mesh, axes=None, in_specs=self.in_specs, out_specs=out_specs,
                 check_vma=False,
             )(*args)  # fmt: skip
-        return _nested(fn, args, self.mesh, self.in_specs, out_specs)
+        return nested_unchecked(fn, args, axes=None, in_specs=self.in_specs, out_specs=out_specs)
 
 
 def plan_region(args, names, *, with_axes: bool = False) -> Region:
@@ -214,49 +213,6 @@ def plan_region(args, names, *, with_axes: bool = False) -> Region:
     if not outer and all(s == P(*([None] * len(s))) for s in in_specs):
         return Region(None, outer, resolved, in_specs, with_axes)  # nothing split: no region
     return region._replace(in_specs=in_specs)
-
-
-def _nested(fn, args, mesh, in_specs, out_specs):
-    """``fn(*args)`` per shard inside an enclosing manual region, over the axes left.
-
-    The kernels' region does not check varying axes (Pallas outputs and the interpreter's
-    loops carry no such types), so the arguments enter it unmarked and the outputs leave it
-    marked as varying over every manual axis an argument varies over. Marking is a type, not
-    a computation; it is sound because nothing differentiates this call (see `sharded`).
-    """
-    axes = tuple(sorted(frozenset().union(*(varying_axes(a) for a in args))))
-
-    def unmarked(*blocks):
-        # Any op in an unchecked region drops its operand's mark; multiplying by one is folded.
-        return fn(*(b * jnp.ones((), b.dtype) for b in blocks))
-
-    region = manual_region(
-        unmarked, mesh=mesh, axes=None, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )
-    return jax.tree.map(lambda o: lax.pcast(o, axes, to="varying") if axes else o, region(*args))
-
-
-def typed_like(grads, primals):
-    """A custom VJP's cotangents given the types of their primals.
-
-    Inside a region manual over some axes (a pipeline stage), a backward rule must return
-    each cotangent varying over exactly the manual axes its primal varies over. A cotangent
-    that varies over fewer is marked; one that varies over more (its primal was the same on
-    every device of an axis, its uses were not) is summed over the extra axes, the transpose
-    of that implicit broadcast. None entries (integer primals) stay None.
-    """
-
-    def fit(g, x):
-        if g is None:
-            return None
-        want, have = varying_axes(x), varying_axes(g)
-        extra = tuple(sorted(have - want))
-        if extra:
-            g = lax.psum(g, extra)
-        missing = tuple(sorted(want - varying_axes(g)))
-        return lax.pcast(g, missing, to="varying") if missing else g
-
-    return tuple(fit(g, x) for g, x in zip(grads, primals, strict=True))
 
 
 _POISON: contextvars.ContextVar[bool] = contextvars.ContextVar("kernels_poison", default=False)

@@ -33,6 +33,7 @@ from meshtrain.kernels._flash_shards import (
     forward_shard,
 )
 from meshtrain.kernels._flash_tiles import Tiling, kv_range, q_range, sees_block
+from meshtrain.layout.per_shard import typed_like
 
 __all__ = [
     "DTYPES",
@@ -87,7 +88,7 @@ def _pallas_attention(q, k, v, seg, t: Tiling):
         outs = (Q_NAMES, KV_NAMES, KV_NAMES)
         grads = _common.sharded(bwd_shard, args, names, outs, with_axes=True)
         # segment ids are integers: no cotangent
-        return (*_common.typed_like(grads, (q, k, v)), *(None for _ in seg))
+        return (*typed_like(grads, (q, k, v)), *(None for _ in seg))
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(q, k, v, *segs)

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from meshtrain.kernels import _common, reference
+from meshtrain.layout.per_shard import typed_like
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 _NEG = -1e30
@@ -147,7 +148,7 @@ def _cross_entropy(logits, targets, *, br, bv, interpret):
         x, t, lse = res
         args, names = (x, t, lse, g), (x_names, rows, rows, rows)
         dx = _common.sharded(bwd_shard, args, names, x_names, with_axes=True)
-        return (*_common.typed_like((dx,), (x,)), None)  # targets are integers: no cotangent
+        return (*typed_like((dx,), (x,)), None)  # targets are integers: no cotangent
 
     ce.defvjp(ce_fwd, ce_bwd)
     return ce(logits, targets)

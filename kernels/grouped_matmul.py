@@ -31,8 +31,8 @@ from jax import lax
 
 from meshtrain._compat import varying_axes
 from meshtrain.kernels import _common, autotable
-from meshtrain.kernels._common import typed_like
 from meshtrain.layout import varying
+from meshtrain.layout.per_shard import typed_like
 
 IMPLS = ("tiled", "xla", "auto")
 CPU_TILE = 16

@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from meshtrain.kernels import _common, reference
+from meshtrain.layout.per_shard import typed_like
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 MAX_FEATURES = 16_384  # one row must fit a block
@@ -191,7 +192,7 @@ def _norm(x, params, *, eps, block_rows, interpret):
             (x_names, *p_names),
             with_axes=True,
         )
-        return _common.typed_like(grads, (x, *params))
+        return typed_like(grads, (x, *params))
 
     norm.defvjp(norm_fwd, norm_bwd)
     return norm(x, *params)

@@ -22,7 +22,7 @@ from jax import lax
 
 from meshtrain.context_parallel import blocks
 from meshtrain.kernels import flash_attention
-from meshtrain.kernels._common import typed_like
+from meshtrain.layout.per_shard import typed_like
 
 
 def _gather(x, axis: str, dim: int):

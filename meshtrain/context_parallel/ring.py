@@ -37,13 +37,32 @@ from jax import lax
 from meshtrain.context_parallel import blocks, zigzag
 from meshtrain.context_parallel.blocks import Options
 from meshtrain.context_parallel.zigzag import Piece
+from meshtrain.layout import manual_axes
+from meshtrain.mesh import PIPE
 
 LEAF = blocks.LEAF  # the half-work own block halves its diagonals while halves keep ≥ LEAF rows
 
 
 def _shift(x, axis: str, n: int):
-    """Sends each device's block to the next device on the ring."""
-    return lax.ppermute(x, axis, [(j, (j + 1) % n) for j in range(n)])
+    """Sends each device's block to the next device on the ring.
+
+    One exception, on the CPU only: inside a pipeline stage the ring may run in a branch only
+    some stages take (a slot of 1f1b or zb-h1), and XLA's CPU runtime runs a
+    collective-permute only when every device of the program takes part (it hangs, or pairs
+    calls of different slots). There each device gathers the ring's blocks over `axis`, whose
+    groups lie within one stage, and keeps its neighbour's: the same values for n times the
+    traffic, on simulated devices only.
+    """
+    if x is None:
+        return None
+    if not _permute_in_branches():
+        return lax.ppermute(x, axis, [(j, (j + 1) % n) for j in range(n)])
+    return lax.all_gather(x, axis)[(lax.axis_index(axis) - 1) % n]
+
+
+def _permute_in_branches() -> bool:
+    """Whether a permute here may sit in a branch some devices skip, on the CPU runtime."""
+    return jax.default_backend() == "cpu" and PIPE in manual_axes() and lax.axis_size(PIPE) > 1
 
 
 def _whole(rows: int) -> list[tuple[Piece, ...]]:

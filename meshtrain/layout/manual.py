@@ -14,10 +14,11 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from meshtrain._compat import varies_over
+from meshtrain._compat import varies_over, varying_axes
 
 
 def manual_axes() -> frozenset[str]:
@@ -100,6 +101,33 @@ def manual_region(
         axis_names=names,
         check_vma=check_vma,
     )
+
+
+def nested_unchecked(fn: Callable, args, *, axes: Iterable[str] | None, in_specs, out_specs):
+    """``fn(*args)`` per shard in a region over `axes` (None: every axis not manual yet) nested
+    in the enclosing manual region, without jax's check of varying axes.
+
+    The arguments enter it unmarked and the outputs leave it marked as varying over every
+    enclosing manual axis an argument varies over. Two things need it: per-device code whose
+    values carry no such types (Pallas outputs, the interpreter's loops), and jax's own
+    splitting of a region it differentiates, which, checking, would name the enclosing axes
+    in the specs of the residuals it passes between the halves. Marking is a type, not a
+    computation; it is sound only where nothing differentiates the region from outside
+    (`meshtrain.layout.per_shard.autodiff_per_shard` differentiates it per shard).
+    """
+    vary = tuple(sorted(frozenset().union(*(varying_axes(a) for a in args))))
+
+    def unmarked(*blocks):
+        # Any op in an unchecked region drops its operand's mark; multiplying by one is folded.
+        return fn(*(b * jnp.ones((), b.dtype) for b in blocks))
+
+    mesh = jax.sharding.get_abstract_mesh()
+    names = set(mesh.axis_names if axes is None else axes) - manual_axes()
+    region = jax.shard_map(
+        unmarked, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names,
+        check_vma=False,
+    )  # fmt: skip
+    return jax.tree.map(lambda o: lax.pcast(o, vary, to="varying") if vary else o, region(*args))
 
 
 def axis_size(axis: str) -> int:

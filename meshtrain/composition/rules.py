@@ -9,7 +9,7 @@ from __future__ import annotations
 from meshtrain.composition import checks as check
 from meshtrain.composition import examples as example
 from meshtrain.composition.checks import all_of, split
-from meshtrain.composition.features import CONTEXT, MOE, PIPELINES
+from meshtrain.composition.features import CONTEXT, MOE
 from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
 from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
@@ -192,14 +192,19 @@ TABLE = (
     ),
     Refusal(
         "context parallelism",
-        "pipelines",
-        "the ring and the pipeline stages do not compose yet",
-        all_of(split(SEQ), split(PIPE)),
+        "a hand-scheduled schedule beside tensor or fsdp",
+        "in a 1f1b, interleaved-1f1b or zb-h1 slot, a context-parallel stage with another axis "
+        "left to the compiler (tensor, or fsdp without --gather-once) makes XLA's SPMD "
+        "partitioner abort (a failed check in spmd_partitioner_util)",
+        all_of(split(SEQ), check.hand_scheduled, check.compiler_axes_in_stage),
         "mesh.seq",
-        "set seq=1 or pipe=1 in --mesh",
+        "use --schedule gpipe or circular, --gather-once (fsdp), or set tensor=1 or seq=1",
         check.mesh_value(SEQ),
-        example.pair({"seq": 2, "pipe": 2, "data": 2}, {"seq": 2, "data": 4}),
-        cells=cells(CONTEXT, PIPELINES),
+        example.pair(
+            {"seq": 2, "pipe": 2, "tensor": 2},
+            {"seq": 2, "pipe": 2, "data": 2},
+            pipeline=PipelineConfig(schedule="1f1b"),
+        ),
     ),
     Refusal(
         "context parallelism",

@@ -167,12 +167,18 @@ def test_mixtral_router_loss_under_hand_scheduled_pipelines_equals_the_unpipelin
     assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, pipeline.schedule)
 
 
-@pytest.mark.parametrize(("router_losses", "varies"), [("meshtrain", False), ("mixtral", True)])
-def test_only_a_loss_not_linear_in_the_statistics_takes_the_forward_first(router_losses, varies):
+@pytest.mark.parametrize(
+    ("router_losses", "aux_loss_coef", "varies"),
+    [("meshtrain", 0.1, False), ("mixtral", 0.1, True), ("mixtral", 0.0, False)],
+)
+def test_only_a_loss_not_linear_in_the_statistics_takes_the_forward_first(
+    router_losses, aux_loss_coef, varies
+):
     # meshtrain's router losses are linear in the statistics: their gradient is the same
     # everywhere and the hand-scheduled step runs no forward before its schedule. Mixtral's
-    # pooled loss is not: its gradient is taken at the step's statistics.
-    model = build_model(dataclasses.replace(CFG, router_losses=router_losses))
+    # pooled loss is not, unless weighted 0: its gradient is taken at the step's statistics.
+    cfg = dataclasses.replace(CFG, router_losses=router_losses, aux_loss_coef=aux_loss_coef)
+    model = build_model(cfg)
     parts = model.pipeline_parts()
     _, stats = jax.eval_shape(parts.run_blocks, model.groups, jnp.zeros((1, T, CFG.d_model)))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)

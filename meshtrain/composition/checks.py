@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 from meshtrain.layout import alternatives, axes_of, rules_for
 from meshtrain.mesh import EXPERT, PIPE, TENSOR
-from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.run import RunSpec
 
@@ -170,14 +169,6 @@ def fp16_kernels(run: RunSpec) -> bool:
     """float16 compute with a hand-written kernel (pallas, cudnn) in attention or norms."""
     names = {str(getattr(run.model, f, "")) for f in ("attention_impl", "norm_impl")}
     return run.precision.resolved(run.model) == "fp16" and bool(names & {"pallas", "cudnn"})
-
-
-def pooled_router_loss(run: RunSpec) -> bool:
-    """The model adds Mixtral's load-balancing loss, pooled over every MoE block, to the loss."""
-    model = run.model
-    if not isinstance(model, MoEConfig):
-        return False
-    return model.router_losses == "mixtral" and model.aux_loss_coef > 0
 
 
 def hand_scheduled(run: RunSpec) -> bool:

@@ -382,26 +382,6 @@ TABLE = (
     ),
     ForEach(REGION, (COMPRESSION,)),
     Refusal(
-        "Mixtral's router loss",
-        "a hand-scheduled schedule",
-        "the loss pools every stage's blocks, and a hand-scheduled schedule (1f1b, "
-        "interleaved-1f1b, zb-h1) runs each stage's backward with its own blocks only (gpipe "
-        "and circular pool them exactly)",
-        all_of(check.pooled_router_loss, check.hand_scheduled),
-        "moe.router_losses",
-        "use --schedule gpipe or circular, or --moe.router-losses meshtrain, or set "
-        "--moe.aux-loss-coef 0",
-        check.model_value("router_losses"),
-        lambda: (
-            example.run(
-                {"pipe": 2, "data": 4},
-                model=MoEConfig(router_losses="mixtral"),
-                pipeline=PipelineConfig(schedule="1f1b"),
-            ),
-            example.run({"pipe": 2, "data": 4}, model=MoEConfig(router_losses="mixtral")),
-        ),
-    ),
-    Refusal(
         "a custom loss_fn",
         "a loss kernel",
         "the kernel applies only to the built-in losses",

@@ -1,8 +1,10 @@
 """The ``meshtrain`` logger: where the library says what a run does (the run summary).
 
-It logs at INFO. A program that configures logging (a handler on the root logger, or on this
-logger) decides where the lines go; one that configures nothing (a notebook, a script) sees
-them on stdout. Silence them with ``logging.getLogger("meshtrain").setLevel(logging.WARNING)``.
+It logs at INFO and propagates, so a program's own logging setup (a handler on the root
+logger, or on this one) decides where the lines go; absl, which orbax imports, gives the root
+logger a stderr handler (``logging.basicConfig``) when none is set, so a plain script or a
+notebook shows them as ``INFO:meshtrain:...``. Where no handler would show them, they are
+printed to stdout. Silence them with ``logging.getLogger("meshtrain").setLevel(logging.WARNING)``.
 """
 
 from __future__ import annotations

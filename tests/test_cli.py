@@ -312,6 +312,19 @@ def test_each_feature_writes_its_own_run_summary_line():
     )
 
 
+def test_the_cli_prints_the_run_summary_the_trainer_logs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model", "moe", "--moe.n-layers", "1", "--moe.d-model", "32",
+             "--moe.max-seq-len", "16", "--data.source", "synthetic", "--data.seq-len", "16",
+             "--data.batch-size", "8", "--mesh", "data=4,expert=2", "--sync-every", "4",
+             "--client-fraction", "0.5", "--no-save", "--run-dir", ""]  # fmt: skip
+    job = cli.parse(["train", *flags])
+    said: list[str] = []
+    trainer = cli_train.build_trainer(job, said.append)
+    assert said == trainer.summary, said  # the same lines, once each
+    assert "replicas: 4 clients over data (each with its expert devices)" in said[1]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -262,15 +262,6 @@ def gathered_line(job: TrainJob, mesh, rules) -> str:
     return f"gather once: +{fmt_bytes(held)} of stage weights per device"
 
 
-def describe_pipeline(job: TrainJob, mesh, rules) -> str:
-    """The run summary's pipeline line (`PipelineConfig.describe`) for a job on a built mesh."""
-    from meshtrain.comm.expect import stage_weight_bytes
-
-    pc = job.pipeline
-    gathered = stage_weight_bytes(job.model_config(), mesh, rules) if pc.gather_once else None
-    return pc.describe(mesh.shape[PIPE], gathered)
-
-
 def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
     """The `RunSpec` a job describes, on a built mesh and data."""
     return RunSpec(

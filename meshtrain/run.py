@@ -270,13 +270,14 @@ class RunSpec(validate.Checked):
         from meshtrain.models.remat import describe as remat
 
         run = self.resolved()
-        sizes, cfg = run.sizes, run.model_config
+        sizes, cfg, rules = run.sizes, run.model_config, run.rules
+        assert rules is not None  # resolved
         where = describe(run.mesh) if isinstance(run.mesh, Mesh) else _axes(sizes)
-        lines = [f"meshtrain · mesh {where} · {run.rules.describe(sizes)}"]
+        lines = [f"meshtrain · mesh {where} · {rules.describe(sizes)}"]
         if (stages := sizes.get(PIPE, 1)) > 1:
             lines.append(_pipeline_line(run.pipeline, stages, gathered_bytes))
         if run.sync != SyncConfig():
-            lines.append(replicas_line(run.sync, run.rules, sizes))
+            lines.append(replicas_line(run.sync, rules, sizes))
         model = "model " + (cfg.describe() if cfg is not None else _named(run.model))
         count = f" · {n_params / 1e6:.2f}M parameters" if n_params is not None else ""
         lines += [model + count, run.precision.describe(self.model)]

@@ -122,7 +122,7 @@ def test_markers_are_read_from_decorators_params_and_names(tmp_path):
 def test_every_refusal_row_names_real_cells():
     named = 0
     for row in REFUSALS:
-        for a, b in row.cells:
+        for a, b in row.cells + row.touches:
             cm.cell(a, b)  # raises on an unknown id or a pair that is not a cell
             named += 1
     assert named >= 20

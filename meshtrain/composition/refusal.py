@@ -57,11 +57,6 @@ class Refusal:
         message = f"{self.first} with {self.second}: {self.reason}; {fix}"
         return Problem(self.field.format(model=name), self.value(run), message)
 
-    @property
-    def line(self) -> str:
-        """The row in one line: ``first with second: reason``."""
-        return f"{self.first} with {self.second}: {self.reason}"
-
 
 def model_name(model) -> str:
     """The family name of a model config (``gpt`` for anything else)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from meshtrain.composition import checks as check
 from meshtrain.composition import examples as example
 from meshtrain.composition.checks import all_of, split
-from meshtrain.composition.features import CONTEXT, MOE
+from meshtrain.composition.features import CONTEXT, LOCAL, MOE, PIPELINES
 from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
 from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
@@ -231,6 +231,7 @@ TABLE = (
             example.run({"data": 8}, model=_CUDNN_WINDOW(), data=example.lm(packed=True)()),
             example.run({"data": 8}, model=_CUDNN_WINDOW()),
         ),
+        touches=(("packed", "cudnn"),),
     ),
     Refusal(
         "cuDNN attention",
@@ -274,6 +275,7 @@ TABLE = (
             mesh={"data": 2, "fsdp": 2, "tensor": 2},
             rules="hsdp+tp",
         ),
+        touches=cells(("compression", *LOCAL), ("hsdp", "tp")),
     ),
     Refusal(
         "local SGD (and DiLoCo, gossip, federated averaging)",
@@ -285,6 +287,8 @@ TABLE = (
         "set --clip-norm 0 beside --sync-every on pipe > 1, or set pipe=1",
         check.setting("optim.clip_norm"),
         example.sync({"sync_every": 4}, {}, mesh={"pipe": 2, "data": 4}),
+        touches=cells(PIPELINES, LOCAL),
+        by_default=True,  # --clip-norm 1.0
     ),
     ForEach(OWN_STEP, SCHEMES),
     Refusal(

@@ -205,6 +205,7 @@ TABLE = (
             {"seq": 2, "pipe": 2, "data": 2},
             pipeline=PipelineConfig(schedule="1f1b"),
         ),
+        touches=cells(CONTEXT, ("1f1b", "interleaved-1f1b", "zb-h1")),
     ),
     Refusal(
         "context parallelism",

@@ -8,7 +8,7 @@ The statistics' cotangent is the gradient of the loss term of the step's statist
 linear in them (meshtrain's router losses) has the same gradient everywhere, taken at zeros. A
 term that is not (Mixtral's load-balancing loss, pooled over every block and the whole batch
 before a product) has its gradient taken at the step's statistics, which a forward of every
-microbatch alone gives first (`totals_fn`): a stage's backward of the first microbatch runs
+microbatch alone gives first (`StatsLoss.totals`): a stage's backward of the first microbatch runs
 before the last microbatch's forward, yet needs the pooled statistics of all of them.
 
 Each slot on a stage reads its inputs from the rings, runs its pass and the loss head
@@ -51,6 +51,23 @@ class Microbatches(NamedTuple):
     labels: dict
 
 
+class StatsLoss(NamedTuple):
+    """The loss term of the stage statistics, and how to get the step's statistics first.
+
+    Attributes:
+        term: the loss term of the step's statistics (summed over the microbatches and
+            stages): each stage's backward takes its gradient as the statistics' cotangent.
+        totals: ``(chunks, micro) -> stats``, the step's statistics summed over the
+            microbatches and stages from a forward alone (no residuals kept; the gpipe /
+            circular forward loop, say). Run first, and only when `term`'s gradient depends on
+            the statistics (a term not linear in them), to take the gradient there; such a
+            `term` without it is an error.
+    """
+
+    term: Callable[[dict], jax.Array]
+    totals: Callable[[dict, Microbatches], dict] | None = None
+
+
 class Rows(NamedTuple):
     """The manual axes the rows of a microbatch are split over.
 
@@ -72,8 +89,7 @@ def scheduled(
     micro: Microbatches,
     table: ScheduleTable,
     *,
-    aux_fn: Callable[[dict], jax.Array] | None = None,
-    totals_fn: Callable[[dict, Microbatches], dict] | None = None,
+    stats_loss: StatsLoss | None = None,
     rows: Rows | None = None,
     poison: bool = False,
 ):
@@ -97,14 +113,8 @@ def scheduled(
         micro: the embedded microbatches, the stages' side inputs and `head_fn`'s labels (its
             targets), each with leading dims [M, b].
         table: a hand-scheduled `ScheduleTable`.
-        aux_fn: the loss term of the step's statistics (summed over the microbatches and
-            stages): each stage's backward takes its gradient as the statistics' cotangent.
-            None: they add nothing to the loss.
-        totals_fn: ``(chunks, micro) -> stats``, the step's statistics summed over the
-            microbatches and stages from a forward alone (no residuals kept; the gpipe /
-            circular forward loop, say). Run first, and only when `aux_fn`'s gradient depends
-            on the statistics (a term not linear in them), to take the gradient there; such
-            an `aux_fn` without it is an error.
+        stats_loss: the loss term of the stage statistics (see `StatsLoss`). None: they add
+            nothing to the loss.
         rows: the manual axes the rows are split over (see `Rows`; none when None);
             `head_fn`'s loss must already be weighted by this replica's share, and the loss
             and head gradients are summed over ``rows.inner`` at the end.
@@ -131,7 +141,8 @@ def scheduled(
     head, chunks = varying(head), varying(chunks)
     example = jax.tree.map(lambda c: c[0], chunks), x0, side0
     kept, stats_zero = _trace_forward(run, *example)
-    point = _cotangent_point(aux_fn, totals_fn, stats_zero, chunks, micro)
+    aux_fn = None if stats_loss is None else stats_loss.term
+    point = _cotangent_point(stats_loss, stats_zero, chunks, micro)
     d_stats = _stats_cotangent(aux_fn, point, stats_zero, rows)
     kit = _kit(run, plan, head, example, kept, stats_zero, d_stats, poison)
     heads = head_branches(head_fn, kit.head_zero)
@@ -175,17 +186,18 @@ def _trace_forward(run: Chunk, chunk0, x0, side0) -> tuple[_Kept, dict]:
     return _Kept(res_shapes, res_axes, hosted), stats_zero
 
 
-def _cotangent_point(aux_fn, totals_fn, stats_zero: dict, chunks, micro: Microbatches) -> dict:
-    """Where `aux_fn`'s gradient is taken: anywhere (zeros) when it is constant, else at the
-    step's statistics, from `totals_fn`'s forward of every microbatch."""
-    if aux_fn is None or not _gradient_varies(aux_fn, stats_zero):
+def _cotangent_point(stats_loss, stats_zero: dict, chunks, micro: Microbatches) -> dict:
+    """Where the statistics' loss term's gradient is taken: anywhere (zeros) when it is
+    constant, else at the step's statistics, from `StatsLoss.totals`' forward of every
+    microbatch."""
+    if stats_loss is None or not _gradient_varies(stats_loss.term, stats_zero):
         return stats_zero
-    if totals_fn is None:
+    if stats_loss.totals is None:
         raise ValueError(
             "the statistics' loss term is not linear in them (its gradient depends on the "
-            "step's statistics): pass totals_fn, a forward that gives them first"
+            "step's statistics): give StatsLoss.totals, a forward that gives them first"
         )
-    totals = totals_fn(chunks, micro)
+    totals = stats_loss.totals(chunks, micro)
     return jax.tree.map(lambda t, z: lax.stop_gradient(t).astype(z.dtype), totals, stats_zero)
 
 

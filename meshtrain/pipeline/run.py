@@ -341,8 +341,7 @@ def _scheduled_body(pipe: _Pipe, table, weighted: _Weighted, rows: spmd.Rows, sp
             h,
             spmd.Microbatches(x_MbTD, side_Mb, labels_Mb),
             table,
-            aux_fn=aux_fn if cut.stats is not None else None,
-            totals_fn=totals_fn,
+            stats_loss=None if cut.stats is None else spmd.StatsLoss(aux_fn, totals_fn),
             rows=rows,
             poison=spmd.poisoning(),
         )

@@ -43,6 +43,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.context_parallel import whole_model_in_region
 from meshtrain.layout import axes_of, manual_region, rows_apart
 from meshtrain.replicas import federated
 from meshtrain.replicas import gossip as graphs
@@ -238,7 +239,8 @@ def _replica_step(compute: Compute, tx, sets: ReplicaSets, specs, sync: SyncConf
         params_r, opt_r = own(params_r), own(opt_r)
         if sync.client_fraction is not None:  # a round starts with fresh moments (FedAvg's)
             opt_r = _fresh_moments(tx, params_r, opt_r, step % sync.sync_every == 0)
-        with rows_apart():  # each device trains a copy of its own until the next average
+        # each device trains a copy of its own until the next average
+        with rows_apart(), whole_model_in_region():
             (loss, (new_rest, extra)), grads = compute(params_r, rest, batch_r)
         loss, new_rest, extra = settled((loss, new_rest, extra), sets.stages)
         grads = _served_share(settled(grads, sets.stages, specs), specs, sets)

@@ -11,7 +11,6 @@ from meshtrain.layout import rules_for
 from meshtrain.mesh import AXES
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
-from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import Precision
 from meshtrain.replicas import SyncConfig
@@ -74,14 +73,6 @@ def circular_sync(settings: dict) -> Example:
     return lambda: (
         run({"pipe": 2, "data": 4}, sync=SyncConfig(**settings), pipeline=circular()),
         run({"pipe": 2, "data": 4}, pipeline=circular()),
-    )
-
-
-def experts_sync(settings: dict) -> Example:
-    """The sync `settings` on an MoE model split over expert=2, then on data=8 alone."""
-    return lambda: (
-        run({"expert": 2, "data": 4}, model=MoEConfig(), sync=SyncConfig(**settings)),
-        run({"data": 8}, model=MoEConfig(), sync=SyncConfig(**settings)),
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from meshtrain.composition import checks as check
 from meshtrain.composition import examples as example
 from meshtrain.composition.checks import all_of, split
-from meshtrain.composition.features import CONTEXT, MOE, PIPELINES
+from meshtrain.composition.features import CONTEXT, PIPELINES
 from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
 from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
@@ -103,18 +103,6 @@ OWN_STEP = (
         value=check.setting("precision.policy"),
     ),
     *REGION,
-    Pattern(
-        "{name}",
-        "expert parallelism (MoE)",
-        "under expert > 1 an expert's weights have one copy per data replica and the dense "
-        "weights one per device over data and expert, so the replicas form no single graph to "
-        "mix over (local SGD and federated averaging average each leaf over its own copies)",
-        split(EXPERT),
-        "set expert=1 in --mesh (the experts then replicate), or use --sync-every without {flag}",
-        example.experts_sync,
-        pairs_with=MOE,
-        only=("gossip",),
-    ),
 )
 
 # The replicas stepping on their own, each way.

@@ -38,15 +38,17 @@ def _build(kw: dict) -> dict:
     return {k: v() if callable(v) else v for k, v in kw.items()}
 
 
-def sync(refused: dict, accepted: dict, mesh=None, rules=None, model=None) -> Example:
+def sync(refused: dict, accepted: dict, mesh=None, rules=None, model=None, data=None) -> Example:
     """A sync pair: `refused` (SyncConfig fields) against `accepted`, on `mesh` (data=8),
-    under `rules` and with `model` (built late) when given."""
+    under `rules` and with `model` and `data` (built late) when given."""
 
     def build():
         base = mesh or {"data": 8}
         made = {"rules": rules_for(rules, run(base)["mesh"])} if rules else {}
         if model is not None:
             made["model"] = model()
+        if data is not None:
+            made["data"] = data()
         return (
             run(base, sync=SyncConfig(**refused), **made),
             run(base, sync=SyncConfig(**accepted), **made),

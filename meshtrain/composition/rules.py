@@ -13,7 +13,7 @@ from meshtrain.composition.features import CONTEXT, PIPELINES
 from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
 from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
-from meshtrain.mesh import EXPERT, PIPE, SEQ
+from meshtrain.mesh import EXPERT, PIPE, SEQ, TENSOR
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
@@ -29,18 +29,40 @@ _OWN_STEP = (
     "the replicas' own step (gradient compression, local SGD, DiLoCo, gossip, federated averaging)"
 )
 
-# What a step manual over the replicas cannot hold: context parallelism, several chunks of
-# layers per stage, a strategy without replicas.
+# What a step manual over the replicas cannot hold: context parallelism beside tensor
+# parallelism, or on packed documents or experts with rows split over fsdp; several chunks of
+# layers per stage; a strategy without replicas. Context parallelism itself runs inside that
+# step (its attention's region nests there, differentiated per shard); where fsdp splits the
+# rows there the tokens keep their plain order
+# (`meshtrain.context_parallel.whole_model_in_region`). The first two rows refuse no cell of
+# the matrix: each pair alone runs.
 REGION = (
     Pattern(
         "{name}",
-        "context parallelism",
-        "{flag} runs the step in a region manual over the replicas, and jax cannot "
-        "differentiate the context-parallel attention's region over seq nested inside it",
-        split(SEQ),
-        "set seq=1 in --mesh, or drop {flag}",
-        lambda s: example.sync(s, {}, mesh={"seq": 2, "data": 4}),
-        pairs_with=CONTEXT,
+        "context parallelism beside tensor parallelism",
+        "{flag} runs the step in a region manual over the replicas, and XLA's SPMD partitioner "
+        "aborts there on a gather split over seq and tensor at once (the embedding's lookup: "
+        "a failed check in spmd_partitioner_util)",
+        all_of(split(SEQ), split(TENSOR)),
+        "set tensor=1 or seq=1 in --mesh, or drop {flag}",
+        lambda s: example.sync(s, {}, mesh={"data": 2, "seq": 2, "tensor": 2}, rules="dp+tp"),
+        field="mesh.seq",
+        value=check.mesh_value(SEQ),
+    ),
+    Pattern(
+        "{name}",
+        "context parallelism on packed documents or experts, rows split over fsdp (hsdp)",
+        "{flag} runs the step in a region manual over the replicas, and XLA's SPMD partitioner "
+        "aborts there on a gather along seq (packed documents' ids, an MoE's dispatch) while "
+        "fsdp splits the rows (a failed check in spmd_partitioner_util)",
+        all_of(split(SEQ), check.gathers_tokens, check.batch_split_with_parameters),
+        "use --strategy dp or zero1, set seq=1 in --mesh, or drop {flag} (or train a dense "
+        "model on plain windows, --data.no-packing)",
+        lambda s: example.sync(
+            s, {}, mesh={"data": 2, "fsdp": 2, "seq": 2}, rules="hsdp", data=example.lm(packed=True)
+        ),
+        field="mesh.seq",
+        value=check.mesh_value(SEQ),
     ),
     Pattern(
         "{name}",

@@ -67,9 +67,10 @@ REGION = (
     Pattern(
         "{name}",
         "several chunks per stage (circular, interleaved-1f1b)",
-        "{flag} runs the pipeline's loop inside the replicas' region, where each stage "
-        "holds only its contiguous layers, and a schedule with several chunks per stage "
-        "interleaves them across stages",
+        "{flag} runs the pipeline's loop inside the replicas' region, which hands each stage "
+        "only its contiguous slice of the stacked layers, and a schedule with several chunks "
+        "per stage reorders the whole stack before its loop (stage s holds chunks s, s+p, ...: "
+        "meshtrain.pipeline.layers.stage_order)",
         check.several_chunks,
         "use --schedule gpipe, 1f1b or zb-h1 (or --repeats 1), or drop {flag}",
         example.circular_sync,

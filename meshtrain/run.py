@@ -92,6 +92,17 @@ class TrainConfig(validate.Checked):
         )
         return problems + v.one_of("loss", self.loss, LOSSES, example="mse")
 
+    def describe(self, batch_size: int) -> str:
+        """The run summary's part for a global batch of `batch_size`, e.g. ``300 steps ·
+        gradient accumulation: 2 microbatches of 8 per step``."""
+        k = self.accum_steps
+        accumulation = (
+            f"gradient accumulation: {k} microbatches of {batch_size // k} per step"
+            if k > 1
+            else "no gradient accumulation"
+        )
+        return f"{self.steps} steps · {accumulation}"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSpec(validate.Checked):
@@ -236,10 +247,105 @@ class RunSpec(validate.Checked):
         )  # fmt: skip
         return select.describe(choices) if choices else ""
 
+    def summary(
+        self,
+        *,
+        n_params: int | None = None,
+        host_bytes: float | None = None,
+        gathered_bytes: float | None = None,
+    ) -> list[str]:
+        """The run summary, one line per part, each written by the config that owns it: the
+        layout (`Rules.describe`), the pipeline, the replicas, the model, the precision of each
+        part (`Precision.describe`), the kernels each op runs (`kernels`), memory (remat and
+        `Offload.describe`), and data and steps (`DataSpec.describe`, `TrainConfig.describe`).
+        The `Trainer` logs it; ``meshtrain train`` prints it.
+
+        Args:
+            n_params: the parameter count, where the state is built.
+            host_bytes: the optimizer state's bytes per device in host memory, where known.
+            gathered_bytes: with ``pipeline.gather_once``, a stage's gathered weights' bytes
+                per device (`meshtrain.comm.expect.stage_weight_bytes`), where known.
+        """
+        from meshtrain.mesh import PIPE, describe
+        from meshtrain.models.remat import describe as remat
+
+        run = self.resolved()
+        sizes, cfg, rules = run.sizes, run.model_config, run.rules
+        assert rules is not None  # resolved
+        where = describe(run.mesh) if isinstance(run.mesh, Mesh) else _axes(sizes)
+        lines = [f"meshtrain · mesh {where} · {rules.describe(sizes)}"]
+        if (stages := sizes.get(PIPE, 1)) > 1:
+            lines.append(_pipeline_line(run.pipeline, stages, gathered_bytes))
+        if run.sync != SyncConfig():
+            lines.append(replicas_line(run.sync, rules, sizes))
+        model = "model " + (cfg.describe() if cfg is not None else _named(run.model))
+        count = f" · {n_params / 1e6:.2f}M parameters" if n_params is not None else ""
+        lines += [model + count, run.precision.describe(self.model)]
+        if kernels := run.kernels():
+            lines.append(kernels)
+        memory = [remat(cfg.remat)] if hasattr(cfg, "remat") else []
+        lines.append("memory: " + " · ".join([*memory, run.offload.describe(host_bytes)]))
+        spec = run.data_spec
+        lines.append(f"{spec.describe()} · {run.train.describe(spec.batch_size)}")
+        return lines
+
     def constructor(self) -> tuple[Callable[[], nnx.Module], list[Problem]]:
         """A zero-argument constructor of the model, and a problem if ``train.seed`` cannot
         reach it."""
         return model_constructor(self.model_config or self.model, self.train.seed)
+
+
+def replicas_line(sync: SyncConfig, rules: Rules, sizes: Mapping[str, int]) -> str:
+    """The run summary's replicas line: what each of `sync`'s schemes averages over (its
+    phrases: `SyncConfig.summary`). Beside an MoE's expert split (`replica_sets`) the dense
+    weights average over the data and expert devices and the experts' over data alone, and a
+    federated client is a data replica with its expert devices."""
+    from meshtrain.replicas import replica_sets
+
+    sets = replica_sets(rules, sizes)
+    own = tuple(a for a in sets.axes if a not in sets.split)  # what every leaf averages over
+    if sync.federates:
+        with_experts = " (each with its expert devices)" if sets.split else ""
+        where = f"{_count(own, sizes)} clients over {_over(own)}{with_experts}"
+    elif sets.split:
+        where = (
+            f"dense weights over {_count(sets.axes, sizes)} ({_over(sets.axes)}), expert "
+            f"weights over {_count(own, sizes)} ({_over(own)})"
+        )
+    else:
+        where = f"{_count(sets.axes, sizes)} over {_over(sets.axes)}"
+    return " · ".join([f"replicas: {where}", *sync.summary()])
+
+
+def _count(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+    """The devices along `axes`."""
+    n = 1
+    for a in axes:
+        n *= sizes[a]
+    return n
+
+
+def _over(axes: tuple[str, ...]) -> str:
+    """``data × expert``, or ``no axis``."""
+    return " × ".join(axes) or "no axis"
+
+
+def _axes(sizes: Mapping[str, int]) -> str:
+    """Axis sizes as the mesh line shows them (``data=4 × seq=2``)."""
+    return " × ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
+
+
+def _named(model) -> str:
+    """A constructor's name, for a model given as one."""
+    return getattr(model, "__name__", type(model).__name__)
+
+
+def _pipeline_line(pipeline: PipelineConfig, stages: int, gathered: float | None) -> str:
+    """`PipelineConfig.describe`; with ``gather_once`` and no byte count known, without one."""
+    if pipeline.gather_once and gathered is None:
+        plain = dataclasses.replace(pipeline, gather_once=False).describe(stages)
+        return f"{plain} · stage weights gathered once per step"
+    return pipeline.describe(stages, gathered)
 
 
 def _shown(value) -> object:

@@ -16,6 +16,7 @@ LAYERS = [
         "meshtrain._compat",
         "meshtrain._tree",
         "meshtrain._units",
+        "meshtrain._log",
         "meshtrain.problem",
         "meshtrain.validate",
         "meshtrain.mesh",

@@ -276,25 +276,31 @@ def test_the_run_summary_shows_chunks_per_stage_and_what_gathering_once_holds():
 
     from meshtrain import make_mesh, rules_for
     from meshtrain._units import fmt_bytes
+    from meshtrain.models.base import DataSpec
 
     argv = ["train", "--mesh", "pipe=2,fsdp=4", "--strategy", "fsdp", "--gpt.n-layers", "4"]
     job = cli.parse([*argv, "--schedule", "interleaved-1f1b", "--repeats", "2", "--gather-once"])
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh)
-    line = cli_train.describe_pipeline(job, mesh, rules)
+    spec = DataSpec("lm", 16, 32, 256)
+
+    def pipeline_line(job):
+        lines = cli_train.run_spec(job, spec, mesh, rules).summary()
+        return next(line for line in lines if line.startswith("pipeline "))
+
+    assert pipeline_line(job) == (
+        "pipeline interleaved-1f1b · 2 stages · 4 microbatches · v=2 chunks per stage · "
+        "stage weights gathered once per step"
+    )
     # Every stacked layer weight is split over fsdp: a device keeps its stage's half of them.
     model = nnx.eval_shape(lambda: job.gpt.build(rngs=nnx.Rngs(0)))
     blocks = nnx.state(model, nnx.Param)["blocks"]
     whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(blocks)) / 2
-    assert line == (
-        "pipeline interleaved-1f1b · 2 stages · 4 microbatches · v=2 chunks per stage · "
-        f"gather once per step (+{fmt_bytes(whole)} of weights per device)"
+    assert cli_train.gathered_line(job, mesh, rules) == (
+        f"gather once: +{fmt_bytes(whole)} of stage weights per device"
     )
     plain = cli.parse([*argv, "--schedule", "zb-h1"])
-    assert (
-        cli_train.describe_pipeline(plain, mesh, rules)
-        == "pipeline zb-h1 · 2 stages · 4 microbatches"
-    )
+    assert pipeline_line(plain) == "pipeline zb-h1 · 2 stages · 4 microbatches"
 
 
 def test_each_feature_writes_its_own_run_summary_line():
@@ -310,6 +316,19 @@ def test_each_feature_writes_its_own_run_summary_line():
         "offload optimizer · 2.50 MB per device in unpinned_host memory, fetched and written "
         "back each step"
     )
+
+
+def test_the_cli_prints_the_run_summary_the_trainer_logs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model", "moe", "--moe.n-layers", "1", "--moe.d-model", "32",
+             "--moe.max-seq-len", "16", "--data.source", "synthetic", "--data.seq-len", "16",
+             "--data.batch-size", "8", "--mesh", "data=4,expert=2", "--sync-every", "4",
+             "--client-fraction", "0.5", "--no-save", "--run-dir", ""]  # fmt: skip
+    job = cli.parse(["train", *flags])
+    said: list[str] = []
+    trainer = cli_train.build_trainer(job, said.append)
+    assert said == trainer.summary, said  # the same lines, once each
+    assert "replicas: 4 clients over data (each with its expert devices)" in said[1]
 
 
 @pytest.mark.parametrize(

@@ -367,6 +367,112 @@ CASES = [
         marks=[pair(a, b) for a, b in combinations(("hsdp", "gpipe", "staleness"), 2)],
         id="hsdp-gpipe-staleness",
     ),
+    # context parallelism inside pipeline stages: every schedule with every algorithm, with
+    # packed documents, the MoE (over expert) and the 4-D layouts
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "dp", schedule="gpipe", context="ring", packed=True),
+        marks=[pair(a, b) for a, b in combinations(("dp", "gpipe", "ring", "packed"), 2)],
+        id="dp-gpipe-ring-packed",
+    ),
+    pytest.param(
+        Case("pipe=2,seq=2,tensor=2", "dp+tp", schedule="gpipe", context="allgather",
+             offload=True),
+        marks=[pair(a, b) for a, b in combinations((
+            "dp", "tp", "gpipe", "allgather", "offload-optimizer",
+        ), 2)],
+        id="dp+tp-gpipe-allgather-offload-opt",
+    ),
+    pytest.param(
+        Case("pipe=2,seq=2,expert=2", "zero1", model="moe-capacity", schedule="gpipe",
+             context="ulysses"),
+        marks=[pair(a, b) for a, b in combinations((
+            "zero1", "gpipe", "ulysses", "moe-capacity",
+        ), 2)],
+        id="zero1-moe-capacity-gpipe-ulysses",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "zero1", schedule="1f1b", context="ring", offload_acts=True),
+        marks=[pair(a, b) for a, b in combinations((
+            "zero1", "1f1b", "ring", "offload-activations",
+        ), 2)],
+        id="zero1-1f1b-ring-offload-acts",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "dp", schedule="1f1b", context="allgather", packed=True,
+             accum=2),
+        marks=[pair(a, b) for a, b in combinations((
+            "dp", "1f1b", "allgather", "packed", "accumulation",
+        ), 2)],
+        id="dp-1f1b-allgather-packed-accum",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "dp", schedule="1f1b", context="ulysses", remat=True),
+        marks=[pair(a, b) for a, b in combinations(("dp", "1f1b", "ulysses", "remat"), 2)],
+        id="dp-1f1b-ulysses-remat",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "dp", schedule="zb-h1", context="ring", packed=True),
+        marks=[pair(a, b) for a, b in combinations(("dp", "zb-h1", "ring", "packed"), 2)],
+        id="dp-zb-h1-ring-packed",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "zero1", schedule="zb-h1", context="allgather", remat=True),
+        marks=[pair(a, b) for a, b in combinations((
+            "zero1", "zb-h1", "allgather", "remat",
+        ), 2)],
+        id="zero1-zb-h1-allgather-remat",
+    ),
+    pytest.param(
+        Case("pipe=2,seq=2,expert=2", "dp", model="moe-dropless", schedule="zb-h1",
+             context="ulysses"),
+        marks=[pair(a, b) for a, b in combinations((
+            "dp", "zb-h1", "ulysses", "moe-dropless",
+        ), 2)],
+        id="dp-moe-dropless-zb-h1-ulysses",
+    ),
+    pytest.param(
+        Case("pipe=2,seq=2,tensor=2", "dp+tp", schedule="circular", context="ring", packed=True),
+        marks=[pair(a, b) for a, b in combinations((
+            "dp", "tp", "circular", "ring", "packed",
+        ), 2)],
+        id="dp+tp-circular-ring-packed",
+    ),
+    pytest.param(
+        Case("pipe=2,fsdp=2,seq=2", "fsdp", schedule="circular", context="allgather", accum=2),
+        marks=[pair(a, b) for a, b in combinations((
+            "fsdp", "circular", "allgather", "accumulation",
+        ), 2)],
+        id="fsdp-circular-allgather-accum",
+    ),
+    pytest.param(
+        Case("pipe=2,fsdp=2,seq=2", "fsdp", schedule="circular", context="ulysses", remat=True),
+        marks=[pair(a, b) for a, b in combinations(("fsdp", "circular", "ulysses", "remat"), 2)],
+        id="fsdp-circular-ulysses-remat",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "dp", model="moe-capacity", schedule="interleaved-1f1b",
+             context="ring"),
+        marks=[pair(a, b) for a, b in combinations((
+            "dp", "interleaved-1f1b", "ring", "moe-capacity",
+        ), 2)],
+        id="dp-moe-capacity-interleaved-1f1b-ring",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "dp", schedule="interleaved-1f1b", context="allgather",
+             packed=True),
+        marks=[pair(a, b) for a, b in combinations((
+            "dp", "interleaved-1f1b", "allgather", "packed",
+        ), 2)],
+        id="dp-interleaved-1f1b-allgather-packed",
+    ),
+    pytest.param(
+        Case("pipe=2,data=2,seq=2", "zero1", schedule="interleaved-1f1b", context="ulysses",
+             accum=2),
+        marks=[pair(a, b) for a, b in combinations((
+            "zero1", "interleaved-1f1b", "ulysses", "accumulation",
+        ), 2)],
+        id="zero1-interleaved-1f1b-ulysses-accum",
+    ),
     # bf16 compute
     pytest.param(
         Case("fsdp=8", "fsdp", cudnn=True, offload_acts=True, offload=True, precision="bf16"),

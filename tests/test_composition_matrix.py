@@ -122,7 +122,7 @@ def test_markers_are_read_from_decorators_params_and_names(tmp_path):
 def test_every_refusal_row_names_real_cells():
     named = 0
     for row in REFUSALS:
-        for a, b in row.cells:
+        for a, b in row.cells + row.touches:
             cm.cell(a, b)  # raises on an unknown id or a pair that is not a cell
             named += 1
     assert named >= 20
@@ -156,3 +156,58 @@ def test_a_test_removed_leaves_exactly_the_cells_only_it_proved_unproven():
         assert cm.missing(without) == only, test
         sole_somewhere += bool(only)
     assert sole_somewhere > 5  # the check is not vacuous: many tests are a cell's only proof
+
+
+def _page() -> list:
+    """The matrix page's nodes, built by the docs' directive from this suite's markers."""
+    import sys
+
+    sys.path.insert(0, str(TESTS.parent / "docs" / "_ext"))
+    from composition import _status, page
+
+    return page(*_status(), cm.conditions())
+
+
+def _rows(nodes) -> list[list[str]]:
+    """The text of each table row's entries across `nodes`."""
+    from docutils import nodes as dn
+
+    return [
+        [entry.astext() for entry in row.findall(dn.entry)]
+        for node in nodes
+        for row in node.findall(dn.row)
+    ]
+
+
+def test_every_refusal_row_with_a_condition_is_on_the_matrix_page_with_it():
+    rows = cm.conditions()
+    assert len(rows) >= 13 and all(not r.cells for r in rows)
+    listed = [tuple(row[:4]) for row in _rows(_page())]
+    for r in rows:
+        condition = r.second + (" (the default)" if r.by_default else "")
+        shown = (r.first, condition, r.reason, r.field.format(model="gpt"))
+        assert shown in listed, f"{r.first} with {r.second}: not listed with its condition"
+
+
+def test_a_pair_refused_at_a_default_setting_shows_as_conditional_not_proven():
+    from meshtrain import RunSpec
+    from meshtrain.composition import pair_problems
+    from meshtrain.composition.examples import run
+    from meshtrain.pipeline import PipelineConfig
+    from meshtrain.replicas import SyncConfig
+
+    sync = SyncConfig(sync_every=4, outer_optimizer="nesterov")  # DiLoCo
+    diloco_zb = RunSpec(
+        **run({"pipe": 2, "data": 4}, sync=sync, pipeline=PipelineConfig(schedule="zb-h1"))
+    )
+    lines = [p.message for p in pair_problems(diloco_zb)]  # every other setting the default
+    assert any("global-norm clipping" in line for line in lines), lines
+    c = cm.cell("diloco", "zb-h1")
+    assert c not in cm.refused() and [r.by_default for r in cm.conditional()[c]] == [True]
+    nodes = _page()
+    ids = list(cm.FEATURES)
+    grid = next(r for r in _rows(nodes[1:2]) if r[0] == "zb-h1")
+    assert grid[1 + ids.index("diloco")] == "◐"
+    evidence = next(r for r in _rows(nodes) if r[:2] == ["zb-h1", "diloco"])
+    assert evidence[2] == "conditional"
+    assert "pipelines with global-norm clipping (the default setting" in evidence[3]

@@ -2,7 +2,9 @@
 loss equals transformers' ``load_balancing_loss_func`` on the same router logits, and three
 AdamW steps of a tiny Mixtral with ``output_router_logits=True`` equal three torch AdamW steps
 of transformers' (`scripts/make_hf_mixtral_steps.py` made the reference: the losses of each step
-and the parameters after); the defaults and overrides of the objective, and the field's check.
+and the parameters after); the defaults and overrides of the objective, and the field's check;
+the run check lets an imported Mixtral train on its own loss under every hand-scheduled
+pipeline schedule.
 """
 
 import dataclasses
@@ -15,10 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from meshtrain.check import check_run
 from meshtrain.hf.mixtral import config_from_hf, config_to_hf, load_mixtral, save_mixtral
-from meshtrain.models import MoEConfig
+from meshtrain.layout import rules_for
+from meshtrain.models import DataSpec, MoEConfig
 from meshtrain.models.moe_routing import pooled_load_balance_loss, route, router_sums
 from meshtrain.optim import OptimConfig, make_optimizer
+from meshtrain.pipeline import PipelineConfig
+from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.state import TrainState
 from meshtrain.train.step import train_step
 
@@ -143,3 +149,17 @@ def test_router_losses_must_name_a_definition():
         "moe.router_losses='switch': choose from meshtrain, mixtral (meshtrain: per MoE block; "
         "mixtral: pooled over the blocks, as transformers'); e.g. --moe.router-losses mixtral"
     )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zb-h1"])
+def test_an_imported_mixtral_runs_its_own_loss_under_every_hand_scheduled_schedule(schedule):
+    # Its pooled router loss is exact under them (tests/test_moe_pipeline.py): nothing refuses.
+    cfg = load_mixtral(FIXTURES / "mixtral_steps").cfg
+    cfg = dataclasses.replace(cfg, n_layers=4)  # whole layers for 2 stages × 2 chunks
+    assert cfg.router_losses == "mixtral" and cfg.aux_loss_coef > 0
+    sizes = {"pipe": 2, "data": 4}
+    pipeline = PipelineConfig(schedule=schedule, repeats=2 if "interleaved" in schedule else 1)
+    run = RunSpec(model=cfg, data=DataSpec("lm", 16, 16, cfg.vocab_size), mesh=sizes,
+                  rules=rules_for("dp", sizes), pipeline=pipeline,
+                  train=TrainConfig(run_dir=""))  # fmt: skip
+    assert check_run(run) == []

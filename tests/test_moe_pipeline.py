@@ -5,11 +5,17 @@ microbatch's, averaged, as accumulation computes them): the losses, the task los
 ``moe_*`` metric and every parameter. The expert weights stay split over ``expert`` inside
 each stage.
 
+Mixtral's router loss (pooled over every block and the whole batch) under 1f1b,
+interleaved-1f1b and zb-h1: one step equals one unpipelined step on the whole batch, as under
+gpipe and circular (tests/test_moe.py); only a loss not linear in the statistics makes the
+hand-scheduled step run its forward first.
+
 Tolerances: tests/test_pipeline.py's for fp32 (1e-5 relative on losses and metrics, 2e-5 of
 each parameter's largest entry).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +28,9 @@ from flax import nnx
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh
-from meshtrain.models import MoEConfig
+from meshtrain.models import MoEConfig, build_model
 from meshtrain.pipeline import PipelineConfig
+from meshtrain.pipeline.hand_scheduled import _gradient_varies
 from meshtrain.run import RunSpec, TrainConfig
 from meshtrain.state import TrainState
 from meshtrain.train.step import train_step
@@ -99,3 +106,80 @@ def test_moe_pipeline_steps_equal_one_device_with_accumulation(one_device, sched
         for k, w in want[i].items():
             np.testing.assert_allclose(float(metrics[k]), w, rtol=LOSS_RTOL, err_msg=f"{i} {k}")
     assert_close(jax.tree.map(np.asarray, sharded.params), want_params, f"{schedule} {dispatch}")
+
+
+# Mixtral's router loss pools every block's statistics over the whole batch before a product,
+# so it is not each microbatch's: one hand-scheduled step equals one unpipelined step on the
+# whole batch (no accumulation), as gpipe and circular do (tests/test_moe.py). Four MoE blocks
+# (two per stage; one per chunk under interleaved-1f1b), four experts (two per expert shard),
+# padding in the first microbatch only, so the pooled token count differs between them.
+MIXTRAL = MoEConfig(d_model=32, n_layers=4, n_heads=2, n_experts=4, top_k=2, d_expert=16,
+                    vocab_size=64, vocab_multiple=16, max_seq_len=T, dispatch="dropless",
+                    router_losses="mixtral", aux_loss_coef=0.5, z_loss_coef=0.0)  # fmt: skip
+MIXTRAL_B = 8
+
+
+@functools.cache
+def _mixtral_unpipelined():
+    """Random parameters, a padded batch and one plain SGD step on it without a pipeline:
+    ``(graphdef, params, batch, state after, metrics)``."""
+    graphdef, params = random_params(MIXTRAL, seed=3)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, MIXTRAL.vocab_size, (MIXTRAL_B, T + 1)).astype(np.int32)
+    seg = np.ones((MIXTRAL_B, T), np.int32)
+    seg[:2, T // 2 :] = 0  # padding in the first microbatch only
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (MIXTRAL_B, T))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+             "positions": positions}  # fmt: skip
+    state = TrainState(jnp.zeros((), jnp.int32), params, TX.init(params), {})
+    want_state, want = jax.jit(lambda st, b: train_step(graphdef, TX, st, b))(state, batch)
+    return graphdef, params, batch, want_state, jax.tree.map(float, want)
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        pytest.param(PipelineConfig(schedule="1f1b", microbatches=2),
+                     marks=pytest.mark.pair("1f1b", "moe-dropless"), id="1f1b"),
+        pytest.param(PipelineConfig(schedule="interleaved-1f1b", repeats=2, microbatches=2),
+                     marks=pytest.mark.pair("interleaved-1f1b", "moe-dropless"),
+                     id="interleaved-1f1b"),
+        pytest.param(PipelineConfig(schedule="zb-h1", microbatches=2),
+                     marks=pytest.mark.pair("zb-h1", "moe-dropless"), id="zb-h1"),
+    ],
+)  # fmt: skip
+def test_mixtral_router_loss_under_hand_scheduled_pipelines_equals_the_unpipelined_step(pipeline):
+    graphdef, params, batch, want_state, want = _mixtral_unpipelined()
+    assert want["loss"] - want["task_loss"] > 0.5  # the router loss is in it, and weighs
+
+    mesh = make_mesh("pipe=2,expert=2,data=2")
+    rules = rules_for("dp", mesh)
+    host = jax.tree.map(np.asarray, params)  # the step donates its state: no aliasing
+    graphdef, sharded, shardings = init_train_state(lambda: build_model(MIXTRAL), TX, mesh,
+                                                    rules, host)  # fmt: skip
+    shard = batch_shardings(batch, mesh, rules)
+    step = jit_train_step(RunSpec(mesh=mesh, rules=rules, pipeline=pipeline), graphdef, TX,
+                          shardings, shard)  # fmt: skip
+    sharded, got = step(sharded, shard_batch(batch, mesh, rules))
+    # One loss over the whole batch's real tokens in every block, as one unpipelined step.
+    for k in ("loss", "task_loss", "moe_aux_loss"):
+        np.testing.assert_allclose(float(got[k]), want[k], rtol=LOSS_RTOL, err_msg=k)
+    assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, pipeline.schedule)
+
+
+@pytest.mark.parametrize(
+    ("router_losses", "aux_loss_coef", "varies"),
+    [("meshtrain", 0.1, False), ("mixtral", 0.1, True), ("mixtral", 0.0, False)],
+)
+def test_only_a_loss_not_linear_in_the_statistics_takes_the_forward_first(
+    router_losses, aux_loss_coef, varies
+):
+    # meshtrain's router losses are linear in the statistics: their gradient is the same
+    # everywhere and the hand-scheduled step runs no forward before its schedule. Mixtral's
+    # pooled loss is not, unless weighted 0: its gradient is taken at the step's statistics.
+    cfg = dataclasses.replace(CFG, router_losses=router_losses, aux_loss_coef=aux_loss_coef)
+    model = build_model(cfg)
+    parts = model.pipeline_parts()
+    _, stats = jax.eval_shape(parts.run_blocks, model.groups, jnp.zeros((1, T, CFG.d_model)))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stats)
+    assert _gradient_varies(lambda s: parts.stats(s)[0], zeros) is varies

@@ -8,6 +8,7 @@ import dataclasses
 import pathlib
 import warnings
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -177,3 +178,97 @@ def test_at_most_two_functions_take_ten_or_more_parameters():
     run_readers = ("check_run", "compile_step", "inspect", "inspect_compiled", "train_step")
     run_readers += ("jit_train_step", "expected", "__init__")
     assert not [w for w in wide if w.rpartition("::")[2] in run_readers], wide
+
+
+_ON_CPU = jax.default_backend() == "cpu"  # the GPU check runs this file with the GPU's default
+_MOE_SUMMARY = dict(
+    model=mt.models.MoEConfig(n_layers=2, d_model=32, n_heads=4, n_experts=4),
+    mesh={"data": 4, "expert": 2},
+)
+
+
+@pytest.mark.parametrize(
+    ("settings", "line", "says"),
+    [
+        pytest.param({}, "kernels:", "kernels: attention xla · norm xla · loss xla", id="kernels"),
+        pytest.param(
+            {"model": GPTConfig(attention_impl="auto")},
+            "kernels:",
+            "attention xla (auto: off a GPU)" if _ON_CPU else "(auto: ",
+            id="attention-auto",
+        ),
+        pytest.param(
+            {"precision": mt.Precision(policy="bf16")},
+            "precision",
+            "bfloat16 compute · float32 optimizer state",
+            id="precision",
+        ),
+        pytest.param(
+            {**_MOE_SUMMARY, "precision": mt.Precision(policy="bf16")},
+            "precision",
+            "experts float32 (on CPU, not bfloat16: XLA's CPU compiler aborts on the bfloat16 "
+            "dispatch's backward)"
+            if _ON_CPU
+            else "experts bfloat16",
+            id="moe-experts-on-cpu",
+        ),
+        pytest.param(
+            {"model": GPTConfig(remat="save-dots")}, "memory:", "remat save-dots", id="remat"
+        ),
+        pytest.param(
+            {"offload": mt.Offload(optimizer=True)},
+            "memory:",
+            "offload optimizer · the state in pinned_host memory",
+            id="offload",
+        ),
+        pytest.param(
+            {"data": DataSpec("lm", B, T, 64, packed=True)},
+            "data",
+            "packed documents",
+            id="packing",
+        ),
+        pytest.param(
+            {"train": TrainConfig(accum_steps=2)},
+            "data",
+            "gradient accumulation: 2 microbatches of 8 per step",
+            id="accumulation",
+        ),
+        pytest.param(
+            {"mesh": {"data": 4, "seq": 2}, "context_parallel": "ulysses"},
+            "meshtrain ·",
+            "strategy dp · context parallel ulysses over seq=2",
+            id="context-parallel",
+        ),
+        pytest.param(
+            {"mesh": {"pipe": 2, "data": 4}, "pipeline": mt.PipelineConfig(schedule="zb-h1")},
+            "pipeline",
+            "pipeline zb-h1 · 2 stages · 4 microbatches",
+            id="pipeline",
+        ),
+        pytest.param(
+            {"sync": mt.SyncConfig(sync_every=4)},
+            "replicas:",
+            "replicas: 8 over data · local SGD",
+            id="local-sgd",
+        ),
+        pytest.param(
+            {**_MOE_SUMMARY, "sync": mt.SyncConfig(sync_every=4)},
+            "replicas:",
+            "replicas: dense weights over 8 (data × expert), expert weights over 4 (data)",
+            id="local-sgd-beside-experts",
+        ),
+        pytest.param(
+            {**_MOE_SUMMARY, "sync": mt.SyncConfig(sync_every=4, client_fraction=0.5)},
+            "replicas:",
+            "replicas: 4 clients over data (each with its expert devices) · federated",
+            id="federated-beside-experts",
+        ),
+    ],
+)
+def test_the_run_summary_names_what_each_part_resolves_to(settings, line, says):
+    settings = {"model": GPT, "data": SPEC, "mesh": {"data": 8}, **settings}
+    context = settings.pop("context_parallel", "ring")
+    settings["rules"] = mt.rules_for("dp", settings["mesh"], context_parallel=context)
+    lines = RunSpec(**settings).summary()
+    found = [x for x in lines if x.startswith(line)]
+    assert len(found) == 1 and says in found[0], "\n".join(lines)

@@ -288,3 +288,27 @@ def test_generate_continues_the_prompt():
     assert text.startswith(prompt)
     assert len(text.encode("utf-8", errors="surrogatepass")) >= len(prompt)
     assert trainer.generate(prompt, n_new=8, seed=0) == text  # deterministic given the seed
+
+
+def test_the_trainer_logs_the_run_summary_through_logging_and_can_be_silenced(caplog):
+    import logging
+
+    log = logging.getLogger("meshtrain")
+    with caplog.at_level(logging.INFO, logger="meshtrain"):
+        trainer = _trainer(steps=1, accum_steps=2)
+    logged = [r.getMessage() for r in caplog.records if r.name == "meshtrain"]
+    assert logged == trainer.summary, logged
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
+    assert logged == trainer.run.summary(n_params=n_params)
+    assert logged[0].startswith("meshtrain · mesh data=2 × fsdp=2 × tensor=2")
+    assert "strategy fsdp+tp" in logged[0]
+    assert any(line.startswith("kernels: attention xla") for line in logged)
+    assert any("gradient accumulation: 2 microbatches of 8 per step" in x for x in logged)
+    caplog.clear()
+    level = log.level
+    try:
+        log.setLevel(logging.WARNING)  # a library user silences it
+        _trainer(steps=1)
+    finally:
+        log.setLevel(level)
+    assert not [r for r in caplog.records if r.name == "meshtrain"]

@@ -12,8 +12,10 @@ meshtrain train --init-from hf:gpt2-dir --export-hf tuned   # fine-tune a HF che
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Annotated
@@ -21,6 +23,7 @@ from typing import Annotated
 import tyro
 
 from meshtrain import validate
+from meshtrain._log import LOG
 from meshtrain.checkpoint import CheckpointConfig, holds_run
 from meshtrain.cli import parsing
 from meshtrain.cli.errors import UsageError
@@ -188,7 +191,7 @@ def build_trainer(job: TrainJob, say=print):
     from meshtrain.data import make_dataset
     from meshtrain.hf import finetune
     from meshtrain.layout import rules_for
-    from meshtrain.mesh import describe, make_mesh, simulate_devices
+    from meshtrain.mesh import make_mesh, simulate_devices
     from meshtrain.train.trainer import Trainer
 
     checkpointing = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
@@ -213,28 +216,50 @@ def build_trainer(job: TrainJob, say=print):
     mesh = make_mesh(job.mesh)
     rules = rules_for(job.strategy, mesh, context_parallel=job.context_parallel)
     data = make_dataset(job.data)
-    cp = f" · context parallel {job.context_parallel}" if mesh.shape[SEQ] > 1 else ""
-    say(f"meshtrain · mesh {describe(mesh)} · strategy {rules.name}{cp}")
-    if mesh.shape[PIPE] > 1:
-        say(describe_pipeline(job, mesh, rules))
-    if job.sync != SyncConfig():
-        from meshtrain.replicas import replicas
-
-        say(job.sync.describe(*replicas(mesh, rules)))
-    return Trainer(
-        run=run_spec(job, data, mesh, rules, checkpoint=job.checkpoint if checkpointing else None),
-        run_meta={"job": dataclasses.asdict(job)},
-        params=finetune.initial_params(job, mesh, rules),
-    )
+    with summary_to(say):  # the Trainer logs the run summary (`RunSpec.summary`)
+        trainer = Trainer(
+            run=run_spec(
+                job, data, mesh, rules, checkpoint=job.checkpoint if checkpointing else None
+            ),
+            run_meta={"job": dataclasses.asdict(job)},
+            params=finetune.initial_params(job, mesh, rules),
+        )
+    if mesh.shape[PIPE] > 1 and job.pipeline.gather_once:
+        say(gathered_line(job, mesh, rules))
+    return trainer
 
 
-def describe_pipeline(job: TrainJob, mesh, rules) -> str:
-    """The run summary's pipeline line (`PipelineConfig.describe`) for a job on a built mesh."""
+class _Say(logging.Handler):
+    """Hands each record of the ``meshtrain`` logger to the CLI's `say`."""
+
+    def __init__(self, say):
+        super().__init__(logging.INFO)
+        self.say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.say(record.getMessage())
+
+
+@contextlib.contextmanager
+def summary_to(say):
+    """Within it, the ``meshtrain`` logger's INFO lines (the run summary) go to `say` alone."""
+    handler, propagate = _Say(say), LOG.propagate
+    LOG.addHandler(handler)
+    LOG.propagate = False
+    try:
+        yield
+    finally:
+        LOG.removeHandler(handler)
+        LOG.propagate = propagate
+
+
+def gathered_line(job: TrainJob, mesh, rules) -> str:
+    """What ``--gather-once`` keeps whole, as the communication model counts it."""
+    from meshtrain._units import fmt_bytes
     from meshtrain.comm.expect import stage_weight_bytes
 
-    pc = job.pipeline
-    gathered = stage_weight_bytes(job.model_config(), mesh, rules) if pc.gather_once else None
-    return pc.describe(mesh.shape[PIPE], gathered)
+    held = stage_weight_bytes(job.model_config(), mesh, rules)
+    return f"gather once: +{fmt_bytes(held)} of stage weights per device"
 
 
 def run_spec(job: TrainJob, data, mesh, rules, checkpoint=None) -> RunSpec:
@@ -310,11 +335,8 @@ def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
 
 
 def _announce(job: TrainJob, trainer, first: int, say) -> None:
-    """The run summary's lines after the trainer is built: resume, model, precision, offload,
-    initial weights, data."""
-    import jax
-
-    data, model_cfg = trainer.data, job.model_config()
+    """The CLI's lines after the run summary: resume, initial weights, the data's source."""
+    data = trainer.data
     if job.checkpoint.resume and trainer.checkpoints:
         where = trainer.checkpoints.directory
         say(
@@ -322,25 +344,12 @@ def _announce(job: TrainJob, trainer, first: int, say) -> None:
             if first
             else f"no checkpoint in {where}: from step 0"
         )
-    n_params = sum(x.size for x in jax.tree.leaves(trainer.state.params))
-    say(f"model {model_cfg.describe()} · {n_params / 1e6:.2f}M parameters")
-    say(job.precision.describe(model_cfg))
-    if line := trainer.run.kernels():
-        say(line)
-    if trainer.run.offload.active:
-        from meshtrain.offload import host_bytes
-
-        opt_bytes = host_bytes(trainer.state.opt_state, trainer.shardings.opt_state)
-        say(trainer.run.offload.describe(opt_bytes))
     if job.init_from and not first:
         say(f"weights and tokenizer from {job.init_from} · data.tokenizer {job.data.tokenizer}")
     clients = (
         f" · clients: a Dirichlet({data.client_alpha:g}) mix each" if data.client_alpha else ""
     )
-    say(
-        f"data {job.data.source} · {data.num_train} training examples · global batch "
-        f"{data.batch_size}" + (f" × {data.seq_len} tokens" if data.seq_len else "") + clients
-    )
+    say(f"data source {job.data.source} · {data.num_train} training examples{clients}")
 
 
 def _summary(trainer, history: list[dict]) -> dict:

@@ -8,8 +8,7 @@ import operator
 from collections.abc import Callable
 
 from meshtrain.layout import alternatives, axes_of, rules_for
-from meshtrain.mesh import EXPERT, PIPE
-from meshtrain.models.moe_config import MoEConfig
+from meshtrain.mesh import EXPERT, PIPE, TENSOR
 from meshtrain.pipeline.schedules import HAND_SCHEDULED
 from meshtrain.run import RunSpec
 
@@ -186,17 +185,21 @@ def fp16_kernels(run: RunSpec) -> bool:
     return run.precision.resolved(run.model) == "fp16" and bool(names & {"pallas", "cudnn"})
 
 
-def pooled_router_loss(run: RunSpec) -> bool:
-    """The model adds Mixtral's load-balancing loss, pooled over every MoE block, to the loss."""
-    model = run.model
-    if not isinstance(model, MoEConfig):
-        return False
-    return model.router_losses == "mixtral" and model.aux_loss_coef > 0
-
-
 def hand_scheduled(run: RunSpec) -> bool:
     """A pipeline under a hand-scheduled schedule (1f1b, interleaved-1f1b, zb-h1)."""
     return axis(run, PIPE) > 1 and run.pipeline.schedule in HAND_SCHEDULED
+
+
+def compiler_axes_in_stage(run: RunSpec) -> bool:
+    """A pipeline stage keeps an axis the compiler partitions inside it: tensor, or a batch
+    axis that splits the parameters (fsdp) when the stage weights are not gathered once."""
+    if axis(run, TENSOR) > 1:
+        return True
+    if run.pipeline.gather_once:
+        return False
+    rules = run.rules or rules_for("auto", run.sizes)
+    replicas = set(rules.replica_axes(run.sizes))
+    return any(a not in replicas and a != EXPERT for a in rules.batch_axes(run.sizes))
 
 
 def custom_loss(run: RunSpec) -> bool:

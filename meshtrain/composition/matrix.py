@@ -5,8 +5,10 @@ A cell is an unordered pair of feature ids (`FEATURES`, listed by group in
 group's features combine (``tp`` with every data strategy). A cell is **proven** when some
 test carries ``@pytest.mark.pair(a, b)`` and checks that pair equal to one device (or to the
 feature's documented reference); it is **refused** when a row of
-`meshtrain.composition.REFUSALS` names it in ``cells``. The test suite and the docs build read
-the markers and pass the proven cells in::
+`meshtrain.composition.REFUSALS` names it in ``cells``; a cell some row refuses only under a
+setting that is no feature (``touches``: DiLoCo with a pipeline refused under global-norm
+clipping) is **conditional** (`conditional`), and still needs its proof. The test suite and
+the docs build read the markers and pass the proven cells in::
 
     assert missing(proofs) == []  # every cell proven or refused
 
@@ -30,6 +32,8 @@ __all__ = [
     "Cell",
     "cell",
     "cells",
+    "conditional",
+    "conditions",
     "missing",
     "refused",
 ]
@@ -75,14 +79,54 @@ def refused(refusals: Iterable | None = None) -> dict[Cell, str]:
     Returns:
         The refused cells; a cell two rows name keeps the first row's line.
     """
+    out: dict[Cell, str] = {}
+    for row in _rows(refusals):
+        for a, b in row.cells:
+            out.setdefault(cell(a, b), f"{row.first} with {row.second}: {row.reason}")
+    return out
+
+
+def _rows(refusals: Iterable | None) -> Iterable:
+    """`refusals`, or `meshtrain.composition.REFUSALS` when None."""
     if refusals is None:
         from meshtrain.composition import REFUSALS
 
-        refusals = REFUSALS
-    out: dict[Cell, str] = {}
-    for row in refusals:
-        for a, b in row.cells:
-            out.setdefault(cell(a, b), f"{row.first} with {row.second}: {row.reason}")
+        return REFUSALS
+    return refusals
+
+
+def conditions(refusals: Iterable | None = None) -> list:
+    """The rows that refuse a run under a condition rather than a cell: those naming no cell
+    (``cells`` empty), in the table's order; the matrix page lists each with its condition.
+
+    Args:
+        refusals: as for `refused`.
+
+    Returns:
+        The rows, each with ``first``, ``second`` (the condition), ``reason``, ``field``,
+        ``fix``, ``touches`` and ``by_default``.
+    """
+    return [row for row in _rows(refusals) if not row.cells]
+
+
+def conditional(refusals: Iterable | None = None) -> dict[Cell, list]:
+    """Cell → the rows that refuse it only under a condition (their ``touches``), for the cells
+    no row refuses outright; a cell is conditional whether or not a test proves it.
+
+    Args:
+        refusals: as for `refused`.
+
+    Returns:
+        The conditional cells, in the order the rows name them.
+    """
+    rows = list(_rows(refusals))
+    outright = refused(rows)
+    out: dict[Cell, list] = {}
+    for row in rows:
+        for a, b in getattr(row, "touches", ()):
+            c = cell(a, b)
+            if c not in outright:
+                out.setdefault(c, []).append(row)
     return out
 
 

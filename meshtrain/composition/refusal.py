@@ -31,6 +31,11 @@ class Refusal:
             removed (the table's test builds runs from them).
         cells: the cells of the composition matrix this row refuses, as pairs of feature ids
             (`meshtrain.composition.matrix.FEATURES`); empty where neither feature is one.
+        touches: the cells this row refuses only under a setting that is no feature of the
+            matrix (``second`` names it: "pipelines with global-norm clipping"); they run
+            without that setting, and the matrix shows them as conditional.
+        by_default: whether that setting is a default (`--clip-norm 1.0`), so a run with both
+            features of a touched cell is refused unless the user changes it.
     """
 
     first: str
@@ -42,6 +47,8 @@ class Refusal:
     value: Callable[[RunSpec], object] = lambda run: None
     example: Callable[[], tuple[dict, dict]] | None = None
     cells: tuple[tuple[str, str], ...] = ()
+    touches: tuple[tuple[str, str], ...] = ()
+    by_default: bool = False
 
     def problem(self, run: RunSpec) -> Problem:
         """The one-line `Problem` for `run` (which `applies`)."""

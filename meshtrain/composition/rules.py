@@ -9,7 +9,7 @@ from __future__ import annotations
 from meshtrain.composition import checks as check
 from meshtrain.composition import examples as example
 from meshtrain.composition.checks import all_of, split
-from meshtrain.composition.features import CONTEXT, PIPELINES
+from meshtrain.composition.features import CONTEXT, LOCAL, PIPELINES
 from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
 from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
@@ -35,7 +35,7 @@ _OWN_STEP = (
 # step (its attention's region nests there, differentiated per shard); where fsdp splits the
 # rows there the tokens keep their plain order
 # (`meshtrain.context_parallel.whole_model_in_region`). The first two rows refuse no cell of
-# the matrix: each pair alone runs.
+# the matrix outright (each pair alone runs); they touch the scheme's cells with each algorithm.
 REGION = (
     Pattern(
         "{name}",
@@ -48,6 +48,7 @@ REGION = (
         lambda s: example.sync(s, {}, mesh={"data": 2, "seq": 2, "tensor": 2}, rules="dp+tp"),
         field="mesh.seq",
         value=check.mesh_value(SEQ),
+        touches=CONTEXT,
     ),
     Pattern(
         "{name}",
@@ -63,6 +64,7 @@ REGION = (
         ),
         field="mesh.seq",
         value=check.mesh_value(SEQ),
+        touches=CONTEXT,
     ),
     Pattern(
         "{name}",
@@ -203,14 +205,20 @@ TABLE = (
     ),
     Refusal(
         "context parallelism",
-        "pipelines",
-        "the ring and the pipeline stages do not compose yet",
-        all_of(split(SEQ), split(PIPE)),
+        "a hand-scheduled schedule beside tensor or fsdp",
+        "in a 1f1b, interleaved-1f1b or zb-h1 slot, a context-parallel stage with another axis "
+        "left to the compiler (tensor, or fsdp without --gather-once) makes XLA's SPMD "
+        "partitioner abort (a failed check in spmd_partitioner_util)",
+        all_of(split(SEQ), check.hand_scheduled, check.compiler_axes_in_stage),
         "mesh.seq",
-        "set seq=1 or pipe=1 in --mesh",
+        "use --schedule gpipe or circular, --gather-once (fsdp), or set tensor=1 or seq=1",
         check.mesh_value(SEQ),
-        example.pair({"seq": 2, "pipe": 2, "data": 2}, {"seq": 2, "data": 4}),
-        cells=cells(CONTEXT, PIPELINES),
+        example.pair(
+            {"seq": 2, "pipe": 2, "tensor": 2},
+            {"seq": 2, "pipe": 2, "data": 2},
+            pipeline=PipelineConfig(schedule="1f1b"),
+        ),
+        touches=cells(CONTEXT, ("1f1b", "interleaved-1f1b", "zb-h1")),
     ),
     Refusal(
         "context parallelism",
@@ -237,6 +245,7 @@ TABLE = (
             example.run({"data": 8}, model=_CUDNN_WINDOW(), data=example.lm(packed=True)()),
             example.run({"data": 8}, model=_CUDNN_WINDOW()),
         ),
+        touches=(("packed", "cudnn"),),
     ),
     Refusal(
         "cuDNN attention",
@@ -280,6 +289,7 @@ TABLE = (
             mesh={"data": 2, "fsdp": 2, "tensor": 2},
             rules="hsdp+tp",
         ),
+        touches=cells(("compression", *LOCAL), ("hsdp", "tp")),
     ),
     Refusal(
         "local SGD (and DiLoCo, gossip, federated averaging)",
@@ -291,6 +301,8 @@ TABLE = (
         "set --clip-norm 0 beside --sync-every on pipe > 1, or set pipe=1",
         check.setting("optim.clip_norm"),
         example.sync({"sync_every": 4}, {}, mesh={"pipe": 2, "data": 4}),
+        touches=cells(PIPELINES, LOCAL),
+        by_default=True,  # --clip-norm 1.0
     ),
     ForEach(OWN_STEP, SCHEMES),
     Refusal(
@@ -387,26 +399,6 @@ TABLE = (
         ),
     ),
     ForEach(REGION, (COMPRESSION,)),
-    Refusal(
-        "Mixtral's router loss",
-        "a hand-scheduled schedule",
-        "the loss pools every stage's blocks, and a hand-scheduled schedule (1f1b, "
-        "interleaved-1f1b, zb-h1) runs each stage's backward with its own blocks only (gpipe "
-        "and circular pool them exactly)",
-        all_of(check.pooled_router_loss, check.hand_scheduled),
-        "moe.router_losses",
-        "use --schedule gpipe or circular, or --moe.router-losses meshtrain, or set "
-        "--moe.aux-loss-coef 0",
-        check.model_value("router_losses"),
-        lambda: (
-            example.run(
-                {"pipe": 2, "data": 4},
-                model=MoEConfig(router_losses="mixtral"),
-                pipeline=PipelineConfig(schedule="1f1b"),
-            ),
-            example.run({"pipe": 2, "data": 4}, model=MoEConfig(router_losses="mixtral")),
-        ),
-    ),
     Refusal(
         "a custom loss_fn",
         "a loss kernel",

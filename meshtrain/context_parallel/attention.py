@@ -15,10 +15,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshtrain.context_parallel import blocks, gather, ring, zigzag
+from meshtrain.context_parallel.nested import nested_attention
 from meshtrain.kernels.select import model_attention_impl
 from meshtrain.layout import active, manual_axes, manual_region
-from meshtrain.layout.manual import nested_unchecked
-from meshtrain.layout.per_shard import autodiff_per_shard
 from meshtrain.mesh import SEQ
 from meshtrain.problem import Problem, raise_if
 
@@ -145,16 +144,7 @@ def context_attention(
     if not manual_axes():
         region = manual_region(per_device, mesh=mesh, axes={axis}, in_specs=specs, out_specs=seq)
         return region(*args)
-    # Nested in a pipeline stage or the replicas' own step, where jax cannot differentiate the
-    # region from outside: each shard is differentiated inside it.
-    return autodiff_per_shard(
-        per_device, args, in_specs=specs, out_spec=seq, axes=(axis,), run=_nested
-    )
-
-
-def _nested(fn, args, in_specs, out_specs):
-    """``fn(*args)`` per shard in a region over ``seq`` nested in the enclosing one."""
-    return nested_unchecked(fn, args, axes={AXIS}, in_specs=in_specs, out_specs=out_specs)
+    return nested_attention(per_device, args)  # in a pipeline stage or the replicas' step
 
 
 class Context(NamedTuple):

@@ -20,8 +20,8 @@ def context_problems(
         kind: the data's kind (``"lm"`` for token sequences).
 
     Returns:
-        The problems; none when ``seq = 1``. (Context parallelism beside pipelines or data
-        without sequences is refused by `meshtrain.composition`.)
+        The problems; none when ``seq = 1``. (Data without sequences is refused by
+        `meshtrain.composition`.)
     """
     n = sizes.get(AXIS, 1)
     if n == 1:

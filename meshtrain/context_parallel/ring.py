@@ -51,18 +51,20 @@ def _shift(x, axis: str, n: int):
     collective-permute only when every device of the program takes part (it hangs, or pairs
     calls of different slots). There each device gathers the ring's blocks over `axis`, whose
     groups lie within one stage, and keeps its neighbour's: the same values for n times the
-    traffic, on simulated devices only.
+    traffic, on simulated devices only (the program lowered for a GPU permutes).
     """
     if x is None:
         return None
-    if not _permute_in_branches():
-        return lax.ppermute(x, axis, [(j, (j + 1) % n) for j in range(n)])
-    return lax.all_gather(x, axis)[(lax.axis_index(axis) - 1) % n]
+    permuted = functools.partial(
+        lax.ppermute, axis_name=axis, perm=[(j, (j + 1) % n) for j in range(n)]
+    )
+    if PIPE not in manual_axes() or lax.axis_size(PIPE) == 1:
+        return permuted(x)
 
+    def gathered(x):
+        return lax.all_gather(x, axis)[(lax.axis_index(axis) - 1) % n]
 
-def _permute_in_branches() -> bool:
-    """Whether a permute here may sit in a branch some devices skip, on the CPU runtime."""
-    return jax.default_backend() == "cpu" and PIPE in manual_axes() and lax.axis_size(PIPE) > 1
+    return lax.platform_dependent(x, cpu=gathered, default=permuted)
 
 
 def _whole(rows: int) -> list[tuple[Piece, ...]]:

@@ -16,8 +16,11 @@ so nothing is dropped and the logits equal transformers'.
 An imported model trains with ``MixtralForCausalLM``'s objective: its load-balancing loss
 (``router_losses="mixtral"``, pooled over the layers and the real tokens), weighted by
 ``router_aux_loss_coef`` when ``output_router_logits`` is true (transformers adds it to the
-loss only then) and 0 otherwise, and no z-loss. `load_mixtral`'s ``objective=`` changes that;
-`save_mixtral` writes the weight back (``output_router_logits`` true when it is not 0).
+loss only then) and 0 otherwise, and no z-loss. The loss is the same under every layout and
+pipeline schedule: pooled over the whole batch, as one unpipelined step (the hand-scheduled
+schedules run one more forward per step for it, `meshtrain.pipeline.hand_scheduled`).
+`load_mixtral`'s ``objective=`` changes that; `save_mixtral` writes the weight back
+(``output_router_logits`` true when it is not 0).
 
 This adapter stands beside the GPT registry (`meshtrain.hf.registry` holds `GPTConfig`
 architectures): `load_mixtral` and `save_mixtral` are its two entry points.
@@ -151,7 +154,10 @@ def _layer_to_hf(p: Mapping, cfg: MoEConfig) -> dict[str, np.ndarray]:
 def load_mixtral(
     path: str | Path, *, dispatch: str = "dropless", objective: Mapping | None = None
 ) -> MoE:
-    """A Mixtral directory (``config.json`` + safetensors) as a meshtrain `MoE`.
+    """A Mixtral directory (``config.json`` + safetensors) as a meshtrain `MoE`, set to train
+    on ``MixtralForCausalLM``'s objective: ``router_losses="mixtral"``, the load-balancing
+    loss pooled over every layer and the whole batch under every pipeline schedule (one
+    unpipelined step is its reference), unless `objective` says otherwise.
 
     Args:
         path: the directory ``save_pretrained`` wrote.

@@ -146,6 +146,13 @@ class Rules(validate.Checked):
         named = {a for e in self.params.values() for o in alternatives(e) for a in axes_of(o)}
         return tuple(a for a in self.batch_axes(sizes) if a not in named)
 
+    def describe(self, sizes: Mapping[str, int]) -> str:
+        """The run summary's part: the strategy and, where ``seq > 1``, the context-parallel
+        algorithm, e.g. ``strategy hsdp+tp · context parallel ring over seq=2``."""
+        seq = sizes.get(SEQ, 1)
+        context = f" · context parallel {self.context_parallel} over seq={seq}" if seq > 1 else ""
+        return f"strategy {self.name}{context}"
+
     def batch_ways(self, sizes: Mapping[str, int]) -> int:
         """How many ways a batch is split (e.g. data × fsdp for the presets)."""
         ways = 1

@@ -49,6 +49,19 @@ class DataSpec(NamedTuple):
     image_shape: tuple[int, int, int] | None = None
     packed: bool = False
 
+    def describe(self) -> str:
+        """The run summary's part, e.g. ``data lm · global batch 16 × 32 tokens · packed
+        documents (segment ids, the loss over real tokens)``."""
+        if self.kind != "lm":
+            per = f" × {self.num_features} features" if self.num_features else ""
+            return f"data {self.kind} · global batch {self.batch_size}{per}"
+        packing = (
+            "packed documents (segment ids, the loss over real tokens)"
+            if self.packed
+            else "no packing (plain windows)"
+        )
+        return f"data lm · global batch {self.batch_size} × {self.seq_len} tokens · {packing}"
+
 
 @runtime_checkable
 class ModelConfig(Protocol):

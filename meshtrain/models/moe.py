@@ -266,7 +266,9 @@ def pipeline_stats(
         balance = pooled_load_balance_loss(*sums)
     else:
         balance = totals["aux_loss"]
-    aux = cfg.aux_loss_coef * balance + cfg.z_loss_coef * totals["z_loss"]
+    aux = cfg.z_loss_coef * totals["z_loss"]
+    if cfg.aux_loss_coef:  # weighted 0, it stays out of the loss and of what its gradient reads
+        aux = cfg.aux_loss_coef * balance + aux
     metrics = {f"moe_{k}": v / cfg.n_moe_layers for k, v in totals.items()}
     if cfg.router_losses == "mixtral":
         metrics["moe_aux_loss"] = balance

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import jax
 from flax import nnx
 
 from meshtrain import validate
@@ -148,6 +149,16 @@ class MoEConfig(validate.Checked):
         """The attention, norm and embedding settings as a Llama-style `GPTConfig`."""
         shared = {name: getattr(self, name) for name in _BACKBONE_FIELDS}
         return GPTConfig(style="llama", **shared)
+
+    def experts_precision(self, compute: str, fp8: bool = False) -> str:
+        """The run summary's part for the experts under compute dtype `compute`: on CPU they
+        compute in float32 whatever the policy (`meshtrain.models.moe`: XLA's CPU compiler
+        aborts on the bfloat16 dispatch's backward)."""
+        products = ", fp8 products" if fp8 else ""
+        if compute != "float32" and jax.default_backend() == "cpu":
+            why = "XLA's CPU compiler aborts on the bfloat16 dispatch's backward"
+            return f"experts float32{products} (on CPU, not {compute}: {why})"
+        return f"experts {compute}{products}"
 
     @property
     def expert_dim(self) -> int:

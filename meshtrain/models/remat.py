@@ -49,6 +49,26 @@ def selection(name: str) -> dict[str, tuple[str, ...]]:
     return chosen
 
 
+_SAID = {
+    "none": "every activation kept for the backward",
+    "full": "each block recomputed in the backward",
+    "save-dots": "matmul outputs kept, the rest recomputed",
+    "save-attention-out": "the attention output kept, the rest recomputed",
+    "offload-dots": "matmul outputs moved to host memory, the rest recomputed",
+}
+
+
+def describe(name: str) -> str:
+    """The run summary's part for policy `name`, e.g. ``remat full (each block recomputed in
+    the backward)``."""
+    if name in _SAID:
+        return f"remat {name} ({_SAID[name]})"
+    chosen = selection(name)
+    kept = [f"{', '.join(chosen[k])} {where}" for k, where in
+            (("save", "kept"), ("offload", "moved to host memory")) if chosen.get(k)]  # fmt: skip
+    return f"remat {name} ({'; '.join(kept)}; the rest recomputed)"
+
+
 def policy(name: str):
     """The `jax.checkpoint` policy of a preset or a ``save:``/``offload:`` selection (None: no
     remat)."""

@@ -37,12 +37,15 @@ class Offload(validate.Checked):
         """Whether anything is offloaded."""
         return self.optimizer
 
-    def describe(self, per_device: float) -> str:
-        """One line saying what lives in host memory (the CLI's run summary), given its bytes
-        per device (`meshtrain.offload.host_bytes`)."""
+    def describe(self, per_device: float | None = None) -> str:
+        """One line saying where the optimizer state lives (the run summary), given the bytes
+        per device in host memory (`meshtrain.offload.host_bytes`) where known."""
+        if not self.active:
+            return "optimizer state in device memory"
+        held = f"{fmt_bytes(per_device)} per device" if per_device is not None else "the state"
         return (
-            f"offload optimizer · {fmt_bytes(per_device)} per device in {self.memory_kind} "
-            "memory, fetched and written back each step"
+            f"offload optimizer · {held} in {self.memory_kind} memory, fetched and written back "
+            "each step"
         )
 
     def backend_problems(self, devices=None) -> list[Problem]:

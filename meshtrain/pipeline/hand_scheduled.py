@@ -2,9 +2,18 @@
 
 `scheduled` sets up (the types one forward keeps, learnt by tracing it once; the statistics'
 cotangent; the ring buffers), scans the slots of the table, and drains (the sums over the
-stages). Each slot on a stage reads its inputs from the rings, runs its pass and the loss
-head (`meshtrain.pipeline.passes`), keeps what they make and sends its outputs on. The
-overview is in `meshtrain.pipeline.spmd`.
+stages).
+
+The statistics' cotangent is the gradient of the loss term of the step's statistics. A term
+linear in them (meshtrain's router losses) has the same gradient everywhere, taken at zeros. A
+term that is not (Mixtral's load-balancing loss, pooled over every block and the whole batch
+before a product) has its gradient taken at the step's statistics, which a forward of every
+microbatch alone gives first (`StatsLoss.totals`): a stage's backward of the first microbatch runs
+before the last microbatch's forward, yet needs the pooled statistics of all of them.
+
+Each slot on a stage reads its inputs from the rings, runs its pass and the loss head
+(`meshtrain.pipeline.passes`), keeps what they make and sends its outputs on. The overview is
+in `meshtrain.pipeline.spmd`.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Literal
 
 from meshtrain._compat import varying_axes
 from meshtrain.layout import varying
@@ -41,6 +51,23 @@ class Microbatches(NamedTuple):
     labels: dict
 
 
+class StatsLoss(NamedTuple):
+    """The loss term of the stage statistics, and how to get the step's statistics first.
+
+    Attributes:
+        term: the loss term of the step's statistics (summed over the microbatches and
+            stages): each stage's backward takes its gradient as the statistics' cotangent.
+        totals: ``(chunks, micro) -> stats``, the step's statistics summed over the
+            microbatches and stages from a forward alone (no residuals kept; the gpipe /
+            circular forward loop, say). Run first, and only when `term`'s gradient depends on
+            the statistics (a term not linear in them), to take the gradient there; such a
+            `term` without it is an error.
+    """
+
+    term: Callable[[dict], jax.Array]
+    totals: Callable[[dict, Microbatches], dict] | None = None
+
+
 class Rows(NamedTuple):
     """The manual axes the rows of a microbatch are split over.
 
@@ -62,7 +89,7 @@ def scheduled(
     micro: Microbatches,
     table: ScheduleTable,
     *,
-    aux_fn: Callable[[dict], jax.Array] | None = None,
+    stats_loss: StatsLoss | None = None,
     rows: Rows | None = None,
     poison: bool = False,
 ):
@@ -86,8 +113,7 @@ def scheduled(
         micro: the embedded microbatches, the stages' side inputs and `head_fn`'s labels (its
             targets), each with leading dims [M, b].
         table: a hand-scheduled `ScheduleTable`.
-        aux_fn: the loss term of one microbatch's stage statistics (linear in them): each
-            stage's backward takes its gradient as the statistics' cotangent. None: they add
+        stats_loss: the loss term of the stage statistics (see `StatsLoss`). None: they add
             nothing to the loss.
         rows: the manual axes the rows are split over (see `Rows`; none when None);
             `head_fn`'s loss must already be weighted by this replica's share, and the loss
@@ -115,7 +141,9 @@ def scheduled(
     head, chunks = varying(head), varying(chunks)
     example = jax.tree.map(lambda c: c[0], chunks), x0, side0
     kept, stats_zero = _trace_forward(run, *example)
-    d_stats = _stats_cotangent(aux_fn, stats_zero, rows)
+    aux_fn = None if stats_loss is None else stats_loss.term
+    point = _cotangent_point(stats_loss, stats_zero, chunks, micro)
+    d_stats = _stats_cotangent(aux_fn, point, stats_zero, rows)
     kit = _kit(run, plan, head, example, kept, stats_zero, d_stats, poison)
     heads = head_branches(head_fn, kit.head_zero)
     loop = _Loop(s, table, plan, chunks, head, micro, kit.hosted, slot_branches(kit), heads)
@@ -158,10 +186,41 @@ def _trace_forward(run: Chunk, chunk0, x0, side0) -> tuple[_Kept, dict]:
     return _Kept(res_shapes, res_axes, hosted), stats_zero
 
 
-def _stats_cotangent(aux_fn, stats_zero: dict, rows: Rows) -> dict:
-    """d loss / d stats of one microbatch, as this replica's share: a constant, as `aux_fn`
-    is linear."""
-    d_stats = {} if aux_fn is None else jax.grad(aux_fn)(stats_zero)
+def _cotangent_point(stats_loss, stats_zero: dict, chunks, micro: Microbatches) -> dict:
+    """Where the statistics' loss term's gradient is taken: anywhere (zeros) when it is
+    constant, else at the step's statistics, from `StatsLoss.totals`' forward of every
+    microbatch."""
+    if stats_loss is None or not _gradient_varies(stats_loss.term, stats_zero):
+        return stats_zero
+    if stats_loss.totals is None:
+        raise ValueError(
+            "the statistics' loss term is not linear in them (its gradient depends on the "
+            "step's statistics): give StatsLoss.totals, a forward that gives them first"
+        )
+    totals = stats_loss.totals(chunks, micro)
+    return jax.tree.map(lambda t, z: lax.stop_gradient(t).astype(z.dtype), totals, stats_zero)
+
+
+def _gradient_varies(aux_fn, stats_zero: dict) -> bool:
+    """Whether the gradient of `aux_fn` depends on the statistics: its jaxpr's outputs reached
+    from its inputs (conservatively: every output of an equation that reads one)."""
+    jaxpr = jax.make_jaxpr(jax.grad(aux_fn))(stats_zero).jaxpr
+    reached = set(jaxpr.invars)
+
+    def read(v) -> bool:
+        return not isinstance(v, Literal) and v in reached
+
+    for eqn in jaxpr.eqns:
+        if any(read(v) for v in eqn.invars):
+            reached.update(eqn.outvars)
+    return any(read(v) for v in jaxpr.outvars)
+
+
+def _stats_cotangent(aux_fn, point: dict, stats_zero: dict, rows: Rows) -> dict:
+    """d loss / d stats of one microbatch, as this replica's share: `aux_fn`'s gradient at
+    `point` (the step's statistics, or anywhere for a linear `aux_fn`), the same for every
+    microbatch and stage, as each adds its statistics to the step's."""
+    d_stats = {} if aux_fn is None else jax.grad(aux_fn)(point)
     # A statistic that varies over replica axes counts as their mean (`stage_totals`), so
     # each replica's share is 1/n of it.
     d_stats = jax.tree.map(

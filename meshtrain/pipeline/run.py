@@ -310,8 +310,24 @@ def _scheduled_body(pipe: _Pipe, table, weighted: _Weighted, rows: spmd.Rows, sp
     cut = pipe.cut
 
     def aux_fn(stats):
-        """One microbatch's loss terms: the statistics' terms weighted 1/M."""
+        """The statistics' loss terms, of the step's statistics (their mean over the M
+        microbatches; one microbatch's weighted 1/M, for terms linear in them)."""
         return weighted.scaled(cut.finish(stats, pipe.m)[0])
+
+    def totals_fn(chunks, micro: spmd.Microbatches):
+        """The step's statistics from the gpipe / circular forward alone (a loss term not
+        linear in them, such as Mixtral's pooled load-balancing loss, needs them before the
+        first backward)."""
+        return spmd.forward_loop(
+            cut.stage,
+            chunks,
+            varying(micro.x),
+            micro.side,
+            stages=pipe.p,
+            repeats=pipe.v,
+            rows=pipe.rows,
+            poison=spmd.poisoning(),
+        )[1]
 
     def body(blocks, outer, x_MbTD, side_Mb, labels_Mb, count):
         # This stage's chunks [v, Lc, ...]; local chunk r is the model's chunk r·p + stage.
@@ -325,7 +341,7 @@ def _scheduled_body(pipe: _Pipe, table, weighted: _Weighted, rows: spmd.Rows, sp
             h,
             spmd.Microbatches(x_MbTD, side_Mb, labels_Mb),
             table,
-            aux_fn=aux_fn if cut.stats is not None else None,
+            stats_loss=None if cut.stats is None else spmd.StatsLoss(aux_fn, totals_fn),
             rows=rows,
             poison=spmd.poisoning(),
         )

@@ -200,8 +200,19 @@ def _bind(eqn, ins: list) -> list:
     """
     if eqn.primitive.name == "pvary":
         return [_vary(x, eqn.params["axes"]) for x in ins]
+    if len(ins) > 1 and not _has_body(eqn):
+        # The same for an operation whose operands must vary alike: an operand traced as the
+        # same on every stage meets one that came back varying.
+        union = tuple(sorted(frozenset().union(*(varying_axes(x) for x in ins))))
+        ins = [_vary(x, union) for x in ins]
     outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
     return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _has_body(eqn) -> bool:
+    """Whether the equation carries a sub-jaxpr (a region, a loop), whose operands are typed
+    by it."""
+    return any(isinstance(p, (jex.ClosedJaxpr, jex.Jaxpr)) for p in eqn.params.values())
 
 
 def _vary(x, axes: tuple[str, ...]):

@@ -52,7 +52,7 @@ from meshtrain.layout import varying
 from meshtrain.pipeline.buffers import at, fill, poison_buffers, poisoning, put
 from meshtrain.pipeline.chunk import StageFn
 from meshtrain.pipeline.collectives import AXIS, from_stage, pass_on, stage_totals
-from meshtrain.pipeline.hand_scheduled import Microbatches, Rows, scheduled
+from meshtrain.pipeline.hand_scheduled import Microbatches, Rows, StatsLoss, scheduled
 from meshtrain.pipeline.schedules import forward_ticks
 from meshtrain.pipeline.slots import tick_patterns
 
@@ -60,6 +60,7 @@ __all__ = [
     "AXIS",
     "Microbatches",
     "Rows",
+    "StatsLoss",
     "StageFn",
     "forward_loop",
     "poison_buffers",

@@ -171,12 +171,17 @@ class Precision(validate.Checked):
 
     def describe(self, model=None) -> str:
         """One line, e.g. ``precision fp16 · float32 params · float16 compute · float32
-        logits · matmul default · dynamic loss scale from 32768, ×2 after 2000 good steps``."""
+        optimizer state · float32 logits · matmul default · dynamic loss scale from 32768, ×2
+        after 2000 good steps``; a model whose parts compute otherwise says so through its
+        ``experts_precision`` (an MoE's experts, in float32 on CPU)."""
         name = self.resolved(model)
         compute, fp8, _ = POLICIES[name]
         parts = [f"precision {name}", "float32 params", f"{compute} compute"]
+        parts.append("float32 optimizer state")
         if fp8:
             parts.append("fp8 dense matmuls (e4m3 forward, e5m2 gradients, current scaling)")
+        if callable(experts := getattr(model, "experts_precision", None)):
+            parts.append(experts(compute, fp8=fp8))
         parts += ["float32 logits", f"matmul {self.matmul_precision}"]
         if self.loss_scaling(model):
             parts.append(

@@ -16,12 +16,13 @@ from jax.sharding import Mesh
 
 from meshtrain import checkpoint as ckpt
 from meshtrain import metrics as mx
+from meshtrain._log import LOG
 from meshtrain.check import check_run
 from meshtrain.data import Dataset
 from meshtrain.layout import Rules, batch_shardings, process_rows, shard_batch
 from meshtrain.models.base import batch_structs
 from meshtrain.models.sampling import sample
-from meshtrain.offload import with_offload
+from meshtrain.offload import host_bytes, with_offload
 from meshtrain.optim import make_schedule
 from meshtrain.problem import raise_if
 from meshtrain.replicas import replicas, with_sync
@@ -74,6 +75,10 @@ class Trainer:
 
     With ``run.checkpoint`` and its ``resume`` the trainer starts from the newest readable
     checkpoint.
+
+    Once built, it logs the run summary (`RunSpec.summary`, kept as `summary`) at INFO through
+    the ``meshtrain`` logger: a notebook shows it, and
+    ``logging.getLogger("meshtrain").setLevel(logging.WARNING)`` silences it.
 
     Raises:
         RunCheckError: the settings cannot work (`meshtrain.check.check_run`); every problem
@@ -150,6 +155,18 @@ class Trainer:
         self._reported_first = False
         if run.checkpoint is not None and run.checkpoint.resume:
             self.resume()
+        self.summary: list[str] = self._summary()
+        for line in self.summary:
+            LOG.info(line)
+
+    def _summary(self) -> list[str]:
+        """The run summary with what the built state adds: parameters, host bytes."""
+        state, shardings = self.state, self.shardings
+        n_params = sum(x.size for x in jax.tree.leaves(state.params))
+        held = None
+        if self.run.offload.active:
+            held = host_bytes(state.opt_state, shardings.opt_state)
+        return self.run.summary(n_params=n_params, host_bytes=held)
 
     @property
     def model(self) -> nnx.Module:

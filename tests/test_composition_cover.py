@@ -719,6 +719,104 @@ CASES = [
         ), 2)],
         id="zero1-ring-offload-opt-fp8",
     ),
+    # issue 47: the replicas' own step beside context parallelism
+    pytest.param(
+        Case("data=4,seq=2", "dp", context="ring", packed=True,
+             sync=SyncConfig(grad_compression="int8")),
+        marks=[pair(a, b) for a, b in combinations(("dp", "ring", "packed", "compression"), 2)],
+        id="dp-ring-packed-compression",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather",
+             sync=SyncConfig(grad_compression="bf16"), accum=2),
+        marks=[pair(a, b) for a, b in combinations((
+            "hsdp", "allgather", "compression", "accumulation",
+        ), 2)],
+        id="hsdp-allgather-compression-accum",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ulysses", sync=SyncConfig(grad_compression="int8"),
+             remat=True),
+        marks=[pair(a, b) for a, b in combinations((
+            "zero1", "ulysses", "compression", "remat",
+        ), 2)],
+        id="zero1-ulysses-compression-remat",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="ring", sync=SyncConfig(sync_every=1),
+             remat=True),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "ring", "local-sgd", "remat"), 2)],
+        id="hsdp-ring-local-sgd-remat",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "dp", context="allgather", packed=True, sync=SyncConfig(sync_every=1)),
+        marks=[pair(a, b) for a, b in combinations(("dp", "allgather", "packed", "local-sgd"), 2)],
+        id="dp-allgather-packed-local-sgd",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ulysses", sync=SyncConfig(sync_every=1),
+             precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations(("zero1", "ulysses", "local-sgd", "bf16"), 2)],
+        id="zero1-ulysses-local-sgd-bf16",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ring",
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), accum=2),
+        marks=[pair(a, b) for a, b in combinations(("zero1", "ring", "diloco", "accumulation"), 2)],
+        id="zero1-ring-diloco-accum",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather",
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "allgather", "diloco", "bf16"), 2)],
+        id="hsdp-allgather-diloco-bf16",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "dp", context="ulysses", packed=True,
+             sync=SyncConfig(sync_every=1, outer_optimizer="nesterov")),
+        marks=[pair(a, b) for a, b in combinations(("dp", "ulysses", "packed", "diloco"), 2)],
+        id="dp-ulysses-packed-diloco",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="ring",
+             sync=SyncConfig(gossip="ring", sync_every=1), accum=2),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "ring", "gossip", "accumulation"), 2)],
+        id="hsdp-ring-gossip-accum",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "dp", context="allgather",
+             sync=SyncConfig(gossip="complete", sync_every=1), remat=True),
+        marks=[pair(a, b) for a, b in combinations(("dp", "allgather", "gossip", "remat"), 2)],
+        id="dp-allgather-gossip-remat",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ulysses", packed=True,
+             sync=SyncConfig(gossip="complete", sync_every=1), precision="bf16"),
+        marks=[pair(a, b) for a, b in combinations((
+            "zero1", "ulysses", "packed", "gossip", "bf16",
+        ), 2)],
+        id="zero1-ulysses-packed-gossip-bf16",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "dp", context="ring", packed=True,
+             sync=SyncConfig(client_fraction=1.0, sync_every=1)),
+        marks=[pair(a, b) for a, b in combinations(("dp", "ring", "packed", "federated"), 2)],
+        id="dp-ring-packed-federated",
+    ),
+    pytest.param(
+        Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather",
+             sync=SyncConfig(client_fraction=1.0, sync_every=1), remat=True),
+        marks=[pair(a, b) for a, b in combinations(("hsdp", "allgather", "federated", "remat"), 2)],
+        id="hsdp-allgather-federated-remat",
+    ),
+    pytest.param(
+        Case("data=4,seq=2", "zero1", context="ulysses",
+             sync=SyncConfig(client_fraction=1.0, sync_every=1), accum=2),
+        marks=[pair(a, b) for a, b in combinations((
+            "zero1", "ulysses", "federated", "accumulation",
+        ), 2)],
+        id="zero1-ulysses-federated-accum",
+    ),
 ]  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from meshtrain.replicas import (
     Codec,
     SyncConfig,
     federated,
+    gossip,
     outer_optimizer,
     reduced_grads,
     replica_sets,
@@ -424,6 +425,43 @@ def test_federated_rounds_on_an_moe_average_the_sampled_clients_devices(dispatch
     _close(got[-1], theta, PARAM_ATOL, dispatch)
     assert _moved(everyone, theta) > 1e-4  # the unsampled clients' work was left out
     assert _moved(got[0], got[-1]) > 1e-3
+
+
+def _mixed(copies, w):
+    """One gossip mixing step of `copies` by the matrix `w`: copy r ← Σ_j w[r, j] copy j."""
+    n = len(copies)
+    return [
+        jax.tree.map(lambda *xs, r=r: sum(w[r, j] * xs[j] for j in range(n)), *copies)
+        for r in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "dispatch",
+    [
+        pytest.param("capacity", marks=pytest.mark.pair("gossip", "moe-capacity")),
+        pytest.param("dropless", marks=pytest.mark.pair("gossip", "moe-dropless")),
+    ],
+)
+def test_gossip_on_an_moe_mixes_each_leaf_among_its_own_copies(dispatch):
+    """Beside expert > 1 each leaf gossips on a ring of its own copies: the dense weights over
+    the eight devices of data and expert, the expert weights over the four data replicas; θ̄
+    is each leaf's mean over its copies at every synchronisation."""
+    cfg, graphdef, params, rest = _moe(dispatch)
+    batches = _batches(4, seed=19)
+    sync = SyncConfig(gossip="ring", sync_every=2)
+    ref = _Replicas(cfg, params, rest, graphdef)
+    dense_w = gossip.matrix("ring", {"data": ref.d, "expert": ref.e})
+    expert_w = gossip.matrix("ring", {"data": ref.d})
+    for t, b in enumerate(batches):
+        ref.inner_step(b)
+        ref.dense, ref.expert = _mixed(ref.dense, dense_w), _mixed(ref.expert, expert_w)
+        if (t + 1) % 2 == 0:
+            theta = ref.average()
+    got, state = _train(cfg, MOE_MESH, sync, batches)
+    _close(got[-1], theta, PARAM_ATOL, dispatch)
+    assert _moved(got[0], got[-1]) > 1e-3
+    assert float(state.comm["consensus"]) > 0  # the replicas went on apart
 
 
 # ---- bounded staleness ----------------------------------------------------------------------

@@ -145,6 +145,20 @@ def fsdp_and_tensor(run: RunSpec) -> bool:
     return on == {"fsdp", "tensor"} and bool(rules.replica_axes(run.sizes))
 
 
+def batch_split_with_parameters(run: RunSpec) -> bool:
+    """An axis that splits the parameters splits the batch too (fsdp under hsdp): inside the
+    replicas' own step it stays with the compiler and splits each replica's rows."""
+    rules = run.rules or rules_for("auto", run.sizes)
+    inside = set(rules.batch_axes(run.sizes)) - set(rules.replica_axes(run.sizes)) - {EXPERT}
+    return bool(inside)
+
+
+def gathers_tokens(run: RunSpec) -> bool:
+    """The step gathers tokens along the sequence: packed documents' ids (reordered with the
+    tokens), a mixture of experts' dispatch."""
+    return packed(run) or not no_experts(run)
+
+
 def clips(run: RunSpec) -> bool:
     """Global-norm clipping is on."""
     return run.optim.clip_norm > 0

@@ -11,7 +11,6 @@ from meshtrain.layout import rules_for
 from meshtrain.mesh import AXES
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
-from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import Precision
 from meshtrain.replicas import SyncConfig
@@ -39,15 +38,17 @@ def _build(kw: dict) -> dict:
     return {k: v() if callable(v) else v for k, v in kw.items()}
 
 
-def sync(refused: dict, accepted: dict, mesh=None, rules=None, model=None) -> Example:
+def sync(refused: dict, accepted: dict, mesh=None, rules=None, model=None, data=None) -> Example:
     """A sync pair: `refused` (SyncConfig fields) against `accepted`, on `mesh` (data=8),
-    under `rules` and with `model` (built late) when given."""
+    under `rules` and with `model` and `data` (built late) when given."""
 
     def build():
         base = mesh or {"data": 8}
         made = {"rules": rules_for(rules, run(base)["mesh"])} if rules else {}
         if model is not None:
             made["model"] = model()
+        if data is not None:
+            made["data"] = data()
         return (
             run(base, sync=SyncConfig(**refused), **made),
             run(base, sync=SyncConfig(**accepted), **made),
@@ -74,14 +75,6 @@ def circular_sync(settings: dict) -> Example:
     return lambda: (
         run({"pipe": 2, "data": 4}, sync=SyncConfig(**settings), pipeline=circular()),
         run({"pipe": 2, "data": 4}, pipeline=circular()),
-    )
-
-
-def experts_sync(settings: dict) -> Example:
-    """The sync `settings` on an MoE model split over expert=2, then on data=8 alone."""
-    return lambda: (
-        run({"expert": 2, "data": 4}, model=MoEConfig(), sync=SyncConfig(**settings)),
-        run({"data": 8}, model=MoEConfig(), sync=SyncConfig(**settings)),
     )
 
 

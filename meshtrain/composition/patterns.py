@@ -57,6 +57,8 @@ class Pattern:
         field: the setting; None: the scheme's own.
         value: ``run → value`` of `field`; None: the scheme's own.
         only: the names of the schemes the row is written for; empty: every one.
+        touches: the feature ids the scheme's ids form cells with that the row refuses only
+            under a further setting (`Refusal.touches`), in `ids_first`'s order.
     """
 
     first: str
@@ -70,14 +72,17 @@ class Pattern:
     field: str | None = None
     value: Value | None = None
     only: tuple[str, ...] = ()
+    touches: tuple[str, ...] = ()
 
     def row(self, scheme: Scheme) -> Refusal:
         """The row for `scheme`."""
         texts = {"name": scheme.name, "flag": scheme.flag, "exchange": scheme.exchange}
         if self.ids_first:
             refused = cells(scheme.ids, self.pairs_with)
+            touched = cells(scheme.ids, self.touches)
         else:
             refused = cells(self.pairs_with, scheme.ids)
+            touched = cells(self.touches, scheme.ids)
         return Refusal(
             self.first.format(**texts),
             self.second.format(**texts),
@@ -88,6 +93,7 @@ class Pattern:
             self.value or scheme.value,
             self.example(scheme.settings),
             cells=refused,
+            touches=touched,
         )
 
 

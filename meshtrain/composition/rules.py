@@ -9,11 +9,11 @@ from __future__ import annotations
 from meshtrain.composition import checks as check
 from meshtrain.composition import examples as example
 from meshtrain.composition.checks import all_of, split
-from meshtrain.composition.features import CONTEXT, LOCAL, MOE, PIPELINES
+from meshtrain.composition.features import CONTEXT, LOCAL, PIPELINES
 from meshtrain.composition.patterns import ForEach, Pattern, Scheme, cells, rows
 from meshtrain.composition.refusal import Refusal
 from meshtrain.loss import cross_entropy
-from meshtrain.mesh import EXPERT, PIPE, SEQ
+from meshtrain.mesh import EXPERT, PIPE, SEQ, TENSOR
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
@@ -29,25 +29,50 @@ _OWN_STEP = (
     "the replicas' own step (gradient compression, local SGD, DiLoCo, gossip, federated averaging)"
 )
 
-# What a step manual over the replicas cannot hold: context parallelism, several chunks of
-# layers per stage, a strategy without replicas.
+# What a step manual over the replicas cannot hold: context parallelism beside tensor
+# parallelism, or on packed documents or experts with rows split over fsdp; several chunks of
+# layers per stage; a strategy without replicas. Context parallelism itself runs inside that
+# step (its attention's region nests there, differentiated per shard); where fsdp splits the
+# rows there the tokens keep their plain order
+# (`meshtrain.context_parallel.whole_model_in_region`). The first two rows refuse no cell of
+# the matrix outright (each pair alone runs); they touch the scheme's cells with each algorithm.
 REGION = (
     Pattern(
         "{name}",
-        "context parallelism",
-        "{flag} runs the step in a region manual over the replicas, and jax cannot "
-        "differentiate the context-parallel attention's region over seq nested inside it",
-        split(SEQ),
-        "set seq=1 in --mesh, or drop {flag}",
-        lambda s: example.sync(s, {}, mesh={"seq": 2, "data": 4}),
-        pairs_with=CONTEXT,
+        "context parallelism beside tensor parallelism",
+        "{flag} runs the step in a region manual over the replicas, and XLA's SPMD partitioner "
+        "aborts there on a gather split over seq and tensor at once (the embedding's lookup: "
+        "a failed check in spmd_partitioner_util)",
+        all_of(split(SEQ), split(TENSOR)),
+        "set tensor=1 or seq=1 in --mesh, or drop {flag}",
+        lambda s: example.sync(s, {}, mesh={"data": 2, "seq": 2, "tensor": 2}, rules="dp+tp"),
+        field="mesh.seq",
+        value=check.mesh_value(SEQ),
+        touches=CONTEXT,
+    ),
+    Pattern(
+        "{name}",
+        "context parallelism on packed documents or experts, rows split over fsdp (hsdp)",
+        "{flag} runs the step in a region manual over the replicas, and XLA's SPMD partitioner "
+        "aborts there on a gather along seq (packed documents' ids, an MoE's dispatch) while "
+        "fsdp splits the rows (a failed check in spmd_partitioner_util)",
+        all_of(split(SEQ), check.gathers_tokens, check.batch_split_with_parameters),
+        "use --strategy dp or zero1, set seq=1 in --mesh, or drop {flag} (or train a dense "
+        "model on plain windows, --data.no-packing)",
+        lambda s: example.sync(
+            s, {}, mesh={"data": 2, "fsdp": 2, "seq": 2}, rules="hsdp", data=example.lm(packed=True)
+        ),
+        field="mesh.seq",
+        value=check.mesh_value(SEQ),
+        touches=CONTEXT,
     ),
     Pattern(
         "{name}",
         "several chunks per stage (circular, interleaved-1f1b)",
-        "{flag} runs the pipeline's loop inside the replicas' region, where each stage "
-        "holds only its contiguous layers, and a schedule with several chunks per stage "
-        "interleaves them across stages",
+        "{flag} runs the pipeline's loop inside the replicas' region, which hands each stage "
+        "only its contiguous slice of the stacked layers, and a schedule with several chunks "
+        "per stage reorders the whole stack before its loop (stage s holds chunks s, s+p, ...: "
+        "meshtrain.pipeline.layers.stage_order)",
         check.several_chunks,
         "use --schedule gpipe, 1f1b or zb-h1 (or --repeats 1), or drop {flag}",
         example.circular_sync,
@@ -103,18 +128,6 @@ OWN_STEP = (
         value=check.setting("precision.policy"),
     ),
     *REGION,
-    Pattern(
-        "{name}",
-        "expert parallelism (MoE)",
-        "under expert > 1 an expert's weights have one copy per data replica and the dense "
-        "weights one per device over data and expert, so the replicas form no single graph to "
-        "mix over (local SGD and federated averaging average each leaf over its own copies)",
-        split(EXPERT),
-        "set expert=1 in --mesh (the experts then replicate), or use --sync-every without {flag}",
-        example.experts_sync,
-        pairs_with=MOE,
-        only=("gossip",),
-    ),
 )
 
 # The replicas stepping on their own, each way.

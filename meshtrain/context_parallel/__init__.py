@@ -20,6 +20,7 @@ from meshtrain.context_parallel.attention import (
     attend_active,
     balanced_order,
     context_attention,
+    whole_model_in_region,
 )
 from meshtrain.context_parallel.checks import context_problems, heads_problems
 from meshtrain.context_parallel.zigzag import causal_chunk_pairs, inverse, naive_counts, order
@@ -39,4 +40,5 @@ __all__ = [
     "inverse",
     "naive_counts",
     "order",
+    "whole_model_in_region",
 ]

@@ -3,7 +3,9 @@ manual over the sequence axis (every other mesh axis stays with the compiler).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
@@ -146,11 +148,45 @@ def context_attention(
 
 
 class Context(NamedTuple):
-    """Context parallelism as the active layout asks for it."""
+    """Context parallelism as the active layout asks for it.
+
+    Args:
+        mesh: the device mesh.
+        algorithm: ``ring``, ``allgather`` or ``ulysses``.
+        n: the slices of the tokens' balanced (zig-zag) order: the size of ``seq``, or 1 where
+            the tokens keep their plain order (`whole_model_in_region`).
+    """
 
     mesh: Mesh
     algorithm: str
     n: int
+
+
+_WHOLE = threading.local()
+
+
+@contextlib.contextmanager
+def whole_model_in_region() -> Iterator[None]:
+    """Inside it the whole model, its embedding and head too, is traced in the enclosing manual
+    region (the replicas' own step). Where another automatic axis than ``seq`` splits the
+    activations there too (``fsdp`` under hsdp, ``tensor``), the tokens keep their plain
+    order: XLA's SPMD partitioner aborts on the zig-zag reordering's gather along ``seq`` in
+    such a region (a failed check in spmd_partitioner_util), so causal attention's work is
+    unbalanced over ``seq`` there, and exact all the same."""
+    before = getattr(_WHOLE, "on", False)
+    _WHOLE.on = True
+    try:
+        yield
+    finally:
+        _WHOLE.on = before
+
+
+def _plain_order(mesh: Mesh) -> bool:
+    """Whether the tokens keep their plain order here (`whole_model_in_region`)."""
+    if not getattr(_WHOLE, "on", False):
+        return False
+    manual = manual_axes()
+    return any(a != AXIS and a not in manual and s > 1 for a, s in mesh.shape.items())
 
 
 def active_context() -> Context | None:
@@ -162,7 +198,8 @@ def active_context() -> Context | None:
     n = layout.mesh.shape.get(AXIS, 1)
     if n == 1:
         return None
-    return Context(layout.mesh, getattr(layout.rules, "context_parallel", DEFAULT), n)
+    algorithm = getattr(layout.rules, "context_parallel", DEFAULT)
+    return Context(layout.mesh, algorithm, 1 if _plain_order(layout.mesh) else n)
 
 
 def attend_active(
@@ -185,6 +222,7 @@ def attend_active(
 
 
 def balanced_order(seq_len: int) -> np.ndarray | None:
-    """The zig-zag order tokens take under the active context parallelism, or None."""
+    """The zig-zag order tokens take under the active context parallelism, or None (also
+    where they keep their plain order, `whole_model_in_region`)."""
     ctx = active_context()
-    return None if ctx is None else zigzag.order(seq_len, ctx.n)
+    return None if ctx is None or ctx.n == 1 else zigzag.order(seq_len, ctx.n)

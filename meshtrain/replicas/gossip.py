@@ -16,6 +16,10 @@ depend on its degree, not on m.
 - ``complete``: W = 11ᵀ / m through m − 1 permutes; it equals averaging over every replica,
   the reference the others are tested against.
 
+Beside expert parallelism each leaf gossips among its own copies (`meshtrain.replicas.sets`):
+an MoE's dense weights on the graph over the devices of data and expert, its expert weights on
+the graph over the data replicas alone, as local SGD and federated averaging average each leaf.
+
 Lian et al. ("Can Decentralized Algorithms Outperform Centralized Algorithms?", 2017) analyse
 decentralized SGD with such a W; Ben-Nun & Hoefler's survey discusses gossip's rounds.
 """

@@ -43,6 +43,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.context_parallel import whole_model_in_region
 from meshtrain.layout import axes_of, manual_region, rows_apart
 from meshtrain.replicas import federated
 from meshtrain.replicas import gossip as graphs
@@ -146,9 +147,10 @@ def local_step(
     `meshtrain.replicas.gossip` and `meshtrain.replicas.federated`):
 
     - ``gossip``: after its local step each replica mixes its parameters with its neighbours' on
-      the graph (mixing step t = ``state.step``); at the outer step θ̄ becomes the replicas'
-      mean, the replicas go on from their own, and ``comm["consensus"]`` keeps their mean
-      distance to it;
+      the graph (mixing step t = ``state.step``), each leaf among its own copies (an MoE's
+      expert weights on the graph over the data replicas, its dense weights over data and
+      expert); at the outer step θ̄ becomes the replicas' mean, the replicas go on from their
+      own, and ``comm["consensus"]`` keeps their mean distance to it;
     - ``client_fraction``: the round ``state.step // H`` samples its clients from
       ``client_seed`` and the round; the outer gradient is θ̄ minus the sampled clients' mean;
       every client starts a round from θ̄ with fresh optimizer moments (its step counters go
@@ -232,13 +234,14 @@ def _checked(
 def _replica_step(compute: Compute, tx, sets: ReplicaSets, specs, sync: SyncConfig, skip: bool):
     """One replica's inner step, per device in the region: ``(params_r, opt_r, rest, batch_r,
     step) -> (params_r, opt_r, rest, metrics)`` (`skip`: keep a non-finite replica's own)."""
-    axes, sizes = sets.axes, {a: sets.sizes[a] for a in sets.axes}
+    axes = sets.axes
 
     def inner(params_r, opt_r, rest, batch_r, step):
         params_r, opt_r = own(params_r), own(opt_r)
         if sync.client_fraction is not None:  # a round starts with fresh moments (FedAvg's)
             opt_r = _fresh_moments(tx, params_r, opt_r, step % sync.sync_every == 0)
-        with rows_apart():  # each device trains a copy of its own until the next average
+        # each device trains a copy of its own until the next average
+        with rows_apart(), whole_model_in_region():
             (loss, (new_rest, extra)), grads = compute(params_r, rest, batch_r)
         loss, new_rest, extra = settled((loss, new_rest, extra), sets.stages)
         grads = _served_share(settled(grads, sets.stages, specs), specs, sets)
@@ -251,7 +254,7 @@ def _replica_step(compute: Compute, tx, sets: ReplicaSets, specs, sync: SyncConf
             new_opt = _keep_if_not(finite, new_opt, opt_r)
             new_rest = _keep_if_not(finite, new_rest, rest)
         if sync.gossip is not None:
-            new_params = graphs.mix(new_params, sync.gossip, sizes, step)
+            new_params = _gossip(new_params, specs, sets, sync.gossip, step)
         metrics = {
             **replica_mean(extra, axes),
             "loss": lax.pmean(loss, axes),
@@ -261,6 +264,24 @@ def _replica_step(compute: Compute, tx, sets: ReplicaSets, specs, sync: SyncConf
         return stacked(new_params, 1), stacked(new_opt, 1), replica_mean(new_rest, axes), metrics
 
     return inner
+
+
+def _gossip(params, specs, sets: ReplicaSets, topology: str, step):
+    """One gossip mixing step of this replica's `params`, each leaf among its own copies: on
+    the graph over the leaf's replica axes (an MoE's expert weights over the data replicas,
+    its dense weights over every device of data and expert), leaves of the same axes mixed
+    together."""
+    leaves, tree = jax.tree.flatten(params)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, spec in enumerate(tree.flatten_up_to(specs)):
+        groups.setdefault(sets.leaf_axes(spec), []).append(i)
+    mixed = list(leaves)
+    for axes, idx in groups.items():
+        sizes = {a: sets.sizes[a] for a in axes}
+        out = graphs.mix([leaves[i] for i in idx], topology, sizes, step)
+        for i, x in zip(idx, out, strict=True):
+            mixed[i] = x
+    return tree.unflatten(mixed)
 
 
 def _served_share(grads, specs, sets: ReplicaSets):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshtrain.context_parallel import whole_model_in_region
 from meshtrain.layout import axes_of, manual_region, varying
 from meshtrain.replicas.codecs import Codec
 from meshtrain.replicas.sets import ReplicaSets
@@ -143,7 +144,8 @@ def _replica_body(compute: Compute, sets: ReplicaSets, specs, one: Callable):
 
     def body(params, rest, batch, residual):
         params, rest = varying((params, rest), axes)
-        (loss, (rest, extra)), grads = compute(params, rest, batch)
+        with whole_model_in_region():
+            (loss, (rest, extra)), grads = compute(params, rest, batch)
         loss, rest, extra = settled((loss, rest, extra), stages)
         grads = settled(grads, stages, specs)
         mean, new = _reduced(grads, residual, specs, one)

@@ -277,7 +277,7 @@ class RunSpec(validate.Checked):
         if (stages := sizes.get(PIPE, 1)) > 1:
             lines.append(_pipeline_line(run.pipeline, stages, gathered_bytes))
         if run.sync != SyncConfig():
-            lines.append(replicas_line(run.sync, rules, sizes))
+            lines.append(run.sync.describe(rules, sizes))
         model = "model " + (cfg.describe() if cfg is not None else _named(run.model))
         count = f" · {n_params / 1e6:.2f}M parameters" if n_params is not None else ""
         lines += [model + count, run.precision.describe(self.model)]
@@ -293,41 +293,6 @@ class RunSpec(validate.Checked):
         """A zero-argument constructor of the model, and a problem if ``train.seed`` cannot
         reach it."""
         return model_constructor(self.model_config or self.model, self.train.seed)
-
-
-def replicas_line(sync: SyncConfig, rules: Rules, sizes: Mapping[str, int]) -> str:
-    """The run summary's replicas line: what each of `sync`'s schemes averages over (its
-    phrases: `SyncConfig.summary`). Beside an MoE's expert split (`replica_sets`) the dense
-    weights average over the data and expert devices and the experts' over data alone, and a
-    federated client is a data replica with its expert devices."""
-    from meshtrain.replicas import replica_sets
-
-    sets = replica_sets(rules, sizes)
-    own = tuple(a for a in sets.axes if a not in sets.split)  # what every leaf averages over
-    if sync.federates:
-        with_experts = " (each with its expert devices)" if sets.split else ""
-        where = f"{_count(own, sizes)} clients over {_over(own)}{with_experts}"
-    elif sets.split:
-        where = (
-            f"dense weights over {_count(sets.axes, sizes)} ({_over(sets.axes)}), expert "
-            f"weights over {_count(own, sizes)} ({_over(own)})"
-        )
-    else:
-        where = f"{_count(sets.axes, sizes)} over {_over(sets.axes)}"
-    return " · ".join([f"replicas: {where}", *sync.summary()])
-
-
-def _count(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
-    """The devices along `axes`."""
-    n = 1
-    for a in axes:
-        n *= sizes[a]
-    return n
-
-
-def _over(axes: tuple[str, ...]) -> str:
-    """``data × expert``, or ``no axis``."""
-    return " × ".join(axes) or "no axis"
 
 
 def _axes(sizes: Mapping[str, int]) -> str:

@@ -304,14 +304,15 @@ def test_the_run_summary_shows_chunks_per_stage_and_what_gathering_once_holds():
 
 
 def test_each_feature_writes_its_own_run_summary_line():
+    from meshtrain.layout import rules_for
     from meshtrain.offload import Offload
     from meshtrain.replicas import SyncConfig
 
     sync = SyncConfig(grad_compression="int8")
-    assert sync.describe(("data", "fsdp"), 8) == (
-        "replicas: 8 over data × fsdp · gradients int8 with error feedback"
+    sizes = {"data": 4, "tensor": 2}
+    assert sync.describe(rules_for("dp+tp", sizes), sizes) == (
+        "replicas: 4 over data · gradients int8 with error feedback"
     )
-    assert SyncConfig().describe((), 1) == "replicas: 1 over no axis"
     assert Offload(optimizer=True, memory_kind="unpinned_host").describe(2.5e6) == (
         "offload optimizer · 2.50 MB per device in unpinned_host memory, fetched and written "
         "back each step"

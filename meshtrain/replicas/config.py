@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 from meshtrain import validate
 from meshtrain.problem import Problem
@@ -132,11 +133,27 @@ class SyncConfig(validate.Checked):
         )
         return found
 
-    def describe(self, axes: tuple[str, ...], n: int) -> str:
-        """One line saying how the replicas synchronise (the CLI's run summary), given their
-        axes and count (`meshtrain.replicas.replicas`), e.g. "replicas: 4 over data ·
-        gradients int8 with error feedback"."""
-        return " · ".join([f"replicas: {n} over {' × '.join(axes) or 'no axis'}", *self.summary()])
+    def describe(self, rules, sizes: Mapping[str, int]) -> str:
+        """The run summary's replicas line: what each scheme averages over, then what these
+        settings do (`summary`). Beside an MoE's expert split (`replica_sets`) the dense
+        weights average over the data and expert devices and the experts' over data alone,
+        and a federated client is a data replica with its expert devices, e.g. "replicas: 4
+        clients over data (each with its expert devices) · federated averaging: ..."."""
+        from meshtrain.replicas.sets import replica_sets
+
+        sets = replica_sets(rules, sizes)
+        own = tuple(a for a in sets.axes if a not in sets.split)  # what every leaf averages over
+        if self.federates:
+            with_experts = " (each with its expert devices)" if sets.split else ""
+            where = f"{_count(own, sizes)} clients over {_over(own)}{with_experts}"
+        elif sets.split:
+            where = (
+                f"dense weights over {_count(sets.axes, sizes)} ({_over(sets.axes)}), expert "
+                f"weights over {_count(own, sizes)} ({_over(own)})"
+            )
+        else:
+            where = f"{_count(sets.axes, sizes)} over {_over(sets.axes)}"
+        return " · ".join([f"replicas: {where}", *self.summary()])
 
     def summary(self) -> list[str]:
         """What these settings do, a short phrase each (the CLI's run summary)."""
@@ -195,3 +212,13 @@ class SyncConfig(validate.Checked):
     def keeps_residual(self) -> bool:
         """A residual is kept: a lossy scheme (every one but ``none``) with error feedback."""
         return self.compresses and self.error_feedback
+
+
+def _count(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+    """The devices along `axes`."""
+    return math.prod(sizes[a] for a in axes)
+
+
+def _over(axes: tuple[str, ...]) -> str:
+    """``data × expert``, or ``no axis``."""
+    return " × ".join(axes) or "no axis"

@@ -17,6 +17,7 @@ LAYERS = [
         "meshtrain._tree",
         "meshtrain._units",
         "meshtrain._log",
+        "meshtrain._switch",
         "meshtrain.problem",
         "meshtrain.validate",
         "meshtrain.mesh",

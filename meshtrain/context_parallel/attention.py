@@ -4,8 +4,7 @@ manual over the sequence axis (every other mesh axis stays with the compiler).""
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -14,6 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from meshtrain._switch import Switch
 from meshtrain.context_parallel import blocks, gather, ring, zigzag
 from meshtrain.context_parallel.nested import nested_attention
 from meshtrain.kernels.select import model_attention_impl
@@ -162,28 +162,22 @@ class Context(NamedTuple):
     n: int
 
 
-_WHOLE = threading.local()
+_WHOLE = Switch()
 
 
-@contextlib.contextmanager
-def whole_model_in_region() -> Iterator[None]:
+def whole_model_in_region() -> contextlib.AbstractContextManager[None]:
     """Inside it the whole model, its embedding and head too, is traced in the enclosing manual
     region (the replicas' own step). Where another automatic axis than ``seq`` splits the
     activations there too (``fsdp`` under hsdp, ``tensor``), the tokens keep their plain
     order: XLA's SPMD partitioner aborts on the zig-zag reordering's gather along ``seq`` in
     such a region (a failed check in spmd_partitioner_util), so causal attention's work is
     unbalanced over ``seq`` there, and exact all the same."""
-    before = getattr(_WHOLE, "on", False)
-    _WHOLE.on = True
-    try:
-        yield
-    finally:
-        _WHOLE.on = before
+    return _WHOLE.on()
 
 
 def _plain_order(mesh: Mesh) -> bool:
     """Whether the tokens keep their plain order here (`whole_model_in_region`)."""
-    if not getattr(_WHOLE, "on", False):
+    if not _WHOLE.is_on:
         return False
     manual = manual_axes()
     return any(a != AXIS and a not in manual and s > 1 for a, s in mesh.shape.items())

@@ -10,8 +10,7 @@ axes their inputs are split on; expert and context parallelism will be manual ov
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from meshtrain._compat import varies_over, varying_axes
+from meshtrain._switch import Switch
 
 
 def manual_axes() -> frozenset[str]:
@@ -26,25 +26,19 @@ def manual_axes() -> frozenset[str]:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-_APART = threading.local()
+_APART = Switch()
 
 
-@contextlib.contextmanager
-def rows_apart() -> Iterator[None]:
+def rows_apart() -> contextlib.AbstractContextManager[None]:
     """Inside it, each device's rows belong to a model copy of its own (local SGD's replicas
     between synchronisations): statistics over the rows (an MoE's router losses) stay per
     device instead of being reduced over the manual batch axes."""
-    before = getattr(_APART, "on", False)
-    _APART.on = True
-    try:
-        yield
-    finally:
-        _APART.on = before
+    return _APART.on()
 
 
 def rows_are_apart() -> bool:
     """Whether this is traced inside `rows_apart`."""
-    return getattr(_APART, "on", False)
+    return _APART.is_on
 
 
 def varying(tree, axes: Iterable[str] | None = None):

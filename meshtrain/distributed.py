@@ -195,8 +195,11 @@ def _split_address(address: str, what: str) -> tuple[str, int]:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True when `port` can be bound on `host` right now."""
+    """True when `port` can be bound on `host` right now, as a coordinator binds it: with
+    ``SO_REUSEADDR``, so a port whose last connection lingers in TIME_WAIT (a coordinator that
+    just died, for about a minute) counts as free, and one something listens on does not."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -311,6 +311,29 @@ def test_coordinator_port_in_use_is_a_clear_error(tmp_path):
     assert f"coordinator=127.0.0.1:{port}: port {port} is already in use" in direct.stdout
 
 
+def test_a_port_in_time_wait_is_free_and_a_listening_one_is_not():
+    """The port of a coordinator that just died lingers in TIME_WAIT for about a minute; a
+    restart must be able to take it (the coordinator binds with SO_REUSEADDR, as jax's gRPC
+    server does)."""
+    from meshtrain.distributed import port_is_free
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert not port_is_free(port)  # something listens
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            server, _ = listener.accept()
+            server.close()  # the side that closes first keeps the port in TIME_WAIT
+            client.recv(1)
+    plain = socket.socket()
+    with plain:
+        with pytest.raises(OSError):  # a bind without SO_REUSEADDR is refused meanwhile
+            plain.bind(("127.0.0.1", port))
+    assert port_is_free(port)
+
+
 def test_launcher_prefixes_output_and_propagates_the_first_failure():
     """Process 1 fails with code 3 while process 0 sleeps: the launcher returns 3, quickly."""
     script = (

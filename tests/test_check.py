@@ -45,7 +45,7 @@ def test_every_problem_is_reported_at_once():
         )
     )
     text = "\n".join(map(str, problems))
-    assert "mesh.seq=2: context parallelism with pipelines: " in text
+    assert "mesh.seq=2: context parallelism with a hand-scheduled schedule beside " in text
     assert "data.batch_size=12: does not divide into accum_steps=2" in text
     assert "data.seq_len=64: exceeds the model's max_seq_len=32" in text
     assert "gpt.vocab_size=256: the data has 300 token ids" in text

@@ -2,11 +2,11 @@
 replicas' own step.
 
 There jax cannot differentiate the attention's region from outside (its split of the region
-would name the enclosing axes in the residuals' specs), and XLA's partitioner fails on a
-region left partly to the compiler inside a pipeline slot's branch. So the region is manual
-over every axis the enclosing one leaves, each argument split as the layout splits it (batch
-over the batch axes, heads over tensor, the sequence over ``seq``), and each shard is
-differentiated inside it (`meshtrain.layout.per_shard.autodiff_per_shard`). With fewer
+would name the enclosing axes in the residuals' specs), so each shard is differentiated
+inside it (`meshtrain.layout.per_shard.autodiff_per_shard`). The region is manual over every
+axis the enclosing one leaves, as the kernels' regions are, so that only the per-device code
+runs inside: each argument is split as the layout splits it (batch over the batch axes, heads
+over tensor, the sequence over ``seq``). With fewer
 key/value heads than tensor shards each shard picks the ones its query heads use, as the
 flash kernel does (`meshtrain.kernels._flash_shards.local_kv_heads`); their gradients are
 summed back over tensor on the way out.

@@ -376,6 +376,31 @@ def test_errors_are_one_line_and_exit_2(capsys, monkeypatch, tmp_path, argv, mes
     assert not (tmp_path / "run").exists()  # rejected before anything ran
 
 
+def test_a_run_that_ends_on_a_non_finite_loss_stops_with_exit_1(capsys, monkeypatch, tmp_path):
+    """Bad data can leave the last steps' loss nan without five bad steps in a row: such a run
+    must not end ``done`` with exit 0."""
+    from meshtrain.cli import train as cli_train
+
+    real = cli_train._summary
+
+    def ends_on_nan(trainer, history):
+        return {**real(trainer, history), "final_loss": float("nan")}
+
+    monkeypatch.setattr(cli_train, "_summary", ends_on_nan)
+    argv = [
+        "train", "--mesh", "data=8", "--strategy", "dp", "--steps", "2",
+        "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
+        "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
+        "--data.val-fraction", "0", "--sample-tokens", "0", "--no-progress",
+        "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    assert cli.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "meshtrain train: stopped: the final loss is nan" in err, err
+    assert "done in" not in out
+    assert (tmp_path / "run" / "checkpoints" / "2").is_dir()  # the checkpoints are kept
+
+
 @pytest.mark.slow
 def test_console_script_end_to_end_twice_keeps_the_first_run(tmp_path):
     """The installed ``meshtrain`` script, run twice in fresh processes (where jax must not

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Annotated
@@ -321,6 +322,7 @@ def run_train(job: TrainJob, given: frozenset[str] = frozenset()) -> dict:
         return summary
     if trainer.checkpoints:
         say(f"checkpoint saved to {summary['checkpoint']}")
+    _stop_unless_finite(summary)
     _after_training(job, trainer, summary, say)
     summary["wall_s"] = time.perf_counter() - start
     loss = summary["final_loss"]
@@ -364,6 +366,22 @@ def _summary(trainer, history: list[dict]) -> dict:
         step = int(jax.device_get(trainer.state.step))
         summary["checkpoint"] = str(trainer.checkpoints.path(step))
     return summary
+
+
+def _stop_unless_finite(summary: dict) -> None:
+    """Raises `NonFiniteError` when the run ended on a loss that is not finite: it did not
+    train (data outside the vocabulary, a step that diverged), and must not end ``done``."""
+    from meshtrain.train.hooks import NonFiniteError
+
+    for key in ("final_loss", "eval_loss"):
+        value = summary.get(key)
+        if value is not None and not math.isfinite(value):
+            name = key.replace("_", " ")
+            raise NonFiniteError(
+                f"the {name} is {value}: the run ended without a finite loss (tokens outside "
+                "the vocabulary, or steps that diverged); the checkpoints are kept: check the "
+                "data and --lr, then --resume or start afresh"
+            )
 
 
 def _after_training(job: TrainJob, trainer, summary: dict, say) -> None:

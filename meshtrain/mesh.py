@@ -240,10 +240,13 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
 
 def describe(mesh: Mesh) -> str:
     """One line such as ``data=2 × fsdp=2 × tensor=2 (8 cpu devices)``."""
-    sizes = mesh_sizes(mesh)
-    used = " × ".join(f"{n}={s}" for n, s in sizes.items() if s > 1) or "1 device"
     platform = mesh.devices.flat[0].platform
-    return f"{used} ({mesh.devices.size} {platform} devices)"
+    return f"{describe_sizes(mesh_sizes(mesh))} ({mesh.devices.size} {platform} devices)"
+
+
+def describe_sizes(sizes) -> str:
+    """The axes larger than 1, such as ``data=4 × seq=2`` (``1 device`` when there are none)."""
+    return " × ".join(f"{n}={s}" for n, s in sizes.items() if s > 1) or "1 device"
 
 
 def with_device_count(xla_flags: str, n: int) -> str:

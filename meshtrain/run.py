@@ -266,13 +266,13 @@ class RunSpec(validate.Checked):
             gathered_bytes: with ``pipeline.gather_once``, a stage's gathered weights' bytes
                 per device (`meshtrain.comm.expect.stage_weight_bytes`), where known.
         """
-        from meshtrain.mesh import PIPE, describe
+        from meshtrain.mesh import PIPE, describe, describe_sizes
         from meshtrain.models.remat import describe as remat
 
         run = self.resolved()
         sizes, cfg, rules = run.sizes, run.model_config, run.rules
         assert rules is not None  # resolved
-        where = describe(run.mesh) if isinstance(run.mesh, Mesh) else _axes(sizes)
+        where = describe(run.mesh) if isinstance(run.mesh, Mesh) else describe_sizes(sizes)
         lines = [f"meshtrain · mesh {where} · {rules.describe(sizes)}"]
         if (stages := sizes.get(PIPE, 1)) > 1:
             lines.append(_pipeline_line(run.pipeline, stages, gathered_bytes))
@@ -293,11 +293,6 @@ class RunSpec(validate.Checked):
         """A zero-argument constructor of the model, and a problem if ``train.seed`` cannot
         reach it."""
         return model_constructor(self.model_config or self.model, self.train.seed)
-
-
-def _axes(sizes: Mapping[str, int]) -> str:
-    """Axis sizes as the mesh line shows them (``data=4 × seq=2``)."""
-    return " × ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
 
 
 def _named(model) -> str:

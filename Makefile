@@ -7,7 +7,7 @@ PY ?= $(shell command -v python3.12 2>/dev/null || (test -x $(PYENV_PY) && echo 
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: train test docs test-lowest gpu-bundle torch-parity lint typecheck venv clean
+.PHONY: train test docs test-lowest test-slurm gpu-bundle torch-parity lint typecheck venv clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 12), f"meshtrain needs Python >= 3.12, got {sys.version.split()[0]} from $(PY); install 3.12 (pyenv install 3.12) or run make PY=/path/to/python3.12"'
@@ -40,6 +40,11 @@ test: $(STAMP)
 # the GPU kit's dry run in an image-like venv with the bundle, then a smoke subset.
 test-lowest: $(STAMP) gpu-bundle
 	PY=$(PY) bash scripts/ci_lowest.sh
+
+# The Scaling out guide's SLURM recipes on a real one-node SLURM: Debian's slurm-wlm and munge
+# (installed when absent, which needs root), daemons started and stopped by the script.
+test-slurm: $(STAMP)
+	bash scripts/ci_slurm.sh
 
 # .whl/: the wheels a GPU machine needs and its image lacks; scripts/gpu_check.sh installs them there.
 gpu-bundle: $(STAMP)

@@ -60,6 +60,7 @@ def _without_extensions(node):
 
 
 def _recipe() -> dict:
+    """The recipe, freshly read (each test may change its copy)."""
     return yaml.safe_load(RECIPE.read_text())
 
 
@@ -128,6 +129,7 @@ def _dotted(path: tuple) -> str:
 
 
 def _container(doc: dict) -> dict:
+    """The recipe's one container."""
     (job,) = doc["spec"]["replicatedJobs"]
     (container,) = job["template"]["spec"]["template"]["spec"]["containers"]
     return container
@@ -177,6 +179,7 @@ def test_every_misspelt_key_is_found():
         (("spec", "replicatedJobs", 0, "template", "spec", "completions"), "4"),
         (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers"), {}),
     ],
+    ids=["maxRestarts-string", "restartStrategy-enum", "dns-string", "completions", "containers"],
 )
 def test_a_wrong_type_or_value_fails_the_schema(where, value):
     doc, schema = _recipe(), _schema()

@@ -22,9 +22,9 @@ Two measurements, one JSON line each on stdout (progress on stderr):
   of the same files (a manifest without digests), and read the token file in 8 MiB blocks
   with no hash and with crc32, sha256 and blake2b.
 
-    python benchmarks/corpus_soak.py             # 50 trials: about a minute on 2 cores
+    python benchmarks/corpus_soak.py             # 50 trials: seconds on 2 cores
     python benchmarks/corpus_soak.py --trials 5  # a quick check
-    python benchmarks/corpus_soak.py --cost      # 1 GB: a few minutes, about 2.2 GB of disk
+    python benchmarks/corpus_soak.py --cost      # 1 GB: under a minute, about 2 GB of disk
 
 The test suite runs a few trials with these functions (tests/test_corpus_integrity.py).
 """

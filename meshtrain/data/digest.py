@@ -6,9 +6,9 @@ every file a run reads (``files``: token ids, document offsets, the tokenizer) a
 manifest's own content (``manifest``); the ``tokens`` source checks them each time it opens the
 corpus (`meshtrain.data.tokens`).
 
-The digest is zlib's CRC-32, read in 8 MiB blocks: several times faster than SHA-256 or BLAKE2b
-(``benchmarks/corpus_soak.py --cost``), and certain to catch every change confined to 32
-consecutive bits, a single flipped byte included. It guards against damage (a bad disk, a
+The digest is zlib's CRC-32, read in 8 MiB blocks: about twice SHA-256's speed and three times
+BLAKE2b's (``benchmarks/corpus_soak.py --cost``), and certain to catch every change confined
+to 32 consecutive bits, a single flipped byte included. It guards against damage (a bad disk, a
 truncated copy, a file replaced by mistake), not against files forged on purpose.
 """
 

@@ -179,11 +179,13 @@ def test_the_run_check_reads_the_corpus_max_id_where_the_tokenizer_undercounts(t
     import meshtrain as mt
     from meshtrain.check import check_run
     from meshtrain.data import DataConfig, make_dataset
+    from meshtrain.data.digest import with_digests
 
     corpus = tmp_path / "corpus"
     _prepare([_text(tmp_path / "a.txt", "some text\n" * 30)], corpus)
     manifest = json.loads((corpus / "manifest.json").read_text())
-    (corpus / "manifest.json").write_text(json.dumps({**manifest, "max_id": 299}))
+    edited = with_digests({**manifest, "max_id": 299}, manifest["digests"]["files"])  # resealed
+    (corpus / "manifest.json").write_text(json.dumps(edited))
     data = make_dataset(DataConfig(source="tokens", path=str(corpus), seq_len=4, batch_size=2))
     model = mt.GPTConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
     no_dir = mt.TrainConfig(run_dir="")  # no run directory to check

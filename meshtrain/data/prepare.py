@@ -11,8 +11,9 @@ The directory holds
 - the tokenizer (``tokenizer.json`` for a Hugging Face one; nothing for ``bytes``);
 - ``manifest.json``: the tokenizer's name, vocabulary, EOS id and fingerprint, the dtype, the
   counts, the largest token id (``max_id``), the inputs and ``input_hash``, a hash of the
-  tokenizer, the options and every input's content. A second run whose hash matches the
-  manifest does nothing.
+  tokenizer, the options and every input's content, and the ``digests`` of every file a run
+  reads and of the manifest itself (`meshtrain.data.digest`). A second run whose hash matches
+  the manifest, over files that still have their digests, does nothing.
 
 Documents: each line of a JSONL file (its `field`), each row of a Parquet file (its `column`),
 and each text file as a whole. A text file is handed to the workers in pieces cut just after
@@ -31,6 +32,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from meshtrain.data import digest
 from meshtrain.data.destination import destination_problems
 from meshtrain.data.inputs import (
     Unit,
@@ -47,7 +49,11 @@ from meshtrain.data.tokenizer import Tokenizer, load_tokenizer
 from meshtrain.data.workers import run_units
 from meshtrain.problem import raise_if
 
-FORMAT = "meshtrain-tokens/1"
+FORMAT = "meshtrain-tokens/2"  # a manifest that records digests
+EARLIER_FORMAT = "meshtrain-tokens/1"  # one that does not: its corpus opens unchecked
+# The token files' layout, hashed into `input_hash`: unchanged since /1, so preparing an
+# earlier corpus again (to add digests) keeps its hash, and resuming a run on it still works.
+LAYOUT = "meshtrain-tokens/1"
 MANIFEST, TOKENS, DOCUMENTS = "manifest.json", "tokens.bin", "documents.bin"
 # Tokenizer files an earlier run may have left (a Hugging Face, SentencePiece or tiktoken one).
 TOKENIZER_FILES = (
@@ -68,9 +74,9 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _content_hash(files: list[str], tokenizer: Tokenizer, field: str, column: str) -> str:
-    """A hash of the format, tokenizer, options and every input's bytes."""
+    """A hash of the token layout, tokenizer, options and every input's bytes."""
     h = hashlib.sha256()
-    h.update(json.dumps([FORMAT, tokenizer.fingerprint, field, column]).encode())
+    h.update(json.dumps([LAYOUT, tokenizer.fingerprint, field, column]).encode())
     for path in files:
         h.update(f"\0{input_kind(path)}\0{os.path.getsize(path)}\0".encode())
         with open(path, "rb") as f:
@@ -86,7 +92,8 @@ def read_manifest(directory: str) -> dict | None:
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+    formats = (FORMAT, EARLIER_FORMAT)
+    return manifest if isinstance(manifest, dict) and manifest.get("format") in formats else None
 
 
 def files_match(directory: str, manifest: dict) -> str:
@@ -103,6 +110,24 @@ def files_match(directory: str, manifest: dict) -> str:
             what = "is missing" if have is None else f"holds {have} bytes"
             return f"{name} {what} but {MANIFEST} says {size}"
     return ""
+
+
+def corpus_problem(directory: str, manifest: dict) -> str:
+    """ "" when the manifest and the files it describes are as `prepare_corpus` wrote them, else
+    the first difference, in words: a manifest whose content lost its digest, a file of another
+    size (`files_match`), a file whose bytes lost their digest (`meshtrain.data.digest`).
+
+    A manifest of the earlier format, without digests, is checked for the sizes only.
+    """
+    if manifest.get("format") == FORMAT or "digests" in manifest:
+        name = os.path.join(directory, MANIFEST)
+        problem = digest.manifest_problem(manifest, name, (TOKENS, DOCUMENTS))
+        if problem:
+            return problem
+    problem = files_match(directory, manifest)
+    if problem:
+        return f"the token files are corrupt ({problem})"
+    return digest.files_problem(directory, manifest) if "digests" in manifest else ""
 
 
 # Text pieces that `inputs.text_units` would cut apart, and their whole.
@@ -131,7 +156,8 @@ def prepare_corpus(
     """Tokenises `inputs` into `out_dir` for ``DataConfig(source="tokens", path=out_dir)``.
 
     Nothing happens when `out_dir` already holds this exact result (same tokenizer, options
-    and input contents, and token files of the stated sizes). `out_dir` must be new, empty,
+    and input contents, and files that still have the digests its manifest records; a corpus
+    of an earlier version, without digests, is rebuilt). `out_dir` must be new, empty,
     or hold an earlier corpus of the same input files (which is then rebuilt); a directory
     holding another corpus or other files takes the corpus only with `overwrite`, and a
     training run's directory or one inside the inputs never does
@@ -167,7 +193,7 @@ def prepare_corpus(
     _check_destination(out_dir, inputs, files, old, overwrite)
     rows = _check_documents(files, field, column)
     key = _content_hash(files, tok, field, column)
-    if old and old.get("input_hash") == key and not files_match(out_dir, old):
+    if old and _up_to_date(out_dir, old, key):
         return {**old, "up_to_date": True}
 
     _clear(out_dir, tok)
@@ -186,6 +212,7 @@ def prepare_corpus(
     for tmp, name in zip(_temporary(out_dir), (TOKENS, DOCUMENTS), strict=True):
         os.replace(tmp, os.path.join(out_dir, name))
     manifest = _manifest(tok, dtype, written, total, files, field, column, key)
+    manifest = digest.with_digests(manifest, _file_digests(out_dir, written))
     _write_manifest(out_dir, manifest)
     return {**manifest, "up_to_date": False}
 
@@ -198,6 +225,14 @@ def _input_files(inputs: list[str], workers: int) -> list[str]:
     if not isinstance(workers, int) or workers < 0:
         raise ValueError(f"prepare: workers={workers!r}: must be an integer >= 0 (0 = per core)")
     return files
+
+
+def _up_to_date(out_dir: str, old: dict, key: str) -> bool:
+    """Whether `out_dir`, whose manifest is `old`, holds the corpus of input hash `key`, in this
+    format, unchanged."""
+    if old.get("format") != FORMAT or old.get("input_hash") != key:
+        return False
+    return not corpus_problem(out_dir, old)
 
 
 def _check_destination(
@@ -314,6 +349,15 @@ def _manifest(
         "input_hash": key,
         "tokens_sha256": written.sha256,
     }
+
+
+def _file_digests(out_dir: str, written: TokenFiles) -> dict[str, str]:
+    """The digest of every file a run reads: the token and document files (taken as they were
+    written) and the saved tokenizer's files (read back)."""
+    found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(out_dir, n))]
+    out = {n: digest.file_digest(os.path.join(out_dir, n)) for n in found}
+    out[TOKENS], out[DOCUMENTS] = written.digests
+    return out
 
 
 def _write_manifest(out_dir: str, manifest: dict) -> None:

@@ -8,12 +8,15 @@ from typing import BinaryIO
 
 import numpy as np
 
+from meshtrain.data.digest import RunningDigest
+
 
 class TokenFiles:
     """Writes results into open ``tokens.bin`` and ``documents.bin`` files.
 
     The document file starts with offset 0 and gets each closed document's end offset; the
-    counts, the largest id and the SHA-256 of the token bytes follow what was written.
+    counts, the largest id, the SHA-256 of the token bytes and both files' digests
+    (`meshtrain.data.digest`) follow what was written.
 
     Attributes:
         tokens: token ids written.
@@ -25,10 +28,11 @@ class TokenFiles:
         self._tokens_file = tokens_file
         self._documents_file = documents_file
         self._digest = hashlib.sha256()
+        self._tokens_digest, self._documents_digest = RunningDigest(), RunningDigest()
         self.tokens = 0
         self.documents = 0
         self.max_id = -1
-        documents_file.write(np.zeros(1, np.int64).tobytes())
+        self._write_offsets(np.zeros(1, np.int64))
 
     def write(self, result) -> None:
         """Appends one unit's result, ``(flat ids, document lengths, whether the last closes)``.
@@ -39,8 +43,10 @@ class TokenFiles:
                 text file's pieces leave it open for the next).
         """
         flat, lengths, closes = result
-        self._tokens_file.write(flat.tobytes())
-        self._digest.update(flat.tobytes())
+        data = flat.tobytes()
+        self._tokens_file.write(data)
+        self._digest.update(data)
+        self._tokens_digest.update(data)
         if len(flat):
             self.max_id = max(self.max_id, int(flat.max()))
         if not len(lengths):
@@ -50,10 +56,21 @@ class TokenFiles:
         if not closes:
             ends = ends[:-1]
         if len(ends):
-            self._documents_file.write(ends.astype(np.int64).tobytes())
+            self._write_offsets(ends.astype(np.int64))
             self.documents += len(ends)
+
+    def _write_offsets(self, offsets: np.ndarray) -> None:
+        """Appends int64 document offsets to the document file and its digest."""
+        data = offsets.tobytes()
+        self._documents_file.write(data)
+        self._documents_digest.update(data)
 
     @property
     def sha256(self) -> str:
         """The hex SHA-256 of the token bytes written so far."""
         return self._digest.hexdigest()
+
+    @property
+    def digests(self) -> tuple[str, str]:
+        """The digests (`meshtrain.data.digest`) of the token and document bytes written so far."""
+        return self._tokens_digest.hexdigest(), self._documents_digest.hexdigest()

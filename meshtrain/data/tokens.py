@@ -1,9 +1,11 @@
 """The ``tokens`` source: a directory `prepare_corpus` wrote, streamed from memory maps.
 
-Nothing is read up front but the manifest: a batch reads only its own windows of
-``tokens.bin`` (and, packed, the few document offsets inside them), so a corpus far larger
-than memory trains, and each process reads only its rows of the global batch (the order and
-the per-process rows are `meshtrain.data.batches`', as for every source).
+Opening a corpus streams each of its files once through its digest, to refuse bytes that
+changed since `prepare_corpus` wrote them (`meshtrain.data.digest`); nothing else is read up
+front but the manifest: a batch reads only its own windows of ``tokens.bin`` (and, packed, the
+few document offsets inside them), so a corpus far larger than memory trains, and each process
+reads only its rows of the global batch (the order and the per-process rows are
+`meshtrain.data.batches`', as for every source).
 """
 
 from __future__ import annotations
@@ -15,20 +17,21 @@ import numpy as np
 from meshtrain.data.batches import Dataset
 from meshtrain.data.config import DataConfig, min_size
 from meshtrain.data.packing import pack_rows
-from meshtrain.data.prepare import DOCUMENTS, MANIFEST, TOKENS, files_match, read_manifest
+from meshtrain.data.prepare import DOCUMENTS, MANIFEST, TOKENS, corpus_problem, read_manifest
 from meshtrain.data.tokenizer import Tokenizer, load_tokenizer
 
 
 class TokenCorpus:
-    """A prepared directory, opened read-only (memory-mapped; nothing read but the manifest).
+    """A prepared directory, opened read-only (memory-mapped), its files checked against the
+    digests its manifest records (a manifest of an earlier version records none).
 
     Args:
         directory: what `prepare_corpus` wrote.
         field: the config field to name in errors.
 
     Raises:
-        ValueError: one line when the directory holds no prepared corpus, or its token files
-            do not match the manifest (a truncated or corrupt file).
+        ValueError: one line when the directory holds no prepared corpus, or its files do not
+            match the manifest (a truncated file, or one whose bytes changed since).
     """
 
     def __init__(self, directory: str, field: str = "data.path"):
@@ -38,16 +41,22 @@ class TokenCorpus:
                 f"{where}: no such directory; give the directory `meshtrain prepare` wrote"
             )
         manifest = read_manifest(directory)
+        if manifest is None and os.path.isfile(os.path.join(directory, MANIFEST)):
+            raise ValueError(
+                f"{where}: {os.path.join(directory, MANIFEST)} is damaged (not a manifest "
+                f"`meshtrain prepare` wrote); restore it, or prepare the corpus again: "
+                f"meshtrain prepare FILES --out {directory}"
+            )
         if manifest is None:
             raise ValueError(
                 f"{where}: no readable {MANIFEST}; prepare it first: meshtrain prepare FILES "
                 f"--out {directory}"
             )
-        problem = files_match(directory, manifest)
+        problem = corpus_problem(directory, manifest)
         if problem:
             raise ValueError(
-                f"{where}: the token files are corrupt ({problem}); run meshtrain prepare "
-                "again on the inputs to rebuild it"
+                f"{where}: {problem}; restore the file, or run meshtrain prepare again on the "
+                "corpus's inputs to rebuild it"
             )
         self.directory, self.manifest = directory, manifest
         self.num_tokens, self.num_documents = manifest["num_tokens"], manifest["num_documents"]

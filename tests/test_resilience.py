@@ -378,6 +378,19 @@ def test_resize_refuses_what_it_cannot_keep(mesh, nproc, to, batch, extra, messa
         resized(job, nproc, to, 8 // nproc)
 
 
+def test_resize_command_prints_the_flags_and_refuses_in_one_line(capsys):
+    from meshtrain.launch.resize import main as resize_main
+
+    flags = ["--mesh", "data=2,fsdp=2,tensor=2", "--data.batch-size", "16"]
+    assert resize_main(["--nproc", "2", "--to", "1", "--devices-per-proc", "4", "--", *flags]) == 0
+    job = cli.parse(["train", *flags, *capsys.readouterr().out.split()])
+    assert (job.mesh, job.train.accum_steps) == ("fsdp=2,tensor=2", 2)
+    bad = ["--nproc", "2", "--to", "1", "--devices-per-proc", "4", "--", "--mesh", "pipe=8"]
+    assert resize_main(bad) == 2
+    err = capsys.readouterr().err.strip()
+    assert "only the batch axes shrink" in err and len(err.splitlines()) == 1
+
+
 class _Clock:
     def __init__(self):
         self.now = 100.0

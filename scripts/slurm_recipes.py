@@ -218,7 +218,7 @@ def time_limit(base: Path, want: dict) -> dict:
 
 
 def resize(base: Path, want: dict) -> dict:
-    """The stopped ``term`` run goes on as 1 task with the flags `meshtrain.launch.resize`
+    """The stopped ``term`` run goes on as 1 task with the flags `meshtrain.cli.resize`
     prints (one node cannot lose a node: the job just asks for fewer tasks)."""
     run_dir = base / "term"
     if not soak.committed(run_dir):
@@ -226,7 +226,7 @@ def resize(base: Path, want: dict) -> dict:
     stopped = max(soak.committed(run_dir))
     flags = soak.train_flags()
     extra = subprocess.run(
-        [sys.executable, "-m", "meshtrain.launch.resize", "--nproc", "2", "--to", "1",
+        [sys.executable, "-m", "meshtrain.cli.resize", "--nproc", "2", "--to", "1",
          "--devices-per-proc", "4", "--", *flags],
         capture_output=True, text=True, check=True, cwd=ROOT,
     ).stdout.split()  # fmt: skip

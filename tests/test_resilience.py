@@ -379,7 +379,7 @@ def test_resize_refuses_what_it_cannot_keep(mesh, nproc, to, batch, extra, messa
 
 
 def test_resize_command_prints_the_flags_and_refuses_in_one_line(capsys):
-    from meshtrain.launch.resize import main as resize_main
+    from meshtrain.cli.resize import main as resize_main
 
     flags = ["--mesh", "data=2,fsdp=2,tensor=2", "--data.batch-size", "16"]
     assert resize_main(["--nproc", "2", "--to", "1", "--devices-per-proc", "4", "--", *flags]) == 0

@@ -108,7 +108,7 @@ def _check_train(words: list[str], nproc: int) -> None:
     from meshtrain.data import make_dataset
     from meshtrain.hf import finetune
     from meshtrain.layout import rules_for
-    from meshtrain.mesh import MeshConfig
+    from meshtrain.mesh import MeshConfig, simulate_devices
     from meshtrain.problem import raise_if
     from meshtrain.state import abstract_model
 
@@ -116,6 +116,7 @@ def _check_train(words: list[str], nproc: int) -> None:
     given = parsing.given(argv, train.TrainJob)
     job = train.parse(argv)
     train.check(job, given)
+    simulate_devices(1)  # the launcher's own jax on the CPU, as its processes' (no GPU held)
     job = finetune.resolve(job, given)
     job = train._fresh_default_run_dir(job, lambda *_: None)  # as each process will
     sizes = MeshConfig.parse(job.mesh).sizes(nproc * job.devices)

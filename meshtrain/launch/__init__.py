@@ -75,7 +75,7 @@ def plan(settings) -> tuple[list[str], int]:
             f"launch --min-nproc {settings.min_nproc} needs restarts: a job resizes when it "
             "restarts; add --max-restarts N"
         )
-    _seconds("--grace", settings.grace, "5 (SIGTERM, then SIGKILL 5 s later)")
+    _seconds("--grace", settings.grace, "5")
     _seconds("--restart-delay", settings.restart_delay, "1")
     beat = settings.heartbeat_timeout
     if beat is not None and not (is_int(beat) and beat >= 1):

@@ -126,7 +126,7 @@ def test_every_float_setting_refuses_a_non_finite_value(
         (validate.non_negative("t", float("inf"), integer=False, allow_inf=True), None),
     ],
 )
-def test_the_helpers_refuse_infinity_unless_allowed(problems, line):
+def test_the_validation_vocabulary_refuses_infinity_unless_allowed(problems, line):
     assert [str(p) for p in problems] == ([line] if line else [])
 
 

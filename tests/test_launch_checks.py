@@ -3,12 +3,12 @@ starts: each mistake is one line and exit code 2, the job's lines starting ``tra
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _helpers import fresh_env
 
 from meshtrain import cli
 from meshtrain.cli.launch import parse as parse_launch
@@ -17,6 +17,8 @@ from meshtrain.launch import supervise
 
 ROOT = Path(__file__).resolve().parents[1]
 HARMLESS = ["--", sys.executable, "-c", "pass"]
+# A user's environment on the CPU: no device count carried over from this process.
+USER_ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
 
 
 @pytest.fixture
@@ -72,6 +74,12 @@ def test_the_launchers_own_settings_are_one_line_before_anything_starts(
         # the processes' mesh spans 2 × 2 devices, not the 8 one train alone would simulate
         (["--nproc", "2", "--devices-per-proc", "2"], ["--mesh", "data=8"], "≠ 4 devices"),
         (["--nproc", "2"], ["--model", "mlp", "--gpt.n-layers", "2"], "train --gpt.n-layers"),
+        # an axis within a process (fsdp) cannot span the 2 processes
+        (
+            ["--nproc", "2"],
+            ["--mesh", "fsdp=8", "--strategy", "fsdp"],
+            "train mesh fsdp=8 cannot be laid out on 2 processes × 4 devices",
+        ),
         # the run check, on the abstract model and the whole job's mesh
         (["--nproc", "2"], ["--mesh", "data=8", "--data.batch-size", "12"], "multiple of 8"),
     ],
@@ -104,7 +112,7 @@ def test_a_job_that_passes_is_started_as_checked(started, capsys, monkeypatch, t
 def test_the_console_command_refuses_a_job_before_starting_a_process(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "meshtrain.cli", "launch", "--nproc", "2", "--", "train",
-         "--lr", "inf"], cwd=tmp_path, env=fresh_env(), capture_output=True, text=True,
+         "--lr", "inf"], cwd=tmp_path, env=USER_ENV, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr

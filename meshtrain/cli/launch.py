@@ -108,7 +108,7 @@ def _check_train(words: list[str], nproc: int) -> None:
     from meshtrain.data import make_dataset
     from meshtrain.hf import finetune
     from meshtrain.layout import rules_for
-    from meshtrain.mesh import MeshConfig, simulate_devices
+    from meshtrain.mesh import MeshConfig, host_layout, simulate_devices
     from meshtrain.problem import raise_if
     from meshtrain.state import abstract_model
 
@@ -120,6 +120,7 @@ def _check_train(words: list[str], nproc: int) -> None:
     job = finetune.resolve(job, given)
     job = train._fresh_default_run_dir(job, lambda *_: None)  # as each process will
     sizes = MeshConfig.parse(job.mesh).sizes(nproc * job.devices)
+    host_layout(sizes, nproc, job.devices)  # the axes across processes split evenly
     rules = rules_for(job.strategy, sizes, context_parallel=job.context_parallel)
     saves = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
     spec = train.run_spec(

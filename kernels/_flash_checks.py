@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from meshtrain.kernels import _common, autotable
+from meshtrain.kernels import _args, _common, autotable
 from meshtrain.kernels._flash_tiles import Tiling
 
 HEAD_DIMS = (64, 128)
@@ -51,6 +51,11 @@ def validate(q, k, v, impl, causal, window, segment_ids=None):
             f"flash_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
             "cast them to one dtype"
         )
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(
+            f"flash_attention: q, k, v are {q.dtype}; attention needs floats, e.g. "
+            "q.astype(jnp.float32)"
+        )
     if segment_ids is not None:
         if segment_ids.shape != (B, T) or k.shape[1] != T:
             raise ValueError(
@@ -89,6 +94,11 @@ def tiling(q, k, causal, window, block_q=None, block_k=None, warps=None, stages=
     from the configuration tuned on this GPU for the shape (`autotable.flash_config`, which
     the GPU check's sweep writes), else blocks of 64 (shrunk to a power of two ≥ 16 for short
     sequences), 4 or 8 warps by head width and 2 stages."""
+    for name, b, low in (("block_q", block_q, 16), ("block_k", block_k, 16), ("warps", warps, 1)):
+        _args.power_of_two(
+            "flash_attention", name, b, example=4 if name == "warps" else 64, low=low
+        )
+    _args.whole("flash_attention", "stages", stages, example=2)
     T, S = q.shape[1], k.shape[1]
     tuned = {}
     if _common.on_gpu():
@@ -99,10 +109,6 @@ def tiling(q, k, causal, window, block_q=None, block_k=None, warps=None, stages=
     for name, b in (("block_q", bq), ("block_k", bk)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"flash_attention: {name}={b} must be a power of two ≥ 16")
-    if warps is not None and (warps < 1 or warps & (warps - 1)):
-        raise ValueError(f"flash_attention: warps={warps} must be a power of two ≥ 1 (e.g. 4)")
-    if stages is not None and stages < 1:
-        raise ValueError(f"flash_attention: stages={stages} must be ≥ 1 (e.g. 2)")
     warps = warps or tuned.get("warps", 0)
     stages = stages or tuned.get("stages", 2)
     return Tiling(causal, window, bq, bk, T, S, warps=warps, stages=stages)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from meshtrain.kernels import _common
+from meshtrain.kernels import _args, _common
 
 MAX_BLOCK = 1 << 15  # elements per block (fp32: 128 kB)
 MAX_FEATURES = MAX_BLOCK  # one row must fit a block
@@ -36,8 +36,7 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 
 def check_block_rows(kernel: str, block_rows) -> None:
     """A clear error for a block row count Triton cannot use."""
-    if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1)):
-        raise ValueError(f"{kernel}: block_rows={block_rows} must be a power of two")
+    _args.power_of_two(kernel, "block_rows", block_rows, example=64)
 
 
 def check_inputs(kernel: str, arrays: Mapping[str, jax.Array], block_rows) -> None:

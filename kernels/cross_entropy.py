@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from meshtrain.kernels import _common, reference
+from meshtrain.kernels import _args, _common, reference
 from meshtrain.layout.per_shard import typed_like
 
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -175,6 +175,8 @@ def token_cross_entropy(
         [...] float32 losses. Under `activation_rules` the rows run split over the batch axes
         and, when the logits are split over ``vocab``, each shard reduces its own slice.
     """
+    _args.power_of_two("token_cross_entropy", "block_rows", block_rows, example=32)
+    _args.power_of_two("token_cross_entropy", "block_vocab", block_vocab, example=1024, low=16)
     impl = _common.resolve_impl(
         impl, kernel="token_cross_entropy", shape={"vocab": logits.shape[-1] if logits.ndim else 0}
     )
@@ -191,10 +193,6 @@ def token_cross_entropy(
         raise ValueError(
             f"token_cross_entropy impl='pallas': dtype {logits.dtype} is not supported; supported "
             "dtypes are float32, bfloat16"
-        )
-    if block_vocab is not None and (block_vocab < 16 or block_vocab & (block_vocab - 1)):
-        raise ValueError(
-            f"token_cross_entropy: block_vocab={block_vocab} must be a power of two ≥ 16"
         )
     interpret = _common.interpret_mode()
     return _cross_entropy(

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from meshtrain._compat import varying_axes
-from meshtrain.kernels import _common, autotable
+from meshtrain.kernels import _args, _common, autotable
 from meshtrain.layout import varying
 from meshtrain.layout.per_shard import typed_like
 
@@ -86,23 +86,69 @@ def grouped_matmul(
         x_MD: rows, grouped: group l is ``sizes_L[l]`` consecutive rows, groups in order;
             rows past ``sum(sizes_L)`` are ignored (their outputs are zero).
         w_LDF: one weight matrix per group.
-        sizes_L: int32 rows per group (sum at most M).
+        sizes_L: integer rows per group, each ≥ 0, summing to at most M. Known sizes (not
+            traced) that break this are refused; traced ones (under jit) are cut to fit:
+            a negative size counts as 0 and the groups end at row M.
         impl: ``"tiled"``, ``"xla"`` (`jax.lax.ragged_dot`) or ``"auto"``.
-        tile: rows per tile of ``"tiled"`` (default `tile_rows`).
+        tile: rows per tile of ``"tiled"``, a whole number ≥ 1 (default `tile_rows`).
 
     Returns:
         [M, F] in the dtype of `x_MD` (float32 accumulation).
+
+    Raises:
+        ValueError: one line naming the argument and a fix: an unknown `impl`, a `tile` that
+            is not a whole number ≥ 1, shapes that do not chain, sizes that are not integers,
+            or known sizes below 0 or claiming more than M rows.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"grouped_matmul: impl={impl!r} is not one of {', '.join(IMPLS)}")
-    if tile is not None and tile < 1:
-        raise ValueError(f"grouped_matmul: tile={tile!r} rows; give a positive tile height")
+    sizes_L = _checked_sizes(x_MD, w_LDF, sizes_L, impl, tile)
     if impl == "auto":
         impl = auto_impl(x_MD.shape[0])
     if impl == "xla":
-        return lax.ragged_dot(x_MD, w_LDF, sizes_L.astype(jnp.int32))
+        return lax.ragged_dot(x_MD, w_LDF, sizes_L)
     R = tile or tile_rows(x_MD.shape[0], w_LDF.shape[0])
-    return _tiled(x_MD, w_LDF, sizes_L.astype(jnp.int32), R)
+    return _tiled(x_MD, w_LDF, sizes_L, R)
+
+
+def _checked_sizes(x_MD, w_LDF, sizes_L, impl, tile) -> jax.Array:
+    """`sizes_L` as int32 cut to fit M rows, after refusing arguments `grouped_matmul` cannot
+    take (see its Raises)."""
+    name = "grouped_matmul"
+    if impl not in IMPLS:
+        raise ValueError(f"{name}: impl={impl!r} is not one of {', '.join(IMPLS)}")
+    _args.whole(name, "tile", tile, example=CPU_TILE)
+    sizes_L = jnp.asarray(sizes_L)
+    if (x_MD.ndim, w_LDF.ndim, sizes_L.ndim) != (2, 3, 1):
+        raise ValueError(
+            f"{name}: x {x_MD.shape}, w {w_LDF.shape} and sizes {sizes_L.shape} must be "
+            "[M, D], [L, D, F] and [L]; flatten the rows of x to two dimensions"
+        )
+    (M, D), (L, Dw, _) = x_MD.shape, w_LDF.shape
+    if D != Dw or sizes_L.shape[0] != L:
+        raise ValueError(
+            f"{name}: x {x_MD.shape}, w {w_LDF.shape} and sizes {sizes_L.shape} do not chain; "
+            f"give w [L, {D}, F] and one size per group of w ([{L}])"
+        )
+    if not jnp.issubdtype(sizes_L.dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: sizes must be integers, got {sizes_L.dtype}; e.g. sizes.astype(jnp.int32)"
+        )
+    known = _args.concrete(sizes_L)
+    if known is not None and known.min(initial=0) < 0:
+        raise ValueError(f"{name}: sizes={known.tolist()} hold a negative size; use 0 or more")
+    if known is not None and known.sum() > M:
+        raise ValueError(
+            f"{name}: sizes={known.tolist()} claim {known.sum()} rows but x has {M}; give sizes "
+            f"summing to at most {M} (rows past the sum give zeros)"
+        )
+    return _fitted(sizes_L.astype(jnp.int32), M)
+
+
+def _fitted(sizes_L: jax.Array, M: int) -> jax.Array:
+    """The group sizes cut to M rows in all: negative sizes count as 0, and a group past
+    row M loses its rows beyond it (a no-op for sizes that already fit)."""
+    sizes_L = jnp.maximum(sizes_L, 0)
+    ends_L = jnp.cumsum(sizes_L)
+    return jnp.minimum(ends_L, M) - jnp.minimum(ends_L - sizes_L, M)
 
 
 class _Visits:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from meshtrain.kernels import _common, reference
+from meshtrain.kernels import _args, _common, reference
 
 ACTIVATIONS = tuple(reference.ACTIVATIONS)
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -44,6 +44,8 @@ def _kernel(*refs, bk, activation, has_bias):
 
 def _blocks(M, N, K, block_m, block_n, block_k):
     """Tile sizes: up to 64×64 output tiles and 32-deep steps, never below 16."""
+    for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        _args.power_of_two("matmul", name, b, example=32, low=16)
     bm = block_m or min(64, max(16, _common.next_pow2(M)))
     bn = block_n or min(64, max(16, _common.next_pow2(N)))
     bk = block_k or min(32, max(16, _common.next_pow2(K)))

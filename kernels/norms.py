@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from meshtrain.kernels import _common, reference
+from meshtrain.kernels import _args, _common, reference
 from meshtrain.layout.per_shard import typed_like
 
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -222,7 +222,11 @@ def _validate(kernel, x, params, impl):
 
 def _dispatch(kernel, ref, x, params, eps, impl, block_rows):
     """Resolves `impl`, checks the arguments and runs the reference `ref` or the kernel."""
-    impl = _common.resolve_impl(impl, kernel=kernel, shape={"features": x.shape[-1]})
+    _args.finite(kernel, "eps", eps, example=1e-5)
+    _args.power_of_two(kernel, "block_rows", block_rows, example=64)
+    impl = _common.resolve_impl(
+        impl, kernel=kernel, shape={"features": x.shape[-1] if x.ndim else 0}
+    )
     _validate(kernel, x, params, impl)
     if impl == "xla":
         return ref(x, *params.values(), eps=eps)

@@ -12,6 +12,7 @@ A meshtrain checkpoint names its model config and, when the CLI trained it, its 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import jax
@@ -191,8 +192,10 @@ def check_settings(*, n_new: int, temperature: float, top_k: int, top_p: float) 
     """Raises a one-line ValueError naming the first sampling setting out of range."""
     if n_new < 1:
         raise ValueError(f"tokens={n_new}: sample at least 1 token")
-    if not temperature >= 0:
-        raise ValueError(f"temperature={temperature}: must be ≥ 0 (0 samples greedily)")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(
+            f"temperature={temperature}: must be a finite number ≥ 0 (0 samples greedily)"
+        )
     if top_k < 0:
         raise ValueError(f"top_k={top_k}: must be ≥ 0 (0 keeps every token)")
     if not 0 < top_p <= 1:

@@ -13,6 +13,9 @@ built from these helpers; making one with a problem raises them all at once::
 
 Every line names the field (as the CLI spells it, without dashes), the value and the fix:
 ``steps=0: must be a positive integer; e.g. --steps 300``.
+
+Numbers are finite: NaN is never accepted, and neither is ±inf unless a setting documents
+what infinity means there and passes ``allow_inf=True``.
 """
 
 from __future__ import annotations
@@ -45,11 +48,20 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_number(value) -> bool:
-    """True for real numbers (ints and floats, numpy's too) that are not NaN, never for bools."""
+def is_number(value, *, allow_inf: bool = False) -> bool:
+    """True for finite real numbers (ints and floats, numpy's too), never for bools or NaN;
+    ±inf too with ``allow_inf=True``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
-    return not math.isnan(value)
+    return not math.isnan(value) and (allow_inf or not math.isinf(value))
+
+
+def _kind(value, integer: bool) -> str:
+    """``"an integer"``, ``"a number"``, or ``"a finite number"`` for an infinite value."""
+    if integer:
+        return "an integer"
+    infinite = is_number(value, allow_inf=True) and math.isinf(value)
+    return "a finite number" if infinite else "a number"
 
 
 def _fix(field: str, flag: str | None, example) -> str:
@@ -89,28 +101,55 @@ def positive(
 
 
 def non_negative(
-    field: str, value, *, integer: bool = True, flag=None, example=None, note=None
+    field: str,
+    value,
+    *,
+    integer: bool = True,
+    allow_inf: bool = False,
+    flag=None,
+    example=None,
+    note=None,
 ) -> list[Problem]:
-    """Integers ≥ 0 (numbers ≥ 0 with ``integer=False``); same arguments as `positive`."""
-    return at_least(field, value, 0, integer=integer, flag=flag, example=example, note=note)
+    """Integers ≥ 0 (numbers ≥ 0 with ``integer=False``); same arguments as `at_least`."""
+    return at_least(
+        field,
+        value,
+        0,
+        integer=integer,
+        allow_inf=allow_inf,
+        flag=flag,
+        example=example,
+        note=note,
+    )
 
 
 def at_least(
-    field: str, value, low, *, integer=True, flag=None, example=None, note=None
+    field: str, value, low, *, integer=True, allow_inf=False, flag=None, example=None, note=None
 ) -> list[Problem]:
-    """Integers ≥ `low` (numbers ≥ `low` with ``integer=False``); arguments as `positive`."""
-    kind = "an integer" if integer else "a number"
-    ok = is_int(value) if integer else is_number(value)
+    """Integers ≥ `low` (finite numbers ≥ `low` with ``integer=False``).
+
+    Args:
+        field, value, flag, example, note: as `positive`.
+        low: the smallest value accepted.
+        integer: accept integers only.
+        allow_inf: accept +inf too (only where the setting documents what it means).
+
+    Returns:
+        ``[Problem(field, value, "must be a number ≥ low...")]``, or ``[]``.
+    """
+    ok = is_int(value) if integer else is_number(value, allow_inf=allow_inf)
     if ok and value >= low:
         return []
-    return _one(field, value, f"must be {kind} ≥ {low}", flag, example, note)
+    return _one(field, value, f"must be {_kind(value, integer)} ≥ {low}", flag, example, note)
 
 
-def above(field: str, value, low, *, flag=None, example=None, note=None) -> list[Problem]:
-    """Numbers > `low`; arguments as `positive`."""
-    if is_number(value) and value > low:
+def above(
+    field: str, value, low, *, allow_inf=False, flag=None, example=None, note=None
+) -> list[Problem]:
+    """Finite numbers > `low` (+inf too with ``allow_inf=True``); arguments as `at_least`."""
+    if is_number(value, allow_inf=allow_inf) and value > low:
         return []
-    return _one(field, value, f"must be a number > {low}", flag, example, note)
+    return _one(field, value, f"must be {_kind(value, False)} > {low}", flag, example, note)
 
 
 def in_range(
@@ -121,6 +160,7 @@ def in_range(
     *,
     closed: str = "[]",
     integer=False,
+    allow_inf=False,
     flag=None,
     example=None,
     note=None,
@@ -132,17 +172,19 @@ def in_range(
         low, high: the ends.
         closed: the brackets, ``"[]"``, ``"[)"``, ``"(]"`` or ``"()"``.
         integer: accept integers only.
+        allow_inf: accept ±inf where an end is infinite (only where the setting documents
+            what infinity means).
 
     Returns:
         ``[Problem(field, value, "must be a number in [low, high)...")]``, or ``[]``.
     """
-    ok = is_int(value) if integer else is_number(value)
+    ok = is_int(value) if integer else is_number(value, allow_inf=allow_inf)
     if ok:
         lower = value >= low if closed[0] == "[" else value > low
         upper = value <= high if closed[1] == "]" else value < high
         if lower and upper:
             return []
-    kind = "an integer" if integer else "a number"
+    kind = _kind(value, integer)
     interval = f"{closed[0]}{low}, {high}{closed[1]}"
     return _one(field, value, f"must be {kind} in {interval}", flag, example, note)
 

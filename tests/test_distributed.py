@@ -281,17 +281,18 @@ def test_mismatched_process_counts_fail_on_every_process(tmp_path):
 
 @pytest.mark.slow
 def test_mesh_that_cannot_span_processes_is_a_clear_error():
-    """fsdp=8 would put an inner axis across 2 processes: refused before anything compiles."""
+    """fsdp=8 would put an inner axis across 2 processes: refused by the launcher, before any
+    process starts."""
     done = _meshtrain(
         "launch", "--nproc", "2", "--devices-per-proc", "4", "--", "train", "--mesh", "fsdp=8",
         "--strategy", "fsdp", *TINY_TRAIN,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout[-3000:]
     assert (
-        "mesh fsdp=8 cannot be laid out on 2 processes × 4 devices: the axes across processes "
-        "are pipe and data (pipe × data = 1)" in done.stdout
+        "meshtrain launch: error: train mesh fsdp=8 cannot be laid out on 2 processes × 4 "
+        "devices: the axes across processes are pipe and data (pipe × data = 1)" in done.stdout
     ), done.stdout[-3000:]
-    assert "[launch] process" in done.stdout and "failed (exit code 2)" in done.stdout
+    assert "[launch]" not in done.stdout
     assert "Traceback" not in done.stdout
 
 

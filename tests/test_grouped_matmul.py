@@ -105,7 +105,7 @@ def test_a_bad_impl_is_one_line():
 
 
 def test_a_bad_tile_is_one_line():
-    with pytest.raises(ValueError, match=r"grouped_matmul: tile=-4 rows; give a positive"):
+    with pytest.raises(ValueError, match=r"grouped_matmul: tile=-4 must be ≥ 1 and a whole number"):
         gmm.grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4]), tile=-4)
 
 

@@ -173,6 +173,7 @@ BAD = {
     "meshtrain.cli.inspect.InspectJob": ("sample_tokens", -1, "sample_tokens"),
     "meshtrain.cli.bench.BenchSettings": ("steps", 0, "steps"),
     "meshtrain.cli.prepare.PrepareSettings": ("workers", -1, "workers"),
+    "meshtrain.cli.plan.PlanSettings": ("client_fraction", float("inf"), "client_fraction"),
 }
 REQUIRED = {
     "Rules": {"params": {}, "activations": {}},

@@ -48,6 +48,13 @@ class GenerateSettings:
     seed: int = 0
     tokenizer: str = ""
 
+    def __post_init__(self):
+        """Refuses a sampling setting out of range (or not finite) when the flags are read."""
+        from meshtrain import generate as gen
+
+        s = self
+        gen.check_settings(n_new=s.tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
 
 class _ReadOnlyNotes(logging.Filter):
     """Drops orbax's notes about opening a checkpoint read-only."""
@@ -72,7 +79,6 @@ def run(settings: GenerateSettings) -> int:
     from meshtrain import generate as gen
 
     s = settings
-    gen.check_settings(n_new=s.tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     with _quiet_read_only():
         model, tokenizer = gen.load(s.source, s.tokenizer or None)
     text = gen.generate(

@@ -12,8 +12,9 @@ import dataclasses
 import tyro
 
 from meshtrain.cli import parsing
+from meshtrain.cli.errors import UsageError
 
-__all__ = ["LaunchSettings", "main", "parse", "run", "split"]
+__all__ = ["LaunchSettings", "check_job", "main", "parse", "run", "split"]
 
 EXAMPLE = "meshtrain launch --nproc 2 --devices-per-proc 4 -- train --steps 50"
 
@@ -74,11 +75,59 @@ def parse(argv: list[str]) -> LaunchSettings:
 
 
 def run(settings: LaunchSettings) -> int:
-    """Starts the processes and waits for them; returns the first failure's status, or 0."""
+    """Checks the launcher's settings and a train job's, then starts the processes and waits
+    for them; returns the first failure's status, or 0."""
     from meshtrain import launch
     from meshtrain.cli.train import parse as read_job
 
-    return launch.run(settings, read_job)
+    return launch.run(settings, read_job, check_job=check_job)
+
+
+def check_job(words: list[str], nproc: int) -> None:
+    """Parses and checks a train job once, as each of its `nproc` processes will read `words`
+    (the words after ``train``, the launcher's ``--devices`` included), before any starts.
+
+    Raises:
+        UsageError: one line per mistake, each starting ``train``: a flag tyro cannot read,
+            a config's own check, the CLI's checks (`meshtrain.cli.train.check`) and the run
+            check (`meshtrain.check.check_run`) on the mesh all the processes make.
+    """
+    if "-h" in words or "--help" in words:
+        return  # the job prints its help
+    try:
+        _check_train(words, nproc)
+    except ValueError as e:  # a UsageError, or a RunCheckError: one problem a line
+        raise UsageError("\n".join(f"train {line}" for line in str(e).splitlines())) from None
+
+
+def _check_train(words: list[str], nproc: int) -> None:
+    """`check_job`'s work: what ``meshtrain train`` checks before compiling, on the abstract
+    model (nothing is allocated) and the axis sizes of the whole job's mesh."""
+    from meshtrain.check import check_run
+    from meshtrain.cli import train
+    from meshtrain.data import make_dataset
+    from meshtrain.hf import finetune
+    from meshtrain.layout import rules_for
+    from meshtrain.mesh import MeshConfig, host_layout, simulate_devices
+    from meshtrain.problem import raise_if
+    from meshtrain.state import abstract_model
+
+    argv = train.config_flags(words)
+    given = parsing.given(argv, train.TrainJob)
+    job = train.parse(argv)
+    train.check(job, given)
+    simulate_devices(1)  # the launcher's own jax on the CPU, as its processes' (no GPU held)
+    job = finetune.resolve(job, given)
+    job = train._fresh_default_run_dir(job, lambda *_: None)  # as each process will
+    sizes = MeshConfig.parse(job.mesh).sizes(nproc * job.devices)
+    host_layout(sizes, nproc, job.devices)  # the axes across processes split evenly
+    rules = rules_for(job.strategy, sizes, context_parallel=job.context_parallel)
+    saves = job.save and bool(job.train.run_dir or job.checkpoint.checkpoint_dir)
+    spec = train.run_spec(
+        job, make_dataset(job.data), sizes, rules, checkpoint=job.checkpoint if saves else None
+    )
+    ctor, problems = spec.constructor()
+    raise_if(problems + check_run(spec, abstract=abstract_model(ctor)))
 
 
 def main(argv: list[str]) -> int:

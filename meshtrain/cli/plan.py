@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from meshtrain import validate
 from meshtrain.cli import parsing
 from meshtrain.cli.errors import UsageError
+from meshtrain.problem import Problem
 
 __all__ = ["PlanSettings", "check", "main", "parse", "run"]
 
@@ -21,7 +23,7 @@ EXAMPLE = "meshtrain plan --model 1.3b --devices 64"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PlanSettings:
+class PlanSettings(validate.Checked):
     """Search pipe × data × fsdp × expert × tensor layouts, strategies, remat and microbatches
     for a GPT or a mixture of experts; rank by modelled step time; confirm memory by compiling.
 
@@ -74,6 +76,12 @@ class PlanSettings:
     json: bool = False
     scaling: bool = False
     plot: str = ""
+
+    def problems(self) -> list[Problem]:
+        """A federated share that is not a finite number in [0, 1] (0: none priced)."""
+        return validate.in_range(
+            "client_fraction", self.client_fraction, 0, 1, example=0.1, note="0: none priced"
+        )
 
 
 def check(settings: PlanSettings) -> None:

@@ -20,6 +20,7 @@ import sys
 
 from meshtrain.distributed import port_is_free
 from meshtrain.mesh import with_device_count
+from meshtrain.validate import is_int, is_number
 
 # Arguments after "--" that name a meshtrain subcommand run as ``python -m meshtrain.cli ...``.
 SUBCOMMANDS = ("train",)
@@ -37,6 +38,14 @@ def option_value(args: list[str], flag: str) -> str | None:
     return found
 
 
+def _seconds(flag: str, value, example: str) -> None:
+    """Raises a one-line ValueError unless `value` is a finite number of seconds ≥ 0."""
+    if not (is_number(value) and value >= 0):
+        raise ValueError(
+            f"launch {flag} {value}: must be ≥ 0 seconds, finite; e.g. {flag} {example}"
+        )
+
+
 def plan(settings) -> tuple[list[str], int]:
     """The per-process command and the devices each process simulates.
 
@@ -44,7 +53,8 @@ def plan(settings) -> tuple[list[str], int]:
         settings: a `meshtrain.cli.launch.LaunchSettings`.
 
     Raises:
-        ValueError: a bad process count, device count, port, restart setting or command.
+        ValueError: a bad process count, device count, port, timing (grace, restart delay,
+            heartbeat: finite, in range) or command.
     """
     command = list(settings.command)
     if command and command[0] == "--":
@@ -65,8 +75,14 @@ def plan(settings) -> tuple[list[str], int]:
             f"launch --min-nproc {settings.min_nproc} needs restarts: a job resizes when it "
             "restarts; add --max-restarts N"
         )
-    if settings.restart_delay < 0:
-        raise ValueError(f"launch --restart-delay {settings.restart_delay}: must be ≥ 0")
+    _seconds("--grace", settings.grace, "5")
+    _seconds("--restart-delay", settings.restart_delay, "1")
+    beat = settings.heartbeat_timeout
+    if beat is not None and not (is_int(beat) and beat >= 1):
+        raise ValueError(
+            f"launch --heartbeat-timeout {beat}: must be a whole number of seconds ≥ 1; e.g. "
+            "--heartbeat-timeout 30 (or leave it out: the job's --dist.heartbeat-timeout-s)"
+        )
     if settings.port and not 0 < settings.port < 65536:
         raise ValueError(f"launch --port {settings.port}: must be in 1..65535")
     if settings.port and not port_is_free(settings.port):
@@ -114,18 +130,23 @@ def process_env(rank: int, nproc: int, port: int, devices: int, heartbeat: int |
     return env
 
 
-def run(settings, read_job=None) -> int:
+def run(settings, read_job=None, check_job=None) -> int:
     """Runs ``meshtrain launch``; returns the exit status (0, or the failure's).
 
     Args:
         settings: a `meshtrain.cli.launch.LaunchSettings`.
         read_job: reads a train command's words into its job, for resizing (see
             `meshtrain.launch.supervise.Supervisor`).
+        check_job: ``check_job(words, nproc)`` checks a train command's words (those after
+            ``train``, as each process gets them) before any process starts; raises
+            ValueError (`meshtrain.cli.launch.check_job`).
 
     Raises:
-        ValueError: see `plan`; before any process starts.
+        ValueError: see `plan` and `check_job`; before any process starts.
     """
     from meshtrain.launch.supervise import Supervisor
 
     command, devices = plan(settings)
+    if check_job is not None and command[1:4] == ["-m", "meshtrain.cli", "train"]:
+        check_job(command[4:], settings.nproc)
     return Supervisor(settings, command, devices, read_job).run()

@@ -114,6 +114,8 @@ class GPTConfig(validate.Checked):
         problems += v.non_negative(
             "gpt.sliding_window", self.sliding_window, note="0 = every earlier position is seen"
         )
+        problems += v.above("gpt.rope_theta", self.rope_theta, 0, example=10_000.0)
+        problems += v.non_negative("gpt.norm_eps", self.norm_eps, integer=False, example=1e-5)
         if problems:  # the shape checks below need whole, positive sizes
             return problems
         problems += v.divides("gpt.d_model", self.d_model, self.n_heads, what="n_heads")

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from _helpers import count_compiles, fresh_env
@@ -92,7 +93,7 @@ def test_the_default_run_fits_this_host_and_the_capacity_is_shared_by_its_device
         model=cfg, data=DataSpec("lm", 32, 128, 256, None), train=mt.TrainConfig(run_dir="")
     ).resolved()
     assert check_run(run, abstract=abstract_model(lambda: cfg.build(rngs=nnx.Rngs(0)))) == []
-    cap = fit.capacity(list(run.mesh.devices.flat))
+    cap = fit.capacity(jax.devices())  # the default mesh's 8 devices
     assert cap is not None and cap.source.endswith("of host memory available / 8")
     with open("/proc/meminfo") as f:
         free = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
@@ -106,7 +107,7 @@ def test_a_capacity_that_is_not_a_size_is_one_line(monkeypatch):
     assert problem.field == fit.ENV and "e.g. 16GB" in problem.message
 
 
-LAYOUTS = [
+LAYOUTS: list[tuple[str, str, dict]] = [
     ("data=8", "dp", {}),
     ("fsdp=8", "fsdp", {}),
     ("data=4,tensor=2", "dp+tp", {}),

@@ -17,7 +17,11 @@ The lower tier, `meshtrain.lower`, has the pieces the `Trainer` is built from, f
 your own loop.
 """
 
-from meshtrain import distributed, lower
+from meshtrain import (
+    distributed,
+    fit,  # noqa: F401  (adds the memory per device to the run check)
+    lower,
+)
 from meshtrain.checkpoint import CheckpointConfig
 from meshtrain.comm import inspect
 from meshtrain.data import (

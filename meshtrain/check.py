@@ -12,6 +12,7 @@ it is built (its ``problems()``, in the words of `meshtrain.validate`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from flax import nnx
 
@@ -27,11 +28,15 @@ from meshtrain.problem import Problem
 from meshtrain.replicas.needs import layout_problems as replica_problems
 from meshtrain.run import RunSpec
 
-__all__ = ["check_run"]
+__all__ = ["DEVICE_CHECKS", "check_run"]
+
+# Checks of a run against its devices that use the planner's models, a layer above this one:
+# `meshtrain.fit` adds the memory check when meshtrain is imported.
+DEVICE_CHECKS: list[Callable[[RunSpec, tuple[nnx.GraphDef, nnx.State]], list[Problem]]] = []
 
 
 def check_run(
-    run: RunSpec, *, abstract: tuple[nnx.GraphDef, nnx.State] | None = None
+    run: RunSpec, *, abstract: tuple[nnx.GraphDef, nnx.State] | None = None, memory: bool = True
 ) -> list[Problem]:
     """Every problem with a run's settings, each naming the field, the value and the fix.
 
@@ -39,7 +44,10 @@ def check_run(
         run: the run (`RunSpec`); its mesh may be axis sizes alone (a planner's candidate).
             Its ``train.run_dir`` and ``checkpoint`` are checked for being writable and free.
         abstract: the abstract model (``state.abstract_model(ctor)``): with it, every
-            parameter's layout and the model's pipeline parts are checked too.
+            parameter's layout and the model's pipeline parts are checked too, and a run
+            without other problems is checked against its mesh's devices (`DEVICE_CHECKS`:
+            the memory per device, `meshtrain.fit`).
+        memory: check against the devices too (off for a compile that allocates nothing).
 
     Returns:
         The problems; an empty list when the run can start.
@@ -87,6 +95,8 @@ def check_run(
     if spec.packed:
         problems += _packing_problems(abstract)
     problems += directory_problems(run_dir=run.train.run_dir, checkpoint=run.checkpoint)
+    if memory and abstract is not None and not problems:
+        problems += [p for device_check in DEVICE_CHECKS for p in device_check(run, abstract)]
     return problems
 
 

@@ -55,6 +55,7 @@ LAYERS = [
         "meshtrain.generate",
         "meshtrain.comm",
         "meshtrain.plan",
+        "meshtrain.fit",
         "meshtrain",
     ],  # fmt: skip
 ]

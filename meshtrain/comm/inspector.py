@@ -308,7 +308,7 @@ def inspect(run: RunSpec) -> Inspection:
     ctor, _ = run.constructor()
     graphdef, state = abstract_model(ctor)
     writes_nothing = run.replace(train=dataclasses.replace(run.train, run_dir=""), checkpoint=None)
-    raise_if(check_run(writes_nothing, abstract=(graphdef, state)))
+    raise_if(check_run(writes_nothing, abstract=(graphdef, state), memory=False))
     _, param_vars, _ = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
     compiled, info = compile_step(run)
     return inspect_compiled(

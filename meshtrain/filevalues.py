@@ -46,8 +46,9 @@ class Key:
     """What one key of a file must hold.
 
     Args:
-        kind: ``int``, ``float``, ``bool`` or ``str``. An ``int`` key takes whole numbers (``4``
-            or ``4.0``); a ``float`` key takes any finite number.
+        kind: ``int``, ``float``, ``bool``, ``str``, ``dict`` (a JSON object) or ``list``. An
+            ``int`` key takes whole numbers (``4`` or ``4.0``); a ``float`` key takes any
+            finite number.
         low: the smallest value allowed (numbers only); None for no bound.
         strict: the value must be above `low`, not equal to it.
         required: the file must hold the key (a missing key is a problem).
@@ -122,6 +123,9 @@ def _kind_message(key: Key, value) -> str:
         return "" if isinstance(value, bool) else f"must be true or false{quoted}"
     if key.kind is str:
         return "" if isinstance(value, str) else "must be a string (in double quotes)"
+    if key.kind in (dict, list):
+        word = "object" if key.kind is dict else "array"
+        return "" if isinstance(value, key.kind) else f"must be a JSON {word}"
     word = "an integer" if key.kind is int else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"must be {word}, not {_type_name(value)}{quoted}"

@@ -1,8 +1,9 @@
 """Values inside files are checked like flags: a wrong type, a negative count, a non-finite
-number, a missing key or unreadable JSON in a Hugging Face ``config.json``, a ``--config`` file
-or a corpus manifest is one line naming the file and the key, with a fix for the file; on the
-command line, exit code 2 before anything is built."""
+number, a missing key or unreadable JSON in a Hugging Face ``config.json``, a ``--config`` file,
+a corpus manifest or a tiktoken sidecar is one line naming the file and the key, with a fix for
+the file; on the command line, exit code 2 before anything is built."""
 
+import base64
 import json
 import math
 import shutil
@@ -13,7 +14,7 @@ from _hf_helpers import copy, edit_config
 
 from meshtrain import filevalues, hf
 from meshtrain.cli import main, parse
-from meshtrain.data import prepare_corpus
+from meshtrain.data import load_tokenizer, prepare_corpus
 from meshtrain.data.tokens import TokenCorpus
 from meshtrain.filevalues import Key
 from meshtrain.problem import Problem, RunCheckError
@@ -21,10 +22,12 @@ from meshtrain.problem import Problem, RunCheckError
 RANDOM = ("str", "frac", "neg")  # a case's value drawn afresh (see `_draw`)
 DROP = object()  # a case's value: remove the key
 BROKEN = object()  # a case's value: write text that is not JSON
+EOS = "<|endoftext|>"
 FIX = {
     "hf": "fix the file, or download the model again",
     "config": "fix the file",
     "manifest": "restore the file, or prepare the corpus again: meshtrain prepare FILES --out",
+    "tiktoken": "fix the file, or remove it",
 }
 
 
@@ -48,6 +51,12 @@ def _reader(kind, tmp_path, corpus):
         file = tmp_path / "plan.json"
         file.write_text(json.dumps({"steps": 5, "lr": 0.01, "mesh": "data=8"}))
         return file, lambda: parse(["train", "--config", str(file)])
+    if kind == "tiktoken":
+        ranks = "\n".join(f"{base64.b64encode(bytes([i])).decode()} {i}" for i in range(256))
+        (tmp_path / "bytes.tiktoken").write_text(ranks)
+        sidecar = tmp_path / "tiktoken_config.json"
+        sidecar.write_text(json.dumps({"special_tokens": {EOS: 256}, "eos_token": EOS}))
+        return sidecar, lambda: load_tokenizer(str(tmp_path / "bytes.tiktoken"))
     out = tmp_path / "corpus"
     shutil.copytree(corpus, out)
     return out / "manifest.json", lambda: TokenCorpus(str(out))
@@ -100,6 +109,10 @@ CASES = [
     ("manifest", "non-finite", "max_id", math.inf, "must be a finite integer"),
     ("manifest", "missing", "input_hash", DROP, "missing; add it"),
     ("manifest", "unreadable", "", BROKEN, "not valid JSON at line 3 column 8"),
+    ("tiktoken", "string", f"special_tokens.{EOS}", "str", "must be an integer, not a string"),
+    ("tiktoken", "negative", f"special_tokens.{EOS}", "neg", "must be an integer ≥ 0"),
+    ("tiktoken", "not a string", "pattern", 3, "must be a string"),
+    ("tiktoken", "unreadable", "", BROKEN, "not valid JSON at line 3 column 8"),
 ]
 
 

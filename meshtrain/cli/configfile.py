@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Iterator
@@ -114,6 +115,12 @@ def read(argv: list[str], cls: type) -> ConfigFile | None:
     if i + 1 >= len(argv):
         raise UsageError("--config needs a file: --config plan.json")
     path, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
+    if not os.path.isfile(path):
+        why = "Is a directory" if os.path.isdir(path) else "No such file or directory"
+        raise UsageError(
+            f"--config {path}: cannot read it ({why}); give the JSON file meshtrain plan --write "
+            "saved"
+        )
     try:
         values = filevalues.read_json(path, READ_FIX, where=f"--config {path}")
     except ValueError as e:

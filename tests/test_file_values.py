@@ -174,10 +174,11 @@ def test_relabel_words_a_config_problem_for_the_file_and_leaves_others_alone():
 
 def test_a_command_line_flag_overrides_a_wrong_value_of_the_file(tmp_path):
     file = tmp_path / "plan.json"
-    file.write_text(json.dumps({"steps": 0, "lr": 0.5}))
-    assert parse(["train", "--config", str(file), "--steps", "7"]).train.steps == 7
+    file.write_text(json.dumps({"steps": 0, "lr": "fast", "mesh": "data=8"}))
+    job = parse(["train", "--config", str(file), "--steps", "7", "--lr", "0.25"])
+    assert (job.train.steps, job.optim.lr, job.mesh) == (7, 0.25, "data=8")
     with pytest.raises(ValueError, match=r"^steps=-1: must be a positive integer; e\.g\. --steps"):
-        parse(["train", "--config", str(file), "--steps", "-1"])  # the flag's, not the file's
+        parse(["train", "--config", str(file), "--steps", "-1", "--lr", "0.25"])  # the flag's
 
 
 def _cli(capsys, argv) -> tuple[int, list[str]]:

@@ -35,11 +35,10 @@ class ConfigFile:
 
     Attributes:
         path: the file, as the command line names it.
-        values: flag name (without ``--``) → value, as the file holds them (whole numbers of
-            integer flags as ints).
-        keys: the `Key` of each flag the file sets and the command line does not (their
-            problems are the file's).
-        argv: the command line with the file's flags first and ``--config FILE`` removed.
+        values: flag name (without ``--``) → value of each flag the file sets and the command
+            line does not, as the file holds them (whole numbers of integer flags as ints).
+        keys: the `Key` of each of those flags (their problems are the file's).
+        argv: the command line with those flags first and ``--config FILE`` removed.
     """
 
     path: str
@@ -134,14 +133,14 @@ def read(argv: list[str], cls: type) -> ConfigFile | None:
     ]
     if unknown:
         raise UsageError(str(RunCheckError(unknown)))
+    ours = given(rest, cls)  # a flag on the command line replaces the file's value
+    values = {n: v for n, v in values.items() if table[f"--{n}"] not in ours}
     keys = {n: k for n in values if (k := _key(cls, table[f"--{n}"], n.removeprefix("no-")))}
     try:
         values = filevalues.checked(values, keys, path, FIX, flag_fix=FLAG_FIX)
     except RunCheckError as e:
         raise UsageError(str(e)) from None
-    ours = given(rest, cls)
-    mine = {n: k for n, k in keys.items() if table[f"--{n}"] not in ours}
-    return ConfigFile(path, values, mine, _flags(values, table) + rest)
+    return ConfigFile(path, values, keys, _flags(values, table) + rest)
 
 
 def _hint(name: str, names: list[str]) -> str:

@@ -118,7 +118,7 @@ def read_json(path: str | Path, fix: str, where: str | None = None) -> dict:
 
 def _kind_message(key: Key, value) -> str:
     """What is wrong with the type or range of `value` for `key`; "" when nothing is."""
-    quoted = " (write it without quotes)" if isinstance(value, str) and _numeric(value) else ""
+    quoted = _unquote(key.kind, value)
     if key.kind is bool:
         return "" if isinstance(value, bool) else f"must be true or false{quoted}"
     if key.kind is str:
@@ -140,13 +140,18 @@ def _kind_message(key: Key, value) -> str:
     return ""
 
 
-def _numeric(text: str) -> bool:
-    """Whether `text` reads as a number (``"32"``, ``"1e-6"``)."""
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+def _unquote(kind: type, value) -> str:
+    """`` (write it without quotes)`` for a string that reads as the value `kind` wants."""
+    if not isinstance(value, str):
+        return ""
+    if kind is bool:
+        fits = value.lower() in ("true", "false")
+    else:
+        try:
+            fits = kind in (int, float) and math.isfinite(float(value))
+        except ValueError:
+            fits = False
+    return " (write it without quotes)" if fits else ""
 
 
 def _type_name(value) -> str:

@@ -91,7 +91,7 @@ CASES = [
     ("hf", "fraction", "num_attention_heads", "frac", "must be a whole number"),
     ("hf", "negative", "num_hidden_layers", "neg", "must be a positive integer"),
     ("hf", "non-finite", "rms_norm_eps", math.inf, "must be a finite number"),
-    ("hf", "not a bool", "tie_word_embeddings", "false", "must be true or false"),
+    ("hf", "not a bool", "tie_word_embeddings", "false", "must be true or false (write it"),
     ("hf", "config refuses", "num_key_value_heads", 3, "does not divide n_heads=4"),
     ("hf", "missing", "vocab_size", DROP, "missing; add it"),
     ("hf", "unreadable", "", BROKEN, "not valid JSON at line 3 column 8"),

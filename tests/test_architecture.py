@@ -20,6 +20,7 @@ LAYERS = [
         "meshtrain._switch",
         "meshtrain.problem",
         "meshtrain.validate",
+        "meshtrain.filevalues",
         "meshtrain.mesh",
     ],
     ["meshtrain.layout"],

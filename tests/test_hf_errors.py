@@ -47,8 +47,8 @@ DROP = object()  # a config_changes value: remove the key
         ),
         ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
         ("llama", {"head_dim": 32}, r"head_dim=32 × num_attention_heads=4 ≠ hidden_size=64"),
-        ("llama", {"num_key_value_heads": 3}, "n_kv_heads=3: does not divide n_heads=4"),
-        ("llama", {"hidden_size": None}, "field 'hidden_size' is missing"),
+        ("llama", {"num_key_value_heads": 3}, "num_key_value_heads=3: does not divide n_heads=4"),
+        ("llama", {"hidden_size": None}, "hidden_size=null: must not be null"),
         ("gpt2", {"activation_function": "relu"}, "activation_function='relu' is not supported"),
         ("gpt2", {"n_layer": 3}, r"missing \['h.2.attn.c_attn.bias'"),
         ("gpt2", {"tie_word_embeddings": False}, r"missing \['lm_head.weight'\]"),
@@ -65,7 +65,7 @@ DROP = object()  # a config_changes value: remove the key
             "partial_rotary_factor=0.5 is not supported: meshtrain rotates the whole head",
         ),
         ("llama3", {"rope_parameters": _rope(rope_type="yarn")}, "RoPE scaling 'yarn'"),
-        ("mistral", {"sliding_window": 0}, "sliding_window=0 is not supported"),
+        ("mistral", {"sliding_window": 0}, "sliding_window=0: must be a positive integer"),
         ("mistral", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         (
             "qwen2",
@@ -90,7 +90,7 @@ def test_bad_config_is_refused_clearly(tmp_path, name, config_changes, match):
     drop = [k for k, v in config_changes.items() if v is DROP]
     edit_config(path, drop=drop, **{k: v for k, v in config_changes.items() if k not in drop})
     message = _refused(match, hf.load_pretrained, path)
-    assert message.startswith(f"{path}: "), message  # names the directory
+    assert message.startswith((f"{path}: ", f"{path / 'config.json'}: ")), message  # the file
 
 
 def test_base_model_without_a_head_says_so(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshtrain.cli import parsing, train
+from meshtrain.cli import configfile, parsing, train
 
 __all__ = ["InspectJob", "main", "parse", "run"]
 
@@ -50,5 +50,7 @@ def parse(argv: list[str]) -> InspectJob:
 
 def main(argv: list[str]) -> int:
     """``meshtrain inspect ARGV``: parses the train flags (and ``--json``), inspects."""
-    argv = train.config_flags(argv)
-    return run(parse(argv), parsing.given(argv, InspectJob))
+    file = configfile.read(argv, InspectJob)
+    argv = file.argv if file else argv
+    with configfile.relabelled(file):  # a value of the file is refused as the file's
+        return run(parse(argv), parsing.given(argv, InspectJob))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -26,7 +25,7 @@ import tyro
 from meshtrain import validate
 from meshtrain._log import LOG
 from meshtrain.checkpoint import CheckpointConfig, holds_run
-from meshtrain.cli import parsing
+from meshtrain.cli import configfile, parsing
 from meshtrain.cli.errors import UsageError
 from meshtrain.data import DataConfig
 from meshtrain.distributed import DistributedConfig
@@ -399,33 +398,11 @@ def _after_training(job: TrainJob, trainer, summary: dict, say) -> None:
         say("sample:\n" + text)
 
 
-def config_flags(argv: list[str]) -> list[str]:
+def config_flags(argv: list[str], cls: type = TrainJob) -> list[str]:
     """Expands ``--config FILE`` (a JSON object of flag name → value, as ``meshtrain plan
-    --write`` saves) into flags placed first, so flags given on the command line win."""
-    if "--config" not in argv:
-        return list(argv)
-    i = argv.index("--config")
-    if i + 1 >= len(argv):
-        raise UsageError("--config needs a file: --config plan.json")
-    path = argv[i + 1]
-    try:
-        flags = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UsageError(
-            f"--config {path}: cannot read it ({e.strerror}); give the JSON file "
-            "meshtrain plan --write saved"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--config {path}: cannot read a JSON object of flags ({e})") from None
-    if not isinstance(flags, dict):
-        raise UsageError(f"--config {path}: must hold a JSON object of flag name → value")
-    expanded = []
-    for name, value in flags.items():
-        if isinstance(value, bool):
-            expanded.append(f"--{name}" if value else f"--no-{name}")
-        else:
-            expanded += [f"--{name}", str(value)]
-    return expanded + argv[:i] + argv[i + 2 :]
+    --write`` saves) into flags placed first, so flags given on the command line win; each
+    value is checked against its flag's type (`meshtrain.cli.configfile`)."""
+    return configfile.expand(argv, cls)
 
 
 def parse(argv: list[str], cls: type = TrainJob, name: str = "train"):
@@ -443,7 +420,9 @@ def parse(argv: list[str], cls: type = TrainJob, name: str = "train"):
         SystemExit: ``--help`` (code 0).
     """
     example = EXAMPLE.replace("meshtrain train", f"meshtrain {name}")
-    return parsing.parse(name, cls, config_flags(argv), example=example)
+    file = configfile.read(argv, cls)
+    with configfile.relabelled(file):
+        return parsing.parse(name, cls, file.argv if file else argv, example=example)
 
 
 def _seq_size(job: TrainJob) -> int | None:
@@ -491,5 +470,7 @@ def run(job: TrainJob, given: frozenset[str] = frozenset()) -> int:
 
 def main(argv: list[str]) -> int:
     """``meshtrain train ARGV``: parses, checks and runs; returns the exit code."""
-    argv = config_flags(argv)
-    return run(parse(argv), parsing.given(argv, TrainJob))
+    file = configfile.read(argv, TrainJob)
+    argv = file.argv if file else argv
+    with configfile.relabelled(file):  # a value of the file is refused as the file's
+        return run(parse(argv), parsing.given(argv, TrainJob))

@@ -17,6 +17,8 @@ import os
 import shutil
 from typing import Protocol, runtime_checkable
 
+from meshtrain.filevalues import Key, checked, read_json
+
 # Special tokens that end a document, in the spellings common tokenizers use.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 
@@ -163,6 +165,8 @@ CL100K_PATTERN = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 TIKTOKEN_SIDECAR = "tiktoken_config.json"
+_SIDECAR_KEYS = {"pattern": Key(str), "special_tokens": Key(dict), "eos_token": Key(str, null=True)}
+_SIDECAR_FIX = "fix the file, or remove it"
 
 
 class TiktokenTokenizer:
@@ -255,26 +259,23 @@ def _tiktoken_ranks(data: bytes, path: str) -> dict[bytes, int]:
 
 
 def _tiktoken_config(path: str, ranks_path: str) -> dict:
-    """The sidecar's settings ({} when there is none)."""
+    """The sidecar's settings ({} when there is none), each value checked (one line naming the
+    file and the key)."""
     if not os.path.isfile(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except ValueError as e:
-        raise ValueError(
-            f"data.tokenizer={ranks_path!r}: {path} is not JSON ({e}); fix or remove it"
-        ) from None
-    unknown = (
-        set(config) - {"pattern", "special_tokens", "eos_token"}
-        if isinstance(config, dict)
-        else {"<not an object>"}
-    )
+    config = read_json(path, _SIDECAR_FIX)
+    unknown = set(config) - set(_SIDECAR_KEYS)
     if unknown:
         raise ValueError(
             f"data.tokenizer={ranks_path!r}: {path} has unknown keys {sorted(unknown)}; it "
             "takes pattern, special_tokens and eos_token"
         )
+    config = checked(config, _SIDECAR_KEYS, path, _SIDECAR_FIX)
+    if "special_tokens" in config:  # token text → id
+        special = config["special_tokens"]
+        ids = {text: Key(int, 0) for text in special}
+        fix = _SIDECAR_FIX
+        config["special_tokens"] = checked(special, ids, path, fix, prefix="special_tokens.")
     return config
 
 

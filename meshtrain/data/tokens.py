@@ -16,9 +16,11 @@ import numpy as np
 
 from meshtrain.data.batches import Dataset
 from meshtrain.data.config import DataConfig, min_size
+from meshtrain.data.manifest_values import checked_manifest, fix
 from meshtrain.data.packing import pack_rows
 from meshtrain.data.prepare import DOCUMENTS, MANIFEST, TOKENS, corpus_problem, read_manifest
 from meshtrain.data.tokenizer import Tokenizer, load_tokenizer
+from meshtrain.filevalues import read_json
 
 
 class TokenCorpus:
@@ -42,6 +44,7 @@ class TokenCorpus:
             )
         manifest = read_manifest(directory)
         if manifest is None and os.path.isfile(os.path.join(directory, MANIFEST)):
+            read_json(os.path.join(directory, MANIFEST), fix(directory))  # names where it breaks
             raise ValueError(
                 f"{where}: {os.path.join(directory, MANIFEST)} is damaged (not a manifest "
                 f"`meshtrain prepare` wrote); restore it, or prepare the corpus again: "
@@ -52,6 +55,7 @@ class TokenCorpus:
                 f"{where}: no readable {MANIFEST}; prepare it first: meshtrain prepare FILES "
                 f"--out {directory}"
             )
+        manifest = checked_manifest(directory, manifest)  # each value as a flag's
         problem = corpus_problem(directory, manifest)
         if problem:
             raise ValueError(

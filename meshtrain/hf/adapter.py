@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from meshtrain.filevalues import Key
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.problem import Problem
 
@@ -80,6 +81,9 @@ class Adapter:
             ``dtype`` and the token ids.
         export_problems: `GPTConfig` (of the layout's style) → why this architecture cannot
             hold the config, as `Problem` lines naming the field; empty when it can.
+        keys: the ``config.json`` keys `config_from_hf` reads → what each must hold (a
+            `meshtrain.filevalues.Key`, whose ``field`` is the `GPTConfig` setting it fills);
+            checked before `config_from_hf` runs, so a wrong value names the file and key.
     """
 
     model_type: str
@@ -88,6 +92,7 @@ class Adapter:
     config_from_hf: Callable[[Mapping], GPTConfig]
     config_to_hf: Callable[[GPTConfig], dict]
     export_problems: Callable[[GPTConfig], list[Problem]]
+    keys: Mapping[str, Key] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from meshtrain import filevalues
 from meshtrain.hf.registry import adapter_for, adapter_for_hf
 from meshtrain.models.gpt import GPTConfig
+from meshtrain.problem import RunCheckError
+
+FIX = "fix the file, or download the model again"  # a wrong value inside config.json
 
 # The GPTConfig fields (and properties, after defaults) that decide a GPT's weights and math;
 # the rest (remat, dtype, kernels) are training choices that HF files do not hold.
@@ -38,21 +42,36 @@ _POSITIONS = {
 }
 
 
-def config_from_hf(hf: Mapping, *, where: str = "config.json") -> GPTConfig:
+def config_from_hf(
+    hf: Mapping, *, where: str = "config.json", fix: str = FIX, flag_fix: str = ""
+) -> GPTConfig:
     """The `GPTConfig` a Hugging Face ``config.json`` describes.
 
     Args:
         hf: the parsed ``config.json``.
         where: a label for error messages (the file).
+        fix: what fixes a wrong value in the file, ending each line about one.
+        flag_fix: for a key that fills a `GPTConfig` setting, the other fix, with ``{flag}``
+            for the setting with dashes (see `meshtrain.filevalues.checked`).
 
     Returns:
         The config; ``d_ff`` and ``n_kv_heads`` are 0 where they equal meshtrain's defaults.
 
     Raises:
-        ValueError: ``where: ...`` naming the architecture or field meshtrain cannot reproduce.
+        ValueError: ``where: ...`` naming the architecture or field meshtrain cannot reproduce;
+            a `RunCheckError` of ``where: key=value: ...; fix`` lines for values of the wrong
+            type or out of range (every one at once).
     """
     try:
-        cfg = adapter_for_hf(hf).config_from_hf(hf)
+        adapter = adapter_for_hf(hf)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    values = filevalues.checked(hf, adapter.keys, where, fix, flag_fix=flag_fix)
+    try:
+        cfg = adapter.config_from_hf(values)
+    except RunCheckError as e:
+        keys, flags = adapter.keys, flag_fix
+        raise filevalues.relabel(e, values, keys, where, fix, flag_fix=flags, whole=True) from None
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if cfg.d_ff == dataclasses.replace(cfg, d_ff=0).ff_dim:

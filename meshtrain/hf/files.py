@@ -14,6 +14,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from meshtrain.filevalues import read_json
 from meshtrain.hf.adapter import HEAD, Adapter
 from meshtrain.hf.convert import shapes
 from meshtrain.models.gpt import GPTConfig
@@ -49,7 +50,14 @@ def tensor_files(path: Path) -> dict[str, Path]:
         with open_tensors(single) as f:
             return dict.fromkeys(f.keys(), single)
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        fix = "download the model again, with its index"
+        weight_map = read_json(index, fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(
+                f"{index}: weight_map must be a JSON object of tensor name → file name; {fix}"
+            )
         return {key: path / name for key, name in weight_map.items()}
     raise ValueError(
         f"{path}: no model.safetensors (or model.safetensors.index.json) found; save the model "

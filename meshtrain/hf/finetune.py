@@ -9,10 +9,10 @@ it is checked by reading JSON only, before anything is built or compiled.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from meshtrain.hf.config import config_from_hf, same_architecture
+from meshtrain.filevalues import read_json
+from meshtrain.hf.config import FIX, config_from_hf, same_architecture
 from meshtrain.hf.files import tensor_files
 from meshtrain.hf.pretrained import load_pretrained, save_pretrained
 from meshtrain.hf.registry import adapter_for
@@ -20,6 +20,8 @@ from meshtrain.hf.tokenizer import tokenizer_path
 from meshtrain.models.gpt import GPTConfig
 
 PREFIX = "hf:"
+# A wrong value in the checkpoint's config.json: the other fix is a model of one's own shape.
+FLAG_FIX = "or pass --{flag} when not using --init-from"
 
 
 def checkpoint_dir(spec: str, field: str = "init_from") -> Path:
@@ -77,11 +79,8 @@ def run_config(path: Path, flags: GPTConfig, given: list[str]) -> GPTConfig:
         ValueError: a flag contradicts the checkpoint (one line naming the flags and values).
     """
     where = f"{path / 'config.json'}"
-    try:
-        hf_json = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: cannot read it as JSON ({e})") from None
-    saved = config_from_hf(hf_json, where=where)
+    hf_json = read_json(where, FIX)
+    saved = config_from_hf(hf_json, where=where, fix="fix the file", flag_fix=FLAG_FIX)
     given = {name: getattr(flags, name) for name in given}
     wrong = [
         f"--gpt.{name.replace('_', '-')} {value} (the checkpoint has {getattr(saved, name)!r})"

@@ -22,9 +22,25 @@ from collections.abc import Mapping
 import numpy as np
 
 from meshtrain import validate
+from meshtrain.filevalues import Key
 from meshtrain.hf.adapter import Adapter, Getter, Layout, expect, need
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.problem import Problem
+
+# The keys `config_from_hf` reads, and the GPTConfig setting each fills.
+KEYS = {
+    "vocab_size": Key(int, 1, required=True, field="gpt.vocab_size"),
+    "n_positions": Key(int, 1, field="gpt.max_seq_len"),
+    "n_embd": Key(int, 1, required=True, field="gpt.d_model"),
+    "n_layer": Key(int, 1, required=True, field="gpt.n_layers"),
+    "n_head": Key(int, 1, required=True, field="gpt.n_heads"),
+    "n_inner": Key(int, 1, null=True, field="gpt.d_ff"),
+    "layer_norm_epsilon": Key(float, 0, strict=True, field="gpt.norm_eps"),
+    "tie_word_embeddings": Key(bool, field="gpt.tie_embeddings"),
+    "scale_attn_weights": Key(bool),
+    "scale_attn_by_inverse_layer_idx": Key(bool),
+    "add_cross_attention": Key(bool),
+}
 
 
 def config_from_hf(hf: Mapping) -> GPTConfig:
@@ -196,4 +212,5 @@ ADAPTER = Adapter(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     export_problems=export_problems,
+    keys=KEYS,
 )

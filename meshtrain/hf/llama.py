@@ -22,11 +22,31 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from meshtrain import validate
+from meshtrain.filevalues import Key
 from meshtrain.hf.adapter import Adapter, Getter, Layout, expect, need, refuse
 from meshtrain.models.gpt import GPTConfig
 from meshtrain.problem import Problem
 
 # --- config.json -----------------------------------------------------------------------------
+
+# The keys `fields_from_hf` reads, and the GPTConfig setting each fills.
+KEYS = {
+    "vocab_size": Key(int, 1, required=True, field="gpt.vocab_size"),
+    "hidden_size": Key(int, 1, required=True, field="gpt.d_model"),
+    "num_hidden_layers": Key(int, 1, required=True, field="gpt.n_layers"),
+    "num_attention_heads": Key(int, 1, required=True, field="gpt.n_heads"),
+    "num_key_value_heads": Key(int, 1, null=True, field="gpt.n_kv_heads"),
+    "intermediate_size": Key(int, 1, required=True, field="gpt.d_ff"),
+    "head_dim": Key(int, 1, null=True),
+    "max_position_embeddings": Key(int, 1, field="gpt.max_seq_len"),
+    "rms_norm_eps": Key(float, 0, strict=True, field="gpt.norm_eps"),
+    "rope_theta": Key(float, 0, strict=True, field="gpt.rope_theta"),
+    "tie_word_embeddings": Key(bool, field="gpt.tie_embeddings"),
+    "original_max_position_embeddings": Key(int, 1, null=True),
+    "partial_rotary_factor": Key(float, 0, strict=True),
+    "attention_bias": Key(bool),
+    "mlp_bias": Key(bool),
+}
 
 
 def fields_from_hf(hf: Mapping) -> dict:
@@ -246,4 +266,5 @@ ADAPTER = Adapter(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     export_problems=export_problems,
+    keys=KEYS,
 )

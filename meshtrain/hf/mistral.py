@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from meshtrain import validate
+from meshtrain.filevalues import Key
 from meshtrain.hf import llama
 from meshtrain.hf.adapter import Adapter, refuse
 from meshtrain.models.gpt import GPTConfig
@@ -49,4 +50,5 @@ ADAPTER = Adapter(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     export_problems=export_problems,
+    keys=llama.KEYS | {"sliding_window": Key(int, 1, null=True, field="gpt.sliding_window")},
 )

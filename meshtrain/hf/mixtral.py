@@ -38,15 +38,29 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from meshtrain import filevalues
+from meshtrain.filevalues import Key, read_json
 from meshtrain.hf import llama
 from meshtrain.hf.adapter import refuse
+from meshtrain.hf.config import FIX
 from meshtrain.hf.files import open_tensors, tensor_files
 from meshtrain.models.moe import MoE
 from meshtrain.models.moe_config import MoEConfig
+from meshtrain.problem import RunCheckError
 
 ARCHITECTURE = "MixtralForCausalLM"
 # The MoEConfig fields that set the training objective, which `load_mixtral` lets a caller change.
 OBJECTIVE = ("router_losses", "aux_loss_coef", "z_loss_coef")
+_LLAMA = llama.KEYS.items()
+# The config.json keys `config_from_hf` reads, and the MoEConfig setting each fills.
+KEYS = {
+    **{k: dataclasses.replace(v, field=v.field.replace("gpt.", "moe.")) for k, v in _LLAMA},
+    "num_local_experts": Key(int, 1, field="moe.n_experts"),
+    "num_experts_per_tok": Key(int, 1, field="moe.top_k"),
+    "router_aux_loss_coef": Key(float, 0, field="moe.aux_loss_coef"),
+    "output_router_logits": Key(bool),
+    "sliding_window": Key(int, 1, null=True, field="moe.sliding_window"),
+}
 
 
 def config_from_hf(hf: Mapping) -> MoEConfig:
@@ -170,13 +184,17 @@ def load_mixtral(
         The model (unsharded, float32 parameters).
     """
     path = Path(path)
-    hf = json.loads((path / "config.json").read_text())
+    where = str(path / "config.json")
+    hf = read_json(where, FIX)
     if ARCHITECTURE not in (hf.get("architectures") or [ARCHITECTURE]):
         raise ValueError(f"{path}: architectures={hf.get('architectures')}; not {ARCHITECTURE}")
+    values = filevalues.checked(hf, KEYS, where, FIX)
     try:
-        cfg = config_from_hf(hf)
+        cfg = config_from_hf(values)
+    except RunCheckError as e:
+        raise filevalues.relabel(e, values, KEYS, where, FIX, whole=True) from None
     except ValueError as e:
-        raise ValueError(f"{path / 'config.json'}: {e}") from None
+        raise ValueError(f"{where}: {e}") from None
     objective = dict(objective or {})
     unknown = sorted(set(objective) - set(OBJECTIVE))
     if unknown:

@@ -6,7 +6,6 @@ config (export); placing parameters on a mesh and the shape checks are the same 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from numpy.typing import DTypeLike
 
-from meshtrain.hf.config import config_from_hf, config_to_hf, same_architecture
+from meshtrain.filevalues import read_json
+from meshtrain.hf.config import FIX, config_from_hf, config_to_hf, same_architecture
 from meshtrain.hf.convert import shapes, to_hf, to_meshtrain
 from meshtrain.hf.files import read_tensors, write_tensors
 from meshtrain.hf.registry import adapter_for, adapter_for_hf
@@ -71,8 +71,9 @@ def load_pretrained(
         raise ValueError("load_pretrained: pass mesh and rules together (or neither)")
     if not (path / "config.json").is_file():
         raise ValueError(f"{path}: no config.json; is this a Hugging Face model directory?")
-    hf = json.loads((path / "config.json").read_text())
-    hf_cfg = config_from_hf(hf, where=f"{path}")
+    where = str(path / "config.json")
+    hf = read_json(where, FIX)
+    hf_cfg = config_from_hf(hf, where=where)
     adapter = adapter_for_hf(hf)
     if config is not None:
         differ = same_architecture(config, hf_cfg)

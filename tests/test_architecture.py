@@ -46,6 +46,7 @@ LAYERS = [
         "meshtrain.run",
         "meshtrain.check",
         "meshtrain.composition",
+        "meshtrain.effect",
     ],
     [
         "meshtrain.lower",

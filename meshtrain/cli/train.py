@@ -66,7 +66,8 @@ class OffloadFlags(validate.Checked):
         offload: what lives in host memory between steps: none, or optimizer (the optimizer
             state; each step fetches it and writes it back). Activations go to host memory
             through a remat policy (--gpt.remat offload-dots). See the Memory guide.
-        offload_memory_kind: the host memory: pinned_host or unpinned_host.
+        offload_memory_kind: the host memory of --offload optimizer: pinned_host or
+            unpinned_host (a remat policy's activations always go to pinned_host).
     """
 
     offload: str = "none"

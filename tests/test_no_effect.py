@@ -15,51 +15,62 @@ from meshtrain import cli
 from meshtrain.check import check_run
 from meshtrain.cli.parsing import flag_table
 from meshtrain.cli.train import TrainJob
-from meshtrain.effect import NEEDS, Needs, no_effect_problems
+from meshtrain.effect import NEEDS, Needs, job_problems, no_effect_problems
 from meshtrain.models import families
 from meshtrain.models.base import DataSpec
+from meshtrain.problem import Problem
 from meshtrain.run import RunSpec
 
 ROOT = pathlib.Path(__file__).parent.parent
 BASE = RunSpec(data=DataSpec("lm", 8, 16, 256), mesh={"data": 8})
 
 
-def _changed(run: RunSpec, changes: dict) -> RunSpec:
-    """`run` with `changes` (dotted paths: ``"precision.policy"``, or a whole ``"mesh"``)."""
-    run = run.resolved()
+def _changed(run, changes: dict):
+    """`run` (a `RunSpec` or a `TrainJob`) with `changes` (dotted paths:
+    ``"precision.policy"``, or a whole ``"mesh"``)."""
+    if isinstance(run, RunSpec):
+        run = run.resolved()
     by_part: dict[str, dict] = {}
     for path, value in changes.items():
         part, _, name = path.partition(".")
         if name:
             by_part.setdefault(part, {})[name] = value
         else:
-            run = run.replace(**{part: value})
+            run = dataclasses.replace(run, **{part: value})
     for part, fields in by_part.items():
-        run = run.replace(**{part: dataclasses.replace(getattr(run, part), **fields)})
+        run = dataclasses.replace(run, **{part: dataclasses.replace(getattr(run, part), **fields)})
     return run
 
 
-def _run(needs: Needs, changes: dict) -> RunSpec:
-    """The smallest run of `needs`' model family, changed."""
+def _run(needs: Needs, changes: dict):
+    """The smallest run of `needs`' model family (the default job, for scope ``job``),
+    changed."""
+    if needs.scope == "job":
+        return _changed(TrainJob(), changes)
     model = families()[needs.family or "gpt"].config()
     return _changed(BASE.replace(model=model), changes)
 
 
-def _fields(run: RunSpec) -> list[str]:
-    return [p.field for p in no_effect_problems(run)]
+def _problems(needs: Needs, run) -> list[Problem]:
+    """What the row's scope refuses in `run`."""
+    return job_problems(run) if needs.scope == "job" else no_effect_problems(run)
+
+
+def _fields(needs: Needs, run) -> list[str]:
+    return [p.field for p in _problems(needs, run)]
 
 
 @pytest.mark.parametrize("needs", NEEDS, ids=[n.field for n in NEEDS])
 def test_a_setting_is_refused_while_its_feature_is_off_and_counts_once_it_is_on(needs):
     value, turn_off, turn_on = needs.example
     assert value != needs.default
-    assert _fields(_run(needs, turn_off)) == []  # at its default it is never refused
-    (problem,) = no_effect_problems(_run(needs, {**turn_off, needs.at: value}))
+    assert _fields(needs, _run(needs, turn_off)) == []  # at its default it is never refused
+    (problem,) = _problems(needs, _run(needs, {**turn_off, needs.at: value}))
     assert problem.field == needs.field and problem.value == value
     line = str(problem)
     assert "has no effect" in line and f"drop {needs.flag} or " in line, line
     assert "\n" not in line
-    assert needs.field not in _fields(_run(needs, {**turn_on, needs.at: value}))
+    assert needs.field not in _fields(needs, _run(needs, {**turn_on, needs.at: value}))
 
 
 @pytest.mark.parametrize("needs", NEEDS, ids=[n.field for n in NEEDS])
@@ -75,7 +86,7 @@ def test_each_row_names_a_flag_of_meshtrain_train_whose_default_is_the_rows(need
 
 def test_every_setting_without_effect_is_refused_at_once_by_the_run_check():
     # several rows at once, drawn afresh: the run check names each, once, in the table's order
-    rows = [n for n in NEEDS if n.family in (None, "gpt") and not n.example[1]]
+    rows = [n for n in NEEDS if n.scope == "run" and n.family in (None, "gpt") and not n.example[1]]
     chosen = random.sample(rows, 3)
     run = _run(chosen[0], {n.at: n.example[0] for n in chosen})
     order = [n.field for n in NEEDS if n in chosen]
@@ -103,6 +114,7 @@ def test_loss_scaling_settings_are_refused_under_fp32_and_under_fp16_with_scalin
         (["--loss-scale-init", "1024"], "loss_scale_init=1024.0: has no effect under --precision"),
         (["--offload-memory-kind", "unpinned_host"], "offload_memory_kind='unpinned_host': has"),
         (["--gather-once"], "gather_once=True: has no effect on a mesh with pipe=1"),
+        (["--no-save", "--keep-last", "5"], "keep_last=5: has no effect with --no-save"),
     ],
 )
 def test_the_cli_refuses_a_flag_without_effect_in_one_line_before_compiling(

@@ -7,14 +7,15 @@ from __future__ import annotations
 from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
-COLUMNS = ("flag", "belongs to", "to make it count")
+COLUMNS = ("flag", "belongs to", "to make it count", "checked by")
+WHERE = {"run": "the run check", "job": "meshtrain train"}
 
 
 def rows() -> list[tuple[str, ...]]:
-    """One row per setting: its flag, the feature it belongs to and the fix."""
+    """One row per setting: its flag, the feature it belongs to, the fix and what checks it."""
     from meshtrain.effect import NEEDS
 
-    return [(n.flag, n.feature, n.fix) for n in NEEDS]
+    return [(n.flag, n.feature, n.fix, WHERE[n.scope]) for n in NEEDS]
 
 
 def _row(cells: tuple[str, ...], literal: tuple[bool, ...]) -> nodes.row:
@@ -39,7 +40,7 @@ class NoEffect(SphinxDirective):
         head, body = nodes.thead(), nodes.tbody()
         head += _row(COLUMNS, (False,) * len(COLUMNS))
         for cells in rows():
-            body += _row(cells, (True, False, False))
+            body += _row(cells, (True, False, False, False))
         group += head
         group += body
         return [nodes.table("", group)]

@@ -24,6 +24,7 @@ extensions = [
     "api_reference",
     "cli_reference",
     "refusals",
+    "no_effect",
     "composition",
 ]
 

@@ -20,6 +20,7 @@ from meshtrain.checkpoint.dirs import directory_problems
 from meshtrain.composition import model_name, pair_problems
 from meshtrain.context_parallel import context_problems
 from meshtrain.data.clients import client_problems
+from meshtrain.effect import no_effect_problems
 from meshtrain.layout import Rules, state_problems
 from meshtrain.mesh import PIPE
 from meshtrain.models.base import pipeline_parts, takes_packed
@@ -59,6 +60,7 @@ def check_run(
     problems = run.precision.model_problems(run.model)
     problems += offload_problems(run)
     problems += pair_problems(run)  # features that do not run together (meshtrain.composition)
+    problems += no_effect_problems(run)  # settings whose feature is off (meshtrain.effect)
     problems += replica_problems(run.sync, rules, sizes)  # gossip's graph, federated clients
     problems += client_problems(getattr(data, "client_alpha", None), run.sync.local)
     algorithm = getattr(rules, "context_parallel", "ring")

@@ -34,10 +34,11 @@ class OptimConfig(validate.Checked):
         warmup_steps: linear warm-up steps, the last of which runs at `lr` (0 or 1: start at
             `lr`).
         min_lr_ratio: the cosine ends at ``lr · min_lr_ratio`` on the last step.
-        weight_decay: decoupled weight decay on matrices (not on biases or norm scales).
+        weight_decay: decoupled weight decay on matrices (not on biases or norm scales);
+            every optimizer applies it.
         b1: first-moment decay (adamw, lamb).
         b2: second-moment decay (adamw, lamb).
-        eps: denominator epsilon.
+        eps: denominator epsilon (adamw, lamb).
         momentum: momentum (sgd, lars).
         clip_norm: clip gradients to this global norm; 0 turns clipping off.
     """

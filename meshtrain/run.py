@@ -50,7 +50,7 @@ class TrainConfig(validate.Checked):
         seed: seed of the parameter initialisers (a model config, or a constructor that
             takes an ``nnx.Rngs``).
         run_dir: where metrics.jsonl (and checkpoints) go; empty: write no files.
-        tensorboard: also write TensorBoard event files to run_dir.
+        tensorboard: also write TensorBoard event files to run_dir (none without one).
         progress: show a progress bar.
         max_bad_steps: stop after this many consecutive steps whose update was skipped for a
             non-finite loss or gradient.

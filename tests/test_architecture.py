@@ -47,6 +47,7 @@ LAYERS = [
         "meshtrain.run",
         "meshtrain.check",
         "meshtrain.composition",
+        "meshtrain.effect",
     ],
     [
         "meshtrain.lower",

@@ -147,7 +147,10 @@ class Case:
         if base is PALLAS and self.schedule in CHUNKED:  # 2 stages × 2 chunks of layers
             base = dataclasses.replace(base, n_layers=4)
         if base is None:
-            base = dataclasses.replace(MOE, dispatch=self.model.removeprefix("moe-"))
+            dispatch = self.model.removeprefix("moe-")
+            base = dataclasses.replace(MOE, dispatch=dispatch)
+            if dispatch == "dropless":  # its capacity factor would have no effect
+                base = dataclasses.replace(base, capacity_factor=MoEConfig.capacity_factor)
             if self.schedule in CHUNKED:  # 2 stages × 2 chunks of layers
                 base = dataclasses.replace(base, n_layers=4)
             if self.pallas:
@@ -192,10 +195,12 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX, offload=F
     sync = case.sync if sync is None else sync
     cfg = case.config()
     mesh = make_mesh(mesh_str, devices=devices)
-    rules = rules_for(strategy, mesh, context_parallel=case.context or "ring")
+    split = mesh.shape.get("seq", 1) > 1  # an algorithm on seq = 1 would have no effect
+    rules = rules_for(strategy, mesh, context_parallel=(split and case.context) or "ring")
     values = initial_values(dataclasses.replace(cfg, remat="none"))  # remat makes no parameter
 
-    precision = Precision(policy=case.precision, loss_scale_init=LOSS_SCALE)
+    scaled = {"loss_scale_init": LOSS_SCALE} if case.precision == "fp16" else {}
+    precision = Precision(policy=case.precision, **scaled)
     if precision.loss_scaling(cfg):  # float16: the scale rides in the optimizer state
         tx = with_loss_scale(tx, LOSS_SCALE)
     graphdef, state, shardings = init_train_state(model_from(cfg, values), tx, mesh, rules)
@@ -206,6 +211,8 @@ def _setup(case, mesh_str, strategy, devices, accum, sync=None, tx=TX, offload=F
         microbatches=MICROBATCHES,
         repeats=2 if case.schedule in CHUNKED else 1,
     )
+    if mesh.shape.get("pipe", 1) == 1:  # pipeline settings would have no effect
+        pipeline = PipelineConfig()
     train = TrainConfig(accum_steps=accum, run_dir="")
     run = RunSpec(
         mesh=mesh,

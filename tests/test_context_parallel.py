@@ -382,7 +382,11 @@ def test_bad_context_settings_are_clear_errors_before_compiling():
             "(e.g. --context-parallel ring)"
         ]
         assert _problems(dict(seq=2, pipe=2, data=2), "ring") == []  # inside the stages
-        assert _problems(dict(seq=1, data=8), "spiral") == []  # seq=1: nothing to check
+        assert _problems(dict(seq=1, data=8), "allgather") == [  # seq=1: it would do nothing
+            "context_parallel='allgather': has no effect on a mesh with seq=1: it belongs to "
+            "context parallelism; drop --context-parallel or add seq=N to --mesh (e.g. --mesh "
+            "data=4,seq=2)"
+        ]
     assert compiles == []
 
 

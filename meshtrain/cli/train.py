@@ -36,7 +36,7 @@ from meshtrain.offload import Offload
 from meshtrain.optim import OptimConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import Precision
-from meshtrain.problem import Problem, RunCheckError
+from meshtrain.problem import Problem, RunCheckError, raise_if
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec, TrainConfig
 
@@ -65,7 +65,8 @@ class OffloadFlags(validate.Checked):
         offload: what lives in host memory between steps: none, or optimizer (the optimizer
             state; each step fetches it and writes it back). Activations go to host memory
             through a remat policy (--gpt.remat offload-dots). See the Memory guide.
-        offload_memory_kind: the host memory: pinned_host or unpinned_host.
+        offload_memory_kind: the host memory of --offload optimizer: pinned_host or
+            unpinned_host (a remat policy's activations always go to pinned_host).
     """
 
     offload: str = "none"
@@ -444,7 +445,11 @@ def check(job: TrainJob, given: frozenset[str]) -> None:
     Raises:
         UsageError: flags of a model family the job does not train, or ``--context-parallel``
             given while the mesh splits nothing over seq.
+        RunCheckError: settings a `RunSpec` does not hold changed while their feature is off
+            (`meshtrain.effect.job_problems`: checkpoints under --no-save, data options).
     """
+    from meshtrain.effect import job_problems
+
     for path in sorted(given):
         family = path.split(".")[0]
         if family in families() and family != job.model and "." in path:
@@ -459,6 +464,7 @@ def check(job: TrainJob, given: frozenset[str]) -> None:
             "so no attention is split over the sequence; add seq=N to --mesh (e.g. --mesh "
             "data=4,seq=2) or drop --context-parallel"
         )
+    raise_if(job_problems(job))
 
 
 def run(job: TrainJob, given: frozenset[str] = frozenset()) -> int:

@@ -12,7 +12,8 @@ from meshtrain.problem import Problem
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineConfig(validate.Checked):
-    """How to pipeline over the mesh's ``pipe`` axis (ignored while pipe = 1).
+    """How to pipeline over the mesh's ``pipe`` axis (while pipe = 1 each setting has no
+    effect, and the run check refuses one changed from its default: `meshtrain.effect`).
 
     Args:
         schedule: ``gpipe``, ``circular`` (a gpipe loop round the stages v times), ``1f1b``,

@@ -69,7 +69,10 @@ class Candidate:
 
 
 def pipeline_config(cand: Candidate) -> PipelineConfig:
-    """The `PipelineConfig` a candidate runs (ignored while pipe = 1)."""
+    """The `PipelineConfig` a candidate runs (the defaults while pipe = 1: the run check
+    refuses pipeline settings on a mesh without pipe, `meshtrain.effect`)."""
+    if cand.pipe == 1:
+        return PipelineConfig()
     return PipelineConfig(
         schedule=cand.schedule,
         microbatches=cand.microbatches,

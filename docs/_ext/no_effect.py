@@ -4,6 +4,7 @@ the run check refuses."""
 
 from __future__ import annotations
 
+from _tables import table
 from docutils import nodes
 from sphinx.util.docutils import SphinxDirective
 
@@ -18,16 +19,6 @@ def rows() -> list[tuple[str, ...]]:
     return [(n.flag, n.feature, n.fix, WHERE[n.scope]) for n in NEEDS]
 
 
-def _row(cells: tuple[str, ...], literal: tuple[bool, ...]) -> nodes.row:
-    """A table row; the cells marked `literal` are shown as code."""
-    row = nodes.row()
-    for text, code in zip(cells, literal, strict=True):
-        entry = nodes.entry()
-        entry += nodes.paragraph("", "", nodes.literal(text, text) if code else nodes.Text(text))
-        row += entry
-    return row
-
-
 class NoEffect(SphinxDirective):
     """The settings without effect while their feature is off, as a table."""
 
@@ -35,15 +26,7 @@ class NoEffect(SphinxDirective):
 
     def run(self) -> list[nodes.Node]:
         self.env.note_reread()  # the table comes from the code: read it again on every build
-        group = nodes.tgroup(cols=len(COLUMNS))
-        group += [nodes.colspec(colwidth=1) for _ in COLUMNS]
-        head, body = nodes.thead(), nodes.tbody()
-        head += _row(COLUMNS, (False,) * len(COLUMNS))
-        for cells in rows():
-            body += _row(cells, (True, False, False, False))
-        group += head
-        group += body
-        return [nodes.table("", group)]
+        return [table(COLUMNS, rows(), (True, False, False, False))]
 
 
 def setup(app):

@@ -55,14 +55,21 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
     return index
 
 
+def _add_pairs(a: tuple, b: tuple) -> tuple:
+    """The reduction of `leaf_digest`: both sums at once."""
+    return a[0] + b[0], a[1] + b[1]
+
+
 def leaf_digest(x: jax.Array) -> jax.Array:
     """uint32 [2]: the two weighted sums of `x`'s words (see the module docstring)."""
     w = words(x)
     i = _flat_index(w.shape)
     odd = i * jnp.uint32(2) + jnp.uint32(1)
     hashed = (i * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
-    d1 = jnp.sum(w * odd, dtype=jnp.uint32)
-    d2 = jnp.sum(w * hashed, dtype=jnp.uint32)
+    zero = jnp.uint32(0)
+    # One reduction of two operands: one pass over `x` (two jnp.sum calls take about four
+    # times as long on CPU).
+    d1, d2 = lax.reduce((w * odd, w * hashed), (zero, zero), _add_pairs, tuple(range(w.ndim)))
     return jnp.stack([d1, d2])
 
 

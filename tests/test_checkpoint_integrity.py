@@ -52,7 +52,10 @@ def _reference(host: np.ndarray) -> tuple[int, int]:
     w = w.astype(np.uint64).ravel()
     i = np.arange(w.size, dtype=np.uint64)
     odd = (2 * i + 1) % 2**32
-    hashed = ((i * 0x9E3779B1) % 2**32) | 1
+    hashed = i.copy()  # the mixing function: xor-shift, multiply, xor-shift, multiply, xor-shift
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        hashed = ((hashed ^ (hashed >> shift)) * factor) % 2**32
+    hashed = (hashed ^ (hashed >> 16)) | 1
     return int((w * odd % 2**32).sum() % 2**32), int((w * hashed % 2**32).sum() % 2**32)
 
 
@@ -90,6 +93,13 @@ def test_digests_equal_a_numpy_reference_for_every_dtype_and_sharding():
         flat = changed.reshape(-1).view(np.uint32)
         flat[rng.integers(flat.size)] ^= np.uint32(rng.integers(1, 2**32))
         assert array_digests({"x": jnp.asarray(changed)})["x"][0] != _reference(x)[0]
+
+    # Words +1, -2, +1 at three neighbouring indices leave the first digest as it was (the
+    # weights 2i+1 are linear in i); the second one notices.
+    words = x.reshape(-1).view(np.uint32).copy()
+    words[100:103] += np.array([1, -2, 1], np.int64).astype(np.uint32)
+    a, b = array_digests({"x": jnp.asarray(words.view(np.float32).reshape(x.shape))})["x"]
+    assert a == _reference(x)[0] and b != _reference(x)[1]
 
 
 # ---- checkpoints on disk ----

@@ -5,8 +5,10 @@ dtype maps one-to-one) and summed twice, wrapping modulo 2**32, with weights of 
 global flat index ``i``:
 
 - ``d1 = sum(x[i] * (2*i + 1))``: the weights are odd, so changing any one word changes d1;
-- ``d2 = sum(x[i] * h(i))`` with ``h(i) = (i * 0x9E3779B1) | 1``, a multiplicative hash, so
-  that changes to several words rarely cancel in both sums.
+- ``d2 = sum(x[i] * h(i))`` with ``h(i) = mix(i) | 1``, where ``mix`` alternates xor-shifts and
+  odd multiplications. A multiplication alone (``i * K``) is linear modulo 2**32, and so would
+  be the changes that cancel in both sums; ``mix`` is far from linear, so changes to several
+  words that cancel in d1 almost never cancel in d2.
 
 Integer sums do not depend on the order of the additions, so the digests are the same for
 any sharding, device count or process count, and one jitted call computes them all without
@@ -28,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshtrain._tree import path_str
 
-_GOLDEN = 0x9E3779B1  # 2**32 / golden ratio, odd
+_MIX = (16, 0x7FEB352D, 15, 0x846CA68B, 16)  # shift, multiply, shift, multiply, shift
 _WORDS = {64: jnp.uint32, 32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8, 4: jnp.uint4}
 
 
@@ -60,12 +62,19 @@ def _add_pairs(a: tuple, b: tuple) -> tuple:
     return a[0] + b[0], a[1] + b[1]
 
 
+def mix(i: jax.Array) -> jax.Array:
+    """uint32: an integer mixing function of `i` (xor-shifts and odd multiplications)."""
+    for k, step in enumerate(_MIX):
+        i = i ^ (i >> jnp.uint32(step)) if k % 2 == 0 else i * jnp.uint32(step)
+    return i
+
+
 def leaf_digest(x: jax.Array) -> jax.Array:
     """uint32 [2]: the two weighted sums of `x`'s words (see the module docstring)."""
     w = words(x)
     i = _flat_index(w.shape)
     odd = i * jnp.uint32(2) + jnp.uint32(1)
-    hashed = (i * jnp.uint32(_GOLDEN)) | jnp.uint32(1)
+    hashed = mix(i) | jnp.uint32(1)
     zero = jnp.uint32(0)
     # One reduction of two operands: one pass over `x` (two jnp.sum calls take about four
     # times as long on CPU).

@@ -1,10 +1,10 @@
 """Flipped-byte soak: does a restore notice one changed byte anywhere in a checkpoint step?
 
-Writes a small model's checkpoint with two steps (an MLP and its Adam state, 0.2 MB, sharded
-``fsdp=8``), then for each trial copies the directory, xors one byte of the newest step with a
-random non-zero value, and restores with step None. The byte is at a random offset of a random
-file (``--pick file``, every file alike) or a random byte of the step (``--pick byte``, so
-files are hit in proportion to their size).
+Writes a small model's checkpoint with two steps (an MLP and its Adam state, sharded ``fsdp=8``,
+0.46 MB a step), then for each trial copies the directory, xors one byte of the newest step
+with a random non-zero value, and restores with step None. The byte is at a random offset of
+a random file (``--pick file``, every file alike) or a random byte of the step (``--pick
+byte``, so files are hit in proportion to their size).
 Each trial ends one of four ways:
 
 - ``detected``: a `CheckpointWarning` names the newest step and the previous step is restored

@@ -101,7 +101,7 @@ def _mesh_of(leaves: list) -> Mesh | None:
     """The mesh of the first leaf laid out on one, if any."""
     for x in leaves:
         sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding):
+        if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
             return sharding.mesh
     return None
 

@@ -14,6 +14,8 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from meshtrain import validate
 from meshtrain._compat import orbax_finish_tmp_cleanup, orbax_state_handler_without_replica_slices
+from meshtrain.checkpoint import integrity
+from meshtrain.checkpoint.integrity import ChangedBytes
 from meshtrain.checkpoint.targets import layout_mismatch
 from meshtrain.problem import Problem
 from meshtrain.state import TrainState
@@ -78,9 +80,10 @@ def _barrier(name: str) -> None:
 
 
 def _short(error: BaseException) -> str:
-    """An exception as one short line."""
+    """An exception as one short line (changed bytes without the exception's name)."""
     text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:240]}{'…' if len(text) > 240 else ''}"
+    kind = "" if isinstance(error, ChangedBytes) else f"{type(error).__name__}: "
+    return f"{kind}{text[:240]}{'…' if len(text) > 240 else ''}"
 
 
 class CheckpointManager:
@@ -116,6 +119,7 @@ class CheckpointManager:
             "state": orbax_state_handler_without_replica_slices(),
             "data": ocp.JsonCheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
+            "digests": ocp.JsonCheckpointHandler(),
         }
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         # Orbax removes the leftovers of interrupted saves in the background; finish that now
@@ -162,10 +166,12 @@ class CheckpointManager:
                 f"checkpoint step {step} already exists in {self.directory}; refusing to "
                 "overwrite it"
             )
+        items, data, meta = _items(state), dict(data or {}), {"step": int(step), **(meta or {})}
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(_items(state)),
-            data=ocp.args.JsonSave(dict(data or {})),
-            meta=ocp.args.JsonSave({"step": int(step), **(meta or {})}),
+            state=ocp.args.StandardSave(items),
+            data=ocp.args.JsonSave(data),
+            meta=ocp.args.JsonSave(meta),
+            digests=ocp.args.JsonSave(integrity.record(items, data, meta)),
         )
         self._mgr.save(step, args=args, force=True)
         if wait:
@@ -180,8 +186,8 @@ class CheckpointManager:
         Args:
             target: abstract state (`meshtrain.state.abstract_target`) carrying the new shardings.
             step: the step to read; None: the newest readable one, trying older steps when a
-                newer one is truncated or incomplete (each skip is reported with a
-                `CheckpointWarning`; nothing is deleted).
+                newer one is truncated, incomplete or its bytes differ from the digests taken
+                at save (each skip is reported with a `CheckpointWarning`; nothing is deleted).
             quiet: no warnings (the reasons are still in the error when nothing is readable).
 
         Returns:
@@ -227,11 +233,22 @@ class CheckpointManager:
         raise ValueError(f"no readable checkpoint in {self.directory}: {reasons}")
 
     def _read(self, step: int, target: TrainState) -> Restored:
-        """Checks the saved layout against `target`, then reads step `step` into it."""
-        saved = self._mgr.item_metadata(step)["state"]
+        """Checks the saved layout against `target`, reads step `step` into it, and checks the
+        bytes read against the step's digests (a step saved without them is not checked)."""
+        items = self._mgr.item_metadata(step)
+        record = self._record(step) if "digests" in items else None
+        written = getattr(self._mgr.metadata(step), "item_handlers", None) or {}
+        if record is None and "digests" in written:
+            raise ChangedBytes("its digests item is missing, though the step was saved with one")
+        saved = items["state"]
         if saved is None:
             raise ValueError("the 'state' item is missing")
         problem = layout_mismatch(getattr(saved, "tree", saved), target)
+        if problem and record is not None and record.layout == integrity.layout(target._asdict()):
+            raise ChangedBytes(
+                f"its bytes changed: orbax's metadata of its state describes {problem}, but "
+                "its digests record this model's arrays"
+            )
         if problem:
             raise _Mismatch(problem)
         args = ocp.args.Composite(
@@ -240,7 +257,14 @@ class CheckpointManager:
             meta=ocp.args.JsonRestore(),
         )
         out = self._mgr.restore(step, args=args)
+        if record is not None:
+            record.check(out["state"], out["data"], out["meta"])
         return Restored(step, TrainState(**out["state"]), out["data"] or None, out["meta"])
+
+    def _record(self, step: int) -> integrity.Record:
+        """The parsed ``digests`` item of step `step`."""
+        out = self._mgr.restore(step, args=ocp.args.Composite(digests=ocp.args.JsonRestore()))
+        return integrity.Record(out["digests"])
 
     def set_aside(self, steps: list[int]) -> list[Path]:
         """Renames unreadable steps to ``<step>.unreadable`` so that new saves neither

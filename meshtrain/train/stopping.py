@@ -218,8 +218,8 @@ class AgreedStop:
         while not self._stepped.wait(0.2):
             if self._closed.is_set():
                 return
-        assert self._roll is not None
-        gone = self._roll.call(ANSWER_S)
+        roll = self._roll
+        gone = roll.call(ANSWER_S) if roll is not None else []
         if not gone or self._closed.is_set():
             return
         print(self._gone_line(signal_name, gone), file=sys.stderr, flush=True)

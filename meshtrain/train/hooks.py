@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
+from collections.abc import Callable
 
 from meshtrain.checkpoint import CheckpointManager
 
@@ -42,9 +44,12 @@ class NonFiniteError(RuntimeError):
 class StopSignals:
     """Turns the first SIGTERM/SIGINT into a request to stop after the current step.
 
-    Inside the ``with`` block, the first signal sets `received` (its name); a second one
-    exits the process at once with status 128 + signal number. Outside the main thread
-    (where Python cannot install handlers) it does nothing.
+    Inside the ``with`` block, the first signal sets `received` (its name) and starts the
+    `at_first` callbacks; a second one exits the process at once with status 128 + signal
+    number. A thread watches for signals through `signal.set_wakeup_fd`, so both happen even
+    while the main thread waits inside a computation that never returns (Python runs its own
+    handlers only between the main thread's bytecodes). Outside the main thread (where Python
+    cannot install handlers) it does nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -52,21 +57,57 @@ class StopSignals:
     def __init__(self):
         self.received: str | None = None
         self._previous: dict = {}
+        self._first: list[Callable[[str], None]] = []
+        self._wakeup: tuple[socket.socket, socket.socket, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    def at_first(self, callback: Callable[[str], None]) -> None:
+        """Calls ``callback(name)`` in a thread of its own when the first signal arrives."""
+        self._first.append(callback)
 
     def _handle(self, signum, frame) -> None:
-        """Records the first signal; a second one exits immediately."""
-        if self.received is not None:
-            print(f"meshtrain: second {signal.Signals(signum).name}: exiting now", flush=True)
-            os._exit(128 + signum)
-        self.received = signal.Signals(signum).name
+        """Records the first signal (the watching thread exits on a second one)."""
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def _watch(self, reader: socket.socket) -> None:
+        """The thread: starts the callbacks on the first signal, exits on the second."""
+        seen = 0
+        while data := reader.recv(64):
+            for signum in data:
+                if signum not in self.SIGNALS:
+                    continue
+                seen += 1
+                name = signal.Signals(signum).name
+                if seen > 1:
+                    print(f"meshtrain: second {name}: exiting now", flush=True)
+                    os._exit(128 + signum)
+                for callback in self._first:
+                    threading.Thread(target=callback, args=(name,), daemon=True).start()
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            before = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            self._wakeup = (reader, writer, before)
+            self._thread = threading.Thread(
+                target=self._watch, args=(reader,), name="meshtrain-signals", daemon=True
+            )
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._wakeup is not None:
+            reader, writer, before = self._wakeup
+            signal.set_wakeup_fd(before)
+            writer.close()  # the thread reads what is left, then the end
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            reader.close()
+            self._wakeup = self._thread = None

@@ -245,6 +245,7 @@ class Trainer:
             mx.MetricsWriter(run_dir, tensorboard=cfg.tensorboard, append=start > 0) as writer,
             mx.Progress(cfg.steps, enabled=cfg.progress and main) as bar,
             StopSignals() as signals,
+            AgreedStop(signals, self.checkpoints) as stop,
             Watchdog(
                 cfg.hang_factor,
                 cfg.hang_floor_s,
@@ -253,7 +254,6 @@ class Trainer:
                 processes=jax.process_count(),
             ) as self._watchdog,
         ):
-            stop = AgreedStop(signals)
             for step in range(start, end):
                 batch = shard_batch(next(self._iter), self.mesh, self.rules)
                 self.state, metrics = self._step(self.state, batch)

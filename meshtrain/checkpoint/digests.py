@@ -106,6 +106,16 @@ def _mesh_of(leaves: list) -> Mesh | None:
     return None
 
 
+def _on_device(x):
+    """`x` in device memory (an offloaded leaf lives in host memory, which XLA's arithmetic
+    cannot mix with device arrays)."""
+    sharding = getattr(x, "sharding", None)
+    kind = getattr(sharding, "memory_kind", None)
+    if kind is not None and kind != "device" and hasattr(sharding, "with_memory_kind"):
+        return jax.device_put(x, sharding.with_memory_kind("device"))
+    return x
+
+
 def array_digests(tree: Any) -> dict[str, tuple[int, int]]:
     """Tree path (``params/head/kernel``) → the digest of that array leaf.
 
@@ -114,7 +124,7 @@ def array_digests(tree: Any) -> dict[str, tuple[int, int]]:
     values.
     """
     named = jax.tree_util.tree_leaves_with_path(tree)
-    leaves = [x for _, x in named]
+    leaves = [_on_device(x) for _, x in named]
     table = np.asarray(_program(_mesh_of(leaves))(leaves))  # uint32 [leaves, 2]
     return {path_str(p): (int(a), int(b)) for (p, _), (a, b) in zip(named, table, strict=True)}
 

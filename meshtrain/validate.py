@@ -160,7 +160,6 @@ def in_range(
     *,
     closed: str = "[]",
     integer=False,
-    allow_inf=False,
     flag=None,
     example=None,
     note=None,
@@ -178,7 +177,7 @@ def in_range(
     Returns:
         ``[Problem(field, value, "must be a number in [low, high)...")]``, or ``[]``.
     """
-    ok = is_int(value) if integer else is_number(value, allow_inf=allow_inf)
+    ok = is_int(value) if integer else is_number(value)
     if ok:
         lower = value >= low if closed[0] == "[" else value > low
         upper = value <= high if closed[1] == "]" else value < high

@@ -126,7 +126,7 @@ def test_a_changed_manifest_is_refused_in_one_line(inputs, tmp_path):
     path.write_text(path.read_text()[:-3])  # no longer JSON
     with pytest.raises(ValueError) as e:
         make_dataset(_config(tmp_path))
-    assert "\n" not in str(e.value) and f"{path} is damaged" in str(e.value), str(e.value)
+    assert "\n" not in str(e.value) and "not valid JSON" in str(e.value), str(e.value)
     # The format's number turned back to the earlier one: the digests are still checked.
     path.write_text(json.dumps({**manifest, "format": "meshtrain-tokens/1"}))
     with pytest.raises(ValueError, match="changed since"):

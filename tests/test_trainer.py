@@ -35,7 +35,7 @@ def _lm_data(**kw):
 
 def _loop(run_dir="", **kw):
     """A quiet TrainConfig that logs every step."""
-    kw = {"eval_every": 0, "eval_batches": 2, "log_every": 1, **kw}
+    kw = {"eval_every": 0, "log_every": 1, **kw}
     return TrainConfig(run_dir=str(run_dir), progress=False, **kw)
 
 

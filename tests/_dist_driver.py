@@ -74,7 +74,11 @@ def run_layout(name: str, tokens: str = "") -> dict[str, np.ndarray]:
         # linear in the gradients, so the tolerance still means what it says.
         optim=mt.OptimConfig(optimizer="sgd", lr=0.1, warmup_steps=1),
         train=mt.TrainConfig(steps=STEPS, log_every=1, run_dir="", progress=False, seed=3),
-        pipeline=mt.PipelineConfig(schedule=schedule or "gpipe", microbatches=4),
+        pipeline=(  # pipeline settings only where there is a pipeline (else they do nothing)
+            mt.PipelineConfig(schedule=schedule or "gpipe", microbatches=4)
+            if mesh.shape.get("pipe", 1) > 1
+            else mt.PipelineConfig()
+        ),
         sync=mt.SyncConfig(**sync[0]) if sync else mt.SyncConfig(),
     )
     trainer = mt.Trainer(run=run)

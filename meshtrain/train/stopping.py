@@ -15,6 +15,8 @@ every process's own thread answers within milliseconds, whatever its main thread
 If a process does not answer within `ANSWER_S`, the signalled one says which, and that
 nothing was saved, and exits with `PEER_GONE_EXIT` instead of waiting for the distributed
 runtime's heartbeat timeout to end it. A job whose processes all answer stops as above.
+A step whose collective fails (as gloo's do at once when a peer dies) calls the roll too, and
+exits the same way when a process is gone.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -150,6 +153,7 @@ class AgreedStop:
         self._polls = 0
         self._stepped = threading.Event()  # a step completed: every process answers the roll
         self._closed = threading.Event()
+        self._ending = threading.Lock()
 
     def __enter__(self) -> AgreedStop:
         if self._client is not None:
@@ -159,9 +163,15 @@ class AgreedStop:
             self.signals.at_first(self._check_peers)
         return self
 
-    def __exit__(self, kind: object, *exc: object) -> None:
-        if kind is None:  # a fit that raised (a collective failed) may still end for a gone peer
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if kind is None:
             self._closed.set()
+        elif isinstance(error, jax.errors.JaxRuntimeError) and self._stepped.is_set():
+            # A collective fails at once when a peer dies (gloo on CPU): the same line and
+            # status as a signal while a peer is gone, rather than a traceback.
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            failed = f"a step failed ({type(error).__name__}: {first})"
+            self._end_if_gone(lambda: self.signals.received or failed)
         if self._roll is not None:
             self._roll.close()
 
@@ -218,16 +228,23 @@ class AgreedStop:
         while not self._stepped.wait(0.2):
             if self._closed.is_set():
                 return
-        roll = self._roll
-        gone = roll.call(ANSWER_S) if roll is not None else []
-        if not gone or self._closed.is_set():
-            return
-        print(self._gone_line(signal_name, gone), file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(PEER_GONE_EXIT)
+        self._end_if_gone(lambda: signal_name)
 
-    def _gone_line(self, signal_name: str, gone: list[int]) -> str:
-        """The one line a process that exits for gone peers prints."""
+    def _end_if_gone(self, what: Callable[[], str]) -> None:
+        """Exits with `PEER_GONE_EXIT`, saying ``what()`` happened, when another process does
+        not answer the roll; one caller at a time (a signal and a failed step may race)."""
+        with self._ending:
+            if self._roll is None or self._closed.is_set():
+                return
+            gone = self._roll.call(ANSWER_S)
+            if not gone or self._closed.is_set():
+                return
+            print(self._gone_line(what(), gone), file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(PEER_GONE_EXIT)
+
+    def _gone_line(self, what: str, gone: list[int]) -> str:
+        """The one line a process that exits for gone peers prints, after `what` happened."""
         who = ", ".join(map(str, gone))
         who = f"process {who} is" if len(gone) == 1 else f"processes {who} are"
         if self._checkpoints is None:
@@ -241,7 +258,7 @@ class AgreedStop:
                 else f"no checkpoint committed in {directory}"
             )
         return (
-            f"meshtrain: {signal_name}: {who} gone (no answer within {ANSWER_S:g} s), so the "
+            f"meshtrain: {what}: {who} gone (no answer within {ANSWER_S:g} s), so the "
             f"job cannot agree on a step to stop at and nothing was saved; {newest}; exiting "
             f"with status {PEER_GONE_EXIT}"
         )

@@ -56,7 +56,7 @@ def init_params(cfg: Config, key: jax.Array) -> dict:
         cfg.d_model,
         cfg.n_heads,
         cfg.kv_heads,
-        cfg.head_dim,
+        cfg.head_width,
         cfg.ff_dim,
         cfg.n_layers,
         cfg.vocab_size,

@@ -81,7 +81,7 @@ def chosen(
         return {}
     out = {
         "attention": attention_choice(
-            model.attention_impl, head_dim=shape.head_dim, dtype=shape.compute_dtype,
+            model.attention_impl, head_dim=shape.head_width, dtype=shape.compute_dtype,
             seq=seq_len, window=shape.sliding_window or None, packed=packed, context=context,
         ),
     }  # fmt: skip

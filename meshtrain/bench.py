@@ -78,7 +78,7 @@ class Shape:
             "n_layers": c.n_layers,
             "n_heads": c.n_heads,
             "n_kv_heads": c.kv_heads,
-            "head_dim": c.head_dim,
+            "head_dim": c.head_width,
             "d_ff": c.ff_dim,
             "vocab_size": c.vocab_size,
             "seq_len": self.seq_len,

@@ -46,7 +46,7 @@ DROP = object()  # a config_changes value: remove the key
             "RoPE scaling 'linear'",
         ),
         ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
-        ("llama", {"head_dim": 32}, r"head_dim=32 × num_attention_heads=4 ≠ hidden_size=64"),
+        ("llama", {"head_dim": 7}, r"head_dim=7: odd; RoPE rotates pairs"),
         ("llama", {"num_key_value_heads": 3}, "num_key_value_heads=3: does not divide n_heads=4"),
         ("llama", {"hidden_size": None}, "hidden_size=null: must not be null"),
         ("gpt2", {"activation_function": "relu"}, "activation_function='relu' is not supported"),

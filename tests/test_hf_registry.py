@@ -29,6 +29,9 @@ SMALL = dict(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
         (GPTConfig(**SMALL, sliding_window=64), "MistralForCausalLM"),
         (GPTConfig(**SMALL, qkv_bias=True), "Qwen2ForCausalLM"),
         (GPTConfig(**SMALL, qkv_bias=True, sliding_window=64), "Qwen2ForCausalLM"),
+        (GPTConfig(**SMALL, head_dim=16), "LlamaForCausalLM"),  # wider heads: still Llama
+        (GPTConfig(**SMALL, qk_norm=True), "Qwen3ForCausalLM"),
+        (GPTConfig(**SMALL, qk_norm=True, head_dim=12, sliding_window=64), "Qwen3ForCausalLM"),
     ],
 )
 def test_a_config_exports_as_the_first_architecture_that_holds_it(cfg, architecture):
@@ -43,7 +46,7 @@ def test_the_earlier_public_names_keep_their_meaning():
         "GPT2LMHeadModel": "gpt2",
         "LlamaForCausalLM": "llama",
     }
-    assert set(hf.ADAPTERS) == {"gpt2", "llama", "mistral", "qwen2"}
+    assert set(hf.ADAPTERS) == {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
     assert hf.adapter_for_hf({"model_type": "mistral"}).name == "MistralForCausalLM"
 
 

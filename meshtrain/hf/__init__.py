@@ -18,12 +18,14 @@ Modules, one idea each::
     gpt2, llama, ...  one file per architecture (see the register lines below)
     mixtral     MixtralForCausalLM ↔ meshtrain's MoE (load_mixtral, save_mixtral), beside
                 the registry, whose adapters hold GPTConfig architectures
+    qwen3_moe   Qwen3MoeForCausalLM ↔ meshtrain's MoE (load_qwen3_moe, save_qwen3_moe), as
+                mixtral
 
 Adding an architecture is one file that builds an `Adapter` (reusing a `Layout` when the
 weights are stored like an existing one) and one `register` line below.
 """
 
-from meshtrain.hf import gpt2, llama, mistral, qwen2
+from meshtrain.hf import gpt2, llama, mistral, qwen2, qwen3
 from meshtrain.hf.adapter import Adapter, Layout
 from meshtrain.hf.config import config_from_hf, config_to_hf, same_architecture
 from meshtrain.hf.convert import hf_shapes
@@ -47,6 +49,7 @@ register(gpt2.ADAPTER)
 register(llama.ADAPTER)
 register(mistral.ADAPTER)
 register(qwen2.ADAPTER)
+register(qwen3.ADAPTER)  # query/key norms make a config Qwen3
 
 __all__ = [
     "ADAPTERS",

@@ -21,10 +21,12 @@ _WEIGHTS_AND_MATH = (
     "n_layers",
     "n_heads",
     "kv_heads",
+    "head_width",
     "ff_dim",
     "norm_eps",
     "tie_embeddings",
     "qkv_bias",
+    "qk_norm",
     "sliding_window",
 )
 # Positions: a learned table sized max_seq_len (gpt2), or RoPE (llama; max_seq_len only caps

@@ -89,6 +89,12 @@ def export_problems(cfg: GPTConfig) -> list[Problem]:
         cfg.n_kv_heads,
         "GPT-2 has no grouped-query attention; use style='llama' or n_kv_heads=0",
     )
+    problems += validate.require(
+        cfg.head_width * cfg.n_heads == cfg.d_model,
+        "gpt.head_dim",
+        cfg.head_dim,
+        "GPT-2's heads split d_model; set head_dim to 0 or d_model / n_heads",
+    )
     return problems + validate.require(
         not cfg.sliding_window,
         "gpt.sliding_window",
@@ -133,7 +139,7 @@ def _affine(get: Getter, name: str, weight: str) -> dict:
 
 
 def layer_to_meshtrain(get: Getter, cfg: GPTConfig) -> dict:
-    D, H, K = cfg.d_model, cfg.n_heads, cfg.head_dim
+    D, H, K = cfg.d_model, cfg.n_heads, cfg.head_width
     qkv_DX, qkv_X = get("attn.c_attn.weight"), get("attn.c_attn.bias")  # X = 3·D: q | k | v
     attn = {
         name: {

@@ -6,11 +6,13 @@ Llama stores ``nn.Linear`` weights ``[out, in]`` with flat head dimensions::
     attn.q/k/v.kernel [D, H|G, K]   self_attn.q_proj/k_proj/v_proj.weight [H|G·K, D]
     attn.q/k/v.bias   [H|G, K]      self_attn.q_proj/k_proj/v_proj.bias [H|G·K] (qkv_bias only)
     attn.o.kernel     [H, K, D]     self_attn.o_proj.weight [D, H·K]
+    attn.q/k_norm.scale [K]         self_attn.q_norm/k_norm.weight [K] (qk_norm only: Qwen3)
     mlp.gate/up.kernel [D, F]       mlp.gate_proj/up_proj.weight [F, D]
     mlp.down.kernel   [F, D]        mlp.down_proj.weight [D, F]
     norm1 / norm2                   input_layernorm / post_attention_layernorm (RMSNorm)
     embed.embedding   [V, D]        embed_tokens [V, D]
 
+The head width K is ``head_dim`` when the file sets it (H·K may differ from D), else D / H.
 HF Llama's RoPE rotates (first half, second half) pairs, as `layers.apply_rope` does, so q and
 k need no permutation. The layout and the config helpers here (`fields_from_hf`,
 `fields_to_hf`) are for the architectures that store their weights as Llama does: they
@@ -37,7 +39,7 @@ KEYS = {
     "num_attention_heads": Key(int, 1, required=True, field="gpt.n_heads"),
     "num_key_value_heads": Key(int, 1, null=True, field="gpt.n_kv_heads"),
     "intermediate_size": Key(int, 1, required=True, field="gpt.d_ff"),
-    "head_dim": Key(int, 1, null=True),
+    "head_dim": Key(int, 1, null=True, field="gpt.head_dim"),
     "max_position_embeddings": Key(int, 1, field="gpt.max_seq_len"),
     "rms_norm_eps": Key(float, 0, strict=True, field="gpt.norm_eps"),
     "rope_theta": Key(float, 0, strict=True, field="gpt.rope_theta"),
@@ -49,17 +51,16 @@ KEYS = {
 }
 
 
-def fields_from_hf(hf: Mapping) -> dict:
-    """The `GPTConfig` fields every Llama-layout ``config.json`` holds (sizes, norms, RoPE)."""
+def fields_from_hf(hf: Mapping, default_head_dim: int | None = None) -> dict:
+    """The `GPTConfig` fields every Llama-layout ``config.json`` holds (sizes, norms, RoPE);
+    `default_head_dim` is the head width the architecture assumes when ``head_dim`` is absent
+    (None: hidden_size / num_attention_heads)."""
     expect(hf, "hidden_act", "silu", "silu")
     expect(hf, "mlp_bias", False, False)
     d_model, n_heads = need(hf, "hidden_size"), need(hf, "num_attention_heads")
-    head_dim = hf.get("head_dim") or d_model // n_heads
-    if head_dim * n_heads != d_model:
-        raise ValueError(
-            f"head_dim={head_dim} × num_attention_heads={n_heads} ≠ hidden_size={d_model}; "
-            "meshtrain's heads are hidden_size / num_attention_heads"
-        )
+    head_dim = hf.get("head_dim") or default_head_dim
+    if head_dim is not None and head_dim * n_heads == d_model:
+        head_dim = None  # meshtrain's default: the heads split d_model
     kv = hf.get("num_key_value_heads") or n_heads
     return dict(
         style="llama",
@@ -70,6 +71,7 @@ def fields_from_hf(hf: Mapping) -> dict:
         n_heads=n_heads,
         n_kv_heads=0 if kv == n_heads else kv,
         d_ff=need(hf, "intermediate_size"),
+        head_dim=head_dim or 0,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **rope_from_hf(hf),
@@ -134,7 +136,7 @@ def fields_to_hf(cfg: GPTConfig) -> dict:
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
+        head_dim=cfg.head_width,
         hidden_act="silu",
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps,
@@ -157,9 +159,17 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     return fields_to_hf(cfg) | dict(attention_bias=False, mlp_bias=False)
 
 
+def no_qk_norm(cfg: GPTConfig, name: str) -> list[Problem]:
+    """The line for architecture `name`, which has no query/key norms, and a `cfg` that has."""
+    return validate.require(
+        not cfg.qk_norm, "gpt.qk_norm", cfg.qk_norm, f"{name} has no query/key norms (Qwen3 has)"
+    )
+
+
 def export_problems(cfg: GPTConfig) -> list[Problem]:
     """Why Llama cannot hold `cfg`; empty when it can."""
-    problems = validate.require(
+    problems = no_qk_norm(cfg, "Llama")
+    problems += validate.require(
         not cfg.qkv_bias,
         "gpt.qkv_bias",
         cfg.qkv_bias,
@@ -182,7 +192,7 @@ def top_shapes(cfg: GPTConfig) -> dict:
 
 def layer_shapes(cfg: GPTConfig) -> dict:
     D, F = cfg.d_model, cfg.ff_dim
-    HK, GK = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    HK, GK = cfg.n_heads * cfg.head_width, cfg.kv_heads * cfg.head_width
     shapes = {
         "input_layernorm.weight": (D,),
         "self_attn.q_proj.weight": (HK, D),
@@ -197,11 +207,14 @@ def layer_shapes(cfg: GPTConfig) -> dict:
     if cfg.qkv_bias:
         shapes |= {"self_attn.q_proj.bias": (HK,)}
         shapes |= {f"self_attn.{n}_proj.bias": (GK,) for n in "kv"}
+    if cfg.qk_norm:
+        shapes |= {f"self_attn.{n}_norm.weight": (cfg.head_width,) for n in "qk"}
     return shapes
 
 
-def layer_to_meshtrain(get: Getter, cfg: GPTConfig) -> dict:
-    D, K = cfg.d_model, cfg.head_dim
+def attention_to_meshtrain(get: Getter, cfg: GPTConfig) -> dict:
+    """One layer's norms and attention (all but its MLP) as meshtrain params."""
+    D, K = cfg.d_model, cfg.head_width
     heads = {"q": cfg.n_heads, "k": cfg.kv_heads, "v": cfg.kv_heads}
     attn = {}
     for n, count in heads.items():
@@ -209,28 +222,42 @@ def layer_to_meshtrain(get: Getter, cfg: GPTConfig) -> dict:
         if cfg.qkv_bias:
             attn[n]["bias"] = get(f"self_attn.{n}_proj.bias").reshape(count, K)
     attn["o"] = {"kernel": get("self_attn.o_proj.weight").T.reshape(cfg.n_heads, K, D)}
-    linear = lambda name: {"kernel": get(f"mlp.{name}_proj.weight").T}
+    if cfg.qk_norm:
+        attn |= {f"{n}_norm": {"scale": get(f"self_attn.{n}_norm.weight")} for n in "qk"}
     return {
         "norm1": {"scale": get("input_layernorm.weight")},
         "attn": attn,
         "norm2": {"scale": get("post_attention_layernorm.weight")},
-        "mlp": {"gate": linear("gate"), "up": linear("up"), "down": linear("down")},
     }
 
 
-def layer_to_hf(blk: Mapping, cfg: GPTConfig) -> dict:
-    D, HK = cfg.d_model, cfg.n_heads * cfg.head_dim
-    attn, mlp = blk["attn"], blk["mlp"]
+def layer_to_meshtrain(get: Getter, cfg: GPTConfig) -> dict:
+    linear = lambda name: {"kernel": get(f"mlp.{name}_proj.weight").T}
+    mlp = {"gate": linear("gate"), "up": linear("up"), "down": linear("down")}
+    return attention_to_meshtrain(get, cfg) | {"mlp": mlp}
+
+
+def attention_to_hf(blk: Mapping, cfg: GPTConfig) -> dict:
+    """One layer's norms and attention (meshtrain params) as HF tensors."""
+    D, HK = cfg.d_model, cfg.n_heads * cfg.head_width
+    attn = blk["attn"]
     out = {
         "input_layernorm.weight": blk["norm1"]["scale"],
         **{f"self_attn.{n}_proj.weight": attn[n]["kernel"].reshape(D, -1).T for n in "qkv"},
         "self_attn.o_proj.weight": attn["o"]["kernel"].reshape(HK, D).T,
         "post_attention_layernorm.weight": blk["norm2"]["scale"],
-        **{f"mlp.{n}_proj.weight": mlp[n]["kernel"].T for n in ("gate", "up", "down")},
     }
     if cfg.qkv_bias:
         out |= {f"self_attn.{n}_proj.bias": attn[n]["bias"].reshape(-1) for n in "qkv"}
+    if cfg.qk_norm:
+        out |= {f"self_attn.{n}_norm.weight": attn[f"{n}_norm"]["scale"] for n in "qk"}
     return out
+
+
+def layer_to_hf(blk: Mapping, cfg: GPTConfig) -> dict:
+    mlp = blk["mlp"]
+    out = attention_to_hf(blk, cfg)
+    return out | {f"mlp.{n}_proj.weight": mlp[n]["kernel"].T for n in ("gate", "up", "down")}
 
 
 def top_to_meshtrain(get: Getter, cfg: GPTConfig) -> dict:

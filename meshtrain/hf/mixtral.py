@@ -29,28 +29,19 @@ architectures): `load_mixtral` and `save_mixtral` are its two entry points.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
-import jax
 import numpy as np
-from flax import nnx
-from safetensors.numpy import save_file
 
-from meshtrain import filevalues
-from meshtrain.filevalues import Key, read_json
-from meshtrain.hf import llama
+from meshtrain.filevalues import Key
+from meshtrain.hf import llama, moe_files
 from meshtrain.hf.adapter import refuse
-from meshtrain.hf.config import FIX
-from meshtrain.hf.files import open_tensors, tensor_files
 from meshtrain.models.moe import MoE
 from meshtrain.models.moe_config import MoEConfig
-from meshtrain.problem import RunCheckError
 
 ARCHITECTURE = "MixtralForCausalLM"
-# The MoEConfig fields that set the training objective, which `load_mixtral` lets a caller change.
-OBJECTIVE = ("router_losses", "aux_loss_coef", "z_loss_coef")
+OBJECTIVE = moe_files.OBJECTIVE  # the fields `load_mixtral`'s objective= may set
 _LLAMA = llama.KEYS.items()
 # The config.json keys `config_from_hf` reads, and the MoEConfig setting each fills.
 KEYS = {
@@ -79,6 +70,7 @@ def config_from_hf(hf: Mapping) -> MoEConfig:
         n_layers=fields["n_layers"],
         n_heads=fields["n_heads"],
         n_kv_heads=fields["n_kv_heads"],
+        head_dim=fields["head_dim"],
         d_ff=fields["d_ff"],
         d_expert=fields["d_ff"],
         n_experts=hf.get("num_local_experts", 8),
@@ -98,11 +90,11 @@ def config_to_hf(cfg: MoEConfig) -> dict:
     """Mixtral's ``config.json`` for `cfg`: the load-balancing weight as ``router_aux_loss_coef``,
     on (``output_router_logits``) when it is not 0. transformers knows no z-loss and only
     Mixtral's definition of the loss (``router_losses="mixtral"``)."""
-    if cfg.moe_every != 1 or cfg.shared_expert or not cfg.renormalize:
+    if cfg.moe_every != 1 or cfg.shared_expert or not cfg.renormalize or cfg.qk_norm:
         raise ValueError(
-            f"Mixtral holds MoE blocks in every layer, no shared expert and renormalised top-k; "
-            f"this config has moe_every={cfg.moe_every}, shared_expert={cfg.shared_expert}, "
-            f"renormalize={cfg.renormalize}"
+            f"Mixtral holds MoE blocks in every layer, no shared expert, renormalised top-k and "
+            f"no query/key norms; this config has moe_every={cfg.moe_every}, shared_expert="
+            f"{cfg.shared_expert}, renormalize={cfg.renormalize}, qk_norm={cfg.qk_norm}"
         )
     g = cfg.backbone
     out = llama.fields_to_hf(dataclasses.replace(g, d_ff=cfg.expert_dim))
@@ -123,7 +115,7 @@ def config_to_hf(cfg: MoEConfig) -> dict:
 def _layer_to_meshtrain(get, cfg: MoEConfig) -> dict:
     """One Mixtral layer's tensors → the MoE block's params (numpy)."""
     g = cfg.backbone
-    D, H, G, K = g.d_model, g.n_heads, g.kv_heads, g.head_dim
+    D, H, G, K = g.d_model, g.n_heads, g.kv_heads, g.head_width
     moe = "block_sparse_moe."
     expert = [f"{moe}experts.{e}." for e in range(cfg.n_experts)]
     return {
@@ -184,56 +176,13 @@ def load_mixtral(
         The model (unsharded, float32 parameters).
     """
     path = Path(path)
-    where = str(path / "config.json")
-    hf = read_json(where, FIX)
-    if ARCHITECTURE not in (hf.get("architectures") or [ARCHITECTURE]):
-        raise ValueError(f"{path}: architectures={hf.get('architectures')}; not {ARCHITECTURE}")
-    values = filevalues.checked(hf, KEYS, where, FIX)
-    try:
-        cfg = config_from_hf(values)
-    except RunCheckError as e:
-        raise filevalues.relabel(e, values, KEYS, where, FIX, whole=True) from None
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    objective = dict(objective or {})
-    unknown = sorted(set(objective) - set(OBJECTIVE))
-    if unknown:
-        raise ValueError(
-            f"load_mixtral objective={objective!r}: {', '.join(unknown)} is not a field of the "
-            f"training objective; set {', '.join(OBJECTIVE)}"
-        )
-    cfg = dataclasses.replace(cfg, dispatch=dispatch, **objective)
-    files = tensor_files(path)
+    cfg = moe_files.read_config(path, ARCHITECTURE, KEYS, config_from_hf)
+    cfg = moe_files.with_objective(cfg, objective, "load_mixtral", dispatch)
+    return moe_files.load(path, cfg, _no_dense, _layer_to_meshtrain)
 
-    def get(name: str) -> np.ndarray:
-        key = name if name == "lm_head.weight" else "model." + name
-        if key not in files:
-            raise ValueError(f"{path}: tensor {key!r} is missing")
-        with open_tensors(files[key]) as f:
-            return np.asarray(f.get_tensor(key), np.float32)
 
-    layers = [
-        _layer_to_meshtrain(lambda n, i=i: get(f"layers.{i}.{n}"), cfg) for i in range(cfg.n_layers)
-    ]
-    extra = cfg.backbone.padded_vocab - cfg.vocab_size
-    params = {
-        "embed": {"embedding": np.pad(get("embed_tokens.weight"), ((0, extra), (0, 0)))},
-        "groups": {"moe_block": jax.tree.map(lambda *xs: np.stack(xs), *layers)},
-        "norm": {"scale": get("norm.weight")},
-    }
-    if not cfg.tie_embeddings:
-        params["head"] = {"kernel": np.pad(get("lm_head.weight").T, ((0, 0), (0, extra)))}
-    model = nnx.eval_shape(lambda: cfg.build(rngs=nnx.Rngs(params=0)))
-    state = nnx.state(model, nnx.Param)
-    want = jax.tree.map(np.shape, nnx.to_pure_dict(state))
-    got = jax.tree.map(np.shape, params)
-    if want != got:
-        raise ValueError(f"{path}: tensor shapes do not match the config: {got} vs {want}")
-    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, params))
-    nnx.update(model, state)
-    if jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param))):
-        raise ValueError(f"{path}: the model has state besides its parameters")
-    return model
+def _no_dense(get, cfg: MoEConfig) -> dict:
+    raise ValueError("Mixtral holds MoE blocks in every layer")
 
 
 def save_mixtral(model: MoE, path: str | Path) -> Path:
@@ -246,30 +195,5 @@ def save_mixtral(model: MoE, path: str | Path) -> Path:
     Returns:
         The directory.
     """
-    cfg = model.cfg
-    hf = config_to_hf(cfg)
-    params = jax.tree.map(
-        lambda x: np.asarray(jax.device_get(x), np.float32),
-        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-    )
-    V = cfg.vocab_size
-    tensors = {
-        "model.embed_tokens.weight": params["embed"]["embedding"][:V],
-        "model.norm.weight": params["norm"]["scale"],
-    }
-    blocks = params["groups"]["moe_block"]
-    for i in range(cfg.n_layers):
-        layer = jax.tree.map(lambda x, i=i: x[i], blocks)
-        for name, t in _layer_to_hf(layer, cfg).items():
-            tensors[f"model.layers.{i}.{name}"] = t
-    if not cfg.tie_embeddings:
-        tensors["lm_head.weight"] = params["head"]["kernel"][:, :V].T
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
-        path / "model.safetensors",
-        metadata={"format": "pt"},
-    )
-    return path
+    hf = config_to_hf(model.cfg)
+    return moe_files.save(model, Path(path), hf, _no_dense, _layer_to_hf)

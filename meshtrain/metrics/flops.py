@@ -145,7 +145,7 @@ def gpt_flops_per_token(config: Any, seq_len: int, convention: str = "palm") -> 
         matmul_params=config.matmul_params(),
         n_layers=config.n_layers,
         n_heads=config.n_heads,
-        head_dim=config.head_dim,
+        head_dim=config.head_width,
         seq_len=seq_len,
         convention=convention,
     )

@@ -40,10 +40,11 @@ def _projection(layer, cfg: GPTConfig, rngs: nnx.Rngs):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with a Megatron-splittable (heads) layout."""
+    """Grouped-query self-attention with a Megatron-splittable (heads) layout; with
+    ``qk_norm`` each query and key head is RMS-normalised before RoPE (Qwen3)."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        D, H, G, K = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        D, H, G, K = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width
         bias = cfg.style == "gpt2"
         dense = _projection(nnx.LinearGeneral, cfg, rngs)
         qkv = functools.partial(dense, use_bias=bias or cfg.qkv_bias)
@@ -68,6 +69,12 @@ class Attention(nnx.Module):
             kernel_init=layers.init(("heads", "kv", "embed"), out_std),
             bias_init=layers.const_init(nnx.initializers.zeros, ("embed",)),
         )
+        head_norm = functools.partial(  # one [K] scale each, shared by every head
+            layers.make_norm, "rmsnorm", K, eps=cfg.norm_eps, dtype=cfg.compute_dtype,
+            param_dtype=jnp.float32, rngs=rngs, axis="kv",
+        )  # fmt: skip
+        self.q_norm = head_norm() if cfg.qk_norm else None
+        self.k_norm = head_norm() if cfg.qk_norm else None
         self.rope = cfg.style == "llama"
         self.rope_theta = cfg.rope_theta
         self.llama3 = None
@@ -94,6 +101,8 @@ class Attention(nnx.Module):
         q_BTHK = constrain(self.q(x_BTD), ("batch", "seq", "heads", "kv"))
         k_BTGK = constrain(self.k(x_BTD), ("batch", "seq", "kv_heads", "kv"))
         v_BTGK = constrain(self.v(x_BTD), ("batch", "seq", "kv_heads", "kv"))
+        if self.q_norm is not None:  # over each head's K dims, before RoPE
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK, k_BTGK, v_BTGK = (checkpoint_name(a, "qkv") for a in (q_BTHK, k_BTGK, v_BTGK))
         T = x_BTD.shape[1]
         cp = context_parallel.active_context()

@@ -60,6 +60,11 @@ class GPTConfig(validate.Checked):
             those between are interpolated.
         rope_original_max_seq_len: llama3: the context length of pre-training.
         qkv_bias: biases on the query, key and value projections only (llama style; Qwen2).
+        head_dim: width of one attention head; 0 means d_model / n_heads. Set, the heads may
+            be wider or narrower than d_model in all (Qwen3-0.6B: d_model 1024, 16 heads of
+            128); even for RoPE.
+        qk_norm: RMSNorm over each query and key head (one [head_dim] scale each, no bias),
+            after the projections and before RoPE (llama style; Qwen3).
         sliding_window: 0, or the keys each query sees: positions (t − window, t] (Mistral).
         vocab_multiple: the embedding and head get ``vocab_size`` rounded up to a multiple of
             this (`padded_vocab`), so the vocabulary splits over ``tensor`` (and matmuls get
@@ -96,6 +101,8 @@ class GPTConfig(validate.Checked):
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
     qkv_bias: bool = False
+    head_dim: int = 0
+    qk_norm: bool = False
     sliding_window: int = 0
     vocab_multiple: int = 128
     restart_positions: bool = True
@@ -110,6 +117,7 @@ class GPTConfig(validate.Checked):
             )
         for name in ("n_kv_heads", "d_ff"):
             problems += v.non_negative(f"gpt.{name}", getattr(self, name), note="0 = default")
+        problems += v.non_negative("gpt.head_dim", self.head_dim, note="0 = d_model / n_heads")
         problems += v.positive("gpt.vocab_multiple", self.vocab_multiple, note="1: no padding")
         problems += v.non_negative(
             "gpt.sliding_window", self.sliding_window, note="0 = every earlier position is seen"
@@ -118,7 +126,8 @@ class GPTConfig(validate.Checked):
         problems += v.non_negative("gpt.norm_eps", self.norm_eps, integer=False, example=1e-5)
         if problems:  # the shape checks below need whole, positive sizes
             return problems
-        problems += v.divides("gpt.d_model", self.d_model, self.n_heads, what="n_heads")
+        if not self.head_dim:  # the heads split d_model
+            problems += v.divides("gpt.d_model", self.d_model, self.n_heads, what="n_heads")
         problems += v.require(
             self.n_heads % self.kv_heads == 0,
             "gpt.n_kv_heads",
@@ -126,22 +135,28 @@ class GPTConfig(validate.Checked):
             f"does not divide n_heads={self.n_heads}; each key/value head must serve a whole "
             "group of query heads",
         )
-        if not problems and self.style == "llama":
+        if not problems and self.style == "llama" and self.head_dim:
             problems += v.require(
                 self.head_dim % 2 == 0,
+                "gpt.head_dim",
+                self.head_dim,
+                f"odd; RoPE rotates pairs of a head's dims, so set --gpt.head-dim to an even "
+                f"width such as {self.head_dim + 1}",
+            )
+        elif not problems and self.style == "llama":
+            problems += v.require(
+                self.head_width % 2 == 0,
                 "gpt.d_model",
                 self.d_model,
-                f"gives a head width of {self.head_dim} (d_model / n_heads), which must be even "
-                "for RoPE",
+                f"gives a head width of {self.head_width} (d_model / n_heads), which must be "
+                "even for RoPE; change d_model or n_heads, or set --gpt.head-dim",
             )
         problems += policy_problems(self.remat)
         problems += v.one_of("gpt.dtype", self.dtype, DTYPES, example="bfloat16")
         # one field at a time, so each line is filed under its own field
-        attention, norm = self.attention_impl, self.norm_impl
-        problems += v.check(
-            "gpt.attention_impl", attention, kernels.check_impls, attention, "xla", self.head_dim
-        )
-        problems += v.check("gpt.norm_impl", norm, kernels.check_impls, "xla", norm, self.head_dim)
+        attn, norm, K = self.attention_impl, self.norm_impl, self.head_width
+        problems += v.check("gpt.attention_impl", attn, kernels.check_impls, attn, "xla", K)
+        problems += v.check("gpt.norm_impl", norm, kernels.check_impls, "xla", norm, K)
         problems += layers.rope_scaling_problems(
             self.rope_scaling,
             style=self.style,
@@ -149,6 +164,12 @@ class GPTConfig(validate.Checked):
             rope_low_freq_factor=self.rope_low_freq_factor,
             rope_high_freq_factor=self.rope_high_freq_factor,
             rope_original_max_seq_len=self.rope_original_max_seq_len,
+        )
+        problems += v.require(
+            not (self.qk_norm and self.style == "gpt2"),
+            "gpt.qk_norm",
+            self.qk_norm,
+            "the query/key RMSNorm is for style='llama' (Qwen3); leave it False for gpt2",
         )
         return problems + v.require(
             not (self.qkv_bias and self.style == "gpt2"),
@@ -164,9 +185,9 @@ class GPTConfig(validate.Checked):
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.d_model // self.n_heads
+    def head_width(self) -> int:
+        """Width of one attention head after defaults (``head_dim``, else d_model / n_heads)."""
+        return self.head_dim or self.d_model // self.n_heads
 
     @property
     def ff_dim(self) -> int:
@@ -194,7 +215,7 @@ class GPTConfig(validate.Checked):
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (all but embeddings and norms)."""
-        D, H, G, K, F = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.ff_dim
+        D, H, G, K, F = self.d_model, self.n_heads, self.kv_heads, self.head_width, self.ff_dim
         attn = D * H * K + 2 * D * G * K + H * K * D
         mlp = (3 if self.style == "llama" else 2) * D * F
         return self.n_layers * (attn + mlp) + D * self.padded_vocab
@@ -210,7 +231,7 @@ class GPTConfig(validate.Checked):
         band a windowed kernel computes); biases are not matmul parameters.
         """
         keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * keys
+        attention = 12 * self.n_layers * self.n_heads * self.head_width * keys
         return 6 * self.matmul_params() + attention
 
     # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------

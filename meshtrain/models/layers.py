@@ -106,9 +106,11 @@ class Embed(nnx.Embed):
         return jnp.take(table_VD, tokens, axis=0)
 
 
-def make_norm(kind: str, width: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
-    """LayerNorm (with bias) or RMSNorm over the last dimension, scale named ``embed``."""
-    scale = const_init(nnx.initializers.ones, ("embed",))
+def make_norm(
+    kind: str, width: int, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs, axis: str = "embed"
+):
+    """LayerNorm (with bias) or RMSNorm over the last dimension, scale named `axis`."""
+    scale = const_init(nnx.initializers.ones, (axis,))
     if kind == "layernorm":
         return nnx.LayerNorm(
             width,
@@ -116,7 +118,7 @@ def make_norm(kind: str, width: int, *, eps: float, dtype, param_dtype, rngs: nn
             dtype=dtype,
             param_dtype=param_dtype,
             scale_init=scale,
-            bias_init=const_init(nnx.initializers.zeros, ("embed",)),
+            bias_init=const_init(nnx.initializers.zeros, (axis,)),
             rngs=rngs,
         )
     return nnx.RMSNorm(

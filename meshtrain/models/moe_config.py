@@ -32,8 +32,8 @@ class MoEConfig(validate.Checked):
 
     Args:
         vocab_size, max_seq_len, d_model, n_layers, n_heads, n_kv_heads, rope_theta, norm_eps,
-            tie_embeddings, remat, dtype, fp8, attention_impl, sliding_window, vocab_multiple:
-            as in `GPTConfig`; with fp8 the experts' products are fp8 too
+            tie_embeddings, remat, dtype, fp8, attention_impl, sliding_window, vocab_multiple,
+            head_dim, qk_norm: as in `GPTConfig`; with fp8 the experts' products are fp8 too
             (`meshtrain.precision.fp8.matmul`).
         d_ff: hidden width of the dense feed-forward blocks (0: Llama's default).
         n_experts: experts per MoE block.
@@ -87,6 +87,8 @@ class MoEConfig(validate.Checked):
     attention_impl: str = "xla"
     sliding_window: int = 0
     vocab_multiple: int = 128
+    head_dim: int = 0
+    qk_norm: bool = False
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""
@@ -177,7 +179,7 @@ class MoEConfig(validate.Checked):
     def matmul_params(self, *, active: bool = True) -> int:
         """Matmul parameters per token: the experts a token uses (``active``) or all of them."""
         g = self.backbone
-        D, H, G, K = g.d_model, g.n_heads, g.kv_heads, g.head_dim
+        D, H, G, K = g.d_model, g.n_heads, g.kv_heads, g.head_width
         attn = D * H * K + 2 * D * G * K + H * K * D
         experts = self.top_k if active else self.n_experts
         moe = 3 * D * self.expert_dim * experts + D * self.n_experts + 3 * D * self.shared_expert
@@ -191,7 +193,7 @@ class MoEConfig(validate.Checked):
         """Training FLOPs per token: ``6·N_active`` plus attention, as `GPTConfig` counts."""
         g = self.backbone
         keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
-        return 6 * self.matmul_params() + 12 * self.n_layers * g.n_heads * g.head_dim * keys
+        return 6 * self.matmul_params() + 12 * self.n_layers * g.n_heads * g.head_width * keys
 
     # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
 
@@ -266,7 +268,7 @@ _BACKBONE_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(MoEConfig)
     if f.name in {g.name for g in dataclasses.fields(GPTConfig)}
-)  # the fields an MoE shares with the dense decoder: vocab_size … vocab_multiple
+)  # the fields an MoE shares with the dense decoder: vocab_size … qk_norm
 
 
 def _moe(fix: str) -> str:

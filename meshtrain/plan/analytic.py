@@ -249,14 +249,15 @@ def _token_bytes(
     a mixture of experts' dense and MoE blocks; with its dispatch's step where there is one."""
     g = _backbone(cfg)
     D, H, L, t = g.d_model, g.n_heads, g.n_layers, cand.tensor
-    per_token = (10 * D + (24 * D + 5 * H * seq_len) / t) * item / 2
+    HK = H * g.head_width  # q, k, v and the attention output: D wide unless head_dim says
+    per_token = (10 * D + (16 * D + 8 * HK + 5 * H * seq_len) / t) * item / 2
     if not isinstance(cfg, MoEConfig):
         return per_token, None
     # An MoE block keeps its attention's share (Korthikanti's 7·D + (8·D + 5·H·T)/t) and
     # the dispatch's buffers instead of the dense feed-forward's 3·D + 16·D/t.
     cost = dispatch_costs(cfg, tokens=tokens_local, shards=cand.expert, device=device)
     n_moe = cfg.n_moe_layers
-    attn = (7 * D + (8 * D + 5 * H * seq_len) / t) * item / 2
+    attn = (7 * D + (8 * HK + 5 * H * seq_len) / t) * item / 2
     moe_token = attn + (cost.activation_bytes + cost.hidden_bytes / t) / tokens_local
     per_token = ((L - n_moe) * per_token + n_moe * moe_token) / L
     exchanges = 4 if cand.remat == "none" else 6  # remat re-runs the forward's dispatch

@@ -45,6 +45,39 @@ def mixtral_fields(**changes) -> dict:
     )
 
 
+def qwen3_fields(**changes) -> dict:
+    """A tiny Qwen3's fields, unlike `llama_fields` on purpose: width 64 but 6 query and 2
+    key/value heads of width 24 (6 × 24 = 144 ≠ 64), MLP 80, RoPE base 10⁶, tied head."""
+    fields = llama_fields(
+        num_attention_heads=6,
+        head_dim=24,
+        intermediate_size=80,
+        rope_parameters=plain_rope(1_000_000.0),
+        tie_word_embeddings=True,
+    )
+    return fields | changes
+
+
+def qwen3_moe_fields(**changes) -> dict:
+    """A tiny Qwen3-MoE's fields: width 48, 4 query and 2 key/value heads of width 16 (64 ≠ 48),
+    4 layers of which every second is sparse (``decoder_sparse_step=2``; the others a dense MLP
+    of 64), 8 experts of width 32, top-3 with ``norm_topk_prob``, untied head."""
+    fields = llama_fields(
+        hidden_size=48,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        decoder_sparse_step=2,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        rope_parameters=plain_rope(10_000.0),
+        tie_word_embeddings=False,
+    )
+    return fields | changes
+
+
 def plain_rope(theta: float) -> dict:
     """``rope_parameters`` of unscaled RoPE with base `theta`."""
     return {"rope_type": "default", "rope_theta": theta}

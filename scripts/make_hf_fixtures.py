@@ -29,7 +29,12 @@ For each tiny random model (fixed seeds) it writes
 - ``qwen2``: ``Qwen2ForCausalLM`` with q/k/v biases (made non-zero), tied head, bfloat16
   (T = 40);
 - ``mixtral``: ``MixtralForCausalLM`` with 4 experts of width 48, top-2, GQA, untied head,
-  float16 (T = 24).
+  float16 (T = 24);
+- ``qwen3``: ``Qwen3ForCausalLM`` with query/key norms (made non-1), 6 query and 2 key/value
+  heads of width 24 on a width of 64 (6 × 24 ≠ 64), tied head, bfloat16 (T = 40);
+- ``qwen3_moe``: ``Qwen3MoeForCausalLM`` with heads of 16 on a width of 48 (4 × 16 ≠ 48), 4
+  layers of which layers 1 and 3 are sparse (``decoder_sparse_step=2``), 8 experts of width
+  32, top-3 with ``norm_topk_prob``, untied head, float16 (T = 24).
 
 Parameters are rounded to the storage dtype first and the logits computed from the rounded
 weights in float32, so a float32 implementation can match them to float32 rounding. Buffers
@@ -53,7 +58,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from _hf_tiny import REFERENCE, llama_fields, mixtral_fields, plain_rope
+from _hf_tiny import (
+    REFERENCE,
+    llama_fields,
+    mixtral_fields,
+    plain_rope,
+    qwen3_fields,
+    qwen3_moe_fields,
+)
 from _hf_tiny import versions as tiny_versions
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
@@ -132,6 +144,16 @@ def _mixtral() -> transformers.PreTrainedModel:
     return transformers.MixtralForCausalLM(cfg)
 
 
+def _qwen3() -> transformers.PreTrainedModel:
+    """Tiny Qwen3: query/key norms, heads wider in all than the model (6 × 24 > 64)."""
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**qwen3_fields()))
+
+
+def _qwen3_moe() -> transformers.PreTrainedModel:
+    """Tiny Qwen3-MoE: dense and sparse layers alternating, 8 experts, top-3 renormalised."""
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**qwen3_moe_fields()))
+
+
 def _randomise_norms(model: torch.nn.Module, gen: torch.Generator, biases: bool) -> None:
     """Norm scales and biases start at 1 and 0; perturb them so their mapping is tested too
     (with `biases`, every projection bias as well)."""
@@ -151,6 +173,8 @@ FIXTURES = {
     "mistral": (_mistral, torch.float16, 7, 40, False),
     "qwen2": (_qwen2, torch.bfloat16, 2, 40, True),
     "mixtral": (_mixtral, torch.float16, 11, 24, False),
+    "qwen3": (_qwen3, torch.bfloat16, 23, 40, False),
+    "qwen3_moe": (_qwen3_moe, torch.float16, 29, 24, False),
 }
 
 

@@ -10,7 +10,7 @@ Llama's MLP of width ``intermediate_size``::
     moe.up[e]   [D, F]                  mlp.experts.e.up_proj.weight [F, D]
     moe.down[e] [F, D]                  mlp.experts.e.down_proj.weight [D, F]
 
-``moe_intermediate_size`` is F (``d_expert``), ``num_experts`` E, ``num_experts_per_tok`` the
+``moe_intermediate_size`` is F (``d_expert``), ``num_experts`` (``num_local_experts``) E, ``num_experts_per_tok`` the
 top-k, ``norm_topk_prob`` ``renormalize`` (Qwen3-MoE routes as Mixtral does: softmax, top-k,
 then the k weights divided by their sum only when it is true). Layer i is sparse when it is not
 in ``mlp_only_layers`` and (i + 1) is a multiple of ``decoder_sparse_step``; meshtrain holds
@@ -44,7 +44,8 @@ _LLAMA = llama.KEYS.items()
 # The config.json keys `config_from_hf` reads, and the MoEConfig setting each fills.
 KEYS = {
     **{k: dataclasses.replace(v, field=v.field.replace("gpt.", "moe.")) for k, v in _LLAMA},
-    "num_experts": Key(int, 1, field="moe.n_experts"),
+    "num_experts": Key(int, 1, field="moe.n_experts"),  # as the hub's files name it
+    "num_local_experts": Key(int, 1, field="moe.n_experts"),  # as transformers 5 writes it
     "num_experts_per_tok": Key(int, 1, field="moe.top_k"),
     "moe_intermediate_size": Key(int, 1, field="moe.d_expert"),
     "norm_topk_prob": Key(bool, field="moe.renormalize"),
@@ -55,7 +56,7 @@ KEYS = {
     "use_sliding_window": Key(bool),
     "sliding_window": Key(int, 1, null=True, field="moe.sliding_window"),
 }
-_DEFAULTS = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+_DEFAULTS = dict(num_experts_per_tok=8, moe_intermediate_size=768)  # Qwen3MoeConfig's
 
 
 def moe_every_from_hf(hf: Mapping) -> int:
@@ -91,7 +92,7 @@ def config_from_hf(hf: Mapping) -> MoEConfig:
         **{k: fields[k] for k in ("n_heads", "n_kv_heads", "head_dim", "d_ff")},
         **{k: fields[k] for k in ("rope_theta", "norm_eps", "tie_embeddings")},
         qk_norm=True,
-        n_experts=hf["num_experts"],
+        n_experts=hf.get("num_local_experts") or hf.get("num_experts") or 128,
         top_k=hf["num_experts_per_tok"],
         d_expert=hf["moe_intermediate_size"],
         renormalize=bool(hf.get("norm_topk_prob", False)),
@@ -120,7 +121,7 @@ def config_to_hf(cfg: MoEConfig) -> dict:
         vocab_size=cfg.vocab_size,
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
-        num_experts=cfg.n_experts,
+        num_local_experts=cfg.n_experts,
         num_experts_per_tok=cfg.top_k,
         moe_intermediate_size=cfg.expert_dim,
         norm_topk_prob=cfg.renormalize,

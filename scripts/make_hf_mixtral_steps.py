@@ -1,12 +1,18 @@
-"""Makes the Mixtral training fixture in tests/fixtures/hf/ with the reference code: a tiny
-``MixtralForCausalLM`` that trains with its router loss on, and three torch AdamW steps of it.
+"""Makes the MoE training fixtures in tests/fixtures/hf/ with the reference code: a tiny
+``MixtralForCausalLM`` (or ``Qwen3MoeForCausalLM``) that trains with its router loss on, and
+three torch AdamW steps of it.
 
 Run once, by hand, never by the test suite, in the venv `scripts/make_hf_fixtures.py` describes
 (torch 2.13.0+cpu, transformers 5.23.0)::
 
-    .venv-hf/bin/python scripts/make_hf_mixtral_steps.py
+    .venv-hf/bin/python scripts/make_hf_mixtral_steps.py            # mixtral
+    .venv-hf/bin/python scripts/make_hf_mixtral_steps.py qwen3_moe  # qwen3_moe_steps*
 
-It writes, all float32:
+``qwen3_moe`` writes the same files under ``qwen3_moe_steps`` names: a Qwen3-MoE of width 32,
+2 layers (both sparse), heads of 16 (4 × 16 ≠ 32), query/key norms, 8 experts of width 16,
+top-3 without ``norm_topk_prob``, its ``load_balancing_loss_func`` being Mixtral's.
+
+For ``mixtral`` it writes, all float32:
 
 - ``tests/fixtures/hf/mixtral_steps/``: the model before training (``save_pretrained``): 4
   experts of width 32, top-2, width 32, 2 layers, vocab 128, ``output_router_logits=True`` and
@@ -27,13 +33,14 @@ of a row is trained on, as meshtrain's ``inputs``/``targets`` batches are.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from _hf_tiny import mixtral_fields
+from _hf_tiny import mixtral_fields, qwen3_moe_fields
 from _hf_tiny import versions as tiny_versions
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -43,8 +50,7 @@ AUX = 0.1
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _model() -> transformers.MixtralForCausalLM:
-    """The tiny Mixtral, with norm weights perturbed so their mapping is exercised too."""
+def _mixtral() -> transformers.MixtralForCausalLM:
     cfg = transformers.MixtralConfig(
         **mixtral_fields(
             hidden_size=32,
@@ -54,8 +60,32 @@ def _model() -> transformers.MixtralForCausalLM:
             router_aux_loss_coef=AUX,
         )
     )
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _qwen3_moe() -> transformers.Qwen3MoeForCausalLM:
+    cfg = transformers.Qwen3MoeConfig(
+        **qwen3_moe_fields(
+            hidden_size=32,
+            num_hidden_layers=2,
+            decoder_sparse_step=1,
+            moe_intermediate_size=16,
+            norm_topk_prob=False,
+            max_position_embeddings=64,
+            output_router_logits=True,
+            router_aux_loss_coef=AUX,
+        )
+    )
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+
+
+def _model(name: str) -> transformers.PreTrainedModel:
+    """The tiny model, with norm weights perturbed so their mapping is exercised too."""
     torch.manual_seed(SEED)
-    model = transformers.MixtralForCausalLM(cfg)
+    model = MODELS[name]()
     gen = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -75,9 +105,12 @@ def _batches(vocab: int) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", nargs="?", default="mixtral", choices=sorted(MODELS))
+    name = parser.parse_args().name
     torch.set_default_dtype(torch.float32)
-    model = _model()
-    model.save_pretrained(OUT / "mixtral_steps", safe_serialization=True)
+    model = _model(name)
+    model.save_pretrained(OUT / f"{name}_steps", safe_serialization=True)
     data = _batches(model.config.vocab_size)
     norms = [p for n, p in model.named_parameters() if "norm" in n]
     others = [p for n, p in model.named_parameters() if "norm" not in n]
@@ -90,7 +123,8 @@ def main() -> None:
         out = model(input_ids=inputs, attention_mask=mask, labels=targets, shift_labels=targets)
         if s == 0:
             logits = tuple(r.detach() for r in out.router_logits)
-            balance = load_balancing_loss_func(logits, 4, 2, mask)
+            E, k = model.config.num_local_experts, model.config.num_experts_per_tok
+            balance = load_balancing_loss_func(logits, E, k, mask)
             data["router_logits"] = np.stack([r.numpy() for r in logits]).astype(np.float32)
             data["load_balancing_loss"] = np.float32(balance.item())
         losses.append(out.loss.item())
@@ -98,12 +132,12 @@ def main() -> None:
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-    model.save_pretrained(OUT / "mixtral_steps_trained", safe_serialization=True)
+    model.save_pretrained(OUT / f"{name}_steps_trained", safe_serialization=True)
     data["loss"] = np.asarray(losses, np.float32)
     data["aux_loss"] = np.asarray(aux, np.float32)
     versions = tiny_versions()
     data["versions"] = np.asarray(json.dumps(versions))
-    np.savez(OUT / "mixtral_steps.npz", **data)
+    np.savez(OUT / f"{name}_steps.npz", **data)
     print(json.dumps({"loss": losses, "aux_loss": aux, **versions}))
 
 

@@ -10,9 +10,10 @@ Llama's MLP of width ``intermediate_size``::
     moe.up[e]   [D, F]                  mlp.experts.e.up_proj.weight [F, D]
     moe.down[e] [F, D]                  mlp.experts.e.down_proj.weight [D, F]
 
-``moe_intermediate_size`` is F (``d_expert``), ``num_experts`` (``num_local_experts``) E, ``num_experts_per_tok`` the
-top-k, ``norm_topk_prob`` ``renormalize`` (Qwen3-MoE routes as Mixtral does: softmax, top-k,
-then the k weights divided by their sum only when it is true). Layer i is sparse when it is not
+``moe_intermediate_size`` is F (``d_expert``), ``num_experts`` (``num_local_experts`` as
+transformers 5 writes it) E, ``num_experts_per_tok`` the top-k, ``norm_topk_prob``
+``renormalize`` (Qwen3-MoE routes as Mixtral does: softmax, top-k, then the k weights divided
+by their sum only when it is true). Layer i is sparse when it is not
 in ``mlp_only_layers`` and (i + 1) is a multiple of ``decoder_sparse_step``; meshtrain holds
 the pattern where every n-th layer is sparse (``moe_every = n``, n dividing the layer count)
 and refuses any other, naming the field. A sliding window (``use_sliding_window``) covers every

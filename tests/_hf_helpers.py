@@ -18,7 +18,7 @@ from meshtrain.models import GPT, GPTConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # float32 logits, |logit| up to ~3.4: measured max error 1.4e-6 (gpt2), 2.3e-6 (llama),
-# 2.1e-6 (llama3), 2.4e-6 (mistral) and 1.5e-6 (qwen2).
+# 2.1e-6 (llama3), 2.4e-6 (mistral), 1.5e-6 (qwen2) and 3.8e-6 (qwen3).
 ATOL = 2e-5
 
 _SMALL = dict(vocab_size=128, max_seq_len=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
@@ -40,6 +40,10 @@ EXPECTED = {
     ),
     "mistral": GPTConfig(**_SMALL, rope_theta=10_000.0, sliding_window=16),
     "qwen2": GPTConfig(**_SMALL, rope_theta=1e6, tie_embeddings=True, qkv_bias=True),
+    "qwen3": GPTConfig(
+        **_SMALL | dict(n_heads=6, d_ff=80), head_dim=24, qk_norm=True, rope_theta=1e6,
+        tie_embeddings=True,
+    ),
 }  # fmt: skip
 NAMES = tuple(EXPECTED)
 

@@ -156,7 +156,7 @@ def test_feature_slips_fail_the_tolerance(loaded, monkeypatch, name, change):
     assert err > 100 * ATOL, f"{change} moved the logits by only {err:.1e}"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
 def test_load_onto_mesh_fsdp_tp(name):
     """Placed on data=2 × fsdp=2 × tensor=2 by fsdp+tp rules: intended shardings, same logits."""
     mesh = make_mesh("data=2,fsdp=2,tensor=2")

@@ -368,6 +368,17 @@ def test_flops_count_the_heads_width_not_d_model():
     )
 
 
+def test_query_heads_that_tensor_does_not_divide_are_refused_in_one_line():
+    mesh = make_mesh("tensor=4,data=2")  # the fixture's 6 query heads
+    with pytest.raises(ValueError) as e:
+        hf.load_model(FIXTURES / "qwen3", mesh=mesh, rules=rules_for("tp", mesh))
+    assert str(e.value) == (
+        "parameter 'blocks/attn/o/kernel' (2, 6, 24, 64): dimension 1 (heads=6) is not divisible "
+        "by mesh tensor=4 = 4; change the size to a multiple of 4 or shard 'heads' over fewer "
+        "devices"
+    )
+
+
 def test_an_export_the_architecture_cannot_hold_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="LlamaForCausalLM: qk_norm=True: Llama has no query/key"):
         hf.adapter_for(QWEN3, "LlamaForCausalLM")

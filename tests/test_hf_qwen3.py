@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import initial_values, model_from
+from _helpers import initial_values, model_from, packed_layout
 from _hf_helpers import FIXTURES, copy, edit_config, edit_tensors, forward, read, reference
 from flax import nnx
 
@@ -25,7 +25,7 @@ from meshtrain import hf
 from meshtrain.check import check_run
 from meshtrain.hf import qwen3_moe
 from meshtrain.hf.qwen3_moe import load_qwen3_moe, save_qwen3_moe
-from meshtrain.layout import batch_shardings, rules_for, shard_batch
+from meshtrain.layout import activation_rules, batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
 from meshtrain.mesh import make_mesh, mesh_sizes
 from meshtrain.models import DataSpec, GPTConfig, MoEConfig, logits_of
@@ -159,6 +159,23 @@ def test_qwen3_moe_reads_its_config_and_its_logits_equal_transformers():
     assert _rel(_moe_logits(model, tokens), want) <= RTOL
 
 
+def test_an_imported_qwen3_moe_gives_transformers_logits_split_over_experts():
+    model = load_qwen3_moe(FIXTURES / "qwen3_moe")
+    mesh = make_mesh("expert=4,data=2")
+    rules = rules_for("dp", mesh)
+    graphdef, state = nnx.split(model)
+
+    def fwd(state, tokens):
+        with activation_rules(mesh, rules):
+            return logits_of(nnx.merge(graphdef, state)(tokens))
+
+    tokens, want = reference("qwen3_moe")
+    with jax.set_mesh(mesh):
+        rows = np.concatenate([tokens] * 4)  # 8 rows: one per device
+        got = np.asarray(jax.jit(fwd)(state, rows))[:2, :, : model.cfg.vocab_size]
+    assert _rel(got, want) <= RTOL
+
+
 def test_qwen3_moe_with_permuted_experts_does_not_match(tmp_path):
     path = copy(tmp_path, "qwen3_moe")
 
@@ -275,8 +292,9 @@ LAYOUT_CFG = GPTConfig(
 )  # fmt: skip
 
 
-def _train_on(mesh_str: str, strategy: str, schedule: str | None = None, devices=None):
-    """Losses and final host parameters of 2 SGD steps of `LAYOUT_CFG` on one layout."""
+def _train_on(mesh_str, strategy, schedule=None, packed=False, devices=None):
+    """Losses and final host parameters of 2 SGD steps of `LAYOUT_CFG` on one layout (on
+    packed documents with `packed`)."""
     cfg = LAYOUT_CFG
     mesh = make_mesh(mesh_str, devices=devices)
     rules = rules_for(strategy, mesh, context_parallel="ring")
@@ -286,13 +304,16 @@ def _train_on(mesh_str: str, strategy: str, schedule: str | None = None, devices
     pipeline = PipelineConfig(schedule=schedule, microbatches=2) if schedule else PipelineConfig()
     run = RunSpec(mesh=mesh, rules=rules, train=TrainConfig(run_dir=""), optim=SGD,
                   pipeline=pipeline)  # fmt: skip
-    data = DataSpec("lm", B, T, cfg.vocab_size)
+    data = DataSpec("lm", B, T, cfg.vocab_size, packed=packed)
     assert check_run(run.replace(model=cfg, data=data, mesh=mesh_sizes(mesh))) == []
     rng = np.random.default_rng(11)
     batches = []
     for _ in range(2):
         tokens = rng.integers(0, cfg.vocab_size, (B, T + 1), np.int32)
         batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+        if packed:
+            layout = packed_layout(rng, B, T, longest=T // 3)
+            batches[-1]["segment_ids"], batches[-1]["positions"] = layout
     step = jit_train_step(run, graphdef, tx, shardings, batch_shardings(batches[0], mesh, rules))
     losses = []
     for b in batches:
@@ -301,22 +322,23 @@ def _train_on(mesh_str: str, strategy: str, schedule: str | None = None, devices
     return np.array(losses), jax.tree.map(np.asarray, state.params)
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    return _train_on("data=1", "dp", devices=jax.devices()[:1])
+_ONE_DEVICE: dict[bool, tuple] = {}
 
 
 @pytest.mark.parametrize(
-    ("mesh", "strategy", "schedule"),
+    ("mesh", "strategy", "schedule", "packed"),
     [
-        ("fsdp=2,tensor=2,data=2", "fsdp+tp", None),  # heads split over tensor
-        ("pipe=2,data=4", "dp", "1f1b"),
-        ("seq=2,data=4", "dp", None),  # ring context parallelism
+        ("fsdp=2,tensor=2,data=2", "fsdp+tp", None, False),  # heads split over tensor
+        ("pipe=2,data=4", "dp", "1f1b", False),
+        ("seq=2,data=4", "dp", None, False),  # ring context parallelism
+        ("seq=2,data=4", "dp", None, True),  # ring, on packed documents
     ],
 )
-def test_a_qwen3_shaped_model_trains_as_on_one_device(one_device, mesh, strategy, schedule):
-    want_loss, want = one_device
-    loss, got = _train_on(mesh, strategy, schedule)
+def test_a_qwen3_shaped_model_trains_as_on_one_device(mesh, strategy, schedule, packed):
+    if packed not in _ONE_DEVICE:
+        _ONE_DEVICE[packed] = _train_on("data=1", "dp", packed=packed, devices=jax.devices()[:1])
+    want_loss, want = _ONE_DEVICE[packed]
+    loss, got = _train_on(mesh, strategy, schedule, packed)
     np.testing.assert_allclose(loss, want_loss, rtol=0, atol=1e-5)
     for (path, g), w in zip(
         jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True

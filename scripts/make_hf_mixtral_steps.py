@@ -7,10 +7,13 @@ Run once, by hand, never by the test suite, in the venv `scripts/make_hf_fixture
 
     .venv-hf/bin/python scripts/make_hf_mixtral_steps.py            # mixtral
     .venv-hf/bin/python scripts/make_hf_mixtral_steps.py qwen3_moe  # qwen3_moe_steps*
+    .venv-hf/bin/python scripts/make_hf_mixtral_steps.py qwen3      # qwen3_steps*
 
 ``qwen3_moe`` writes the same files under ``qwen3_moe_steps`` names: a Qwen3-MoE of width 32,
 2 layers (both sparse), heads of 16 (4 × 16 ≠ 32), query/key norms, 8 experts of width 16,
 top-3 without ``norm_topk_prob``, its ``load_balancing_loss_func`` being Mixtral's.
+``qwen3`` writes them for the dense tiny Qwen3 of `make_hf_fixtures.py` (heads 6 × 24 on a
+width of 64, query/key norms, tied head), with no router: no ``aux_loss`` and no router fields.
 
 For ``mixtral`` it writes, all float32:
 
@@ -40,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from _hf_tiny import mixtral_fields, qwen3_moe_fields
+from _hf_tiny import mixtral_fields, qwen3_fields, qwen3_moe_fields
 from _hf_tiny import versions as tiny_versions
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -79,7 +82,12 @@ def _qwen3_moe() -> transformers.Qwen3MoeForCausalLM:
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
-MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+def _qwen3() -> transformers.Qwen3ForCausalLM:
+    cfg = transformers.Qwen3Config(**qwen3_fields(max_position_embeddings=64))
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen3": _qwen3}
 
 
 def _model(name: str) -> transformers.PreTrainedModel:
@@ -121,20 +129,22 @@ def main() -> None:
         inputs, mask = (torch.from_numpy(data[k][s]).long() for k in ("inputs", "mask"))
         targets = torch.from_numpy(data["targets"][s]).long()
         out = model(input_ids=inputs, attention_mask=mask, labels=targets, shift_labels=targets)
-        if s == 0:
+        if s == 0 and getattr(out, "router_logits", None) is not None:
             logits = tuple(r.detach() for r in out.router_logits)
             E, k = model.config.num_local_experts, model.config.num_experts_per_tok
             balance = load_balancing_loss_func(logits, E, k, mask)
             data["router_logits"] = np.stack([r.numpy() for r in logits]).astype(np.float32)
             data["load_balancing_loss"] = np.float32(balance.item())
         losses.append(out.loss.item())
-        aux.append(out.aux_loss.item())
+        if getattr(out, "aux_loss", None) is not None:
+            aux.append(out.aux_loss.item())
         opt.zero_grad()
         out.loss.backward()
         opt.step()
     model.save_pretrained(OUT / f"{name}_steps_trained", safe_serialization=True)
     data["loss"] = np.asarray(losses, np.float32)
-    data["aux_loss"] = np.asarray(aux, np.float32)
+    if aux:
+        data["aux_loss"] = np.asarray(aux, np.float32)
     versions = tiny_versions()
     data["versions"] = np.asarray(json.dumps(versions))
     np.savez(OUT / f"{name}_steps.npz", **data)

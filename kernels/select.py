@@ -20,9 +20,9 @@ def check_impls(attention_impl: str, norm_impl: str, head_dim: int) -> None:
             raise ValueError(f"gpt {field}={value!r}: choose from {', '.join(allowed)}")
     if attention_impl in ("pallas", "cudnn") and head_dim not in HEAD_DIMS:
         raise ValueError(
-            f"gpt attention_impl={attention_impl!r} needs a head width (d_model / n_heads) of "
-            f"{' or '.join(map(str, HEAD_DIMS))}, got {head_dim}; change d_model or n_heads, "
-            "or use attention_impl='xla' (or 'auto', which falls back to xla)"
+            f"gpt attention_impl={attention_impl!r} needs a head width (head_dim, or d_model / "
+            f"n_heads) of {' or '.join(map(str, HEAD_DIMS))}, got {head_dim}; change head_dim, "
+            "d_model or n_heads, or use attention_impl='xla' (or 'auto', which falls back to xla)"
         )
 
 

@@ -3,10 +3,11 @@
 times count is not the model's width) load with logits equal to transformers', and wrong
 mappings (norms swapped, experts permuted) do not; exports reload to the same tensors; three
 AdamW steps of a Qwen3-MoE with its router loss, and of a Qwen3, equal transformers' + torch's
-(`scripts/make_hf_mixtral_steps.py qwen3_moe`, ``qwen3``); the attention's norm runs before RoPE, as a
-reference written here says, and after RoPE would not match; a Qwen3-shaped model trains as on
-one device under fsdp + tp, a 1F1B pipeline and ring context parallelism; bad settings get one
-line each."""
+(`scripts/make_hf_mixtral_steps.py qwen3_moe`, ``qwen3``); the attention's norm runs before
+RoPE, as a reference written here says, and after RoPE would not match; a Qwen3-shaped model
+trains as on one device under fsdp + tp, a 1F1B pipeline and ring context parallelism (plain
+and packed); an imported Qwen3-MoE split over experts gives transformers' logits; bad settings
+get one line each."""
 
 from __future__ import annotations
 

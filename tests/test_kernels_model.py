@@ -90,7 +90,9 @@ def test_config_validates_impls():
     with pytest.raises(ValueError, match=r"loss_impl='fused'"):
         TrainConfig(loss_impl="fused")
     # The default GPT has head width 32: the kernel would not take it.
-    with pytest.raises(ValueError, match=r"head width \(d_model / n_heads\) of 64 or 128, got 32"):
+    with pytest.raises(
+        ValueError, match=r"head width \(head_dim, or d_model / n_heads\) of 64 or 128, got 32"
+    ):
         GPTConfig(attention_impl="pallas")
     GPTConfig(attention_impl="auto")  # auto falls back to the jnp path for width 32
     assert GPTConfig().attention_impl == GPTConfig().norm_impl == TrainConfig().loss_impl == "xla"

@@ -51,6 +51,26 @@ def fresh_env(devices: int | None = None) -> dict[str, str]:
     return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": count + FAST_COMPILE}
 
 
+def load_benchmark(name: str):
+    """The module of ``benchmarks/NAME.py``, imported from its file as its own tests use it
+    (the benchmarks are scripts, not a package): registered under `name` (its dataclasses look
+    their module up there), with the benchmarks' folder importable while it loads (its
+    `_common`)."""
+    import importlib.util
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module
+
+
 def one_json_line(script, *args, devices: int | None = None, timeout: int = 300) -> dict:
     """Runs a benchmark script (a path, or ``-m module``'s words) with `args` in a fresh process
     from the repository root, as a user would, and returns the one JSON line it prints; the

@@ -53,16 +53,16 @@ def h100():
     return AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
 
 
-def export_for_cuda(fn, args, mesh):
-    """`fn` jitted and exported for ``cuda`` on the abstract `mesh`, the Triton custom call
-    allowed: Pallas' Triton lowering runs without a GPU."""
+def export_for_cuda(fn, args, mesh, custom_call: str = TRITON_CALL):
+    """`fn` jitted and exported for ``cuda`` on the abstract `mesh`, `custom_call` allowed
+    (by default Pallas' Triton call, whose lowering runs without a GPU)."""
     from jax import export
 
     with jax.sharding.use_abstract_mesh(mesh):
         return export.export(
             jax.jit(fn),
             platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(custom_call)],
         )(*args)
 
 

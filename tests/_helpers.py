@@ -19,6 +19,13 @@ FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
     + _cache_guard.SCHEDULER_OFF
 )
+# The tiny GPT's ``meshtrain train`` job on synthetic tokens: nothing held out, no samples, no
+# progress bar (the caller adds the mesh, the steps and where it saves).
+TINY_JOB = [
+    "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
+    "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
+    "--data.val-fraction", "0", "--sample-tokens", "0", "--no-progress",
+]  # fmt: skip
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _INITIAL: dict = {}
 

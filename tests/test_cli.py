@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import tyro
-from _helpers import fresh_env
+from _helpers import TINY_JOB, fresh_env
 
 from meshtrain import cli
 from meshtrain.cli import train as cli_train
@@ -378,13 +378,8 @@ def test_a_run_that_ends_on_a_non_finite_loss_stops_with_exit_1(capsys, monkeypa
         return {**real(trainer, history), "final_loss": float("nan")}
 
     monkeypatch.setattr(cli_train, "_summary", ends_on_nan)
-    argv = [
-        "train", "--mesh", "data=8", "--strategy", "dp", "--steps", "2",
-        "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
-        "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
-        "--data.val-fraction", "0", "--sample-tokens", "0", "--no-progress",
-        "--run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
+    argv = ["train", "--mesh", "data=8", "--strategy", "dp", "--steps", "2", *TINY_JOB]
+    argv += ["--run-dir", str(tmp_path / "run")]
     assert cli.main(argv) == 1
     out, err = capsys.readouterr()
     assert "meshtrain train: stopped: the final loss is nan" in err, err

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import load_benchmark
+from _helpers import TINY_JOB, load_benchmark
 
 from meshtrain.cli.launch import parse as parse_launch
 from meshtrain.data import DataConfig, make_dataset, prepare_corpus
@@ -36,11 +36,7 @@ RUN_TIMEOUT = 420  # hard bound on any one multi-process run, in seconds
 # float32, 3 AdamW steps; only the order of cross-device sums differs (measured: losses
 # ≤ 4.8e-7 apart, parameters ≤ 1.2e-7).
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
-TINY_TRAIN = [
-    "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
-    "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
-    "--data.val-fraction", "0", "--sample-tokens", "0", "--no-save", "--no-progress",
-]  # fmt: skip
+TINY_TRAIN = [*TINY_JOB, "--no-save"]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -78,6 +78,30 @@ def load_benchmark(name: str):
     return module
 
 
+def fit_briefly(model, data, mesh, strategy: str, steps: int, pipeline=None, **train):
+    """`steps` steps of AdamW (lr 1e-2, no warmup) through `meshtrain.Trainer`, nothing
+    evaluated, saved or shown (`train`: more `TrainConfig` fields); the losses and the final
+    parameters on the host."""
+    import jax
+    import numpy as np
+
+    import meshtrain as mt
+
+    quiet = {"run_dir": "", "progress": False, "eval_every": 0, "log_every": 1}
+    run = mt.RunSpec(
+        model=model,
+        data=data,
+        mesh=mesh,
+        rules=mt.rules_for(strategy, mesh),
+        optim=mt.OptimConfig(lr=1e-2, warmup_steps=0),
+        train=mt.TrainConfig(steps=steps, **quiet, **train),
+        pipeline=pipeline or mt.PipelineConfig(),
+    )
+    trainer = mt.Trainer(run=run)
+    losses = [e["loss"] for e in trainer.fit()]
+    return losses, jax.tree.map(np.asarray, jax.device_get(trainer.state.params))
+
+
 def one_json_line(script, *args, devices: int | None = None, timeout: int = 300) -> dict:
     """Runs a benchmark script (a path, or ``-m module``'s words) with `args` in a fresh process
     from the repository root, as a user would, and returns the one JSON line it prints; the

@@ -45,6 +45,7 @@ from meshtrain.mesh import make_mesh
 from meshtrain.models import MoEConfig
 from meshtrain.models.moe import Experts
 from meshtrain.models.moe_dispatch import shard_sizes
+from meshtrain.state import abstract_model, abstract_target
 
 
 def _a2a_bytes(hlo: str) -> tuple[int, int]:
@@ -58,13 +59,9 @@ def _compiled(cfg: MoEConfig, expert: int, batch: int, seq: int):
     """The compiled forward + backward of one MoE layer on a mesh ``expert=E, data=8/E``."""
     mesh = make_mesh(f"expert={expert},data={8 // expert}")
     rules = rules_for("dp", mesh)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Experts(cfg, rngs=nnx.Rngs(0))))
+    graphdef, state = abstract_model(lambda: Experts(cfg, rngs=nnx.Rngs(0)))
     specs = named(state_specs(state, rules.params, mesh, warn=False), mesh)
-    params = jax.tree.map(
-        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-        nnx.to_pure_dict(state),
-        specs,
-    )
+    params = abstract_target(nnx.to_pure_dict(state), specs)
     x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), jnp.float32)
 
     def loss(p, x_BTD):

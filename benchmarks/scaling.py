@@ -19,7 +19,6 @@ GPU count, ``"kind": "projected"``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _common import parser  # noqa: E402
 from alpha_beta import projected_efficiency  # noqa: E402
 
 ROOT = HERE.parent
@@ -124,9 +124,7 @@ def projections(args) -> list[dict]:
 
 def main(argv=None) -> int:
     """Prints the measured lines, then the projected ones."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="3 configurations, 4 steps")
-    p.add_argument("--steps", type=int, default=8)
+    p = parser(__doc__.splitlines()[0], quick="3 configurations, 4 steps", steps=8)
     p.add_argument("--per-device-batch", type=int, default=8)
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--widths", type=int, nargs="+", default=[16, 32, 64, 128])

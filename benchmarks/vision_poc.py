@@ -25,7 +25,6 @@ the interpreter's emulation, not the GPU kernels.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -34,6 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import parser
 from flax import nnx
 
 from meshtrain.loss import mse
@@ -152,11 +152,10 @@ def _torch_lines(cfg: CNNConfig, batch: int, iters: int) -> list[dict]:
 
 def main(argv=None) -> int:
     """Prints one JSON line per contender and phase, then the ratios."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8×8×1 images, batch 32")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args(argv)
+    p = parser(__doc__.splitlines()[0], quick="8×8×1 images, batch 32")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
     size, channels, batch = (8, 1, 32) if args.quick else (32, 3, args.batch)
     cfg = CNNConfig(image_size=size, in_channels=channels, norm="none")
     rng = np.random.default_rng(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from meshtrain.validate import is_int, is_number
@@ -42,6 +43,14 @@ def finite(kernel: str, name: str, value, *, example, low: float = 0.0) -> None:
     if is_number(value) and value >= low:
         return
     _refuse(kernel, name, value, f"must be a finite number ≥ {low:g}", example)
+
+
+def integers(kernel: str, name: str, x) -> None:
+    """Refuses an array whose dtype is not an integer one (token ids, sizes, positions)."""
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(
+            f"{kernel}: {name} must be integers, got {x.dtype}; e.g. {name}.astype(jnp.int32)"
+        )
 
 
 def concrete(x) -> np.ndarray | None:

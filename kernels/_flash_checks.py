@@ -62,10 +62,7 @@ def validate(q, k, v, impl, causal, window, segment_ids=None):
                 f"flash_attention: segment_ids {segment_ids.shape} must be [batch, seq] = "
                 f"{(B, T)} of a self-attention (keys {k.shape[1]}, queries {T})"
             )
-        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(
-                f"flash_attention: segment_ids must be integers, got {segment_ids.dtype}"
-            )
+        _args.integers("flash_attention", "segment_ids", segment_ids)
         if impl == "cudnn" and window is not None:
             raise ValueError(
                 "flash_attention impl='cudnn' takes no sliding window beside segment_ids "
@@ -124,8 +121,7 @@ def check_block(q, k, v, q_pos, k_pos, causal, window, q_segments, k_segments):
             f"[{S}] (one per query and per key)"
         )
     for name, x in (("q_pos", q_pos), ("k_pos", k_pos)):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"flash attention block: {name} must be integers, got {x.dtype}")
+        _args.integers("flash attention block", name, x)
     if (q_segments is None) != (k_segments is None):
         raise ValueError("flash attention block: give both q_segments and k_segments, or none")
     if q_segments is not None and (

@@ -185,8 +185,7 @@ def token_cross_entropy(
             f"token_cross_entropy: targets {targets.shape} must be logits {logits.shape} "
             "without the last (vocabulary) dimension"
         )
-    if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise ValueError(f"token_cross_entropy: targets must be integers, got {targets.dtype}")
+    _args.integers("token_cross_entropy", "targets", targets)
     if impl == "xla":
         return reference.token_cross_entropy(logits, targets)
     if logits.dtype not in DTYPES:

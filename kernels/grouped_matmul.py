@@ -128,10 +128,7 @@ def _checked_sizes(x_MD, w_LDF, sizes_L, impl, tile) -> jax.Array:
             f"{name}: x {x_MD.shape}, w {w_LDF.shape} and sizes {sizes_L.shape} do not chain; "
             f"give w [L, {D}, F] and one size per group of w ([{L}])"
         )
-    if not jnp.issubdtype(sizes_L.dtype, jnp.integer):
-        raise ValueError(
-            f"{name}: sizes must be integers, got {sizes_L.dtype}; e.g. sizes.astype(jnp.int32)"
-        )
+    _args.integers(name, "sizes", sizes_L)
     known = _args.concrete(sizes_L)
     if known is not None and known.min(initial=0) < 0:
         raise ValueError(f"{name}: sizes={known.tolist()} hold a negative size; use 0 or more")

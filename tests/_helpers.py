@@ -19,6 +19,13 @@ FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
     + _cache_guard.SCHEDULER_OFF
 )
+# The tiny GPT's ``meshtrain train`` job on synthetic tokens: nothing held out, no samples, no
+# progress bar (the caller adds the mesh, the steps and where it saves).
+TINY_JOB = [
+    "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
+    "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
+    "--data.val-fraction", "0", "--sample-tokens", "0", "--no-progress",
+]  # fmt: skip
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _INITIAL: dict = {}
 
@@ -49,6 +56,50 @@ def fresh_env(devices: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     count = f"--xla_force_host_platform_device_count={devices} " if devices else ""
     return {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": count + FAST_COMPILE}
+
+
+def load_benchmark(name: str):
+    """The module of ``benchmarks/NAME.py``, imported from its file as its own tests use it
+    (the benchmarks are scripts, not a package): registered under `name` (its dataclasses look
+    their module up there), with the benchmarks' folder importable while it loads (its
+    `_common`)."""
+    import importlib.util
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    sys.path.insert(0, str(folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
+    return module
+
+
+def fit_briefly(model, data, mesh, strategy: str, steps: int, pipeline=None, **train):
+    """`steps` steps of AdamW (lr 1e-2, no warmup) through `meshtrain.Trainer`, nothing
+    evaluated, saved or shown (`train`: more `TrainConfig` fields); the losses and the final
+    parameters on the host."""
+    import jax
+    import numpy as np
+
+    import meshtrain as mt
+
+    quiet = {"run_dir": "", "progress": False, "eval_every": 0, "log_every": 1}
+    run = mt.RunSpec(
+        model=model,
+        data=data,
+        mesh=mesh,
+        rules=mt.rules_for(strategy, mesh),
+        optim=mt.OptimConfig(lr=1e-2, warmup_steps=0),
+        train=mt.TrainConfig(steps=steps, **quiet, **train),
+        pipeline=pipeline or mt.PipelineConfig(),
+    )
+    trainer = mt.Trainer(run=run)
+    losses = [e["loss"] for e in trainer.fit()]
+    return losses, jax.tree.map(np.asarray, jax.device_get(trainer.state.params))
 
 
 def one_json_line(script, *args, devices: int | None = None, timeout: int = 300) -> dict:

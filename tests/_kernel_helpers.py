@@ -35,6 +35,12 @@ def assert_close(out, ref, tol, what, seed):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} (seed {seed})"
 
 
+def assert_all_written(*arrays):
+    """Every element finite: outputs built under `poison_outputs` left no NaN-filled block."""
+    for a in arrays:
+        assert bool(jnp.all(jnp.isfinite(a))), "an output element was never written"
+
+
 # --- lowering for an H100 on a CPU-only machine ----------------------------------------------
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call a Pallas-Triton kernel lowers to
@@ -45,6 +51,19 @@ def h100():
     from jax.sharding import AbstractDevice
 
     return AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="cuda")
+
+
+def export_for_cuda(fn, args, mesh, custom_call: str = TRITON_CALL):
+    """`fn` jitted and exported for ``cuda`` on the abstract `mesh`, `custom_call` allowed
+    (by default Pallas' Triton call, whose lowering runs without a GPU)."""
+    from jax import export
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        return export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(custom_call)],
+        )(*args)
 
 
 def under_fsdp_tp(kernel):

@@ -9,7 +9,9 @@ through a module-level name bound to such a mark) or sits in the ``marks=`` of a
 module-level list the decorator names, or in a comprehension over literal values
 (``[pytest.param(a, marks=pytest.mark.pair("packed", a)) for a in ("ring", "ulysses")]``,
 f-strings of its names included) or over ``combinations`` of them (every two of a case's
-features: ``[pair(a, b) for a, b in combinations(("dp", "tp", "remat"), 2)]``)::
+features: ``[pair(a, b) for a, b in combinations(("dp", "tp", "remat"), 2)]``), also inside a
+module-level function the values call, its parameters bound to the call's literal arguments
+(``case(Case(...), ("dp", "tp", "remat"))`` returning such a ``pytest.param``)::
 
     for where, pair in markers("tests"):
         print(where, pair)  # tests/test_x.py::test_y ('packed', 'ring')
@@ -97,11 +99,14 @@ def markers(root: str | Path) -> list[tuple[str, tuple[str, ...] | str]]:
     return out
 
 
-def _module_names(tree: ast.Module) -> dict[str, ast.expr]:
-    """Module-level ``NAME = value`` assignments (lists of cases, marks bound to names)."""
-    out: dict[str, ast.expr] = {}
+def _module_names(tree: ast.Module) -> dict[str, ast.AST]:
+    """Module-level ``NAME = value`` assignments (lists of cases, marks bound to names) and
+    functions (helpers that build cases)."""
+    out: dict[str, ast.AST] = {}
     for node in tree.body:
-        if isinstance(node, ast.Assign):
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = node
+        elif isinstance(node, ast.Assign):
             for target in node.targets:
                 if isinstance(target, ast.Name):
                     out[target.id] = node.value
@@ -143,6 +148,14 @@ def _find(node: ast.AST, names, env: Env, want, seen=()) -> Iterator[tuple[ast.C
     if isinstance(node, ast.Call) and want(node, names):
         yield node, env
         return
+    helper = _helper(node, names)
+    if helper is not None and helper.name not in seen:
+        bound = _arguments(helper, node, names, env)  # the helper's own scope
+        for stmt in helper.body:
+            yield from _find(stmt, names, bound, want, (*seen, helper.name))
+        for arg in (*node.args, *(k.value for k in node.keywords)):
+            yield from _find(arg, names, env, want, seen)
+        return
     if isinstance(node, ast.ListComp | ast.GeneratorExp | ast.SetComp):
         # unreadable iterables: once, with the variables unbound (so a mark naming them is
         # reported rather than lost)
@@ -155,6 +168,27 @@ def _find(node: ast.AST, names, env: Env, want, seen=()) -> Iterator[tuple[ast.C
         return
     for child in ast.iter_child_nodes(node):
         yield from _find(child, names, env, want, seen)
+
+
+def _helper(node: ast.AST, names) -> ast.FunctionDef | None:
+    """The module-level function `node` calls, if it is a call to one."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        fn = names.get(node.func.id)
+        return fn if isinstance(fn, ast.FunctionDef) else None
+    return None
+
+
+def _arguments(fn: ast.FunctionDef, call: ast.Call, names, env: Env) -> Env:
+    """`fn`'s parameters bound to the literal arguments of `call` (others left unbound)."""
+    given = dict(zip((a.arg for a in fn.args.args), call.args, strict=False))
+    given |= {k.arg: k.value for k in call.keywords if k.arg}
+    out: dict[str, object] = {}
+    for name, node in given.items():
+        try:
+            out[name] = _value(node, names, env)
+        except _Unreadable:
+            continue
+    return out
 
 
 def _bindings(generators: list[ast.comprehension], names, env: Env) -> list[Env]:

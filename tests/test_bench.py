@@ -2,7 +2,6 @@
 jax baseline against meshtrain's step."""
 
 import datetime
-import importlib.util
 import json
 import math
 import os
@@ -15,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import load_benchmark
 from flax import nnx
 
 import meshtrain as mt
@@ -186,16 +186,6 @@ def test_attention_flops_agree_with_xla():
 # --- the hand-written jax baseline -----------------------------------------------------------
 
 
-def _baseline_module():
-    spec = importlib.util.spec_from_file_location(
-        "baseline_jax", ROOT / "benchmarks" / "baseline_jax.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["baseline_jax"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "style,dtype,rtol",
     [("llama", "float32", 2e-6), ("gpt2", "float32", 2e-6), ("llama", "bfloat16", 2e-3)],
@@ -205,7 +195,7 @@ def test_jax_baseline_computes_meshtrain_losses(style, dtype, rtol):
     data=2,fsdp=2,tensor=2 and the hand-written step on plain data parallelism give the same
     losses. The later losses differ from the first by far more than the tolerance, so the
     optimizers' updates (clipping, AdamW, schedule, decay mask) are compared too."""
-    B = _baseline_module()
+    B = load_benchmark("baseline_jax")
     cfg = mt.GPTConfig(
         style=style, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, dtype=dtype
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import tyro
-from _helpers import fresh_env
+from _helpers import TINY_JOB, fresh_env
 
 from meshtrain import cli
 from meshtrain.cli import train as cli_train
@@ -59,6 +59,25 @@ def test_help_reads_well(capsys, monkeypatch):
     assert "optimizer steps to run" in text and "peak learning rate" in text
     assert "(default: 200)" in text  # TrainJob's own default for the step count
 
+
+# The transformer fields the GPT and the MoE both have: one value each, checked under both.
+_TRANSFORMER = {
+    "vocab-size": (["300"], 300),
+    "max-seq-len": (["64"], 64),
+    "d-model": (["48"], 48),
+    "n-heads": (["6"], 6),
+    "n-kv-heads": (["3"], 3),
+    "d-ff": (["96"], 96),
+    "rope-theta": (["500.0"], 500.0),
+    "norm-eps": (["1e-6"], 1e-6),
+    "tie-embeddings": ([], True),
+    "remat": (["full"], "full"),
+    "dtype": (["bfloat16"], "bfloat16"),
+    "fp8": ([], True),
+    "attention-impl": (["auto"], "auto"),
+    "sliding-window": (["8"], 8),
+    "vocab-multiple": (["64"], 64),
+}
 
 # A non-default, valid value for every config field: flag → (command-line words, expected).
 OVERRIDES = {
@@ -129,25 +148,11 @@ OVERRIDES = {
     "--data.eval-path": (["/tmp/held.txt"], "/tmp/held.txt"),
     "--data.client-alpha": (["0.1"], 0.1),
     "--gpt.style": (["gpt2"], "gpt2"),
-    "--gpt.vocab-size": (["300"], 300),
-    "--gpt.max-seq-len": (["64"], 64),
-    "--gpt.d-model": (["48"], 48),
+    **{f"--gpt.{name}": value for name, value in _TRANSFORMER.items()},
     "--gpt.n-layers": (["6"], 6),
-    "--gpt.n-heads": (["6"], 6),
-    "--gpt.n-kv-heads": (["3"], 3),
-    "--gpt.d-ff": (["96"], 96),
-    "--gpt.rope-theta": (["500.0"], 500.0),
-    "--gpt.norm-eps": (["1e-6"], 1e-6),
-    "--gpt.tie-embeddings": ([], True),
-    "--gpt.remat": (["full"], "full"),
-    "--gpt.dtype": (["bfloat16"], "bfloat16"),
-    "--gpt.fp8": ([], True),
-    "--gpt.attention-impl": (["auto"], "auto"),
     "--gpt.norm-impl": (["pallas"], "pallas"),
-    "--gpt.vocab-multiple": (["64"], 64),
     "--gpt.restart-positions": ([], False),  # given as --gpt.no-restart-positions
     "--loss-impl": (["pallas"], "pallas"),
-    "--gpt.sliding-window": (["8"], 8),
     "--mlp.num-features": (["8"], 8),
     "--mlp.num-classes": (["3"], 3),
     "--mlp.d-model": (["16"], 16),
@@ -180,13 +185,8 @@ OVERRIDES = {
     "--cnn.groups": (["2"], 2),
     "--cnn.act-impl": (["pallas"], "pallas"),
     "--cnn.dtype": (["bfloat16"], "bfloat16"),
-    "--moe.vocab-size": (["300"], 300),
-    "--moe.max-seq-len": (["64"], 64),
-    "--moe.d-model": (["48"], 48),
+    **{f"--moe.{name}": value for name, value in _TRANSFORMER.items()},
     "--moe.n-layers": (["4"], 4),
-    "--moe.n-heads": (["6"], 6),
-    "--moe.n-kv-heads": (["3"], 3),
-    "--moe.d-ff": (["96"], 96),
     "--moe.n-experts": (["4"], 4),
     "--moe.top-k": (["1"], 1),
     "--moe.d-expert": (["32"], 32),
@@ -197,17 +197,8 @@ OVERRIDES = {
     "--moe.renormalize": ([], False),  # given as --moe.no-renormalize
     "--moe.aux-loss-coef": (["0.02"], 0.02),
     "--moe.z-loss-coef": (["0.0"], 0.0),
-    "--moe.rope-theta": (["500.0"], 500.0),
-    "--moe.norm-eps": (["1e-6"], 1e-6),
-    "--moe.tie-embeddings": ([], True),
-    "--moe.remat": (["full"], "full"),
-    "--moe.dtype": (["bfloat16"], "bfloat16"),
-    "--moe.fp8": ([], True),
-    "--moe.attention-impl": (["auto"], "auto"),
     "--moe.grouped-impl": (["xla"], "xla"),
     "--moe.router-losses": (["mixtral"], "mixtral"),
-    "--moe.sliding-window": (["8"], 8),
-    "--moe.vocab-multiple": (["64"], 64),
 }
 # Fields only style llama takes (OVERRIDES makes the GPT a gpt2): checked in a second job.
 LLAMA_OVERRIDES = {
@@ -387,13 +378,8 @@ def test_a_run_that_ends_on_a_non_finite_loss_stops_with_exit_1(capsys, monkeypa
         return {**real(trainer, history), "final_loss": float("nan")}
 
     monkeypatch.setattr(cli_train, "_summary", ends_on_nan)
-    argv = [
-        "train", "--mesh", "data=8", "--strategy", "dp", "--steps", "2",
-        "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
-        "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
-        "--data.val-fraction", "0", "--sample-tokens", "0", "--no-progress",
-        "--run-dir", str(tmp_path / "run"),
-    ]  # fmt: skip
+    argv = ["train", "--mesh", "data=8", "--strategy", "dp", "--steps", "2", *TINY_JOB]
+    argv += ["--run-dir", str(tmp_path / "run")]
     assert cli.main(argv) == 1
     out, err = capsys.readouterr()
     assert "meshtrain train: stopped: the final loss is nan" in err, err

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import fit_briefly
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -34,25 +35,7 @@ def _digits(batch_size=16, val_fraction=0.0):
 
 def _train(cfg, mesh, strategy, *, loss="cross_entropy", loss_impl="xla"):
     """STEPS steps of AdamW on the digits (nothing held out, so no evaluation compiles)."""
-    run = mt.RunSpec(
-        model=cfg,
-        data=_digits(),
-        mesh=mesh,
-        rules=mt.rules_for(strategy, mesh),
-        optim=mt.OptimConfig(lr=1e-2, warmup_steps=0),
-        train=mt.TrainConfig(
-            steps=STEPS,
-            run_dir="",
-            progress=False,
-            eval_every=0,
-            log_every=1,
-            loss=loss,
-            loss_impl=loss_impl,
-        ),
-    )
-    trainer = mt.Trainer(run=run)
-    losses = [e["loss"] for e in trainer.fit()]
-    return losses, jax.tree.map(np.asarray, jax.device_get(trainer.state.params))
+    return fit_briefly(cfg, _digits(), mesh, strategy, STEPS, loss=loss, loss_impl=loss_impl)
 
 
 def _one_device():

@@ -325,504 +325,419 @@ def _pairs(features) -> set[tuple[str, str]]:
 
 
 pair = pytest.mark.pair
+
+
+def _case(case: Case, features: tuple[str, ...], id: str):
+    """`case` with a pair mark for every two of its `features` (the test checks them against
+    the case's own `features()`)."""
+    return pytest.param(case, marks=[pair(a, b) for a, b in combinations(features, 2)], id=id)
+
+
 # Written out from the weighted cover. Each case names its features once (in the matrix's
 # order) and carries a pair mark for every two of them; the test checks that list against the
 # case's own `features()`.
 CASES = [
     # float32
-    pytest.param(
+    _case(
         Case("data=2,seq=2,tensor=2", "dp+tp", model="moe-dropless", context="allgather", accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "tp", "allgather", "moe-dropless", "accumulation",
-        ), 2)],
-        id="dp+tp-moe-dropless-allgather-accum",
+        ("dp", "tp", "allgather", "moe-dropless", "accumulation"),
+        "dp+tp-moe-dropless-allgather-accum",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,tensor=2", "dp+tp", model="pallas", schedule="1f1b", packed=True,
              sync=SyncConfig(client_fraction=1.0, sync_every=1), offload=True, accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "tp", "1f1b", "packed", "federated", "pallas", "offload-optimizer",
-            "accumulation",
-        ), 2)],
-        id="dp+tp-pallas-1f1b-packed-federated-offload-opt-accum",
+        ("dp", "tp", "1f1b", "packed", "federated", "pallas", "offload-optimizer", "accumulation"),
+        "dp+tp-pallas-1f1b-packed-federated-offload-opt-accum",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="gpipe",
              sync=SyncConfig(gossip="ring", sync_every=1), remat=True, accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "gpipe", "gossip", "remat", "accumulation",
-        ), 2)],
-        id="hsdp-gpipe-gossip-remat-accum",
+        ("hsdp", "gpipe", "gossip", "remat", "accumulation"),
+        "hsdp-gpipe-gossip-remat-accum",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", context="ring", offload_acts=True, accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "ring", "offload-activations", "accumulation",
-        ), 2)],
-        id="hsdp-ring-offload-acts-accum",
+        ("hsdp", "ring", "offload-activations", "accumulation"),
+        "hsdp-ring-offload-acts-accum",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,expert=2", "dp", model="moe-capacity", pallas=True, schedule="zb-h1",
              offload_acts=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "zb-h1", "moe-capacity", "pallas", "offload-activations",
-        ), 2)],
-        id="dp-moe-capacity-pallas-zb-h1-offload-acts",
+        ("dp", "zb-h1", "moe-capacity", "pallas", "offload-activations"),
+        "dp-moe-capacity-pallas-zb-h1-offload-acts",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,fsdp=2", "hsdp", schedule="gpipe", sync=SyncConfig(staleness=1)),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "gpipe", "staleness"), 2)],
-        id="hsdp-gpipe-staleness",
+        ("hsdp", "gpipe", "staleness"),
+        "hsdp-gpipe-staleness",
     ),
     # context parallelism inside pipeline stages: every schedule with every algorithm, with
     # packed documents, the MoE (over expert) and the 4-D layouts
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "dp", schedule="gpipe", context="ring", packed=True),
-        marks=[pair(a, b) for a, b in combinations(("dp", "gpipe", "ring", "packed"), 2)],
-        id="dp-gpipe-ring-packed",
+        ("dp", "gpipe", "ring", "packed"),
+        "dp-gpipe-ring-packed",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,seq=2,tensor=2", "dp+tp", schedule="gpipe", context="allgather",
              offload=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "tp", "gpipe", "allgather", "offload-optimizer",
-        ), 2)],
-        id="dp+tp-gpipe-allgather-offload-opt",
+        ("dp", "tp", "gpipe", "allgather", "offload-optimizer"),
+        "dp+tp-gpipe-allgather-offload-opt",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,seq=2,expert=2", "zero1", model="moe-capacity", schedule="gpipe",
              context="ulysses"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "gpipe", "ulysses", "moe-capacity",
-        ), 2)],
-        id="zero1-moe-capacity-gpipe-ulysses",
+        ("zero1", "gpipe", "ulysses", "moe-capacity"),
+        "zero1-moe-capacity-gpipe-ulysses",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "zero1", schedule="1f1b", context="ring", offload_acts=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "1f1b", "ring", "offload-activations",
-        ), 2)],
-        id="zero1-1f1b-ring-offload-acts",
+        ("zero1", "1f1b", "ring", "offload-activations"),
+        "zero1-1f1b-ring-offload-acts",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "dp", schedule="1f1b", context="allgather", packed=True,
              accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "1f1b", "allgather", "packed", "accumulation",
-        ), 2)],
-        id="dp-1f1b-allgather-packed-accum",
+        ("dp", "1f1b", "allgather", "packed", "accumulation"),
+        "dp-1f1b-allgather-packed-accum",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "dp", schedule="1f1b", context="ulysses", remat=True),
-        marks=[pair(a, b) for a, b in combinations(("dp", "1f1b", "ulysses", "remat"), 2)],
-        id="dp-1f1b-ulysses-remat",
+        ("dp", "1f1b", "ulysses", "remat"),
+        "dp-1f1b-ulysses-remat",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "dp", schedule="zb-h1", context="ring", packed=True),
-        marks=[pair(a, b) for a, b in combinations(("dp", "zb-h1", "ring", "packed"), 2)],
-        id="dp-zb-h1-ring-packed",
+        ("dp", "zb-h1", "ring", "packed"),
+        "dp-zb-h1-ring-packed",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "zero1", schedule="zb-h1", context="allgather", remat=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "zb-h1", "allgather", "remat",
-        ), 2)],
-        id="zero1-zb-h1-allgather-remat",
+        ("zero1", "zb-h1", "allgather", "remat"),
+        "zero1-zb-h1-allgather-remat",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,seq=2,expert=2", "dp", model="moe-dropless", schedule="zb-h1",
              context="ulysses"),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "zb-h1", "ulysses", "moe-dropless",
-        ), 2)],
-        id="dp-moe-dropless-zb-h1-ulysses",
+        ("dp", "zb-h1", "ulysses", "moe-dropless"),
+        "dp-moe-dropless-zb-h1-ulysses",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,seq=2,tensor=2", "dp+tp", schedule="circular", context="ring", packed=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "tp", "circular", "ring", "packed",
-        ), 2)],
-        id="dp+tp-circular-ring-packed",
+        ("dp", "tp", "circular", "ring", "packed"),
+        "dp+tp-circular-ring-packed",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,fsdp=2,seq=2", "fsdp", schedule="circular", context="allgather", accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "fsdp", "circular", "allgather", "accumulation",
-        ), 2)],
-        id="fsdp-circular-allgather-accum",
+        ("fsdp", "circular", "allgather", "accumulation"),
+        "fsdp-circular-allgather-accum",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,fsdp=2,seq=2", "fsdp", schedule="circular", context="ulysses", remat=True),
-        marks=[pair(a, b) for a, b in combinations(("fsdp", "circular", "ulysses", "remat"), 2)],
-        id="fsdp-circular-ulysses-remat",
+        ("fsdp", "circular", "ulysses", "remat"),
+        "fsdp-circular-ulysses-remat",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "dp", model="moe-capacity", schedule="interleaved-1f1b",
              context="ring"),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "interleaved-1f1b", "ring", "moe-capacity",
-        ), 2)],
-        id="dp-moe-capacity-interleaved-1f1b-ring",
+        ("dp", "interleaved-1f1b", "ring", "moe-capacity"),
+        "dp-moe-capacity-interleaved-1f1b-ring",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "dp", schedule="interleaved-1f1b", context="allgather",
              packed=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "interleaved-1f1b", "allgather", "packed",
-        ), 2)],
-        id="dp-interleaved-1f1b-allgather-packed",
+        ("dp", "interleaved-1f1b", "allgather", "packed"),
+        "dp-interleaved-1f1b-allgather-packed",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,seq=2", "zero1", schedule="interleaved-1f1b", context="ulysses",
              accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "interleaved-1f1b", "ulysses", "accumulation",
-        ), 2)],
-        id="zero1-interleaved-1f1b-ulysses-accum",
+        ("zero1", "interleaved-1f1b", "ulysses", "accumulation"),
+        "zero1-interleaved-1f1b-ulysses-accum",
     ),
     # bf16 compute
-    pytest.param(
+    _case(
         Case("fsdp=8", "fsdp", cudnn=True, offload_acts=True, offload=True, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "fsdp", "cudnn", "offload-optimizer", "offload-activations", "bf16",
-        ), 2)],
-        id="fsdp-cudnn-offload-acts-offload-opt-bf16",
+        ("fsdp", "cudnn", "offload-optimizer", "offload-activations", "bf16"),
+        "fsdp-cudnn-offload-acts-offload-opt-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,tensor=2", "hsdp+tp", cudnn=True, remat=True, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "tp", "cudnn", "remat", "bf16"), 2)],
-        id="hsdp+tp-cudnn-remat-bf16",
+        ("hsdp", "tp", "cudnn", "remat", "bf16"),
+        "hsdp+tp-cudnn-remat-bf16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="circular", packed=True,
              precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "circular", "packed", "cudnn", "bf16",
-        ), 2)],
-        id="hsdp-circular-packed-cudnn-bf16",
+        ("hsdp", "circular", "packed", "cudnn", "bf16"),
+        "hsdp-circular-packed-cudnn-bf16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,tensor=2", "dp+tp", model="pallas", schedule="zb-h1", packed=True,
              sync=SyncConfig(gossip="ring", sync_every=1), offload_acts=True, offload=True,
              precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "tp", "zb-h1", "packed", "gossip", "pallas", "offload-optimizer",
-            "offload-activations", "bf16",
-        ), 2)],
-        id="dp+tp-pallas-zb-h1-packed-gossip-offload-acts-offload-opt-bf16",
+        ("dp", "tp", "zb-h1", "packed", "gossip", "pallas", "offload-optimizer",
+         "offload-activations", "bf16"),
+        "dp+tp-pallas-zb-h1-packed-gossip-offload-acts-offload-opt-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", model="moe-capacity", context="allgather",
              sync=SyncConfig(staleness=1), remat=True, precision="bf16", resume=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "allgather", "moe-capacity", "staleness", "remat", "bf16", "resume-relayout",
-        ), 2)],
-        id="hsdp-moe-capacity-allgather-staleness-remat-bf16-resume",
+        ("hsdp", "allgather", "moe-capacity", "staleness", "remat", "bf16", "resume-relayout"),
+        "hsdp-moe-capacity-allgather-staleness-remat-bf16-resume",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,fsdp=2", "hsdp", model="moe-dropless", pallas=True, schedule="zb-h1",
              packed=True, sync=SyncConfig(grad_compression="bf16", staleness=1),
              offload_acts=True, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "zb-h1", "moe-dropless", "packed", "compression", "staleness", "pallas",
-            "offload-activations", "bf16",
-        ), 2)],
-        id="hsdp-moe-dropless-pallas-zb-h1-packed-compression-staleness-offload-acts-bf16",
+        ("hsdp", "zb-h1", "moe-dropless", "packed", "compression", "staleness", "pallas",
+         "offload-activations", "bf16"),
+        "hsdp-moe-dropless-pallas-zb-h1-packed-compression-staleness-offload-acts-bf16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="zb-h1",
              sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), offload_acts=True,
              accum=2, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "zb-h1", "diloco", "cudnn", "offload-activations", "accumulation", "bf16",
-        ), 2)],
-        id="hsdp-zb-h1-diloco-cudnn-offload-acts-accum-bf16",
+        ("hsdp", "zb-h1", "diloco", "cudnn", "offload-activations", "accumulation", "bf16"),
+        "hsdp-zb-h1-diloco-cudnn-offload-acts-accum-bf16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,expert=2", "zero1", model="moe-capacity", schedule="circular",
              sync=SyncConfig(staleness=1), offload=True, accum=2, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "circular", "moe-capacity", "staleness", "offload-optimizer", "accumulation",
-            "bf16",
-        ), 2)],
-        id="zero1-moe-capacity-circular-staleness-offload-opt-accum-bf16",
+        ("zero1", "circular", "moe-capacity", "staleness", "offload-optimizer", "accumulation",
+         "bf16"),
+        "zero1-moe-capacity-circular-staleness-offload-opt-accum-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=2,expert=2,seq=2", "zero1", model="moe-capacity", context="ulysses",
              sync=SyncConfig(staleness=1), offload=True, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "ulysses", "moe-capacity", "staleness", "offload-optimizer", "bf16",
-        ), 2)],
-        id="zero1-moe-capacity-ulysses-staleness-offload-opt-bf16",
+        ("zero1", "ulysses", "moe-capacity", "staleness", "offload-optimizer", "bf16"),
+        "zero1-moe-capacity-ulysses-staleness-offload-opt-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=4,expert=2", "zero1", model="moe-dropless", cudnn=True,
              sync=SyncConfig(staleness=1), accum=2, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "moe-dropless", "staleness", "cudnn", "accumulation", "bf16",
-        ), 2)],
-        id="zero1-moe-dropless-cudnn-staleness-accum-bf16",
+        ("zero1", "moe-dropless", "staleness", "cudnn", "accumulation", "bf16"),
+        "zero1-moe-dropless-cudnn-staleness-accum-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=8", "zero1", model="pallas", packed=True, sync=SyncConfig(sync_every=1),
              offload_acts=True, precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "packed", "local-sgd", "pallas", "offload-activations", "bf16",
-        ), 2)],
-        id="zero1-pallas-packed-local-sgd-offload-acts-bf16",
+        ("zero1", "packed", "local-sgd", "pallas", "offload-activations", "bf16"),
+        "zero1-pallas-packed-local-sgd-offload-acts-bf16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=4", "zero1", schedule="zb-h1",
              sync=SyncConfig(client_fraction=1.0, sync_every=1), offload_acts=True,
              precision="bf16", resume=True, resume_onto=("pipe=2,data=4", "dp")),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "zb-h1", "federated", "offload-activations", "bf16", "resume-relayout",
-        ), 2)],
-        id="zero1-zb-h1-federated-offload-acts-bf16-resume",
+        ("zero1", "zb-h1", "federated", "offload-activations", "bf16", "resume-relayout"),
+        "zero1-zb-h1-federated-offload-acts-bf16-resume",
     ),
     # float16 with loss scaling
-    pytest.param(
+    _case(
         Case("pipe=2,data=4", "dp", schedule="1f1b", precision="fp16"),
-        marks=[pair(a, b) for a, b in combinations(("dp", "1f1b", "fp16"), 2)],
-        id="dp-1f1b-fp16",
+        ("dp", "1f1b", "fp16"),
+        "dp-1f1b-fp16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,expert=2", "dp", model="moe-capacity", schedule="interleaved-1f1b",
              packed=True, precision="fp16", resume=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "interleaved-1f1b", "moe-capacity", "packed", "fp16", "resume-relayout",
-        ), 2)],
-        id="dp-moe-capacity-interleaved-1f1b-packed-fp16-resume",
+        ("dp", "interleaved-1f1b", "moe-capacity", "packed", "fp16", "resume-relayout"),
+        "dp-moe-capacity-interleaved-1f1b-packed-fp16-resume",
     ),
-    pytest.param(
+    _case(
         Case("fsdp=2,seq=2,tensor=2", "fsdp+tp", context="ring", precision="fp16"),
-        marks=[pair(a, b) for a, b in combinations(("fsdp", "tp", "ring", "fp16"), 2)],
-        id="fsdp+tp-ring-fp16",
+        ("fsdp", "tp", "ring", "fp16"),
+        "fsdp+tp-ring-fp16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,fsdp=4", "fsdp", schedule="circular", precision="fp16"),
-        marks=[pair(a, b) for a, b in combinations(("fsdp", "circular", "fp16"), 2)],
-        id="fsdp-circular-fp16",
+        ("fsdp", "circular", "fp16"),
+        "fsdp-circular-fp16",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", model="moe-dropless", context="ulysses", remat=True,
              accum=2, precision="fp16", resume=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "ulysses", "moe-dropless", "remat", "accumulation", "fp16", "resume-relayout",
-        ), 2)],
-        id="hsdp-moe-dropless-ulysses-remat-accum-fp16-resume",
+        ("hsdp", "ulysses", "moe-dropless", "remat", "accumulation", "fp16", "resume-relayout"),
+        "hsdp-moe-dropless-ulysses-remat-accum-fp16-resume",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "zero1", context="allgather", offload_acts=True, precision="fp16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "allgather", "offload-activations", "fp16",
-        ), 2)],
-        id="zero1-allgather-offload-acts-fp16",
+        ("zero1", "allgather", "offload-activations", "fp16"),
+        "zero1-allgather-offload-acts-fp16",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=4", "zero1", schedule="gpipe", sync=SyncConfig(grad_compression="int8"),
              offload=True, precision="fp16", resume=True, resume_onto=("pipe=2,data=4", "dp")),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "gpipe", "compression", "offload-optimizer", "fp16", "resume-relayout",
-        ), 2)],
-        id="zero1-gpipe-compression-offload-opt-fp16-resume",
+        ("zero1", "gpipe", "compression", "offload-optimizer", "fp16", "resume-relayout"),
+        "zero1-gpipe-compression-offload-opt-fp16-resume",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=4", "zero1", schedule="zb-h1", precision="fp16"),
-        marks=[pair(a, b) for a, b in combinations(("zero1", "zb-h1", "fp16"), 2)],
-        id="zero1-zb-h1-fp16",
+        ("zero1", "zb-h1", "fp16"),
+        "zero1-zb-h1-fp16",
     ),
     # fp8 matmuls
-    pytest.param(
+    _case(
         Case("data=4,expert=2", "dp", model="moe-capacity", cudnn=True, precision="fp8",
              resume=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "moe-capacity", "cudnn", "fp8", "resume-relayout",
-        ), 2)],
-        id="dp-moe-capacity-cudnn-fp8-resume",
+        ("dp", "moe-capacity", "cudnn", "fp8", "resume-relayout"),
+        "dp-moe-capacity-cudnn-fp8-resume",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "dp", context="ulysses", packed=True, cudnn=True, offload_acts=True,
              precision="fp8"),
-        marks=[pair(a, b) for a, b in combinations((
-            "dp", "ulysses", "packed", "cudnn", "offload-activations", "fp8",
-        ), 2)],
-        id="dp-ulysses-packed-cudnn-offload-acts-fp8",
+        ("dp", "ulysses", "packed", "cudnn", "offload-activations", "fp8"),
+        "dp-ulysses-packed-cudnn-offload-acts-fp8",
     ),
-    pytest.param(
+    _case(
         Case("fsdp=4,seq=2", "fsdp", context="allgather", offload=True, precision="fp8"),
-        marks=[pair(a, b) for a, b in combinations((
-            "fsdp", "allgather", "offload-optimizer", "fp8",
-        ), 2)],
-        id="fsdp-allgather-offload-opt-fp8",
+        ("fsdp", "allgather", "offload-optimizer", "fp8"),
+        "fsdp-allgather-offload-opt-fp8",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=4", "hsdp", cudnn=True, sync=SyncConfig(grad_compression="int8"),
              remat=True, precision="fp8"),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "compression", "cudnn", "remat", "fp8",
-        ), 2)],
-        id="hsdp-compression-cudnn-remat-fp8",
+        ("hsdp", "compression", "cudnn", "remat", "fp8"),
+        "hsdp-compression-cudnn-remat-fp8",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="gpipe",
              sync=SyncConfig(client_fraction=1.0, sync_every=1), remat=True, precision="fp8"),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "gpipe", "federated", "cudnn", "remat", "fp8",
-        ), 2)],
-        id="hsdp-gpipe-federated-cudnn-remat-fp8",
+        ("hsdp", "gpipe", "federated", "cudnn", "remat", "fp8"),
+        "hsdp-gpipe-federated-cudnn-remat-fp8",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,fsdp=2", "hsdp", cudnn=True, schedule="zb-h1",
              sync=SyncConfig(sync_every=1), remat=True, offload=True, precision="fp8", resume=True,
              resume_onto=("pipe=2,data=2,tensor=2", "dp+tp")),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "zb-h1", "local-sgd", "cudnn", "remat", "offload-optimizer", "fp8",
-            "resume-relayout",
-        ), 2)],
-        id="hsdp-zb-h1-local-sgd-cudnn-remat-offload-opt-fp8-resume",
+        ("hsdp", "zb-h1", "local-sgd", "cudnn", "remat", "offload-optimizer", "fp8",
+         "resume-relayout"),
+        "hsdp-zb-h1-local-sgd-cudnn-remat-offload-opt-fp8-resume",
     ),
-    pytest.param(
+    _case(
         Case("data=4,tensor=2", "zero1+tp", model="pallas", packed=True,
              sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), remat=True, offload=True,
              precision="fp8", resume=True, resume_onto=("data=4,tensor=2", "dp+tp")),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "tp", "packed", "diloco", "pallas", "remat", "offload-optimizer", "fp8",
-            "resume-relayout",
-        ), 2)],
-        id="zero1+tp-pallas-packed-diloco-remat-offload-opt-fp8-resume",
+        ("zero1", "tp", "packed", "diloco", "pallas", "remat", "offload-optimizer", "fp8",
+         "resume-relayout"),
+        "zero1+tp-pallas-packed-diloco-remat-offload-opt-fp8-resume",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=4", "zero1", cudnn=True, schedule="1f1b",
              sync=SyncConfig(gossip="complete", sync_every=1), precision="fp8", resume=True,
              resume_onto=("pipe=2,data=4", "dp")),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "1f1b", "gossip", "cudnn", "fp8", "resume-relayout",
-        ), 2)],
-        id="zero1-1f1b-gossip-cudnn-fp8-resume",
+        ("zero1", "1f1b", "gossip", "cudnn", "fp8", "resume-relayout"),
+        "zero1-1f1b-gossip-cudnn-fp8-resume",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=4", "zero1", schedule="circular", remat=True, precision="fp8",
              resume=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "circular", "remat", "fp8", "resume-relayout",
-        ), 2)],
-        id="zero1-circular-remat-fp8-resume",
+        ("zero1", "circular", "remat", "fp8", "resume-relayout"),
+        "zero1-circular-remat-fp8-resume",
     ),
-    pytest.param(
+    _case(
         Case("pipe=2,data=2,expert=2", "zero1", model="moe-dropless", cudnn=True,
              schedule="interleaved-1f1b",
              sync=SyncConfig(staleness=1), offload=True, accum=2, precision="fp8"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "interleaved-1f1b", "moe-dropless", "staleness", "cudnn", "offload-optimizer",
-            "accumulation", "fp8",
-        ), 2)],
-        id="zero1-moe-dropless-interleaved-1f1b-staleness-cudnn-offload-opt-accum-fp8",
+        ("zero1", "interleaved-1f1b", "moe-dropless", "staleness", "cudnn", "offload-optimizer",
+         "accumulation", "fp8"),
+        "zero1-moe-dropless-interleaved-1f1b-staleness-cudnn-offload-opt-accum-fp8",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "zero1", context="ring", offload=True, precision="fp8"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "ring", "offload-optimizer", "fp8",
-        ), 2)],
-        id="zero1-ring-offload-opt-fp8",
+        ("zero1", "ring", "offload-optimizer", "fp8"),
+        "zero1-ring-offload-opt-fp8",
     ),
     # issue 47: the replicas' own step beside context parallelism
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "dp", context="ring", packed=True,
              sync=SyncConfig(grad_compression="int8")),
-        marks=[pair(a, b) for a, b in combinations(("dp", "ring", "packed", "compression"), 2)],
-        id="dp-ring-packed-compression",
+        ("dp", "ring", "packed", "compression"),
+        "dp-ring-packed-compression",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather",
              sync=SyncConfig(grad_compression="bf16"), accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "hsdp", "allgather", "compression", "accumulation",
-        ), 2)],
-        id="hsdp-allgather-compression-accum",
+        ("hsdp", "allgather", "compression", "accumulation"),
+        "hsdp-allgather-compression-accum",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "zero1", context="ulysses", sync=SyncConfig(grad_compression="int8"),
              remat=True),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "ulysses", "compression", "remat",
-        ), 2)],
-        id="zero1-ulysses-compression-remat",
+        ("zero1", "ulysses", "compression", "remat"),
+        "zero1-ulysses-compression-remat",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", context="ring", sync=SyncConfig(sync_every=1),
              remat=True),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "ring", "local-sgd", "remat"), 2)],
-        id="hsdp-ring-local-sgd-remat",
+        ("hsdp", "ring", "local-sgd", "remat"),
+        "hsdp-ring-local-sgd-remat",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "dp", context="allgather", packed=True, sync=SyncConfig(sync_every=1)),
-        marks=[pair(a, b) for a, b in combinations(("dp", "allgather", "packed", "local-sgd"), 2)],
-        id="dp-allgather-packed-local-sgd",
+        ("dp", "allgather", "packed", "local-sgd"),
+        "dp-allgather-packed-local-sgd",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "zero1", context="ulysses", sync=SyncConfig(sync_every=1),
              precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations(("zero1", "ulysses", "local-sgd", "bf16"), 2)],
-        id="zero1-ulysses-local-sgd-bf16",
+        ("zero1", "ulysses", "local-sgd", "bf16"),
+        "zero1-ulysses-local-sgd-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "zero1", context="ring",
              sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), accum=2),
-        marks=[pair(a, b) for a, b in combinations(("zero1", "ring", "diloco", "accumulation"), 2)],
-        id="zero1-ring-diloco-accum",
+        ("zero1", "ring", "diloco", "accumulation"),
+        "zero1-ring-diloco-accum",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather",
              sync=SyncConfig(sync_every=1, outer_optimizer="nesterov"), precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "allgather", "diloco", "bf16"), 2)],
-        id="hsdp-allgather-diloco-bf16",
+        ("hsdp", "allgather", "diloco", "bf16"),
+        "hsdp-allgather-diloco-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "dp", context="ulysses", packed=True,
              sync=SyncConfig(sync_every=1, outer_optimizer="nesterov")),
-        marks=[pair(a, b) for a, b in combinations(("dp", "ulysses", "packed", "diloco"), 2)],
-        id="dp-ulysses-packed-diloco",
+        ("dp", "ulysses", "packed", "diloco"),
+        "dp-ulysses-packed-diloco",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", context="ring",
              sync=SyncConfig(gossip="ring", sync_every=1), accum=2),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "ring", "gossip", "accumulation"), 2)],
-        id="hsdp-ring-gossip-accum",
+        ("hsdp", "ring", "gossip", "accumulation"),
+        "hsdp-ring-gossip-accum",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "dp", context="allgather",
              sync=SyncConfig(gossip="complete", sync_every=1), remat=True),
-        marks=[pair(a, b) for a, b in combinations(("dp", "allgather", "gossip", "remat"), 2)],
-        id="dp-allgather-gossip-remat",
+        ("dp", "allgather", "gossip", "remat"),
+        "dp-allgather-gossip-remat",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "zero1", context="ulysses", packed=True,
              sync=SyncConfig(gossip="complete", sync_every=1), precision="bf16"),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "ulysses", "packed", "gossip", "bf16",
-        ), 2)],
-        id="zero1-ulysses-packed-gossip-bf16",
+        ("zero1", "ulysses", "packed", "gossip", "bf16"),
+        "zero1-ulysses-packed-gossip-bf16",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "dp", context="ring", packed=True,
              sync=SyncConfig(client_fraction=1.0, sync_every=1)),
-        marks=[pair(a, b) for a, b in combinations(("dp", "ring", "packed", "federated"), 2)],
-        id="dp-ring-packed-federated",
+        ("dp", "ring", "packed", "federated"),
+        "dp-ring-packed-federated",
     ),
-    pytest.param(
+    _case(
         Case("data=2,fsdp=2,seq=2", "hsdp", context="allgather",
              sync=SyncConfig(client_fraction=1.0, sync_every=1), remat=True),
-        marks=[pair(a, b) for a, b in combinations(("hsdp", "allgather", "federated", "remat"), 2)],
-        id="hsdp-allgather-federated-remat",
+        ("hsdp", "allgather", "federated", "remat"),
+        "hsdp-allgather-federated-remat",
     ),
-    pytest.param(
+    _case(
         Case("data=4,seq=2", "zero1", context="ulysses",
              sync=SyncConfig(client_fraction=1.0, sync_every=1), accum=2),
-        marks=[pair(a, b) for a, b in combinations((
-            "zero1", "ulysses", "federated", "accumulation",
-        ), 2)],
-        id="zero1-ulysses-federated-accum",
+        ("zero1", "ulysses", "federated", "accumulation"),
+        "zero1-ulysses-federated-accum",
     ),
 ]  # fmt: skip
 

@@ -95,11 +95,18 @@ def test_markers_are_read_from_decorators_params_and_names(tmp_path):
             ])
             def test_e(a):
                 pass
+
+            def case(n, features):
+                return pytest.param(n, marks=[pair(a, b) for a, b in combinations(features, 2)])
+
+            @pytest.mark.parametrize("n", [case(1, ("dp", "ulysses", "fp16")), case(2, spec())])
+            def test_f(n):
+                pass
             """
         )
     )
     found = evidence(tmp_path)
-    a, b, d = (f"{tmp_path.name}/test_x.py::test_{x}" for x in "abd")
+    a, b, d, f = (f"{tmp_path.name}/test_x.py::test_{x}" for x in "abdf")
     assert found.proofs == {
         ("dp", "tp"): [a],
         ("dp", "gpipe"): [a],
@@ -110,13 +117,17 @@ def test_markers_are_read_from_decorators_params_and_names(tmp_path):
         ("gpipe", "moe-dropless"): [d],
         ("1f1b", "moe-capacity"): [d],
         ("1f1b", "moe-dropless"): [d],
+        ("dp", "ulysses"): [f],
+        ("dp", "fp16"): [f],
+        ("ulysses", "fp16"): [f],
     }
-    assert len(found.bad) == 4, found.bad
+    assert len(found.bad) == 5, found.bad
     assert all("test_x.py::test_c" in line for line in found.bad[:3])
     assert "one run has only one of them" in found.bad[0]
     assert "'spiral': not a feature id" in found.bad[1]
     assert "pair('dp', name): give exactly two feature ids as literal strings" in found.bad[2]
     assert "test_x.py::test_e: pair('packed', a): give exactly two" in found.bad[3]
+    assert "test_x.py::test_f: pair(a, b): give exactly two" in found.bad[4]  # unread argument
 
 
 def test_every_refusal_row_names_real_cells():

@@ -4,15 +4,14 @@ without digests, opens and reads as before."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import load_benchmark
 
 from meshtrain import cli
 from meshtrain.data import DataConfig, make_dataset, prepare_corpus, train_bpe
@@ -168,14 +167,7 @@ def test_the_cli_refuses_a_changed_corpus_with_exit_2_before_training(inputs, tm
 
 
 def test_the_soak_detects_every_flipped_byte(tmp_path):
-    spec = importlib.util.spec_from_file_location("corpus_soak", ROOT / "benchmarks/corpus_soak.py")
-    assert spec and spec.loader
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its `_common`
-    try:
-        soak = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(soak)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    soak = load_benchmark("corpus_soak")
     result = soak.soak(12, random.randrange(10**6), str(tmp_path))
     assert result["silent"] == result["other"] == 0, result["not_detected"]
     assert result["detected"] + result["harmless"] == 12

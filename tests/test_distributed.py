@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import FAST_COMPILE
+from _helpers import TINY_JOB, load_benchmark
 
 from meshtrain.cli.launch import parse as parse_launch
 from meshtrain.data import DataConfig, make_dataset, prepare_corpus
@@ -30,27 +30,19 @@ from meshtrain.layout import process_rows, rules_for
 from meshtrain.mesh import host_layout, make_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
+soak = load_benchmark("soak")  # its child environment
 DRIVER = ROOT / "tests" / "_dist_driver.py"
 RUN_TIMEOUT = 420  # hard bound on any one multi-process run, in seconds
 # float32, 3 AdamW steps; only the order of cross-device sums differs (measured: losses
 # ≤ 4.8e-7 apart, parameters ≤ 1.2e-7).
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-6
-TINY_TRAIN = [
-    "--gpt.d-model", "32", "--gpt.n-layers", "2", "--gpt.max-seq-len", "16",
-    "--data.source", "synthetic", "--data.seq-len", "16", "--data.batch-size", "8",
-    "--data.val-fraction", "0", "--sample-tokens", "0", "--no-save", "--no-progress",
-]  # fmt: skip
+TINY_TRAIN = [*TINY_JOB, "--no-save"]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    """This environment without MESHTRAIN_* variables, with cheap compiles, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHTRAIN_")}
-    flags = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".split()
-    env["XLA_FLAGS"] = " ".join(dict.fromkeys(flags))  # each once (a compilation-cache key)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
+    """The soak's child environment (no MESHTRAIN_* variables, cheap compiles: this process's
+    flags, `FAST_COMPILE` among them), unbuffered, plus `extra`."""
+    return soak.env(**{"PYTHONUNBUFFERED": "1", **extra})
 
 
 def _meshtrain(*args: str, timeout: float = RUN_TIMEOUT, **env: str):

@@ -30,7 +30,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_distributed import LOSS_RTOL, PARAM_ATOL, ROOT, TINY_TRAIN, _env, _wait
+from _helpers import TINY_JOB
+from test_distributed import LOSS_RTOL, PARAM_ATOL, ROOT, _env, _wait
 
 from meshtrain import checkpoint as ckpt
 from meshtrain import cli
@@ -50,8 +51,8 @@ pytestmark = [
 
 TIMEOUT = 300  # hard bound on each run, in seconds
 MESH, STRATEGY, STEPS, SPLIT = "data=2,fsdp=4", "fsdp", 6, 3
-JOB = [a for a in TINY_TRAIN if a != "--no-save"] + [
-    "--mesh", MESH, "--strategy", STRATEGY, "--steps", str(STEPS), "--log-every", "1",
+JOB = [
+    *TINY_JOB, "--mesh", MESH, "--strategy", STRATEGY, "--steps", str(STEPS), "--log-every", "1",
     "--eval-every", "0", "--save-every", "0",
 ]  # fmt: skip
 # The CLI's job, stopped after step argv[1] of its schedule; fit() saves (and waits) at the end.

@@ -4,13 +4,12 @@ examples, and the weighted mean of the sampled clients over the replica axes."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 import pytest
-from _helpers import fresh_env
+from _helpers import fresh_env, load_benchmark
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -178,16 +177,7 @@ def test_the_run_summary_names_the_round_and_the_server_optimizer():
 
 
 def test_the_convergence_benchmark_prints_a_line_per_scheme_with_its_compiled_bytes(capsys):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decentralized.py"
-    spec = importlib.util.spec_from_file_location("decentralized_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclass looks its module up
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules[spec.name]
+    bench = load_benchmark("decentralized")
     bench.main(["--task", "digits", "--steps", "4", "--only", "gossip-exponential,fedavg-alpha0.1"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["scheme"] for x in lines] == ["gossip-exponential", "fedavg-alpha0.1"]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import load_benchmark
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -153,14 +154,9 @@ def test_a_topology_the_replicas_cannot_form_is_one_line(topology, sizes, needle
 
 
 def test_the_gossip_benchmark_prints_the_compiled_bytes_beside_the_model(capsys):
-    import importlib.util
     import json
-    import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "gossip.py"
-    spec = importlib.util.spec_from_file_location("gossip_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("gossip")
     assert bench.main(["--params-mb", "0.004", "--topologies", "ring", "torus"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [(x["topology"], x["replicas"]) for x in lines] == [

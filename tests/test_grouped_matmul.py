@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _kernel_helpers import h100
+from _kernel_helpers import export_for_cuda, h100
 from flax import nnx
-from jax import export
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain.kernels import grouped_matmul as gmm
@@ -30,6 +29,7 @@ from meshtrain.layout import activation_rules, named, rules_for, state_specs
 from meshtrain.mesh import make_mesh
 from meshtrain.models import MoEConfig, moe_dispatch
 from meshtrain.models.moe import Experts
+from meshtrain.state import abstract_model, abstract_target
 
 # One worker runs the module: the layer runs are shared between tests (`_layer`).
 pytestmark = pytest.mark.xdist_group("grouped_matmul")
@@ -257,23 +257,16 @@ def test_ragged_exchange_lowers_for_h100s(monkeypatch):
     mesh = AbstractMesh((2, 4), ("data", "expert"), (AxisType.Auto,) * 2,
                         abstract_device=h100())  # fmt: skip
     rules = rules_for("dp", {"data": 2, "expert": 4})
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Experts(SMALL, rngs=nnx.Rngs(0))))
+    graphdef, state = abstract_model(lambda: Experts(SMALL, rngs=nnx.Rngs(0)))
     specs = named(state_specs(state, rules.params, mesh, warn=False), mesh)
-    params = jax.tree.map(
-        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
-        nnx.to_pure_dict(state),
-        specs,
-    )
+    params = abstract_target(nnx.to_pure_dict(state), specs)
     x = jax.ShapeDtypeStruct((8, 8, 32), jnp.float32)
 
     def loss(p, x):
         with activation_rules(mesh, rules):
             return jnp.sum(nnx.merge(graphdef, p)(x)[0] ** 2)
 
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = export.export(
-            jax.jit(jax.grad(loss, (0, 1))),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call("ragged_all_to_all")],
-        )(params, x)
+    exported = export_for_cuda(
+        jax.grad(loss, (0, 1)), (params, x), mesh, custom_call="ragged_all_to_all"
+    )
     assert exported.mlir_module().count("custom_call @ragged_all_to_all") == 4

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _kernel_helpers import TOL, assert_close, fresh_key
+from _kernel_helpers import TOL, assert_all_written, assert_close, fresh_key
 
 from meshtrain.kernels import _common, attention, flash_attention, reference
 from meshtrain.kernels.attention import flash_attention_lse
@@ -56,23 +56,32 @@ def _against(key, dims, dtype, pallas, ref, *extra):
     return jax.jit(run)(key)
 
 
+def _against_masked(key, dims, mask, *extra):
+    """`_against` in float32 for the kernel and the reference under the same `mask` keywords
+    (``causal`` or ``window``), with ``(kernel's, reference's)`` logsumexp after the gradients,
+    then each of `extra`."""
+
+    def pallas(q, k, v):
+        return flash_attention(q, k, v, impl="pallas", block_q=BLOCK, block_k=BLOCK, **mask)
+
+    def ref(q, k, v):
+        return reference.attention(q, k, v, **mask)
+
+    def lse(q, k, v, do):
+        _, got = flash_attention_lse(q, k, v, block_q=BLOCK, block_k=BLOCK, **mask)
+        return got, reference.attention_logsumexp(q, k, **mask)
+
+    return _against(key, dims, jnp.float32, pallas, ref, lse, *extra)
+
+
 @pytest.mark.parametrize("B,T,H,G,K,causal", CASES)
 def test_matches_reference_fp32(B, T, H, G, K, causal):
     """Values, gradients and the logsumexp the forward saves."""
     key, seed = fresh_key()
     fwd_tol, grad_tol = TOL[jnp.float32]
-
-    def pallas(q, k, v):
-        return flash_attention(q, k, v, causal=causal, impl="pallas", block_q=BLOCK, block_k=BLOCK)
-
-    def lse(q, k, v, do):
-        _, got = flash_attention_lse(q, k, v, causal=causal, block_q=BLOCK, block_k=BLOCK)
-        return got, reference.attention_logsumexp(q, k, causal=causal)
-
-    _, (out, grads), (ref, ref_grads), (got_lse, ref_lse) = _against(
-        key, (B, T, H, G, K), jnp.float32, pallas,
-        lambda q, k, v: reference.attention(q, k, v, causal=causal), lse,
-    )  # fmt: skip
+    _, (out, grads), (ref, ref_grads), (got_lse, ref_lse) = _against_masked(
+        key, (B, T, H, G, K), {"causal": causal}
+    )
     assert_close(out, ref, fwd_tol, "output", seed)
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         assert_close(g, r, grad_tol, f"d{name}", seed)
@@ -180,8 +189,7 @@ def test_every_output_element_is_written():
         _, (out, grads), (ref, ref_grads), lse = _against(
             key, (1, 29, 4, 2, 64), jnp.float32, pallas, reference.attention, lse
         )
-    for x in (out, lse, *grads):
-        assert bool(jnp.all(jnp.isfinite(x))), "an output element was never written"
+    assert_all_written(out, lse, *grads)
     assert_close(out, ref, 2e-5, "output", seed)
     assert_close(grads[0], ref_grads[0], 1e-4, "dq", seed)
 
@@ -299,20 +307,12 @@ def test_sliding_window_matches_reference(B, T, H, G, window):
     key, seed = fresh_key()
     fwd_tol, grad_tol = TOL[jnp.float32]
 
-    def pallas(q, k, v):
-        return flash_attention(q, k, v, window=window, impl="pallas", block_q=BLOCK, block_k=BLOCK)
-
-    def lse(q, k, v, do):
-        _, got = flash_attention_lse(q, k, v, window=window, block_q=BLOCK, block_k=BLOCK)
-        return got, reference.attention_logsumexp(q, k, window=window)
-
     def causal(q, k, v, do):  # without the window
         return reference.attention(q, k, v)
 
-    _, (out, grads), (ref, ref_grads), (got_lse, ref_lse), unwindowed = _against(
-        key, (B, T, H, G, 64), jnp.float32, pallas,
-        lambda q, k, v: reference.attention(q, k, v, window=window), lse, causal,
-    )  # fmt: skip
+    _, (out, grads), (ref, ref_grads), (got_lse, ref_lse), unwindowed = _against_masked(
+        key, (B, T, H, G, 64), {"window": window}, causal
+    )
     assert_close(out, ref, fwd_tol, "output", seed)
     for name, g, r in zip("qkv", grads, ref_grads, strict=True):
         if window == 1 and name in "qk":  # each query sees only itself: no gradient to q, k

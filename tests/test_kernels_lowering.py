@@ -10,8 +10,7 @@ It does not compile Triton to PTX: the `gpu`-marked tests do that on a GPU.
 import jax
 import jax.numpy as jnp
 import pytest
-from _kernel_helpers import TRITON_CALL, h100
-from jax import export
+from _kernel_helpers import TRITON_CALL, export_for_cuda, h100
 from jax.sharding import AbstractMesh, AxisType
 
 from meshtrain import kernels
@@ -89,12 +88,7 @@ CASES = {
 
 def _export_for_h100(fn, args):
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return export.export(
-            jax.jit(fn),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-        )(*args)
+    return export_for_cuda(fn, args, mesh)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

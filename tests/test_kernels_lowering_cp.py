@@ -10,8 +10,7 @@ not compile Triton to PTX: the `gpu`-marked test in tests/test_context_parallel_
 import jax
 import jax.numpy as jnp
 import pytest
-from _kernel_helpers import TRITON_CALL, h100
-from jax import export
+from _kernel_helpers import TRITON_CALL, export_for_cuda, h100
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -29,15 +28,6 @@ def _spec(*shape, dtype=jnp.bfloat16):
 
 
 ARGS = (_spec(B, T, H, K), _spec(B, T, G, K), _spec(B, T, G, K), _spec(B, T, H, K))
-
-
-def _export(fn, args):
-    with jax.sharding.use_abstract_mesh(MESH):
-        return export.export(
-            jax.jit(fn),
-            platforms=["cuda"],
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-        )(*args)
 
 
 def _grads_of_context_attention(algorithm, causal, window):
@@ -74,7 +64,8 @@ CASES = {
 def test_context_attention_with_the_kernel_lowers_for_h100(
     algorithm, causal, window, compiled_path
 ):
-    module = _export(_grads_of_context_attention(algorithm, causal, window), ARGS).mlir_module()
+    grads = _grads_of_context_attention(algorithm, causal, window)
+    module = export_for_cuda(grads, ARGS, MESH).mlir_module()
     assert module.count(TRITON_CALL) == CASES[algorithm, causal, window]
 
 
@@ -103,7 +94,7 @@ def test_block_forward_and_backward_with_segments_lower_in_a_seq_region(compiled
         _spec(T, dtype=jnp.int32),
         _spec(B, T, dtype=jnp.int32),
     )
-    module = _export(region, args).mlir_module()
+    module = export_for_cuda(region, args, MESH).mlir_module()
     assert module.count(TRITON_CALL) == 3  # forward, dq, dk/dv
 
 
@@ -111,5 +102,6 @@ def test_without_the_switch_the_same_export_holds_no_kernel():
     """The interpreted path (the CPU's) lowers to no Triton call: the counts above are the
     kernels' own."""
     jax.clear_caches()
-    module = _export(_grads_of_context_attention("ring", True, None), ARGS).mlir_module()
+    grads = _grads_of_context_attention("ring", True, None)
+    module = export_for_cuda(grads, ARGS, MESH).mlir_module()
     assert module.count(TRITON_CALL) == 0

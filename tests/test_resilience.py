@@ -9,7 +9,6 @@ last value), bit for bit. Faults come from
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import load_benchmark
 
 from meshtrain import cli
 from meshtrain.cli.launch import parse as parse_launch
@@ -34,9 +34,7 @@ from meshtrain.train.stopping import AgreedStop
 from meshtrain.train.watchdog import HANG_EXIT, PEER_WAIT_S, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
-soak = importlib.util.module_from_spec(_SPEC)  # the soak's job and functions
-_SPEC.loader.exec_module(soak)
+soak = load_benchmark("soak")  # the soak's job and functions
 # Every fault lands after a first commit (step 2) with steps left to run. A launch costs far
 # more than its steps (each process starts Python, joins, traces, compiles: process 1 always,
 # since only process 0 writes the compilation cache), so a test heals several faults in one run

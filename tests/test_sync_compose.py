@@ -373,20 +373,29 @@ def _local_reference(cfg, params, rest, graphdef, batches, outer, h, d=4, e=2):
     return theta
 
 
+# Each outer optimizer, by the feature it makes: local SGD averages, DiLoCo steps Nesterov SGD.
+OUTER = (("average", "local-sgd"), ("nesterov", "diloco"))
+
+
+def _every_two(name):
+    """Local SGD or DiLoCo (outer optimizer `name`) every 2 steps, and the outer optimizer
+    the one-device reference applies."""
+    sync = SyncConfig(sync_every=2, outer_optimizer=name, outer_lr=0.7, outer_momentum=0.9)
+    return sync, outer_optimizer(name, 0.7, 0.9)
+
+
 @pytest.mark.parametrize(
     ("name", "dispatch"),
     [
-        pytest.param("average", "capacity", marks=pytest.mark.pair("local-sgd", "moe-capacity")),
-        pytest.param("nesterov", "dropless", marks=pytest.mark.pair("diloco", "moe-dropless")),
-        pytest.param("average", "dropless", marks=pytest.mark.pair("local-sgd", "moe-dropless")),
-        pytest.param("nesterov", "capacity", marks=pytest.mark.pair("diloco", "moe-capacity")),
+        pytest.param(name, d, marks=pytest.mark.pair(scheme, f"moe-{d}"))
+        for name, scheme in OUTER
+        for d in ("capacity", "dropless")
     ],
 )
 def test_local_sgd_and_diloco_on_an_moe_equal_their_replicas_run_on_one_device(name, dispatch):
     cfg, graphdef, params, rest = _moe(dispatch)
     batches = _batches(4, seed=13)
-    sync = SyncConfig(sync_every=2, outer_optimizer=name, outer_lr=0.7, outer_momentum=0.9)
-    outer = outer_optimizer(name, 0.7, 0.9)
+    sync, outer = _every_two(name)
     want = _local_reference(cfg, params, rest, graphdef, batches, outer, 2)
     got, state = _train(cfg, MOE_MESH, sync, batches)
     _close(got[-1], want, PARAM_ATOL, name)
@@ -557,17 +566,15 @@ def test_int8_with_error_feedback_on_a_pipeline_is_within_the_codec_bound():
 @pytest.mark.parametrize(
     ("name", "schedule"),
     [
-        pytest.param("average", "gpipe", marks=pytest.mark.pair("local-sgd", "gpipe")),
-        pytest.param("average", "1f1b", marks=pytest.mark.pair("local-sgd", "1f1b")),
-        pytest.param("nesterov", "gpipe", marks=pytest.mark.pair("diloco", "gpipe")),
-        pytest.param("nesterov", "1f1b", marks=pytest.mark.pair("diloco", "1f1b")),
+        pytest.param(name, s, marks=pytest.mark.pair(scheme, s))
+        for name, scheme in OUTER
+        for s in ("gpipe", "1f1b")
     ],
 )
 def test_local_sgd_and_diloco_on_a_pipeline_equal_their_replicas_run_on_one_device(name, schedule):
     graphdef, params, rest = _gpt()
     batches = _batches(4, seed=23)
-    sync = SyncConfig(sync_every=2, outer_optimizer=name, outer_lr=0.7, outer_momentum=0.9)
-    outer = outer_optimizer(name, 0.7, 0.9)
+    sync, outer = _every_two(name)
     want = _local_reference(GPT, params, rest, graphdef, batches, outer, 2, d=4, e=1)
     got, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline(schedule))
     _close(got[-1], want, PARAM_ATOL, f"{name} {schedule}")
@@ -589,7 +596,7 @@ def test_accumulation_inside_the_replicas_pipelined_step_changes_nothing(sync):
     batches = _batches(2, seed=26)
     got, _ = _train(GPT, PIPE_MESH, sync, batches, _pipeline("gpipe"), accum=2)
     if sync.local:
-        outer = outer_optimizer("average", 0.7, 0.9)
+        _, outer = _every_two("average")
         want = _local_reference(GPT, params, rest, graphdef, batches, outer, 2, d=4, e=1)
         _close(got[-1], want, PARAM_ATOL, "local SGD")
     else:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _helpers import fit_briefly
 from flax import nnx
 
 import meshtrain as mt
@@ -103,21 +104,7 @@ def _data():
 
 def _train(mesh, strategy, pipeline=None, seed=3):
     """Trains StackLM (the class itself is the constructor: it gets the seed) for STEPS."""
-    run = mt.RunSpec(
-        model=StackLM,
-        data=_data(),
-        mesh=mesh,
-        rules=mt.rules_for(strategy, mesh),
-        optim=mt.OptimConfig(lr=1e-2, warmup_steps=0),
-        train=mt.TrainConfig(
-            steps=STEPS, seed=seed, run_dir="", progress=False, eval_every=0, log_every=1
-        ),
-        pipeline=pipeline or mt.PipelineConfig(),
-    )
-    trainer = mt.Trainer(run=run)
-    losses = [e["loss"] for e in trainer.fit()]
-    params = jax.tree.map(np.asarray, jax.device_get(trainer.state.params))
-    return losses, params
+    return fit_briefly(StackLM, _data(), mesh, strategy, STEPS, pipeline, seed=seed)
 
 
 @pytest.fixture(scope="module")

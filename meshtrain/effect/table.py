@@ -35,6 +35,80 @@ _FP16 = {"precision.policy": "fp16"}
 _PIPE = {"mesh": {PIPE: 2, "data": 4}}
 _NOT_ADAM = {"optim.optimizer": "sgd"}
 
+
+def _loss_scaling(field: str, example: tuple) -> Needs:
+    """A setting of fp16's loss scaling, which counts only while the step scales the loss."""
+    fix = "use --precision fp16 (with --loss-scale auto or dynamic)"
+    feature = "fp16's loss scaling"
+    return Needs(field, f"precision.{field}", feature, on.scales, on.unscaled, fix, example)
+
+
+def _pipelines(field: str, fix: str, example: tuple, feature: str = "pipelines") -> Needs:
+    """A pipeline setting, which counts only on a mesh with ``pipe > 1``."""
+    return Needs(field, f"pipeline.{field}", feature, on.pipelined, on.no_pipe, fix, example)
+
+
+def _outer_optimizers(field: str, value: object, outer: str) -> Needs:
+    """A setting of the outer optimizers nesterov and adam (`outer` turns one on)."""
+    return Needs(
+        field,
+        f"sync.{field}",
+        "the outer optimizers nesterov and adam",
+        lambda run: run.sync.outer_optimizer != "average",
+        on.said("with --outer-optimizer average"),
+        "use --outer-optimizer nesterov or adam (with --sync-every H)",
+        (value, {}, {"sync.outer_optimizer": outer, "sync.sync_every": 4}),
+    )
+
+
+def _optimizers(field: str, names: tuple[str, str], example: tuple) -> Needs:
+    """A setting of the two optimizers `names`, which counts only under one of them."""
+    a, b = names
+    fix = f"use --optimizer {a} or {b}"
+    when = on.optimizer(*names)
+    return Needs(field, f"optim.{field}", f"{a} and {b}", when, on.with_optimizer, fix, example)
+
+
+def _evaluation(field: str, value: object, **kw) -> Needs:
+    """An evaluation setting, which counts only on data with held-out examples."""
+    return Needs(
+        field,
+        f"train.{field}",
+        "evaluation",
+        on.held_out,
+        on.said("on data without held-out examples"),
+        "hold some out (--data.val-fraction, --data.eval-path)",
+        (value, {"data": DataConfig(val_fraction=0.0)}, {}),
+        **kw,
+    )
+
+
+def _dispatch(field: str, dispatch: str, example: tuple) -> Needs:
+    """An MoE setting that counts only under one `dispatch`."""
+    return Needs(
+        f"moe.{field}",
+        f"model.{field}",
+        f"{dispatch} dispatch",
+        on.model("dispatch", dispatch),
+        on.with_model("moe", "dispatch"),
+        f"use --moe.dispatch {dispatch}",
+        example,
+        family="moe",
+    )
+
+
+def _checkpoints(field: str, example: tuple, fix: str = _CHECKPOINTS) -> Needs:
+    """A checkpoint setting of the job, which counts only while it saves."""
+    at = f"checkpoint.{field}"
+    return Needs(field, at, "checkpoints", on.saves, on.unsaved, fix, example, scope="job")
+
+
+def _source(field: str, feature: str, sources: tuple[str, ...], fix: str, example) -> Needs:
+    """A data setting of the job, which counts only with one of the data `sources`."""
+    when = on.source(*sources)
+    return Needs(field, field, feature, when, on.with_source, fix, example, scope="job")
+
+
 NEEDS: tuple[Needs, ...] = (
     Needs(
         "loss_scale",
@@ -45,22 +119,9 @@ NEEDS: tuple[Needs, ...] = (
         "use --precision fp16",
         ("off", {}, _FP16),
     ),
-    Needs(
-        "loss_scale_init",
-        "precision.loss_scale_init",
-        "fp16's loss scaling",
-        on.scales,
-        on.unscaled,
-        "use --precision fp16 (with --loss-scale auto or dynamic)",
-        (1024.0, {}, _FP16),
-    ),
-    Needs(
+    _loss_scaling("loss_scale_init", (1024.0, {}, _FP16)),
+    _loss_scaling(
         "loss_scale_period",
-        "precision.loss_scale_period",
-        "fp16's loss scaling",
-        on.scales,
-        on.unscaled,
-        "use --precision fp16 (with --loss-scale auto or dynamic)",
         (100, {"precision.policy": "fp16", "precision.loss_scale": "off"}, _FP16),
     ),
     Needs(
@@ -72,41 +133,20 @@ NEEDS: tuple[Needs, ...] = (
         "add --offload optimizer",
         ("unpinned_host", {}, {"offload.optimizer": True}),
     ),
-    Needs(
-        "schedule",
-        "pipeline.schedule",
-        "pipelines",
-        on.pipelined,
-        on.no_pipe,
-        "add pipe=N to --mesh (e.g. --mesh pipe=2,data=4)",
-        ("1f1b", {}, _PIPE),
-    ),
-    Needs(
+    _pipelines("schedule", "add pipe=N to --mesh (e.g. --mesh pipe=2,data=4)", ("1f1b", {}, _PIPE)),
+    _pipelines(
         "microbatches",
-        "pipeline.microbatches",
-        "pipelines",
-        on.pipelined,
-        on.no_pipe,
         "add pipe=N to --mesh (gradient accumulation is --accum-steps)",
         (8, {}, _PIPE),
     ),
-    Needs(
+    _pipelines(
         "repeats",
-        "pipeline.repeats",
-        "pipelines with several chunks per stage",
-        on.pipelined,
-        on.no_pipe,
         "add pipe=N to --mesh with --schedule interleaved-1f1b or circular",
         (2, {}, {**_PIPE, "pipeline.schedule": "circular"}),
+        feature="pipelines with several chunks per stage",
     ),
-    Needs(
-        "gather_once",
-        "pipeline.gather_once",
-        "pipelines",
-        on.pipelined,
-        on.no_pipe,
-        "add pipe=N to --mesh (e.g. --mesh pipe=2,fsdp=4)",
-        (True, {}, _PIPE),
+    _pipelines(
+        "gather_once", "add pipe=N to --mesh (e.g. --mesh pipe=2,fsdp=4)", (True, {}, _PIPE)
     ),
     Needs(
         "context_parallel",
@@ -126,24 +166,8 @@ NEEDS: tuple[Needs, ...] = (
         "add --grad-compression (e.g. int8)",
         (False, {}, {"sync.grad_compression": "int8"}),
     ),
-    Needs(
-        "outer_lr",
-        "sync.outer_lr",
-        "the outer optimizers nesterov and adam",
-        lambda run: run.sync.outer_optimizer != "average",
-        on.said("with --outer-optimizer average"),
-        "use --outer-optimizer nesterov or adam (with --sync-every H)",
-        (0.5, {}, {"sync.outer_optimizer": "nesterov", "sync.sync_every": 4}),
-    ),
-    Needs(
-        "outer_momentum",
-        "sync.outer_momentum",
-        "the outer optimizers nesterov and adam",
-        lambda run: run.sync.outer_optimizer != "average",
-        on.said("with --outer-optimizer average"),
-        "use --outer-optimizer nesterov or adam (with --sync-every H)",
-        (0.5, {}, {"sync.outer_optimizer": "adam", "sync.sync_every": 4}),
-    ),
+    _outer_optimizers("outer_lr", 0.5, "nesterov"),
+    _outer_optimizers("outer_momentum", 0.5, "adam"),
     Needs(
         "client_seed",
         "sync.client_seed",
@@ -153,42 +177,12 @@ NEEDS: tuple[Needs, ...] = (
         "add --client-fraction F (with --sync-every H)",
         (7, {}, {"sync.client_fraction": 0.5, "sync.sync_every": 4}),
     ),
-    Needs(
-        "b1",
-        "optim.b1",
-        "adamw and lamb",
-        on.optimizer("adamw", "lamb"),
-        on.with_optimizer,
-        "use --optimizer adamw or lamb",
-        (0.8, _NOT_ADAM, {}),
+    _optimizers("b1", ("adamw", "lamb"), (0.8, _NOT_ADAM, {})),
+    _optimizers(
+        "b2", ("adamw", "lamb"), (0.99, {"optim.optimizer": "lars"}, {"optim.optimizer": "lamb"})
     ),
-    Needs(
-        "b2",
-        "optim.b2",
-        "adamw and lamb",
-        on.optimizer("adamw", "lamb"),
-        on.with_optimizer,
-        "use --optimizer adamw or lamb",
-        (0.99, {"optim.optimizer": "lars"}, {"optim.optimizer": "lamb"}),
-    ),
-    Needs(
-        "eps",
-        "optim.eps",
-        "adamw and lamb",
-        on.optimizer("adamw", "lamb"),
-        on.with_optimizer,
-        "use --optimizer adamw or lamb",
-        (1e-6, _NOT_ADAM, {}),
-    ),
-    Needs(
-        "momentum",
-        "optim.momentum",
-        "sgd and lars",
-        on.optimizer("sgd", "lars"),
-        on.with_optimizer,
-        "use --optimizer sgd or lars",
-        (0.5, {}, _NOT_ADAM),
-    ),
+    _optimizers("eps", ("adamw", "lamb"), (1e-6, _NOT_ADAM, {})),
+    _optimizers("momentum", ("sgd", "lars"), (0.5, {}, _NOT_ADAM)),
     Needs(
         "tensorboard",
         "train.tensorboard",
@@ -207,25 +201,8 @@ NEEDS: tuple[Needs, ...] = (
         "set --hang-floor-s above 0",
         (10.0, {"train.hang_floor_s": 0.0}, {}),
     ),
-    Needs(
-        "eval_every",
-        "train.eval_every",
-        "evaluation",
-        on.held_out,
-        on.said("on data without held-out examples"),
-        "hold some out (--data.val-fraction, --data.eval-path)",
-        (50, {"data": DataConfig(val_fraction=0.0)}, {}),
-        quiet=(0,),
-    ),
-    Needs(
-        "eval_batches",
-        "train.eval_batches",
-        "evaluation",
-        on.held_out,
-        on.said("on data without held-out examples"),
-        "hold some out (--data.val-fraction, --data.eval-path)",
-        (2, {"data": DataConfig(val_fraction=0.0)}, {}),
-    ),
+    _evaluation("eval_every", 50, quiet=(0,)),
+    _evaluation("eval_batches", 2),
     Needs(
         "gpt.rope_theta",
         "model.rope_theta",
@@ -246,115 +223,40 @@ NEEDS: tuple[Needs, ...] = (
         (False, {}, {"data": DataConfig(source="tokens", path="corpus")}),
         family="gpt",
     ),
-    Needs(
-        "moe.grouped_impl",
-        "model.grouped_impl",
-        "dropless dispatch",
-        on.model("dispatch", "dropless"),
-        on.with_model("moe", "dispatch"),
-        "use --moe.dispatch dropless",
-        ("tiled", {}, {"model.dispatch": "dropless"}),
-        family="moe",
-    ),
-    Needs(
-        "moe.capacity_factor",
-        "model.capacity_factor",
-        "capacity dispatch",
-        on.model("dispatch", "capacity"),
-        on.with_model("moe", "dispatch"),
-        "use --moe.dispatch capacity",
-        (2.0, {"model.dispatch": "dropless"}, {}),
-        family="moe",
-    ),
-    Needs(
-        "save_every",
-        "checkpoint.save_every",
-        "checkpoints",
-        on.saves,
-        on.unsaved,
-        _CHECKPOINTS,
-        (50, _NO_SAVE, {}),
-        scope="job",
-    ),
-    Needs(
-        "keep_last",
-        "checkpoint.keep_last",
-        "checkpoints",
-        on.saves,
-        on.unsaved,
-        _CHECKPOINTS,
-        (5, {"train.run_dir": ""}, {}),
-        scope="job",
-    ),
-    Needs(
-        "keep_every",
-        "checkpoint.keep_every",
-        "checkpoints",
-        on.saves,
-        on.unsaved,
-        _CHECKPOINTS,
-        (1000, _NO_SAVE, {}),
-        scope="job",
-    ),
-    Needs(
-        "async_save",
-        "checkpoint.async_save",
-        "checkpoints",
-        on.saves,
-        on.unsaved,
-        _CHECKPOINTS,
-        (False, _NO_SAVE, {}),
-        scope="job",
-    ),
-    Needs(
-        "checkpoint_dir",
-        "checkpoint.checkpoint_dir",
-        "checkpoints",
-        on.saves,
-        on.unsaved,
-        "drop --no-save",
-        ("ckpt", _NO_SAVE, {"train.run_dir": ""}),
-        scope="job",
-    ),
-    Needs(
-        "data.packing",
+    _dispatch("grouped_impl", "dropless", ("tiled", {}, {"model.dispatch": "dropless"})),
+    _dispatch("capacity_factor", "capacity", (2.0, {"model.dispatch": "dropless"}, {})),
+    _checkpoints("save_every", (50, _NO_SAVE, {})),
+    _checkpoints("keep_last", (5, {"train.run_dir": ""}, {})),
+    _checkpoints("keep_every", (1000, _NO_SAVE, {})),
+    _checkpoints("async_save", (False, _NO_SAVE, {})),
+    _checkpoints("checkpoint_dir", ("ckpt", _NO_SAVE, {"train.run_dir": ""}), fix="drop --no-save"),
+    _source(
         "data.packing",
         "prepared tokens (the only source with document boundaries)",
-        on.source("tokens"),
-        on.with_source,
+        ("tokens",),
         "use --data.source tokens",
         (False, {}, {"data.source": "tokens", "data.path": "corpus"}),
-        scope="job",
     ),
-    Needs(
-        "data.max_bytes",
+    _source(
         "data.max_bytes",
         "the stdlib source",
-        on.source("stdlib"),
-        on.with_source,
+        ("stdlib",),
         "use --data.source stdlib",
         (1_000_000, {"data.source": "synthetic"}, {}),
-        scope="job",
     ),
-    Needs(
-        "data.seq_len",
+    _source(
         "data.seq_len",
         "the token sources (stdlib, synthetic, text, tokens)",
-        on.source("stdlib", "synthetic", "text", "tokens"),
-        on.with_source,
+        ("stdlib", "synthetic", "text", "tokens"),
         "use a token source (arrays take their length from the arrays)",
         (64, {"data.source": "digits"}, {}),
-        scope="job",
     ),
-    Needs(
-        "data.image_shape",
+    _source(
         "data.image_shape",
         "the fake_images source",
-        on.source("fake_images"),
-        on.with_source,
+        ("fake_images",),
         "use --data.source fake_images (the other image sources read their shape)",
         ((8, 8, 1), {}, {"data.source": "fake_images"}),
-        scope="job",
     ),
     Needs(
         "data.val_fraction",

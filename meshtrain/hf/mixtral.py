@@ -36,7 +36,6 @@ import numpy as np
 
 from meshtrain.filevalues import Key
 from meshtrain.hf import llama, moe_files
-from meshtrain.hf.adapter import refuse
 from meshtrain.models.moe import MoE
 from meshtrain.models.moe_config import MoEConfig
 
@@ -58,31 +57,13 @@ def config_from_hf(hf: Mapping) -> MoEConfig:
     """The `MoEConfig` of a Mixtral ``config.json``: dropless dispatch, and the training objective
     of ``MixtralForCausalLM`` with that config (Mixtral's load-balancing loss weighted by
     ``router_aux_loss_coef`` if ``output_router_logits``, else 0; no z-loss)."""
-    fields = llama.fields_from_hf(hf)
-    if fields.get("rope_scaling", "none") != "none":
-        raise refuse("rope_parameters", fields["rope_scaling"], "MoEConfig has default RoPE only")
-    window = hf.get("sliding_window")
-    aux = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+    fields = moe_files.backbone_fields(hf)
     return MoEConfig(
-        vocab_size=fields["vocab_size"],
-        max_seq_len=fields["max_seq_len"],
-        d_model=fields["d_model"],
-        n_layers=fields["n_layers"],
-        n_heads=fields["n_heads"],
-        n_kv_heads=fields["n_kv_heads"],
-        head_dim=fields["head_dim"],
-        d_ff=fields["d_ff"],
+        **fields,
         d_expert=fields["d_ff"],
         n_experts=hf.get("num_local_experts", 8),
         top_k=hf.get("num_experts_per_tok", 2),
-        rope_theta=fields["rope_theta"],
-        norm_eps=fields["norm_eps"],
-        tie_embeddings=fields["tie_embeddings"],
-        sliding_window=window or 0,
-        router_losses="mixtral",
-        aux_loss_coef=aux,
-        z_loss_coef=0.0,
-        dispatch="dropless",
+        sliding_window=hf.get("sliding_window") or 0,
     )
 
 

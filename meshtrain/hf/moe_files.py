@@ -17,6 +17,8 @@ from safetensors.numpy import save_file
 
 from meshtrain import filevalues
 from meshtrain.filevalues import Key, read_json
+from meshtrain.hf import llama
+from meshtrain.hf.adapter import refuse
 from meshtrain.hf.config import FIX
 from meshtrain.hf.files import open_tensors, tensor_files
 from meshtrain.models.moe import MoE
@@ -43,6 +45,22 @@ def read_config(
         raise filevalues.relabel(e, values, keys, where, FIX, whole=True) from None
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def backbone_fields(hf: Mapping) -> dict:
+    """The `MoEConfig` fields a Llama-layout MoE ``config.json`` gives as a dense Llama's (sizes,
+    heads, norms, default RoPE), and transformers' training objective: the pooled router loss
+    weighted ``router_aux_loss_coef`` when ``output_router_logits`` (else 0), no z-loss, with
+    dropless dispatch."""
+    fields = llama.fields_from_hf(hf)
+    if fields.get("rope_scaling", "none") != "none":
+        raise refuse("rope_parameters", fields["rope_scaling"], "MoEConfig has default RoPE only")
+    aux = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+    names = ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads")
+    names += ("head_dim", "d_ff", "rope_theta", "norm_eps", "tie_embeddings")
+    return {k: fields[k] for k in names} | dict(
+        router_losses="mixtral", aux_loss_coef=aux, z_loss_coef=0.0, dispatch="dropless"
+    )
 
 
 def with_objective(cfg: MoEConfig, objective: Mapping | None, loader: str, dispatch: str):

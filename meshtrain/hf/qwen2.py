@@ -20,6 +20,12 @@ from meshtrain.problem import Problem
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 DEFAULT_WINDOW, DEFAULT_WINDOW_LAYERS = 4096, 28  # Qwen2Config's defaults
+# The keys Qwen2 reads: Llama's, and the sliding window's (Qwen3 reads the same).
+KEYS = llama.KEYS | {
+    "sliding_window": Key(int, 1, null=True, field="gpt.sliding_window"),
+    "use_sliding_window": Key(bool),
+    "max_window_layers": Key(int, 0, null=True),
+}
 
 
 def window_from_hf(hf: Mapping) -> int:
@@ -88,10 +94,5 @@ ADAPTER = Adapter(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     export_problems=export_problems,
-    keys=llama.KEYS
-    | {
-        "sliding_window": Key(int, 1, null=True, field="gpt.sliding_window"),
-        "use_sliding_window": Key(bool),
-        "max_window_layers": Key(int, 0, null=True),
-    },
+    keys=KEYS,
 )

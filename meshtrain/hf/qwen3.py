@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from meshtrain import validate
-from meshtrain.filevalues import Key
 from meshtrain.hf import llama, qwen2
 from meshtrain.hf.adapter import Adapter, expect
 from meshtrain.models.gpt import GPTConfig
@@ -55,10 +54,5 @@ ADAPTER = Adapter(
     config_from_hf=config_from_hf,
     config_to_hf=config_to_hf,
     export_problems=export_problems,
-    keys=llama.KEYS
-    | {
-        "sliding_window": Key(int, 1, null=True, field="gpt.sliding_window"),
-        "use_sliding_window": Key(bool),
-        "max_window_layers": Key(int, 0, null=True),
-    },
+    keys=qwen2.KEYS,
 )

@@ -82,16 +82,10 @@ def config_from_hf(hf: Mapping) -> MoEConfig:
     """The `MoEConfig` of a Qwen3-MoE ``config.json``: dropless dispatch, and the training
     objective of ``Qwen3MoeForCausalLM`` (as `meshtrain.hf.mixtral.config_from_hf`)."""
     expect(hf, "attention_bias", False, False)  # it biases o_proj too; not modelled
-    fields = llama.fields_from_hf(hf)
-    if fields.get("rope_scaling", "none") != "none":
-        raise refuse("rope_parameters", fields["rope_scaling"], "MoEConfig has default RoPE only")
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    aux = float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
     hf = _DEFAULTS | dict(hf)
     return MoEConfig(
-        **{k: fields[k] for k in ("vocab_size", "max_seq_len", "d_model", "n_layers")},
-        **{k: fields[k] for k in ("n_heads", "n_kv_heads", "head_dim", "d_ff")},
-        **{k: fields[k] for k in ("rope_theta", "norm_eps", "tie_embeddings")},
+        **moe_files.backbone_fields(hf),
         qk_norm=True,
         n_experts=hf.get("num_local_experts") or hf.get("num_experts") or 128,
         top_k=hf["num_experts_per_tok"],
@@ -99,10 +93,6 @@ def config_from_hf(hf: Mapping) -> MoEConfig:
         renormalize=bool(hf.get("norm_topk_prob", False)),
         moe_every=moe_every_from_hf(hf),
         sliding_window=window or 0,
-        router_losses="mixtral",
-        aux_loss_coef=aux,
-        z_loss_coef=0.0,
-        dispatch="dropless",
     )
 
 

@@ -270,6 +270,7 @@ def test_the_bias_is_state_without_gradient_and_moves_by_the_whole_batchs_load()
         pytest.param("data=2,fsdp=4", 1, "fsdp", id="fsdp"),
         pytest.param("expert=2,data=4", 1, "fsdp", id="expert2"),
         pytest.param("data=2", 2, "dp", id="accumulate2"),
+        pytest.param("seq=2,expert=2,data=2", 1, "dp", id="context2"),
     ],
 )
 def test_three_steps_equal_one_device_bias_included(spec, accum, strategy):

@@ -23,6 +23,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import token_batches
+from _pipeline_helpers import LOSS_RTOL, assert_close, random_params
 from flax import nnx
 
 from meshtrain.check import check_run
@@ -37,7 +38,8 @@ from meshtrain.models.moe_routing import Choice, load_balance_loss, route
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.replicas import SyncConfig
 from meshtrain.run import RunSpec, TrainConfig
-from meshtrain.state import abstract_target
+from meshtrain.state import TrainState, abstract_target
+from meshtrain.train.step import train_step
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3_router.npz"
 T, B, STEPS, RATE = 8, 8, 3, 0.02
@@ -233,7 +235,8 @@ def test_the_bias_is_state_without_gradient_and_moves_by_the_whole_batchs_load()
     n_params = len(jax.tree.leaves(state.params))
     n_moments = sum(x.ndim > 0 for x in jax.tree.leaves(state.opt_state))
     assert n_moments == 2 * n_params  # AdamW's moments: the parameters' only, no bias
-    # No gradient reaches the bias: the loss's derivative in it is exactly zero.
+    # No gradient reaches the bias: the loss's derivative in it is exactly zero (jitted: one
+    # program each).
     batch = token_batches(1, CFG.vocab_size, B, T, seed=1)[0]
     params = jax.tree.map(jnp.asarray, PARAMS[CFG])
     bias = jnp.asarray(_moe_rest(state)["bias"])
@@ -241,17 +244,17 @@ def test_the_bias_is_state_without_gradient_and_moves_by_the_whole_batchs_load()
 
     def loss(bias):
         rest = {"groups": {"moe_block": {"moe": {"bias": bias, "load": load}}}}
-        out = nnx.merge(graphdef, params, rest)(jnp.asarray(batch["inputs"]))
-        return jnp.mean(out.logits**2) + out.aux_loss
+        model = nnx.merge(graphdef, params, rest)
+        out = model(jnp.asarray(batch["inputs"]))
+        return jnp.mean(out.logits**2) + out.aux_loss, model.groups.moe_block.moe.load[...]
 
-    grad = jax.grad(loss)(bias)
+    # The derivative at the bias after 3 steps; the load counted from a zero bias.
+    grad, _ = jax.jit(jax.grad(loss, has_aux=True))(bias)
     assert np.all(np.asarray(grad) == 0)
     # The first step's bias is γ·sign(mean − load) of the first batch's load on the initial
     # parameters, and the count is zero again (weight decay did not touch it).
-    model = nnx.merge(graphdef, params, {"groups": {"moe_block": {"moe": {
-        "bias": jnp.zeros_like(bias), "load": load}}}})  # fmt: skip
-    model(jnp.asarray(batch["inputs"]))
-    counted = np.asarray(model.groups.moe_block.moe.load[...])
+    _, counted = jax.jit(loss)(jnp.zeros_like(bias))
+    counted = np.asarray(counted)
     assert counted.sum() == CFG.n_layers * B * T * CFG.top_k
     np.testing.assert_array_equal(
         np.asarray(update(jnp.zeros_like(bias), jnp.asarray(counted), RATE)),
@@ -320,3 +323,34 @@ def test_balancing_with_what_it_was_not_proven_under_is_refused_in_one_line(mesh
     assert words in problems[0].message and "--moe.bias-update-rate 0" in problems[0].message
     unbiased = dataclasses.replace(run, model=dataclasses.replace(CFG, bias_update_rate=0.0))
     assert not [p for p in check_run(unbiased) if p.field == "moe.bias_update_rate"]
+
+
+# --- without the bias, in a pipeline ----------------------------------------------------------
+
+
+@pytest.mark.pair("gpipe", "moe-dropless")
+def test_sigmoid_grouped_routing_without_bias_in_a_pipeline_equals_the_plain_step():
+    """Without the bias the router holds no state: a gpipe pipeline (2 microbatches) over
+    ``pipe=2,expert=2,data=2`` equals the unpipelined step, run with 2 accumulated microbatches
+    (the router losses are averaged per microbatch in both)."""
+    cfg = dataclasses.replace(CFG, bias_update_rate=0.0, aux_loss_coef=0.1)
+    graphdef, params = random_params(cfg, seed=3)
+    batch = token_batches(1, cfg.vocab_size, B, T, seed=2)[0]
+    tx = optax.sgd(0.5)
+    plain = RunSpec(train=TrainConfig(accum_steps=2))
+    state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), {})
+    want_state, want = jax.jit(lambda st, b: train_step(graphdef, tx, st, b, run=plain))(
+        state, batch
+    )
+    mesh = make_mesh("pipe=2,expert=2,data=2")
+    rules = rules_for("dp", mesh)
+    host = jax.tree.map(np.asarray, params)
+    graphdef, sharded, shardings = init_train_state(lambda: build_model(cfg), tx, mesh, rules, host)
+    shard = batch_shardings(batch, mesh, rules)
+    run = RunSpec(mesh=mesh, rules=rules, pipeline=PipelineConfig(microbatches=2))
+    step = jit_train_step(run, graphdef, tx, shardings, shard)
+    sharded, got = step(sharded, shard_batch(batch, mesh, rules))
+    for k in ("loss", "task_loss", "moe_aux_loss"):
+        np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=LOSS_RTOL, err_msg=k)
+    assert float(got["loss"] - got["task_loss"]) > 0.05  # the router loss is in it
+    assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, "gpipe")

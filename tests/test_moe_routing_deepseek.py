@@ -7,8 +7,10 @@ auxiliary-loss-free balancing.
 - The bias is model state, never a parameter: no gradient reaches it, the optimizer (AdamW with
   weight decay) does not hold or touch it, and after each step it is exactly
   ``γ · sign(mean load − load)`` of the load the whole batch put on the experts.
-- Three steps under dp, fsdp, expert=2 and gradient accumulation (2 microbatches) equal one
-  device: losses, metrics, parameters and the bias; a checkpoint restores the bias.
+- Three steps under dp+tp, hsdp, fsdp and zero1 with expert=2, gradient accumulation (2
+  microbatches, with full remat) and context parallelism equal one device: losses, metrics,
+  parameters and the bias; a checkpoint restores the bias. Without the bias, a gpipe pipeline
+  equals the plain step.
 - What does not run together is refused in one line before compiling.
 
 Everything is float32; inputs come from seeded generators.
@@ -269,16 +271,19 @@ def test_the_bias_is_state_without_gradient_and_moves_by_the_whole_batchs_load()
 @pytest.mark.parametrize(
     ("spec", "accum", "strategy"),
     [
-        pytest.param("data=8", 1, "dp", id="dp"),
-        pytest.param("data=2,fsdp=4", 1, "fsdp", id="fsdp"),
-        pytest.param("expert=2,data=4", 1, "fsdp", id="expert2"),
-        pytest.param("data=2", 2, "dp", id="accumulate2"),
+        pytest.param("data=4,tensor=2", 1, "dp+tp", id="dp+tp"),
+        pytest.param("data=2,fsdp=4", 1, "hsdp", id="hsdp"),
+        pytest.param("expert=2,fsdp=4", 1, "fsdp", id="fsdp-expert2"),
+        pytest.param("expert=2,data=4", 1, "zero1", id="zero1-expert2"),
+        pytest.param("data=2", 2, "dp", id="accumulate2-remat"),
         pytest.param("seq=2,expert=2,data=2", 1, "dp", id="context2"),
     ],
 )
 def test_three_steps_equal_one_device_bias_included(spec, accum, strategy):
     want, want_state, _ = _one_device()
-    got, state, _ = _run(spec, accum=accum, strategy=strategy)
+    cfg = dataclasses.replace(CFG, remat="full") if accum > 1 else CFG  # remat beside it
+    PARAMS.setdefault(cfg, PARAMS[CFG])  # the same parameters
+    got, state, _ = _run(spec, accum=accum, strategy=strategy, cfg=cfg)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         for name in ("loss", "moe_expert_load_cv", "moe_router_bias_min", "moe_router_bias_max"):
             np.testing.assert_allclose(g[name], w[name], rtol=0, atol=1e-5, err_msg=(step, name))

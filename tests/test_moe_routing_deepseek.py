@@ -359,3 +359,16 @@ def test_sigmoid_grouped_routing_without_bias_in_a_pipeline_equals_the_plain_ste
         np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=LOSS_RTOL, err_msg=k)
     assert float(got["loss"] - got["task_loss"]) > 0.05  # the router loss is in it
     assert_close(jax.tree.map(np.asarray, sharded.params), want_state.params, "gpipe")
+
+
+def test_a_deepseek_router_is_not_written_as_mixtral():
+    from meshtrain.hf.mixtral import config_to_hf
+
+    config_to_hf(MoEConfig())  # Mixtral's router: written
+    for changes in (
+        {"router_scores": "sigmoid"},
+        {"routed_scale": 2.0},
+        {"bias_update_rate": 1e-3},
+    ):
+        with pytest.raises(ValueError, match="Mixtral's router is a softmax"):
+            config_to_hf(MoEConfig(**changes))

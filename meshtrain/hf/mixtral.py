@@ -46,6 +46,7 @@ from meshtrain.hf.config import FIX
 from meshtrain.hf.files import open_tensors, tensor_files
 from meshtrain.models.moe import MoE
 from meshtrain.models.moe_config import MoEConfig
+from meshtrain.models.moe_routing import MIXTRAL
 from meshtrain.problem import RunCheckError
 
 ARCHITECTURE = "MixtralForCausalLM"
@@ -103,6 +104,13 @@ def config_to_hf(cfg: MoEConfig) -> dict:
             f"Mixtral holds MoE blocks in every layer, no shared expert and renormalised top-k; "
             f"this config has moe_every={cfg.moe_every}, shared_expert={cfg.shared_expert}, "
             f"renormalize={cfg.renormalize}"
+        )
+    if cfg.choice != MIXTRAL or cfg.bias_update_rate:
+        raise ValueError(
+            "Mixtral's router is a softmax over every expert, unscaled and without a balancing "
+            f"bias; this config has router_scores={cfg.router_scores!r}, expert_groups="
+            f"{cfg.expert_groups}, routed_scale={cfg.routed_scale}, bias_update_rate="
+            f"{cfg.bias_update_rate}"
         )
     g = cfg.backbone
     out = llama.fields_to_hf(dataclasses.replace(g, d_ff=cfg.expert_dim))

@@ -71,6 +71,12 @@ def no_context(run: RunSpec) -> bool:
     return getattr(run.model, "context_parallel", True) is False
 
 
+def router_bias(run: RunSpec) -> bool:
+    """The model balances its experts with a bias updated after each step (an MoE's
+    ``bias_update_rate > 0``)."""
+    return getattr(run.model, "bias_update_rate", 0) > 0
+
+
 def compresses(run: RunSpec) -> bool:
     """Gradient compression is on."""
     return run.sync.compresses

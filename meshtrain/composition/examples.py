@@ -11,6 +11,7 @@ from meshtrain.layout import rules_for
 from meshtrain.mesh import AXES
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
+from meshtrain.models.moe_config import MoEConfig
 from meshtrain.pipeline import PipelineConfig
 from meshtrain.precision import Precision
 from meshtrain.replicas import SyncConfig
@@ -86,6 +87,11 @@ def gpt(**kw) -> Callable[[], GPTConfig]:
 def lm(**kw) -> Callable[[], DataSpec]:
     """A builder of the examples' data with `kw` changed."""
     return lambda: LM._replace(**kw)
+
+
+def biased_moe() -> MoEConfig:
+    """A small MoE with DeepSeek-V3's router and auxiliary-loss-free balancing."""
+    return MoEConfig(n_layers=4, router_scores="sigmoid", bias_update_rate=1e-3)
 
 
 def images() -> DataSpec:

@@ -400,6 +400,30 @@ TABLE = (
     ),
     ForEach(REGION, (COMPRESSION,)),
     Refusal(
+        "auxiliary-loss-free balancing",
+        "pipelines",
+        "a pipeline carries only parameters through its stages, and the routers' bias and "
+        "load count are model state that every forward adds to and the step updates",
+        all_of(check.router_bias, split(PIPE)),
+        "moe.bias_update_rate",
+        "set --moe.bias-update-rate 0 (balance with --moe.aux-loss-coef instead), or set "
+        "pipe=1 in --mesh",
+        check.model_value("bias_update_rate"),
+        example.pair({"pipe": 2, "data": 4}, {"data": 8}, model=example.biased_moe),
+    ),
+    Refusal(
+        "auxiliary-loss-free balancing",
+        _OWN_STEP,
+        "the bias moves by the expert load of the whole global batch, and the replicas' own "
+        "step keeps each replica's model state, and so its load count, apart",
+        all_of(check.router_bias, check.own_step),
+        "moe.bias_update_rate",
+        "set --moe.bias-update-rate 0 (balance with --moe.aux-loss-coef instead), or train "
+        "synchronously without gradient compression",
+        check.model_value("bias_update_rate"),
+        example.sync({"grad_compression": "int8"}, {}, model=example.biased_moe),
+    ),
+    Refusal(
         "a custom loss_fn",
         "a loss kernel",
         "the kernel applies only to the built-in losses",

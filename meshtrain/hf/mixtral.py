@@ -77,6 +77,7 @@ def config_to_hf(cfg: MoEConfig) -> dict:
             f"no query/key norms; this config has moe_every={cfg.moe_every}, shared_expert="
             f"{cfg.shared_expert}, renormalize={cfg.renormalize}, qk_norm={cfg.qk_norm}"
         )
+    moe_files.require_softmax_router(cfg, "Mixtral")
     g = cfg.backbone
     out = llama.fields_to_hf(dataclasses.replace(g, d_ff=cfg.expert_dim))
     return out | dict(

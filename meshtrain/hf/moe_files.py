@@ -23,6 +23,7 @@ from meshtrain.hf.config import FIX
 from meshtrain.hf.files import open_tensors, tensor_files
 from meshtrain.models.moe import MoE
 from meshtrain.models.moe_config import MoEConfig
+from meshtrain.models.moe_routing import MIXTRAL
 from meshtrain.problem import RunCheckError
 
 # The MoEConfig fields that set the training objective, which a loader lets a caller change.
@@ -61,6 +62,18 @@ def backbone_fields(hf: Mapping) -> dict:
     return {k: fields[k] for k in names} | dict(
         router_losses="mixtral", aux_loss_coef=aux, z_loss_coef=0.0, dispatch="dropless"
     )
+
+
+def require_softmax_router(cfg: MoEConfig, architecture: str) -> None:
+    """Raises unless `cfg` routes as `architecture` (Mixtral, Qwen3-MoE) does: a softmax over
+    every expert, unscaled, without a balancing bias."""
+    if cfg.choice != MIXTRAL or cfg.bias_update_rate:
+        raise ValueError(
+            f"{architecture}'s router is a softmax over every expert, unscaled and without a "
+            f"balancing bias; this config has router_scores={cfg.router_scores!r}, "
+            f"expert_groups={cfg.expert_groups}, routed_scale={cfg.routed_scale}, "
+            f"bias_update_rate={cfg.bias_update_rate}"
+        )
 
 
 def with_objective(cfg: MoEConfig, objective: Mapping | None, loader: str, dispatch: str):

@@ -104,6 +104,7 @@ def config_to_hf(cfg: MoEConfig) -> dict:
             f"with transformers' pooled router loss; this config has shared_expert="
             f"{cfg.shared_expert}, qk_norm={cfg.qk_norm}, router_losses={cfg.router_losses!r}"
         )
+    moe_files.require_softmax_router(cfg, "Qwen3-MoE")
     g = cfg.backbone
     window = cfg.sliding_window
     return llama.fields_to_hf(g) | dict(

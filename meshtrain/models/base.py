@@ -164,6 +164,20 @@ def pipeline_parts(model: nnx.Module) -> PipelineParts | None:
     return method() if callable(method) else None
 
 
+def after_step(graphdef: nnx.GraphDef, params: dict, rest: dict) -> tuple[dict, dict]:
+    """The model's non-parameter variables `rest` after its ``after_step()`` method, and the
+    metrics it returns. A model offers that method to update its state once per optimizer
+    step from what the step's forwards left in it (an MoE's balancing bias from the expert
+    load counted over the step's whole batch); without it, `rest` as it was and no metrics.
+    """
+    model = nnx.merge(graphdef, params, rest)
+    method = getattr(model, "after_step", None)
+    metrics = method() if callable(method) else {}
+    if not metrics:
+        return rest, {}
+    return nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))), metrics
+
+
 # A packed batch's extra entries, each [B, T] int32, passed to the model as keywords of the same
 # names: ``segment_ids`` (0 = padding, documents 1, 2, … in a row) and ``positions`` (each
 # token's position within its document).

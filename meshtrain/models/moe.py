@@ -20,13 +20,14 @@ from flax import nnx
 
 from meshtrain import context_parallel
 from meshtrain.layout import constrain
-from meshtrain.models import layers, token_ends
+from meshtrain.models import layers, moe_balance, token_ends
 from meshtrain.models import remat as remat_policies
 from meshtrain.models.base import ModelOutput, PipelineParts
 from meshtrain.models.gpt import MLP, Attention, Block
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.models.moe_dispatch import Routing, dispatch
 from meshtrain.models.moe_routing import (
+    expert_counts,
     load_balance_loss,
     load_stats,
     pooled_load_balance_loss,
@@ -57,6 +58,10 @@ class Experts(nnx.Module):
             self.shared = MLP(shared, rngs=rngs)
         else:
             self.shared = None
+        if cfg.bias_update_rate:  # auxiliary-loss-free balancing (meshtrain.models.moe_balance)
+            self.bias, self.load = moe_balance.bias_and_load(E)
+        else:
+            self.bias = self.load = None
 
     def __call__(
         self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None
@@ -75,12 +80,23 @@ class Experts(nnx.Module):
         order = context_parallel.balanced_order(T)
         if order is not None:
             logits_BTE = logits_BTE[:, context_parallel.inverse(order)]
-        routing = route(logits_BTE, cfg.top_k, renormalize=cfg.renormalize, capacity_slots=slots)
+        bias_E = None if self.bias is None else self.bias[...]
+        routing = route(
+            logits_BTE,
+            cfg.top_k,
+            renormalize=cfg.renormalize,
+            capacity_slots=slots,
+            choice=cfg.choice,
+            bias_E=bias_E,
+        )
+        if self.load is not None:  # counted until the step's update (moe_balance.settle)
+            self.load[...] = self.load[...] + expert_counts(routing.expert_BTK, cfg.n_experts)
+        kind = cfg.router_scores
         if cfg.router_losses == "mixtral":
             real_BT = None if segment_ids_BT is None else segment_ids_BT > 0
-            balance = router_sums(logits_BTE, routing.expert_BTK, real_BT)
+            balance = router_sums(logits_BTE, routing.expert_BTK, real_BT, kind)
         else:
-            balance = {"aux_loss": load_balance_loss(logits_BTE, routing.expert_BTK)}
+            balance = {"aux_loss": load_balance_loss(logits_BTE, routing.expert_BTK, kind)}
         stats = {
             **balance,
             "z_loss": z_loss(logits_BTE),
@@ -213,6 +229,15 @@ class MoE(nnx.Module):
         if order is not None:  # back from the balanced order `embed_tokens` chose
             x_BTD = constrain(x_BTD[:, context_parallel.inverse(order)], ("batch", "seq", "embed"))
         return token_ends.logits(self.norm(x_BTD), self.embed, self.head, self.cfg.backbone)
+
+    def after_step(self) -> dict[str, jax.Array]:
+        """Once per optimizer step, after the update: the routers' balancing biases move by the
+        load the step's forwards counted (`meshtrain.models.moe_balance.settle`); its metrics.
+        Nothing without a bias (``bias_update_rate = 0``)."""
+        experts = self.groups.moe_block.moe
+        if experts.bias is None:
+            return {}
+        return moe_balance.settle(experts.bias, experts.load, self.cfg.bias_update_rate)
 
     def pipeline_parts(self) -> PipelineParts:
         """The embedding, the stacked groups and the head, for `meshtrain.pipeline`; the groups

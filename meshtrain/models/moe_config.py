@@ -17,7 +17,7 @@ from meshtrain.layout import EXPERT, Rules
 from meshtrain.models.base import DataSpec
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.moe_dispatch import DISPATCH, exchange_impl
-from meshtrain.models.moe_routing import ROUTER_LOSSES, capacity
+from meshtrain.models.moe_routing import ROUTER_LOSSES, ROUTER_SCORES, Choice, capacity
 from meshtrain.problem import Problem, RunCheckError
 
 if TYPE_CHECKING:
@@ -57,6 +57,18 @@ class MoEConfig(validate.Checked):
             per MoE block over every token, summed over the blocks) or ``"mixtral"``
             (transformers' ``MixtralForCausalLM``: one loss over every block's real tokens
             pooled, padding left out; what an imported Mixtral trains with).
+        router_scores: ``"softmax"`` over the experts (Mixtral) or ``"sigmoid"`` per expert
+            (DeepSeek-V3); the balancing losses then read the sigmoid scores normalised over
+            the experts.
+        routed_scale: factor on the routed experts' weights after any renormalising
+            (DeepSeek-V3's ``routed_scaling_factor``).
+        expert_groups: equal groups the experts are cut into (``n_group``); a group is scored
+            by the sum of its two best (biased) scores.
+        groups_per_token: groups each token chooses its top-k experts within (``topk_group``).
+        bias_update_rate: auxiliary-loss-free balancing's step γ: each MoE block keeps a bias
+            per expert, added to the scores for the top-k choice only, and after every
+            optimizer step ``b_e ← b_e + γ · sign(mean load − load_e)`` over the step's whole
+            batch (`meshtrain.models.moe_balance`); 0: no bias.
     """
 
     vocab_size: int = 256
@@ -78,6 +90,11 @@ class MoEConfig(validate.Checked):
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     router_losses: str = "meshtrain"
+    router_scores: str = "softmax"
+    routed_scale: float = 1.0
+    expert_groups: int = 1
+    groups_per_token: int = 1
+    bias_update_rate: float = 0.0
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -144,7 +161,56 @@ class MoEConfig(validate.Checked):
             example="mixtral",
             note="meshtrain: per MoE block; mixtral: pooled over the blocks, as transformers'",
         )
+        return problems + self._routing_problems()
+
+    def _routing_problems(self) -> list[Problem]:
+        """What is wrong with the router's choice: scores, expert groups, scale and bias."""
+        v = validate
+        problems = v.one_of(
+            "moe.router_scores",
+            self.router_scores,
+            ROUTER_SCORES,
+            example="sigmoid",
+            note="softmax: Mixtral; sigmoid: DeepSeek-V3",
+        )
+        problems += v.above("moe.routed_scale", self.routed_scale, 0, example=2.5)
+        problems += v.non_negative("moe.bias_update_rate", self.bias_update_rate, integer=False)
+        for name in ("expert_groups", "groups_per_token"):
+            problems += v.positive(f"moe.{name}", getattr(self, name), example=1)
+        if problems:
+            return problems
+        groups, chosen = self.expert_groups, self.groups_per_token
+        problems += v.require(
+            self.n_experts % groups == 0,
+            "moe.expert_groups",
+            groups,
+            f"does not divide n_experts={self.n_experts}; pick a divisor (the experts are cut "
+            "into equal groups)",
+        )
+        problems += v.require(
+            chosen <= groups,
+            "moe.groups_per_token",
+            chosen,
+            f"more than expert_groups={groups}; set groups_per_token to at most {groups}",
+        )
+        if problems:
+            return problems
+        per_group = self.n_experts // groups
+        problems += v.require(
+            self.top_k <= chosen * per_group,
+            "moe.top_k",
+            self.top_k,
+            f"more than the {chosen * per_group} experts in a token's {chosen} group(s) of "
+            f"{per_group}; raise --moe.groups-per-token or lower --moe.top-k",
+        )
         return problems
+
+    @property
+    def choice(self) -> Choice:
+        """How the router chooses (`meshtrain.models.moe_routing.Choice`)."""
+        return Choice(
+            self.router_scores, self.expert_groups, self.groups_per_token, self.routed_scale
+        )
 
     @property
     def backbone(self) -> GPTConfig:
@@ -250,8 +316,21 @@ class MoEConfig(validate.Checked):
         losses = "" if self.router_losses == "meshtrain" else f", {self.router_losses} losses"
         return (
             f"moe · d_model={self.d_model} · {self.n_layers} layers ({self.n_moe_layers} MoE) · "
-            f"{self.n_experts} experts{shared}, top-{self.top_k}, {how}{losses}"
+            f"{self.n_experts} experts{shared}, top-{self.top_k}{self._choice_words()}, "
+            f"{how}{losses}"
         )
+
+    def _choice_words(self) -> str:
+        """The summary's words for a router other than Mixtral's, e.g. ``, sigmoid scores,
+        top-2 of 4 groups, scale 2.5, bias γ=0.001``."""
+        words = [] if self.router_scores == "softmax" else [f"{self.router_scores} scores"]
+        if self.expert_groups > 1:
+            words.append(f"top-{self.groups_per_token} of {self.expert_groups} groups")
+        if self.routed_scale != 1.0:
+            words.append(f"scale {self.routed_scale:g}")
+        if self.bias_update_rate:
+            words.append(f"bias γ={self.bias_update_rate:g}")
+        return "".join(f", {w}" for w in words)
 
     @property
     def pipeline_layers(self) -> int:

@@ -17,7 +17,7 @@ from meshtrain import layout, offload
 from meshtrain.data.shares import token_shares
 from meshtrain.layout import Rules, activation_rules, split_microbatches, varying
 from meshtrain.loss import LossFn, cross_entropy, loss_and_metrics, loss_mask
-from meshtrain.models.base import call_model
+from meshtrain.models.base import after_step, call_model
 from meshtrain.pipeline import PipelineConfig, pipeline_loss
 from meshtrain.pipeline.step import pipeline_mesh, pipelined_grad_fn
 from meshtrain.precision import loss_scale, matmul_precision
@@ -65,6 +65,11 @@ def train_step(
     staleness s, where the update applies the gradient computed s steps before (``grad_norm`` and
     the non-finite check are that gradient's) and the first s steps update nothing.
 
+    After the update, a model with an ``after_step()`` method updates its other variables from
+    what the step's forwards left in them (`meshtrain.models.base.after_step`: an MoE's
+    balancing bias from the load of the whole batch, every microbatch counted); its metrics
+    join the step's.
+
     Args:
         graphdef: the model's graph (from `init_train_state`).
         tx: the optax transformation.
@@ -98,6 +103,8 @@ def train_step(
         new_state, metrics = local_train_step(compute, tx, state, batch, sync=run.sync, **options)
     else:
         new_state, metrics = _synchronous_step(compute, tx, state, batch, run, scale, **options)
+    rest, settled = after_step(graphdef, new_state.params, new_state.rest)
+    new_state, metrics = new_state._replace(rest=rest), {**metrics, **settled}
     if schedule is not None:
         metrics["lr"] = schedule(state.step)
     return new_state, metrics

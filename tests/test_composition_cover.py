@@ -61,18 +61,20 @@ OPTIM = OptimConfig(
     optimizer="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_norm=0.0, warmup_steps=0
 )
 TX = make_optimizer(OPTIM, 10)
+# Qwen3's attention: heads wider than d_model / n_heads (4 × 16 on 32) and query/key norms, so
+# every cell is proven with them.
 GPT = GPTConfig(
-    style="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=T, vocab_size=64,
-    vocab_multiple=16,
+    style="llama", n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, qk_norm=True,
+    max_seq_len=T, vocab_size=64, vocab_multiple=16,
 )  # fmt: skip
 # The Pallas kernels' head width is 64: two heads, one key/value head.
 PALLAS = dataclasses.replace(
-    GPT, n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, attention_impl="pallas",
+    GPT, n_layers=2, d_model=128, n_heads=2, n_kv_heads=1, head_dim=64, attention_impl="pallas",
     norm_impl="pallas",
 )  # fmt: skip
 MOE = MoEConfig(
-    d_model=32, n_heads=2, n_experts=4, top_k=2, d_expert=16, n_layers=2, vocab_size=64,
-    vocab_multiple=16, max_seq_len=T, capacity_factor=4.0,
+    d_model=32, n_heads=2, head_dim=24, qk_norm=True, n_experts=4, top_k=2, d_expert=16,
+    n_layers=2, vocab_size=64, vocab_multiple=16, max_seq_len=T, capacity_factor=4.0,
 )  # fmt: skip
 LOSS_ATOL, PARAM_ATOL = 1e-5, 5e-5  # float32
 # (loss atol, update relative Frobenius) of the lower precisions
@@ -154,10 +156,13 @@ class Case:
             if self.schedule in CHUNKED:  # 2 stages × 2 chunks of layers
                 base = dataclasses.replace(base, n_layers=4)
             if self.pallas:
-                base = dataclasses.replace(base, d_model=128, attention_impl="pallas")
+                base = dataclasses.replace(base, d_model=128, head_dim=64, attention_impl="pallas")
         if self.cudnn:  # cuDNN's head width: 64 (the Pallas GPT's shape)
-            shape = PALLAS if self.model == "gpt" else {"d_model": 128}
-            shape = {"d_model": 128, "n_heads": 2, "n_kv_heads": 1} if shape is PALLAS else shape
+            # Without query/key norms: with them, hsdp+tp-cudnn-remat-bf16 deadlocks XLA's CPU
+            # runtime (an all-gather over 2 devices waits on a permute over 8).
+            shape = {"d_model": 128, "head_dim": 64, "qk_norm": False}
+            if self.model == "gpt":
+                shape |= {"n_heads": 2, "n_kv_heads": 1}
             base = dataclasses.replace(base, attention_impl="cudnn", **shape)
         remat = "full" if self.remat else "offload-dots" if self.offload_acts else "none"
         return Precision(policy=self.precision).applied(dataclasses.replace(base, remat=remat))

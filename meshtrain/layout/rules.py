@@ -57,6 +57,7 @@ LOGICAL_AXES: dict[str, str] = {
     "heads": "query attention heads",
     "kv_heads": "key/value attention heads (GQA groups)",
     "kv": "width of one attention head",
+    "latent": "low-rank latent of latent attention (replicated by the presets)",
     "vocab": "vocabulary / output classes",
     "pos": "rows of a learned position table",
     "features": "input features of a classifier",

@@ -157,9 +157,20 @@ def config_to_hf(cfg: GPTConfig) -> dict:
     return fields_to_hf(cfg) | dict(attention_bias=False, mlp_bias=False)
 
 
+def mha_problems(cfg: GPTConfig) -> list[Problem]:
+    """Latent attention, which no Llama-layout architecture holds (DeepSeek-V3 does)."""
+    return validate.require(
+        cfg.attention == "mha",
+        "gpt.attention",
+        cfg.attention,
+        "Llama's layout holds mha attention only; latent attention exports as DeepSeek-V3",
+    )
+
+
 def export_problems(cfg: GPTConfig) -> list[Problem]:
     """Why Llama cannot hold `cfg`; empty when it can."""
-    problems = validate.require(
+    problems = mha_problems(cfg)
+    problems += validate.require(
         not cfg.qkv_bias,
         "gpt.qkv_bias",
         cfg.qkv_bias,

@@ -35,7 +35,7 @@ def config_to_hf(cfg: GPTConfig) -> dict:
 
 def export_problems(cfg: GPTConfig) -> list[Problem]:
     """Why Mistral cannot hold `cfg`; empty when it can."""
-    return validate.require(
+    return llama.mha_problems(cfg) + validate.require(
         not cfg.qkv_bias,
         "gpt.qkv_bias",
         cfg.qkv_bias,

@@ -103,8 +103,8 @@ class LatentAttention(nnx.Module):
         """Self-attention over [B, T, D], with `Attention`'s packed-batch arguments."""
         if context_parallel.active_context() is not None:
             raise ValueError(
-                "latent attention (attention='mla') does not run with seq > 1; the run check "
-                "refuses it (set the mesh's seq to 1)"
+                "latent attention (attention='mla') does not run under context parallelism "
+                "(seq > 1); the run check refuses it: run with seq=1"
             )
         N, C = self.nope, self.rank
         B, T, _ = x_BTD.shape

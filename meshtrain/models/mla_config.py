@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from meshtrain import validate
-from meshtrain.mesh import SEQ
 from meshtrain.problem import Problem
 
 if TYPE_CHECKING:
@@ -73,15 +72,15 @@ def problems(cfg: GPTConfig) -> list[Problem]:
 
 
 def layout_problems(cfg: GPTConfig, sizes: Mapping[str, int]) -> list[Problem]:
-    """Latent attention on a mesh it does not run on: context parallelism (``seq > 1``)."""
-    if cfg.attention != "mla" or sizes.get(SEQ, 1) == 1:
+    """Latent attention where it does not run: under context parallelism (``seq > 1``)."""
+    if cfg.attention != "mla" or sizes.get("seq", 1) == 1:
         return []
     return [
         Problem(
             "gpt.attention",
             cfg.attention,
-            f"latent attention with context parallelism (seq={sizes[SEQ]}) is not implemented; "
-            "set the mesh's seq to 1 or use --gpt.attention mha",
+            f"latent attention with context parallelism (seq={sizes['seq']}) is not "
+            "implemented; run with seq=1 or use --gpt.attention mha",
         )
     ]
 

@@ -74,14 +74,13 @@ class LatentAttention(nnx.Module):
             dot_general=cfg.dot_general,
             rngs=rngs,
         )
-        if Q:
-            self.q_a = dense(D, Q, kernel_init=layers.init(("embed", "latent")))
-            self.q_norm = _latent_norm(Q, cfg, rngs)
-            self.q_b = dense(Q, (H, N + R), kernel_init=layers.init(("latent", "heads", "kv")))
-            self.q = None
-        else:
-            self.q_a = self.q_norm = self.q_b = None
-            self.q = dense(D, (H, N + R), kernel_init=layers.init(("embed", "heads", "kv")))
+        # Queries through a latent (q_a, q_norm, q_b) when Q > 0, else one projection (q).
+        self.q_a = dense(D, Q, kernel_init=layers.init(("embed", "latent"))) if Q else None
+        self.q_norm = _latent_norm(Q, cfg, rngs) if Q else None
+        q_b_init = layers.init(("latent", "heads", "kv"))
+        self.q_b = dense(Q, (H, N + R), kernel_init=q_b_init) if Q else None
+        q_init = layers.init(("embed", "heads", "kv"))
+        self.q = None if Q else dense(D, (H, N + R), kernel_init=q_init)
         self.kv_a = dense(D, C + R, kernel_init=layers.init(("embed", "latent")))
         self.kv_norm = _latent_norm(C, cfg, rngs)
         self.kv_b = dense(C, (H, N + V), kernel_init=layers.init(("latent", "heads", "kv")))
@@ -108,10 +107,11 @@ class LatentAttention(nnx.Module):
             )
         N, C = self.nope, self.rank
         B, T, _ = x_BTD.shape
-        if self.q is not None:
-            q_BTHE = self.q(x_BTD)
-        else:
+        if self.q_a is not None and self.q_norm is not None and self.q_b is not None:
             q_BTHE = self.q_b(self.q_norm(self.q_a(x_BTD)))
+        else:
+            assert self.q is not None
+            q_BTHE = self.q(x_BTD)
         q_BTHE = constrain(q_BTHE, ("batch", "seq", "heads", "kv"))
         latent_BTL = self.kv_a(x_BTD)  # L = C + R
         c_BTC, k_rope_BT1R = latent_BTL[..., :C], latent_BTL[..., None, C:]

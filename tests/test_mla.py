@@ -22,7 +22,7 @@ from _pipeline_helpers import random_params as random_model
 from flax import nnx
 from test_pipeline_packed import packed_batch
 
-from meshtrain import hf
+from meshtrain import hf, metrics
 from meshtrain.hf import deepseek_v3
 from meshtrain.layout import batch_shardings, rules_for, shard_batch
 from meshtrain.lower import init_train_state, jit_train_step
@@ -189,6 +189,7 @@ def test_flop_count_follows_the_latent_widths():
         assert cfg.matmul_params() == sum(kernels)
         T = 32
         assert cfg.flops_per_token(T) == 6 * sum(kernels) + 6 * 2 * 4 * (24 + 12) * T
+        assert metrics.gpt_flops_per_token(cfg, T, "palm") == cfg.flops_per_token(T)
     # by hand, mla_q_rank=32: q 64·32 + 32·4·24, kv_a 64·32, kv_b 24·4·28, o 4·12·64
     assert EXPECTED[NAMES[0]].attention_params() == 2048 + 3072 + 2048 + 2688 + 3072
 

@@ -74,7 +74,7 @@ class GPTConfig(validate.Checked):
             0..T−1 along the packed row (attention stays within each document either way).
         attention: ``"mha"`` (multi-head or grouped-query attention) or ``"mla"``
             (DeepSeek-V2/V3's multi-head latent attention, `meshtrain.models.mla`; llama style,
-            xla attention path, no context parallelism).
+            xla attention path).
         mla_q_rank: mla: rank of the query latent (q_a, norm, q_b); 0: one query projection.
         mla_kv_rank: mla: rank of the key/value latent each token is compressed to.
         mla_nope_dim: mla: per-head query/key dims without RoPE.
@@ -287,7 +287,6 @@ class GPTConfig(validate.Checked):
         context parallelism cannot split over ``seq``."""
         algorithm = getattr(rules, "context_parallel", context_parallel.DEFAULT)
         heads = context_parallel.heads_problems(sizes, algorithm, self.n_heads)
-        heads = heads or mla_config.layout_problems(self, sizes)
         if heads:
             return heads
         for table in (rules.params, rules.activations):

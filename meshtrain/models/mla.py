@@ -60,6 +60,24 @@ def attend(q_BTHE, k_BTHE, v_BTHV, *, segment_ids=None) -> jax.Array:
     return layers.causal_attention(q_BTHE, k_BTHE, v_BTHV, segment_ids=segment_ids)
 
 
+def attend_context(q_BTHE, k_BTHE, v_BTHV, order, *, segment_ids=None) -> jax.Array:
+    """`attend` under the active context parallelism, whose blocks take one width for q, k
+    and v: the narrower side is zero-padded to the wider one (zero value columns give zero
+    outputs, dropped after; zero query/key columns add nothing to q·k, and q is rescaled so
+    the scale stays E^-½)."""
+    E, V = q_BTHE.shape[-1], v_BTHV.shape[-1]
+    if V < E:
+        v_BTHV = jnp.pad(v_BTHV, ((0, 0), (0, 0), (0, 0), (0, E - V)))
+    elif E < V:
+        pad = ((0, 0), (0, 0), (0, 0), (0, V - E))
+        q_BTHE = jnp.pad(q_BTHE * jnp.asarray(math.sqrt(V / E), q_BTHE.dtype), pad)
+        k_BTHE = jnp.pad(k_BTHE, pad)
+    o_BTHW = context_parallel.attend_active(
+        q_BTHE, k_BTHE, v_BTHV, order, impl="xla", segment_ids=segment_ids
+    )
+    return o_BTHW[..., :V]
+
+
 class LatentAttention(nnx.Module):
     """Multi-head latent attention with the heads split like `Attention`'s (``heads``)."""
 
@@ -99,12 +117,8 @@ class LatentAttention(nnx.Module):
         segment_ids_BT: jax.Array | None = None,
         positions_BT: jax.Array | None = None,
     ) -> jax.Array:
-        """Self-attention over [B, T, D], with `Attention`'s packed-batch arguments."""
-        if context_parallel.active_context() is not None:
-            raise ValueError(
-                "latent attention (attention='mla') does not run under context parallelism "
-                "(seq > 1); the run check refuses it: run with seq=1"
-            )
+        """Self-attention over [B, T, D], with `Attention`'s packed-batch arguments; under
+        context parallelism the tokens come in its balanced order, as `Attention`'s do."""
         N, C = self.nope, self.rank
         B, T, _ = x_BTD.shape
         if self.q_a is not None and self.q_norm is not None and self.q_b is not None:
@@ -117,9 +131,18 @@ class LatentAttention(nnx.Module):
         c_BTC, k_rope_BT1R = latent_BTL[..., :C], latent_BTL[..., None, C:]
         kv_BTHF = constrain(self.kv_b(self.kv_norm(c_BTC)), ("batch", "seq", "heads", "kv"))
         k_nope_BTHN, v_BTHV = kv_BTHF[..., :N], kv_BTHF[..., N:]
+        cp = context_parallel.active_context()
+        order = None if cp is None else context_parallel.order(T, cp.n)  # the tokens' positions
+        if order is not None:  # the packed batch's entries follow the tokens' balanced order
+            if segment_ids_BT is not None:
+                segment_ids_BT = segment_ids_BT[:, order]
+            if positions_BT is not None:
+                positions_BT = positions_BT[:, order]
         cos, sin = layers.rope_tables(T, self.rope_dim, self.rope_theta)
         if positions_BT is not None:  # a position is never past its row's: T rows suffice
             cos, sin = cos[positions_BT], sin[positions_BT]
+        elif order is not None:
+            cos, sin = cos[order], sin[order]
         q_BTHE = rotate_rope_part(q_BTHE, N, cos, sin)
         k_rope_BT1R = layers.apply_rope(k_rope_BT1R, cos, sin)
         H = q_BTHE.shape[2]
@@ -129,7 +152,10 @@ class LatentAttention(nnx.Module):
             ("batch", "seq", "heads", "kv"),
         )
         q_BTHE, k_BTHE, v_BTHV = (checkpoint_name(a, "qkv") for a in (q_BTHE, k_BTHE, v_BTHV))
-        o_BTHV = attend(q_BTHE, k_BTHE, v_BTHV, segment_ids=segment_ids_BT)
+        if cp is not None:
+            o_BTHV = attend_context(q_BTHE, k_BTHE, v_BTHV, order, segment_ids=segment_ids_BT)
+        else:
+            o_BTHV = attend(q_BTHE, k_BTHE, v_BTHV, segment_ids=segment_ids_BT)
         o_BTHV = checkpoint_name(o_BTHV, ATTN_OUT)
         o_BTHV = constrain(o_BTHV, ("batch", "seq", "heads", "kv"))
         return self.o(o_BTHV)

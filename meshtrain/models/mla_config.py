@@ -3,7 +3,6 @@ checks, parameter count and attention widths."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from meshtrain import validate
@@ -69,20 +68,6 @@ def problems(cfg: GPTConfig) -> list[Problem]:
     for name, ok, why in refusals:
         found += v.require(ok, f"gpt.{name}", getattr(cfg, name), f"with attention='mla': {why}")
     return found
-
-
-def layout_problems(cfg: GPTConfig, sizes: Mapping[str, int]) -> list[Problem]:
-    """Latent attention where it does not run: under context parallelism (``seq > 1``)."""
-    if cfg.attention != "mla" or sizes.get("seq", 1) == 1:
-        return []
-    return [
-        Problem(
-            "gpt.attention",
-            cfg.attention,
-            f"latent attention with context parallelism (seq={sizes['seq']}) is not "
-            "implemented; run with seq=1 or use --gpt.attention mha",
-        )
-    ]
 
 
 def attention_params(cfg: GPTConfig) -> int:

@@ -10,7 +10,9 @@ Keys and values come from one low-rank latent per token instead of per-head proj
 
 RoPE turns only the R rotary dims (first half, second half pairs, as `layers.apply_rope`);
 the softmax scale is (N+R)^-½; the output projection o is [H·V, D]. The value width V may
-differ from the query/key width N+R. Shape suffixes as `meshtrain.models.layers`, plus
+differ from the query/key width N+R; the xla path takes that as it is, and context
+parallelism, whose blocks take one width, gets the narrower side zero-padded
+(`attend_context`). Shape suffixes as `meshtrain.models.layers`, plus
 N nope width, R rope width, E = N+R query/key width, V value width, C key/value latent rank,
 Q query latent rank. The latent dims carry the logical name ``latent`` (replicated by the
 presets); heads are ``heads``, so tensor parallelism splits them as it splits `Attention`'s.

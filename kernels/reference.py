@@ -72,18 +72,19 @@ def attention(
     With ``causal=True`` this is `meshtrain.models.layers.causal_attention` (query i sees keys
     0..i, top-left aligned); a `window` (causal only) limits it to keys (i − window, i].
     With `segment_ids` ([B, T] integers, self-attention: S = T) a query sees only keys of its
-    own segment (packed documents; padding is one more segment, so no row is empty).
+    own segment (packed documents; padding is one more segment, so no row is empty). The values
+    may be narrower or wider than the queries and keys (latent attention: width V).
 
     Returns:
-        [B, T, H, K] in the dtype of `v_BSGK`.
+        [B, T, H, V] in the dtype of `v_BSGK` (V = K for ordinary attention).
     """
-    B, T, H, K = q_BTHK.shape
+    B, T, H, _ = q_BTHK.shape
     s_BGRTS = _masked_scores(
         q_BTHK, k_BSGK, jnp.finfo(jnp.float32).min, causal, window, segment_ids
     )
     p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(v_BSGK.dtype)
-    o_BTGRK = jnp.einsum("bgrts,bsgk->btgrk", p_BGRTS, v_BSGK)
-    return o_BTGRK.reshape(B, T, H, K)
+    o_BTGRV = jnp.einsum("bgrts,bsgv->btgrv", p_BGRTS, v_BSGK)
+    return o_BTGRV.reshape(B, T, H, v_BSGK.shape[-1])
 
 
 def attention_logsumexp(

@@ -199,6 +199,11 @@ OVERRIDES = {
     "--moe.z-loss-coef": (["0.0"], 0.0),
     "--moe.grouped-impl": (["xla"], "xla"),
     "--moe.router-losses": (["mixtral"], "mixtral"),
+    "--moe.router-scores": (["sigmoid"], "sigmoid"),
+    "--moe.routed-scale": (["2.5"], 2.5),
+    "--moe.expert-groups": (["2"], 2),
+    "--moe.groups-per-token": (["2"], 2),
+    "--moe.bias-update-rate": (["0.001"], 0.001),
 }
 # Fields only style llama takes (OVERRIDES makes the GPT a gpt2): checked in a second job.
 LLAMA_OVERRIDES = {
@@ -208,7 +213,23 @@ LLAMA_OVERRIDES = {
     "--gpt.rope-high-freq-factor": (["8"], 8.0),
     "--gpt.rope-original-max-seq-len": (["4096"], 4096),
     "--gpt.qkv-bias": ([], True),
+    **{f"--{model}.head-dim": (["16"], 16) for model in ("gpt", "moe")},
+    **{f"--{model}.qk-norm": ([], True) for model in ("gpt", "moe")},
 }
+# Latent attention's fields (llama style, none of the settings it refuses): a third job.
+MLA_OVERRIDES = {
+    f"--{model}.{flag}": value
+    for model in ("gpt", "moe")
+    for flag, value in {
+        "attention": (["mla"], "mla"),
+        "mla-q-rank": (["16"], 16),
+        "mla-kv-rank": (["32"], 32),
+        "mla-nope-dim": (["8"], 8),
+        "mla-rope-dim": (["4"], 4),
+        "mla-v-dim": (["12"], 12),
+    }.items()
+}
+MLA_OVERRIDES["--gpt.n-kv-heads"] = (["0"], 0)  # the CLI's GPT has 2; latent attention takes 0
 
 
 def _get(job, section, name):
@@ -239,10 +260,12 @@ def test_parse_documented_example():
     assert default.train.steps == 200 and default.gpt.n_kv_heads == 2
 
 
-@pytest.mark.parametrize("overrides", [OVERRIDES, LLAMA_OVERRIDES], ids=["all", "llama-only"])
+@pytest.mark.parametrize(
+    "overrides", [OVERRIDES, LLAMA_OVERRIDES, MLA_OVERRIDES], ids=["all", "llama-only", "mla"]
+)
 def test_every_config_field_can_be_overridden(overrides):
     flags = _flags()
-    untested = sorted(set(flags) - set(OVERRIDES) - set(LLAMA_OVERRIDES))
+    untested = sorted(set(flags) - set(OVERRIDES) - set(LLAMA_OVERRIDES) - set(MLA_OVERRIDES))
     assert not untested, f"new config fields: add a value for {untested} to OVERRIDES"
     default = cli.parse(["train"])
     argv = ["train"]

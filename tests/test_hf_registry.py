@@ -46,7 +46,7 @@ def test_the_earlier_public_names_keep_their_meaning():
         "GPT2LMHeadModel": "gpt2",
         "LlamaForCausalLM": "llama",
     }
-    assert set(hf.ADAPTERS) == {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
+    assert set(hf.ADAPTERS) == {"gpt2", "llama", "mistral", "qwen2", "qwen3", "deepseek_v3"}
     assert hf.adapter_for_hf({"model_type": "mistral"}).name == "MistralForCausalLM"
 
 

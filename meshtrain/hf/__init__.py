@@ -15,7 +15,8 @@ Modules, one idea each::
     tokenizer   the tokenizer.json kept beside a checkpoint: read on import, written on export
     finetune    the fine-tune workflow's ends: a run's model and weights from a checkpoint
                 (``meshtrain train --init-from hf:PATH``), the export (``--export-hf DIR``)
-    gpt2, llama, ...  one file per architecture (see the register lines below)
+    gpt2, llama, ...  one file per architecture (see the register lines below); deepseek_v3
+                reads the dense DeepSeek-V3 (latent attention, no experts)
     mixtral     MixtralForCausalLM ↔ meshtrain's MoE (load_mixtral, save_mixtral), beside
                 the registry, whose adapters hold GPTConfig architectures
     qwen3_moe   Qwen3MoeForCausalLM ↔ meshtrain's MoE (load_qwen3_moe, save_qwen3_moe), as
@@ -25,7 +26,7 @@ Adding an architecture is one file that builds an `Adapter` (reusing a `Layout` 
 weights are stored like an existing one) and one `register` line below.
 """
 
-from meshtrain.hf import gpt2, llama, mistral, qwen2, qwen3
+from meshtrain.hf import deepseek_v3, gpt2, llama, mistral, qwen2, qwen3
 from meshtrain.hf.adapter import Adapter, Layout
 from meshtrain.hf.config import config_from_hf, config_to_hf, same_architecture
 from meshtrain.hf.convert import hf_shapes
@@ -50,6 +51,7 @@ register(llama.ADAPTER)
 register(mistral.ADAPTER)
 register(qwen2.ADAPTER)
 register(qwen3.ADAPTER)  # query/key norms make a config Qwen3
+register(deepseek_v3.ADAPTER)
 
 __all__ = [
     "ADAPTERS",

@@ -28,6 +28,12 @@ _WEIGHTS_AND_MATH = (
     "qkv_bias",
     "qk_norm",
     "sliding_window",
+    "attention",
+    "mla_q_rank",
+    "mla_kv_rank",
+    "mla_nope_dim",
+    "mla_rope_dim",
+    "mla_v_dim",
 )
 # Positions: a learned table sized max_seq_len (gpt2), or RoPE (llama; max_seq_len only caps
 # the sequence length there).

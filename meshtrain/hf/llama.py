@@ -166,9 +166,19 @@ def no_qk_norm(cfg: GPTConfig, name: str) -> list[Problem]:
     )
 
 
+def mha_problems(cfg: GPTConfig) -> list[Problem]:
+    """Latent attention, which no Llama-layout architecture holds (DeepSeek-V3 does)."""
+    return validate.require(
+        cfg.attention == "mha",
+        "gpt.attention",
+        cfg.attention,
+        "Llama's layout holds mha attention only; latent attention exports as DeepSeek-V3",
+    )
+
+
 def export_problems(cfg: GPTConfig) -> list[Problem]:
     """Why Llama cannot hold `cfg`; empty when it can."""
-    problems = no_qk_norm(cfg, "Llama")
+    problems = mha_problems(cfg) + no_qk_norm(cfg, "Llama")
     problems += validate.require(
         not cfg.qkv_bias,
         "gpt.qkv_bias",

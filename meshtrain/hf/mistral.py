@@ -35,11 +35,15 @@ def config_to_hf(cfg: GPTConfig) -> dict:
 
 def export_problems(cfg: GPTConfig) -> list[Problem]:
     """Why Mistral cannot hold `cfg`; empty when it can."""
-    return llama.no_qk_norm(cfg, "Mistral") + validate.require(
-        not cfg.qkv_bias,
-        "gpt.qkv_bias",
-        cfg.qkv_bias,
-        "Mistral's projections have no biases (Qwen2's have)",
+    return (
+        llama.mha_problems(cfg)
+        + llama.no_qk_norm(cfg, "Mistral")
+        + validate.require(
+            not cfg.qkv_bias,
+            "gpt.qkv_bias",
+            cfg.qkv_bias,
+            "Mistral's projections have no biases (Qwen2's have)",
+        )
     )
 
 

@@ -82,8 +82,15 @@ def config_to_hf(cfg: GPTConfig) -> dict:
 
 def export_problems(cfg: GPTConfig) -> list[Problem]:
     """Why Qwen2 cannot hold `cfg`; empty when it can."""
-    return llama.no_qk_norm(cfg, "Qwen2") + validate.require(
-        cfg.qkv_bias, "gpt.qkv_bias", cfg.qkv_bias, "Qwen2's q/k/v projections always have biases"
+    return (
+        llama.mha_problems(cfg)
+        + llama.no_qk_norm(cfg, "Qwen2")
+        + validate.require(
+            cfg.qkv_bias,
+            "gpt.qkv_bias",
+            cfg.qkv_bias,
+            "Qwen2's q/k/v projections always have biases",
+        )
     )
 
 

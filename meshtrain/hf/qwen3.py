@@ -36,7 +36,7 @@ def config_to_hf(cfg: GPTConfig) -> dict:
 
 def export_problems(cfg: GPTConfig) -> list[Problem]:
     """Why Qwen3 cannot hold `cfg`; empty when it can."""
-    problems = validate.require(
+    problems = llama.mha_problems(cfg) + validate.require(
         cfg.qk_norm, "gpt.qk_norm", cfg.qk_norm, "Qwen3 always normalises queries and keys"
     )
     return problems + validate.require(

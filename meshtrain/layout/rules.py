@@ -18,7 +18,8 @@ A table entry is one of:
 Presets (combine one data strategy with ``tp`` using ``+``, e.g. ``"fsdp+tp"``)::
 
     dp     parameters replicated; the batch split over data × fsdp
-    fsdp   ZeRO-3: parameters, gradients and optimizer state sharded over data × fsdp
+    fsdp   ZeRO-3: parameters, gradients and optimizer state sharded over data × fsdp (the
+           model width, and latent attention's latent width where it divides)
     hsdp   parameters sharded over fsdp, replicated over data (hybrid sharded DP)
     zero1  parameters replicated; only optimizer state sharded over data × fsdp
     tp     Megatron: attention heads, MLP hidden and vocab split over tensor; key/value
@@ -57,6 +58,7 @@ LOGICAL_AXES: dict[str, str] = {
     "heads": "query attention heads",
     "kv_heads": "key/value attention heads (GQA groups)",
     "kv": "width of one attention head",
+    "latent": "low-rank latent of latent attention (split like embed where it divides)",
     "vocab": "vocabulary / output classes",
     "pos": "rows of a learned position table",
     "features": "input features of a classifier",
@@ -203,12 +205,16 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
     params["expert"] = activations["expert"] = EXPERT
     activations["batch"] = BATCH_AXES + (EXPERT,)
     optimizer = None
+    # A latent dim (latent attention's q_b, kv_b) is split as embed is, where that divides it
+    # and no other dim of the weight (embed itself, in q_a and kv_a) took those axes first.
     if data_strategy == "fsdp":
         params["embed"] = BATCH_AXES
+        params["latent"] = [BATCH_AXES, None]
     elif data_strategy == "hsdp":
         params["embed"] = FSDP
+        params["latent"] = [FSDP, None]
     elif data_strategy == "zero1":
-        optimizer = dict(params, embed=BATCH_AXES)
+        optimizer = dict(params, embed=BATCH_AXES, latent=[BATCH_AXES, None])
     return Rules(
         params=params,
         activations=activations,

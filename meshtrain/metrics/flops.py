@@ -140,12 +140,14 @@ def transformer_flops_per_token(
 
 
 def gpt_flops_per_token(config: Any, seq_len: int, convention: str = "palm") -> float:
-    """`transformer_flops_per_token` of a `GPTConfig` at sequence length `seq_len`."""
+    """`transformer_flops_per_token` of a `GPTConfig` at sequence length `seq_len` (with latent
+    attention the head width counted is the mean of the q·k and p·v widths)."""
+    scores, values = config.attention_widths()
     return transformer_flops_per_token(
         matmul_params=config.matmul_params(),
         n_layers=config.n_layers,
         n_heads=config.n_heads,
-        head_dim=config.head_width,
+        head_dim=(scores + values) / 2,
         seq_len=seq_len,
         convention=convention,
     )

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from meshtrain import context_parallel, kernels
 from meshtrain.layout import constrain
-from meshtrain.models import layers, token_ends
+from meshtrain.models import layers, mla, token_ends
 from meshtrain.models import remat as remat_policies
 from meshtrain.models.base import PipelineParts
 from meshtrain.models.gpt_config import GPTConfig
@@ -149,6 +149,13 @@ class Attention(nnx.Module):
         return self.o(o_BTHK)
 
 
+def make_attention(cfg: GPTConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The attention of a block: `Attention`, or `mla.LatentAttention` for attention='mla'."""
+    if cfg.attention == "mla":
+        return mla.LatentAttention(cfg, rngs=rngs)
+    return Attention(cfg, rngs=rngs)
+
+
 class MLP(nnx.Module):
     """GELU (gpt2) or SwiGLU (llama) feed-forward block."""
 
@@ -191,7 +198,7 @@ class Block(nnx.Module):
             rngs=rngs,
         )
         self.norm1 = make_norm()
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = make_attention(cfg, rngs=rngs)
         self.norm2 = make_norm()
         self.mlp = MLP(cfg, rngs=rngs)
         self.norm_impl = cfg.norm_impl

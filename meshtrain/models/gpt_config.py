@@ -13,7 +13,7 @@ from flax import nnx
 
 from meshtrain import context_parallel, kernels, validate
 from meshtrain.layout import Rules, alternatives, axes_of, resolve
-from meshtrain.models import layers
+from meshtrain.models import layers, mla_config
 from meshtrain.models.base import DTYPES, DataSpec
 from meshtrain.models.remat import policy_problems
 from meshtrain.precision import fp8
@@ -77,6 +77,15 @@ class GPTConfig(validate.Checked):
         restart_positions: on a packed batch (one with ``positions``), the learned (gpt2) or
             rotary (llama) positions restart at each document's start; False: they run
             0..T−1 along the packed row (attention stays within each document either way).
+        attention: ``"mha"`` (multi-head or grouped-query attention) or ``"mla"``
+            (DeepSeek-V2/V3's multi-head latent attention, `meshtrain.models.mla`; llama style,
+            xla attention path).
+        mla_q_rank: mla: rank of the query latent (q_a, norm, q_b); 0: one query projection.
+        mla_kv_rank: mla: rank of the key/value latent each token is compressed to.
+        mla_nope_dim: mla: per-head query/key dims without RoPE.
+        mla_rope_dim: mla: per-head query/key dims with RoPE (one rotary key shared by all
+            heads); even. The query/key width is mla_nope_dim + mla_rope_dim.
+        mla_v_dim: mla: per-head value width (may differ from the query/key width).
     """
 
     style: str = "llama"
@@ -106,6 +115,12 @@ class GPTConfig(validate.Checked):
     sliding_window: int = 0
     vocab_multiple: int = 128
     restart_positions: bool = True
+    attention: str = "mha"
+    mla_q_rank: int = 0
+    mla_kv_rank: int = 64
+    mla_nope_dim: int = 32
+    mla_rope_dim: int = 16
+    mla_v_dim: int = 32
 
     def problems(self) -> list[Problem]:
         """What is wrong with these settings; an empty list when nothing."""
@@ -171,6 +186,7 @@ class GPTConfig(validate.Checked):
             self.qk_norm,
             "the query/key RMSNorm is for style='llama' (Qwen3); leave it False for gpt2",
         )
+        problems += mla_config.problems(self)
         return problems + v.require(
             not (self.qkv_bias and self.style == "gpt2"),
             "gpt.qkv_bias",
@@ -213,10 +229,18 @@ class GPTConfig(validate.Checked):
         """The ``dot_general`` of the dense projections: fp8's, or jax's."""
         return fp8.dot_general if self.fp8 else jax.lax.dot_general
 
+    def attention_params(self) -> int:
+        """Matmul parameters of one block's attention projections (mha or mla)."""
+        return mla_config.attention_params(self)
+
+    def attention_widths(self) -> tuple[int, int]:
+        """Per-head widths of the attention scores (q·k) and of the weighted sum (p·v)."""
+        return mla_config.attention_widths(self)
+
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (all but embeddings and norms)."""
-        D, H, G, K, F = self.d_model, self.n_heads, self.kv_heads, self.head_width, self.ff_dim
-        attn = D * H * K + 2 * D * G * K + H * K * D
+        D, F = self.d_model, self.ff_dim
+        attn = self.attention_params()
         mlp = (3 if self.style == "llama" else 2) * D * F
         return self.n_layers * (attn + mlp) + D * self.padded_vocab
 
@@ -224,14 +248,17 @@ class GPTConfig(validate.Checked):
         """Training FLOPs per token (forward + backward).
 
         ``6·N`` for the N matmul parameters (2 forward, 4 backward) plus ``12·L·H·K·T`` for the
-        attention scores and weighted sum at sequence length T. Masked (causal) positions are
-        counted too, as in the PaLM paper's MFU definition, and so is the padded vocabulary
-        (`padded_vocab`): the head's matmul runs over it, as Megatron-LM and nanoGPT count it.
+        attention scores and weighted sum at sequence length T (latent attention:
+        ``6·L·H·(E + V)·T``, scores over the query/key width E, the sum over the value width
+        V). Masked (causal) positions are counted too, as in the PaLM paper's MFU definition,
+        and so is the padded vocabulary (`padded_vocab`): the head's matmul runs over it, as
+        Megatron-LM and nanoGPT count it.
         With a sliding window W < T each query is counted against W keys instead of T (the
         band a windowed kernel computes); biases are not matmul parameters.
         """
         keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
-        attention = 12 * self.n_layers * self.n_heads * self.head_width * keys
+        scores, values = self.attention_widths()
+        attention = 6 * self.n_layers * self.n_heads * (scores + values) * keys
         return 6 * self.matmul_params() + attention
 
     # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
@@ -308,6 +335,8 @@ class GPTConfig(validate.Checked):
     def describe(self) -> str:
         """E.g. ``gpt llama · d_model=128 · 4 layers · 4 heads (2 kv)``."""
         kv = f" ({self.kv_heads} kv)" if self.kv_heads != self.n_heads else ""
+        if self.attention == "mla":
+            kv = f" (latent attention, kv rank {self.mla_kv_rank})"
         vocab = ""
         if self.padded_vocab != self.vocab_size:
             vocab = f" · vocab {self.vocab_size} padded to {self.padded_vocab}"

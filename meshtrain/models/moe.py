@@ -23,7 +23,7 @@ from meshtrain.layout import constrain
 from meshtrain.models import layers, moe_balance, token_ends
 from meshtrain.models import remat as remat_policies
 from meshtrain.models.base import ModelOutput, PipelineParts
-from meshtrain.models.gpt import MLP, Attention, Block
+from meshtrain.models.gpt import MLP, Block, make_attention
 from meshtrain.models.moe_config import MoEConfig
 from meshtrain.models.moe_dispatch import Routing, dispatch
 from meshtrain.models.moe_routing import (
@@ -132,7 +132,7 @@ class MoEBlock(nnx.Module):
         g = cfg.backbone
         norm = dict(eps=g.norm_eps, dtype=g.compute_dtype, param_dtype=jnp.float32, rngs=rngs)
         self.norm1 = layers.make_norm("rmsnorm", g.d_model, **norm)
-        self.attn = Attention(g, rngs=rngs)
+        self.attn = make_attention(g, rngs=rngs)
         self.norm2 = layers.make_norm("rmsnorm", g.d_model, **norm)
         self.moe = Experts(cfg, rngs=rngs)
 

@@ -26,7 +26,7 @@ class RouterLoad(nnx.Variable):
 
 
 def _replicated(cls, n_experts: int) -> nnx.Variable:
-    """A float32 zero vector [E] of `cls`, named so every device holds all of it."""
+    """A float32 zero vector [E] of `cls`, with no logical axis: never split."""
     return cls(jnp.zeros((n_experts,), jnp.float32), out_sharding=(None,), eager_sharding=False)
 
 

@@ -32,7 +32,8 @@ class MoEConfig(validate.Checked):
 
     Args:
         vocab_size, max_seq_len, d_model, n_layers, n_heads, n_kv_heads, rope_theta, norm_eps,
-            tie_embeddings, remat, dtype, fp8, attention_impl, sliding_window, vocab_multiple,
+            tie_embeddings, remat, dtype, fp8, attention_impl, sliding_window, attention,
+            mla_q_rank, mla_kv_rank, mla_nope_dim, mla_rope_dim, mla_v_dim, vocab_multiple,
             head_dim, qk_norm: as in `GPTConfig`; with fp8 the experts' products are fp8 too
             (`meshtrain.precision.fp8.matmul`).
         d_ff: hidden width of the dense feed-forward blocks (0: Llama's default).
@@ -103,6 +104,12 @@ class MoEConfig(validate.Checked):
     fp8: bool = False
     attention_impl: str = "xla"
     sliding_window: int = 0
+    attention: str = "mha"
+    mla_q_rank: int = 0
+    mla_kv_rank: int = 64
+    mla_nope_dim: int = 32
+    mla_rope_dim: int = 16
+    mla_v_dim: int = 32
     vocab_multiple: int = 128
     head_dim: int = 0
     qk_norm: bool = False
@@ -245,8 +252,8 @@ class MoEConfig(validate.Checked):
     def matmul_params(self, *, active: bool = True) -> int:
         """Matmul parameters per token: the experts a token uses (``active``) or all of them."""
         g = self.backbone
-        D, H, G, K = g.d_model, g.n_heads, g.kv_heads, g.head_width
-        attn = D * H * K + 2 * D * G * K + H * K * D
+        D = g.d_model
+        attn = g.attention_params()
         experts = self.top_k if active else self.n_experts
         moe = 3 * D * self.expert_dim * experts + D * self.n_experts + 3 * D * self.shared_expert
         dense = 3 * D * g.ff_dim
@@ -259,7 +266,8 @@ class MoEConfig(validate.Checked):
         """Training FLOPs per token: ``6·N_active`` plus attention, as `GPTConfig` counts."""
         g = self.backbone
         keys = min(seq_len, self.sliding_window) if self.sliding_window else seq_len
-        return 6 * self.matmul_params() + 12 * self.n_layers * g.n_heads * g.head_width * keys
+        scores, values = g.attention_widths()
+        return 6 * self.matmul_params() + 6 * self.n_layers * g.n_heads * (scores + values) * keys
 
     # --- the model interface (meshtrain.models.base.ModelConfig) ---------------------------
 

@@ -204,7 +204,7 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
     # so every device routes its own tokens. Both are no-ops while expert == 1.
     params["expert"] = activations["expert"] = EXPERT
     activations["batch"] = BATCH_AXES + (EXPERT,)
-    optimizer = None
+    optimizer: dict[str, Entry] | None = None
     # A latent dim (latent attention's q_b, kv_b) is split as embed is, where that divides it
     # and no other dim of the weight (embed itself, in q_a and kv_a) took those axes first.
     if data_strategy == "fsdp":
@@ -214,7 +214,7 @@ def rules_for(strategy: str, mesh=None, *, context_parallel: str = "ring") -> Ru
         params["embed"] = FSDP
         params["latent"] = [FSDP, None]
     elif data_strategy == "zero1":
-        optimizer = dict(params, embed=BATCH_AXES, latent=[BATCH_AXES, None])
+        optimizer = params | {"embed": BATCH_AXES, "latent": [BATCH_AXES, None]}
     return Rules(
         params=params,
         activations=activations,

@@ -149,6 +149,21 @@ def test_mixtral_on_64_h100s_takes_an_expert_axis_so_its_experts_are_not_gathere
     assert twin.estimate.comm_s["parameter gathers"] > best.estimate.comm_s["parameter gathers"]
 
 
+@pytest.mark.parametrize(
+    ("name", "total", "active"),
+    [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("deepseek-v3-like", None, 37e9)],
+)
+def test_the_2025_presets_have_their_published_sizes(name, total, active):
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active; DeepSeek-V3: 37B active (its 671B total
+    counts 3 dense layers where the preset has MoE layers). The matmul parameters plus the
+    input embedding, within 3%."""
+    cfg = PRESETS[name]
+    embedding = cfg.d_model * cfg.vocab_size
+    assert cfg.matmul_params() + embedding == pytest.approx(active, rel=0.03)
+    if total is not None:
+        assert cfg.matmul_params(active=False) + embedding == pytest.approx(total, rel=0.03)
+
+
 def test_cli_plans_moe_tiny_and_says_what_it_assumed(capsys, tmp_path):
     path = tmp_path / "plan.json"
     argv = ["plan", "--model", "moe-tiny", "--devices", "8", "--device", "cpu-sim"]

@@ -382,11 +382,63 @@ PRESETS: dict[str, MoEConfig] = {
         dtype="bfloat16",
         dispatch="dropless",
     ),
+    # Qwen3-30B-A3B's shape (~30.5B parameters, 3.3B active): 128 experts of width 768, top-8
+    # renormalised, heads of 128 with query/key norms.
+    "qwen3-30b-a3b": MoEConfig(
+        vocab_size=151936,
+        max_seq_len=32768,
+        d_model=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        qk_norm=True,
+        n_experts=128,
+        top_k=8,
+        d_expert=768,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        dtype="bfloat16",
+        dispatch="dropless",
+    ),
+    # DeepSeek-V3's shape with every layer an MoE layer (its first 3 are dense): latent
+    # attention (query rank 1536, key/value rank 512, nope 128 + rope 64, values 128), 256
+    # routed experts of width 2048 in 8 groups (4 per token), top-8 sigmoid routing scaled 2.5,
+    # one shared expert, the balancing bias; yarn RoPE left out (703B matmul parameters, 36.6B
+    # active; DeepSeek-V3 itself: 671B, 37B active).
+    "deepseek-v3-like": MoEConfig(
+        vocab_size=129280,
+        max_seq_len=4096,
+        d_model=7168,
+        n_layers=61,
+        n_heads=128,
+        attention="mla",
+        mla_q_rank=1536,
+        mla_kv_rank=512,
+        mla_nope_dim=128,
+        mla_rope_dim=64,
+        mla_v_dim=128,
+        d_ff=18432,
+        n_experts=256,
+        top_k=8,
+        d_expert=2048,
+        shared_expert=2048,
+        router_scores="sigmoid",
+        expert_groups=8,
+        groups_per_token=4,
+        routed_scale=2.5,
+        bias_update_rate=0.001,
+        aux_loss_coef=0.0,
+        norm_eps=1e-6,
+        dtype="bfloat16",
+        dispatch="dropless",
+    ),
 }
 
 
 def preset(name: str) -> MoEConfig:
-    """An MoE preset by name (``moe-tiny``, ``mixtral-8x7b``)."""
+    """An MoE preset by name (``moe-tiny``, ``mixtral-8x7b``, ``qwen3-30b-a3b``,
+    ``deepseek-v3-like``)."""
     if name not in PRESETS:
         raise ValueError(f"moe preset {name!r}: unknown; choose from {', '.join(PRESETS)}")
     return PRESETS[name]

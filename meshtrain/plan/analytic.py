@@ -249,7 +249,10 @@ def _token_bytes(
     a mixture of experts' dense and MoE blocks; with its dispatch's step where there is one."""
     g = _backbone(cfg)
     D, H, L, t = g.d_model, g.n_heads, g.n_layers, cand.tensor
-    HK = H * g.head_width  # q, k, v and the attention output: D wide unless head_dim says
+    # q, k, v and the attention output: D wide unless head_dim says; latent attention's q and
+    # k are as wide as its scores (nope + rope), v and the output as its values
+    scores, values = g.attention_widths()
+    HK = H * (scores + values) / 2
     per_token = (10 * D + (16 * D + 8 * HK + 5 * H * seq_len) / t) * item / 2
     if not isinstance(cfg, MoEConfig):
         return per_token, None

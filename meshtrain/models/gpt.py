@@ -25,6 +25,7 @@ from meshtrain.models import remat as remat_policies
 from meshtrain.models.base import PipelineParts
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.remat import ATTN_OUT
+from meshtrain.models.token_order import token_order
 
 
 def _projection(layer, cfg: GPTConfig, rngs: nnx.Rngs):
@@ -105,19 +106,11 @@ class Attention(nnx.Module):
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         q_BTHK, k_BTGK, v_BTGK = (checkpoint_name(a, "qkv") for a in (q_BTHK, k_BTGK, v_BTGK))
         T = x_BTD.shape[1]
-        cp = context_parallel.active_context()
-        order = None if cp is None else context_parallel.order(T, cp.n)  # the tokens' positions
-        if order is not None:  # the packed batch's entries follow the tokens' balanced order
-            if segment_ids_BT is not None:
-                segment_ids_BT = segment_ids_BT[:, order]
-            if positions_BT is not None:
-                positions_BT = positions_BT[:, order]
+        width = q_BTHK.shape[-1] if self.rope else None
+        cp, order, segment_ids_BT, cos, sin = token_order(
+            T, segment_ids_BT, positions_BT, width, self.rope_theta, self.llama3
+        )
         if self.rope:
-            cos, sin = layers.rope_tables(T, q_BTHK.shape[-1], self.rope_theta, llama3=self.llama3)
-            if positions_BT is not None:  # a position is never past its row's: T rows suffice
-                cos, sin = cos[positions_BT], sin[positions_BT]
-            elif order is not None:
-                cos, sin = cos[order], sin[order]
             q_BTHK = layers.apply_rope(q_BTHK, cos, sin)
             k_BTGK = layers.apply_rope(k_BTGK, cos, sin)
         impl = kernels.model_attention_impl(

@@ -33,6 +33,7 @@ from meshtrain.layout import constrain
 from meshtrain.models import layers
 from meshtrain.models.gpt_config import GPTConfig
 from meshtrain.models.remat import ATTN_OUT
+from meshtrain.models.token_order import token_order
 
 # DeepSeek's latent norms (q_a_layernorm, kv_a_layernorm) keep their own epsilon, not the
 # config's rms_norm_eps.
@@ -133,18 +134,9 @@ class LatentAttention(nnx.Module):
         c_BTC, k_rope_BT1R = latent_BTL[..., :C], latent_BTL[..., None, C:]
         kv_BTHF = constrain(self.kv_b(self.kv_norm(c_BTC)), ("batch", "seq", "heads", "kv"))
         k_nope_BTHN, v_BTHV = kv_BTHF[..., :N], kv_BTHF[..., N:]
-        cp = context_parallel.active_context()
-        order = None if cp is None else context_parallel.order(T, cp.n)  # the tokens' positions
-        if order is not None:  # the packed batch's entries follow the tokens' balanced order
-            if segment_ids_BT is not None:
-                segment_ids_BT = segment_ids_BT[:, order]
-            if positions_BT is not None:
-                positions_BT = positions_BT[:, order]
-        cos, sin = layers.rope_tables(T, self.rope_dim, self.rope_theta)
-        if positions_BT is not None:  # a position is never past its row's: T rows suffice
-            cos, sin = cos[positions_BT], sin[positions_BT]
-        elif order is not None:
-            cos, sin = cos[order], sin[order]
+        cp, order, segment_ids_BT, cos, sin = token_order(
+            T, segment_ids_BT, positions_BT, self.rope_dim, self.rope_theta
+        )
         q_BTHE = rotate_rope_part(q_BTHE, N, cos, sin)
         k_rope_BT1R = layers.apply_rope(k_rope_BT1R, cos, sin)
         H = q_BTHE.shape[2]
